@@ -1,0 +1,3 @@
+from edgetrain.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,44 @@
+"""``edgetrain`` command line: ``train``, ``bench``, ``report``.
+
+Each subcommand lives beside the code it drives and adds itself here through a
+``register(subparsers)`` function, so this file stays a table of contents.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from edgetrain.errors import EdgetrainError
+
+SUBCOMMANDS = ("edgetrain.train.cli", "edgetrain.bench.cli", "edgetrain.report.cli")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="edgetrain",
+        description="Train deep networks across clusters of edge devices, and measure them.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in SUBCOMMANDS:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:  # a real missing dependency, not an absent subcommand
+                raise
+            continue
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except EdgetrainError as e:
+        print(f"edgetrain: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("edgetrain: interrupted", file=sys.stderr)
+        return 130

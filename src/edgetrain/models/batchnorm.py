@@ -1,0 +1,84 @@
+"""BatchNorm whose statistics span several devices.
+
+PyTorch's ``nn.SyncBatchNorm`` refuses CPU tensors, and edge devices have no
+GPU, so edgetrain carries its own. The statistics travel in one all-reduce per
+layer (latency is what hurts on edge links), computed around a shift that every
+device shares (the running mean) so that the one-pass variance does not lose
+precision. The all-reduce is the autograd-aware one from
+``torch.distributed.nn``: its backward sums the gradient of the statistics over
+devices, which is exactly the gradient single-device BatchNorm would give.
+
+The same moments serve the spatially tiled layers (``edgetrain.tiling``),
+where each device holds a tile of the feature map instead of a slice of the
+batch.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
+from torch import nn
+
+
+def cross_device_moments(x: torch.Tensor, group=None, shift: torch.Tensor | None = None,
+                         dims: tuple[int, ...] = (0, 2, 3)):
+    """Mean and biased variance per channel over ``dims`` of ``x`` on every device of ``group``.
+
+    Returns ``(mean, var, count)``; differentiable with respect to ``x``.
+    """
+    channels = x.shape[1]
+    shape = [1] * x.dim()
+    shape[1] = channels
+    k = torch.zeros(channels, dtype=x.dtype) if shift is None else shift.detach().to(x.dtype)
+    xs = x - k.view(shape)
+    count = torch.tensor([x.numel() / channels], dtype=x.dtype)
+    packed = torch.cat([xs.sum(dims), (xs * xs).sum(dims), count])
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        packed = dist_nn.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+    s1, s2, n = packed[:channels], packed[channels:2 * channels], packed[-1]
+    mean_shifted = s1 / n
+    var = (s2 / n - mean_shifted * mean_shifted).clamp_min(0)
+    return mean_shifted + k, var, n
+
+
+class CrossDeviceBatchNorm2d(nn.BatchNorm2d):
+    """``nn.BatchNorm2d`` with batch statistics over the whole process group in training.
+
+    In eval mode, or with a single device, it is plain ``nn.BatchNorm2d``.
+    """
+
+    def __init__(self, *args, group=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1
+        if not (self.training and distributed):
+            return super().forward(x)
+        shift = self.running_mean if self.track_running_stats else None
+        mean, var, n = cross_device_moments(x, self.group, shift)
+        if self.track_running_stats:
+            with torch.no_grad():
+                self.num_batches_tracked.add_(1)
+                m = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
+                self.running_mean.mul_(1 - m).add_(mean.detach(), alpha=m)
+                unbiased = var.detach() * (n / (n - 1)).clamp_min(0)
+                self.running_var.mul_(1 - m).add_(unbiased, alpha=m)
+        shape = (1, -1, 1, 1)
+        y = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
+        if self.affine:
+            y = y * self.weight.view(shape) + self.bias.view(shape)
+        return y
+
+
+def convert_batchnorm(module: nn.Module, group=None) -> nn.Module:
+    """Replace every ``nn.BatchNorm2d`` in ``module`` by a ``CrossDeviceBatchNorm2d`` sharing its state."""
+    if isinstance(module, nn.BatchNorm2d) and not isinstance(module, CrossDeviceBatchNorm2d):
+        new = CrossDeviceBatchNorm2d(module.num_features, module.eps, module.momentum, module.affine,
+                                     module.track_running_stats, group=group)
+        new.load_state_dict(module.state_dict())
+        new.train(module.training)
+        return new
+    for name, child in module.named_children():
+        setattr(module, name, convert_batchnorm(child, group))
+    return module

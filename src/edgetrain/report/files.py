@@ -1,0 +1,86 @@
+"""Run directories and atomic file writes.
+
+Every file edgetrain writes goes through ``atomic_write``: a crash or a
+killed worker leaves either the old file or the new one, never half of one.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+import yaml
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | os.PathLike, mode: str = "w") -> Iterator[Any]:
+    """Open a temporary file beside ``path``; on success fsync and rename it over ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, mode) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> None:
+    with atomic_write(path) as f:
+        json.dump(obj, f, indent=2, sort_keys=False, default=_jsonable)
+        f.write("\n")
+
+
+def write_yaml(path: str | os.PathLike, obj: Any) -> None:
+    with atomic_write(path) as f:
+        yaml.safe_dump(obj, f, sort_keys=False)
+
+
+def save_torch(path: str | os.PathLike, obj: Any) -> None:
+    import torch
+
+    with atomic_write(path, "wb") as f:
+        torch.save(obj, f)
+
+
+def _jsonable(o: Any) -> Any:
+    if hasattr(o, "item"):
+        return o.item()
+    if isinstance(o, Path):
+        return str(o)
+    raise TypeError(f"cannot write {type(o).__name__} to JSON")
+
+
+def new_run_dir(root: str | os.PathLike, name: str | None, prefix: str = "train") -> Path:
+    """A fresh directory ``root/<name or prefix-timestamp>``; never reuses an existing one."""
+    root = Path(root)
+    base = name or f"{prefix}-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    path = root / base
+    n = 1
+    while path.exists():
+        n += 1
+        path = root / f"{base}-{n}"
+    path.mkdir(parents=True)
+    return path
+
+
+class JsonlWriter:
+    """Appends one JSON object per line; each line is flushed whole."""
+
+    def __init__(self, path: str | os.PathLike):
+        self._f = open(path, "a", buffering=1)
+
+    def write(self, record: dict) -> None:
+        self._f.write(json.dumps(record, default=_jsonable) + "\n")
+
+    def close(self) -> None:
+        self._f.close()
