@@ -6,7 +6,6 @@ records bytes and time in a ``CommStats``. Register it on any DDP model::
     state = AllReduceState(stats=CommStats())
     ddp_model.register_comm_hook(state, allreduce_hook)
 """
-from __future__ import annotations
 
 from dataclasses import dataclass, field
 

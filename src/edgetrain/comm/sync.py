@@ -17,6 +17,8 @@ Interface the training loop relies on::
 """
 from __future__ import annotations
 
+import warnings
+
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -33,7 +35,9 @@ class Synchronous:
         if world_size > 1:
             # broadcast_buffers is DDP's default (rank 0's BatchNorm buffers win each step);
             # with cross-device BatchNorm the buffers already agree and the trainer turns it off.
-            self.model = DDP(model, broadcast_buffers=broadcast_buffers, bucket_cap_mb=bucket_cap_mb)
+            with warnings.catch_warnings():  # torch 2.13 deprecates the name, not the behaviour we rely on
+                warnings.simplefilter("ignore", FutureWarning)
+                self.model = DDP(model, broadcast_buffers=broadcast_buffers, bucket_cap_mb=bucket_cap_mb)
             if hook is None:
                 hook, hook_state = allreduce_hook, AllReduceState(stats=stats)
             self.model.register_comm_hook(hook_state, hook)
