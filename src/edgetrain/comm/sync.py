@@ -30,6 +30,7 @@ and the statistics of cross-device BatchNorm travel outside the hooks.
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -145,9 +146,9 @@ class Synchronous(SyncMode):
         if world_size > 1:
             # broadcast_buffers is DDP's default (rank 0's BatchNorm buffers win each step);
             # with cross-device BatchNorm the buffers already agree and the trainer turns it off.
-            # passed only when off: torch 2.13 warns that the argument is deprecated
-            extra = {} if broadcast_buffers else {"broadcast_buffers": False}
-            self.model = DDP(model, bucket_cap_mb=bucket_cap_mb, **extra)
+            with warnings.catch_warnings():  # torch 2.13 deprecates the name, not the behaviour we rely on
+                warnings.simplefilter("ignore", FutureWarning)
+                self.model = DDP(model, broadcast_buffers=broadcast_buffers, bucket_cap_mb=bucket_cap_mb)
             if hook is None:
                 hook, hook_state = allreduce_hook, AllReduceState(stats=self.stats)
             self.model.register_comm_hook(hook_state, hook)
