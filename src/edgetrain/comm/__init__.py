@@ -53,6 +53,12 @@ def check_config(cfg) -> None:
     mode = getattr(cfg, "link_mode", "virtual") or "virtual"
     if mode not in LINK_MODES:
         raise EdgetrainError(f"link mode must be one of {', '.join(LINK_MODES)}, got {mode!r}")
+    if getattr(cfg, "batchnorm", "local") == "sync" and sync.mode != "sync":
+        raise EdgetrainError(f"batchnorm sync all-reduces statistics at every forward, which --sync {sync.text} is "
+                             "meant to avoid; use --batchnorm local")
+    if compress.is_dgc and getattr(cfg, "optimizer", "sgd") == "sgd" and getattr(cfg, "momentum", 0.0) > 0:
+        raise EdgetrainError(f"--compress {compress.text} applies momentum inside the hook (DGC momentum "
+                             "correction); set --momentum 0 so that it is not applied twice")
 
 
 def build_hook(spec: CompressSpec, emulator: LinkEmulator, link: Link | None = None, seed: int = 0,
@@ -99,14 +105,15 @@ def build_sync(model: nn.Module, cfg, rank: int, world_size: int, stats: CommSta
 
     ``link``: this device's link (from the cluster file); ``None`` falls back to
     ``cfg.link``. Every device must call this (it runs setup collectives).
-    ``ddp_kwargs`` (``broadcast_buffers``, ``bucket_cap_mb``) go to DDP in sync mode.
+    ``ddp_kwargs`` (``broadcast_buffers``, ``bucket_cap_mb``) go to DDP in sync mode;
+    ``broadcast_buffers`` defaults to on unless ``cfg.batchnorm`` is ``sync``.
     """
     check_config(cfg)
     compress = parse_compress(getattr(cfg, "compress", "none"))
     sync = parse_sync(getattr(cfg, "sync", "sync"))
     my_link = get_link(link if link is not None else getattr(cfg, "link", None))
     seed = int(getattr(cfg, "seed", 0) or 0)
-    timeout = float(getattr(cfg, "comm_timeout_s", None) or DEFAULT_TIMEOUT_S)
+    timeout = float(getattr(cfg, "timeout", None) or DEFAULT_TIMEOUT_S)
     links = gather_links(my_link, world_size)
     emulator = LinkEmulator(links, rank, stats if stats is not None else CommStats(),
                             getattr(cfg, "link_mode", None) or "virtual", seed, timeout)
@@ -117,6 +124,7 @@ def build_sync(model: nn.Module, cfg, rank: int, world_size: int, stats: CommSta
         hook = state = None
         if distributed:
             state, hook = build_hook(compress, emulator, my_link, seed)
+        ddp_kwargs.setdefault("broadcast_buffers", getattr(cfg, "batchnorm", "local") != "sync")
         return Synchronous(model, world_size, hook=hook, hook_state=state, emulator=emulator, **common,
                            **ddp_kwargs)
     # the averaging traffic gets its own group so it never interleaves with other collectives

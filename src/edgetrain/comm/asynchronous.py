@@ -220,21 +220,19 @@ class BoundedStaleness(SyncMode):
             self._launch(max(clock, ready or 0.0), done=False)
         self._close_step(ready, staleness=staleness)
 
-    def finish(self) -> None:
-        if self.world_size > 1:
-            self.emulator.start_step()
-            clock = self.emulator.arrive()
-            ready = None
-            while True:
-                if self.round is None:
-                    self._launch(max(clock, ready or 0.0), done=True)
-                final_round = self.round
-                ready = self._wait(final_round)
-                if self._apply(final_round, final=self._all_done(final_round)):
-                    break
-            average_buffers(self.model, self.emulator, self.world_size, self.group)
-            self.emulator.finish_step(ready, count=False)
-        super().finish()
+    def _final_exchange(self) -> None:
+        self.emulator.start_step()
+        clock = self.emulator.arrive()
+        ready = None
+        while True:
+            if self.round is None:
+                self._launch(max(clock, ready or 0.0), done=True)
+            final_round = self.round
+            ready = self._wait(final_round)
+            if self._apply(final_round, final=self._all_done(final_round)):
+                break
+        average_buffers(self.model, self.emulator, self.world_size, self.group)
+        self.emulator.finish_step(ready, count=False)
 
     def _all_done(self, r: _Round) -> bool:
         return bool((r.clocks[self.world_size:] > 0.5).all())

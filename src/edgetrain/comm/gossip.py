@@ -92,21 +92,19 @@ class Gossip(SyncMode):
         self.exchanges += 1
         return max(float(c.item()) for c in [my_clock, *their_clocks])
 
-    def finish(self) -> None:
-        if self.world_size > 1:
-            self.emulator.start_step()
-            ready = self._max_clock(self.emulator.arrive())
-            flat = flatten(self.params)
+    def _final_exchange(self) -> None:
+        self.emulator.start_step()
+        ready = self._max_clock(self.emulator.arrive())
+        flat = flatten(self.params)
 
-            def collective() -> None:
-                wait(dist.all_reduce(flat, group=self.group, async_op=True), self.emulator.timeout_s,
-                     "final gossip all-reduce")
+        def collective() -> None:
+            wait(dist.all_reduce(flat, group=self.group, async_op=True), self.emulator.timeout_s,
+                 "final gossip all-reduce")
 
-            self.emulator.run("allreduce", ring_allreduce_bytes(flat.numel() * 4, self.world_size), collective)
-            unflatten(flat / self.world_size, self.params)
-            average_buffers(self.model, self.emulator, self.world_size, self.group)
-            self.emulator.finish_step(ready, count=False)
-        super().finish()
+        self.emulator.run("allreduce", ring_allreduce_bytes(flat.numel() * 4, self.world_size), collective)
+        unflatten(flat / self.world_size, self.params)
+        average_buffers(self.model, self.emulator, self.world_size, self.group)
+        self.emulator.finish_step(ready, count=False)
 
     def summary(self) -> dict:
         return {**super().summary(), "exchanges": self.exchanges, "neighbours": self.neighbours}

@@ -80,15 +80,13 @@ class LocalSGD(SyncMode):
         unflatten(self.ref.detach(), self.params)
         self.averages += 1
 
-    def finish(self) -> None:
-        if self.world_size > 1:
-            self.emulator.start_step()
-            ready = self._max_clock(self.emulator.arrive())
-            if self.local_steps % self.period != 0:  # steps since the last average: one more
-                self._average()
-            average_buffers(self.model, self.emulator, self.world_size, self.group)
-            self.emulator.finish_step(ready, count=False)
-        super().finish()
+    def _final_exchange(self) -> None:
+        self.emulator.start_step()
+        ready = self._max_clock(self.emulator.arrive())
+        if self.local_steps % self.period != 0:  # steps since the last average: one more
+            self._average()
+        average_buffers(self.model, self.emulator, self.world_size, self.group)
+        self.emulator.finish_step(ready, count=False)
 
     def summary(self) -> dict:
         return {**super().summary(), "averages": self.averages,

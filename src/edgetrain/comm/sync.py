@@ -14,7 +14,9 @@ Interface the training loop relies on::
     sync.after_backward(step)    # gradients are ready for optimizer.step()
     optimizer.step()
     sync.after_step(step)        # parameters may be exchanged here
-    sync.step_metrics()          # extra fields for this step's metrics.jsonl record
+    sync.step_metrics()          # extra fields for this step's metrics.jsonl record:
+                                 # virtual_s (the device's clock), virtual_compute_s, virtual_comm_s
+                                 # (modelled in virtual mode, measured otherwise), staleness (async)
     ...
     sync.finish()                # every device, after the last step: final exchange
     sync.summary()               # extra fields for summary.json
@@ -58,7 +60,6 @@ class SyncMode:
         self.compress = compress
         numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.fp32_step_bytes = ring_allreduce_bytes(4 * numel, world_size)
-        self._bytes_at_step_start = 0
         self._metrics: dict = {}
         self._devices: list[dict] | None = None
 
@@ -82,11 +83,9 @@ class SyncMode:
 
     def _close_step(self, ready_s: float | None = None, **extra) -> None:
         step = self.emulator.finish_step(ready_s)
-        sent = self.stats.bytes_sent
-        self._metrics = {"comm_bytes": sent - self._bytes_at_step_start,
-                         "comm_s": step["comm_model_s"], "compute_s": step["compute_s"],
-                         "virtual_s": step["virtual_s"], **extra}
-        self._bytes_at_step_start = sent
+        # names distinct from the training loop's own comm_s / compute_s, which they would overwrite
+        self._metrics = {"virtual_s": step["virtual_s"], "virtual_compute_s": step["compute_s"],
+                         "virtual_comm_s": step["comm_model_s"], **extra}
 
     # -- interface ------------------------------------------------------------------
     def after_backward(self, step: int) -> None:
@@ -99,7 +98,12 @@ class SyncMode:
         return dict(self._metrics)
 
     def finish(self) -> None:
-        """Collect every device's totals (a collective: every device must call it)."""
+        """After the last step, on every device (collectives): the mode's final exchange, then every
+        device's totals for the summary. Calling it again does nothing."""
+        if self._devices is not None:
+            return
+        if self.world_size > 1:
+            self._final_exchange()
         mine = {"bytes_sent": self.stats.bytes_sent, "virtual_time_s": self.emulator.virtual_s}
         if self.world_size > 1 and dist.is_initialized():
             devices: list = [None] * self.world_size
@@ -108,6 +112,9 @@ class SyncMode:
         else:
             self._devices = [mine]
 
+    def _final_exchange(self) -> None:
+        """What the mode must still send so that every device ends with the same model."""
+
     def summary(self) -> dict:
         steps = max(1, self.emulator.steps)
         sent = self.stats.bytes_sent
@@ -115,7 +122,7 @@ class SyncMode:
             "sync": self.spec,
             "compress": self.compress,
             "link": ", ".join(sorted({l.describe() for l in self.emulator.links})) if self.emulator.links else None,
-            "steps": self.emulator.steps,
+            "sync_steps": self.emulator.steps,
             "bytes_sent_per_device": sent,
             "bytes_per_step_per_device": sent / steps,
             "fp32_allreduce_bytes_per_step": self.fp32_step_bytes,
