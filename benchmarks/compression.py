@@ -20,6 +20,11 @@ models between averages, and the final one after the closing average).
 The target accuracy is ``--target-fraction`` (default 0.9) of fp32 DDP's final
 accuracy in the same run, so it is reachable by the baseline by construction.
 
+Noise: identical fp32 runs of this script ended between 50% and 57% (gloo's
+reduction order and thread timing are not deterministic, and 8 epochs on 5,085
+images is a short, noisy training), so one run cannot resolve a 1 pp
+difference; gaps of 5 pp and more repeat from run to run.
+
 Usage (from the repository root)::
 
     PYTHONPATH=src python benchmarks/compression.py              # every method, ~15 min on 2 cores
@@ -54,10 +59,12 @@ METHODS: dict[str, tuple[str, str, dict]] = {
     "fp16": ("fp16", "sync", {}),
     "int8": ("int8", "sync", {}),
     "qsgd": ("qsgd:127", "sync", {}),
-    "sign-ef": ("sign", "sync", {}),
+    # EF-signSGD with the optimizer's momentum applied after compression reached only 31% in an
+    # 8-epoch run of this script; without momentum at lr 0.1 (as in Karimireddy et al.) it trains.
+    "sign-ef": ("sign", "sync", {"momentum": 0.0, "lr": 0.1}),
     "powersgd-r2": ("powersgd:2", "sync", {}),
     "randk-1%": ("randk:0.01", "sync", {}),
-    "topk-ef": ("topk:0.0025", "sync", {}),
+    "topk-ef": ("topk:0.0024", "sync", {}),
     # DGC's momentum correction replaces the optimizer's momentum; its sparsity warm-up is left out:
     # at 8 epochs its dense first steps alone would cost more than 1/100 of fp32's bytes.
     "topk-dgc": ("topk:0.002:dgc", "sync", {"momentum": 0.0}),
@@ -95,7 +102,8 @@ def run_method(label: str, args, out: Path) -> dict:
     cfg = dict(dataset="cifar10", data_dir=str(args.data_dir), augment=False, devices=args.devices,
                epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, schedule="cosine", seed=0,
                compress=compress, sync=sync, link=args.link, link_mode="virtual", output=str(out), run_name=label,
-               progress=False, **extra)
+               progress=False)
+    cfg.update(extra)
     started = time.perf_counter()
     summary = train(cfg, model=EdgeCNN())
     wall = time.perf_counter() - started
@@ -108,7 +116,7 @@ def run_method(label: str, args, out: Path) -> dict:
         last = i == len(summary["evals"]) - 1
         t = summary["virtual_time_max_device_s"] if last else clock_at_step[e["step"] - 1]
         curve.append((t, e["test_accuracy"]))
-    return {"label": label, "compress": compress, "sync": sync, "accuracy": summary["test_accuracy"],
+    return {"label": label, "compress": compress, "sync": sync, "extra": extra, "accuracy": summary["test_accuracy"],
             "bytes_per_device": summary["bytes_sent_max_device"], "ratio": summary["compression_ratio"],
             "virtual_s": summary["virtual_time_max_device_s"], "compute_s": summary["compute_s"],
             "comm_fraction": summary["comm_fraction"], "curve": curve, "steps": summary["steps"],
@@ -125,18 +133,20 @@ def plot(results: list[dict], target: float, path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 5.5))
-    for r in results:
+    fig, ax = plt.subplots(figsize=(12, 6))
+    colors = plt.get_cmap("tab20").colors
+    for i, r in enumerate(results):
         ts, accs = zip(*r["curve"])
-        style = "--" if r["sync"] != "sync" else "-"
-        ax.plot(ts, [100 * a for a in accs], style, marker="o", markersize=3, label=r["label"])
+        style = "--" if r["sync"] != "sync" else "-"  # dashed: local SGD, async, gossip
+        ax.plot(ts, [100 * a for a in accs], style, marker="os^v"[i % 4], markersize=4, color=colors[i % 20],
+                label=f"{r['label']} ({r['ratio']:.0f}x fewer bytes)")
     ax.axhline(100 * target, color="grey", linestyle=":", label=f"target {100 * target:.1f}%")
     ax.set_xscale("log")
     ax.set_xlabel("virtual time, s (measured compute + modelled LTE communication), log scale")
     ax.set_ylabel("test accuracy, %")
     ax.set_title(title, fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, ncol=2)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -176,6 +186,9 @@ def main() -> int:
     print(f"\nmodel EdgeCNN, {base['params']:,} parameters; {base['steps']} steps per method; target accuracy "
           f"{target:.2%} = {args.target_fraction:g} x fp32's final {base['accuracy']:.2%}")
     print("virtual times = measured compute on this host + modelled link time; bytes and accuracy measured\n")
+    for r in results:
+        if r["extra"]:
+            print(f"  {r['label']} runs with {r['extra']} instead of the defaults")
     header = (f"{'method':<12} {'compress':<26} {'sync':<8} {'test acc':>8} {'vs fp32':>8} {'MB/device':>10} "
               f"{'ratio':>8} {'time to target':>14} {'speedup':>8} {'total time':>10} {'comm %':>7}")
     print(header)
@@ -193,14 +206,22 @@ def main() -> int:
               f"{100 * r['comm_fraction']:>6.1f}%")
 
     print("\ntargets:")
-    sparse = [r for r in results if r["label"] in SPARSIFIERS]
-    if sparse:
-        good = [r for r in sparse if r["ratio"] >= 100]
-        best = max(good or sparse, key=lambda r: r["accuracy"])
+    def sparsifier_line(what: str, candidates: list[dict]) -> None:
+        good = [r for r in candidates if r["ratio"] >= 100]
+        best = max(good or candidates, key=lambda r: r["accuracy"])
         drop = 100 * (base["accuracy"] - best["accuracy"])
         ok = best["ratio"] >= 100 and drop <= 1.0
-        print(f"  best sparsifier {best['label']}: {best['ratio']:.0f}x fewer bytes than fp32 (target >= 100x), "
-              f"accuracy {drop:+.2f} pp below fp32 (target <= 1 pp): {'MET' if ok else 'MISSED'}")
+        gap = f"{drop:.2f} pp below" if drop >= 0 else f"{-drop:.2f} pp above"
+        print(f"  {what}: {best['label']}, {best['ratio']:.0f}x fewer bytes than fp32 (target >= 100x), "
+              f"accuracy {gap} fp32 (target: at most 1 pp below): {'MET' if ok else 'MISSED'}")
+
+    gradient = [r for r in results if r["label"] in SPARSIFIERS]
+    if gradient:
+        sparsifier_line("best gradient sparsifier (synchronous)", gradient)
+    composed = [r for r in results if "topk" in r["compress"] or "randk" in r["compress"]
+                or "threshold" in r["compress"]]
+    if composed and len(composed) > len(gradient):
+        sparsifier_line("best sparsifier in any sync mode", composed)
     timed = [r for r in results if r["time_to_target"] and r["label"] != "fp32"]
     if timed and base_tt:
         fastest = min(timed, key=lambda r: r["time_to_target"])
