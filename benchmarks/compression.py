@@ -46,6 +46,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from edgetrain.report.files import atomic_write, write_json  # noqa: E402
 from edgetrain.train import train  # noqa: E402
 
 DATA = ROOT.parent / "shared/data/cifar10-subset/cifar-10-batches-py"
@@ -148,7 +149,8 @@ def plot(results: list[dict], target: float, path: Path, title: str) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_write(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=120)
 
 
 def main() -> int:
@@ -241,7 +243,7 @@ def main() -> int:
     png = args.out / "accuracy_vs_virtual_time.png"
     plot(results, target, png, f"EdgeCNN on the CIFAR-10 subset, {args.devices} devices on {args.link}, "
                                f"{args.epochs} epochs (virtual clock)")
-    (args.out / "results.json").write_text(json.dumps({"target": target, "results": results}, indent=1))
+    write_json(args.out / "results.json", {"target": target, "results": results})
     print(f"\nplot: {png}\nresults: {args.out / 'results.json'}; runs: {runs}")
     return 0
 
