@@ -132,7 +132,8 @@ def _coerce(key: str, value: Any, source: str) -> Any:
 
 
 def _unknown_key(key: str, source: str) -> EdgetrainError:
-    close = difflib.get_close_matches(key, FIELDS, n=1)
+    prefixes = sorted((f for f in FIELDS if key.startswith(f + "_") or f.startswith(key)), key=len)
+    close = prefixes[-1:] or difflib.get_close_matches(key, FIELDS, n=1)
     hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(FIELDS)}"
     where = f" in {source}" if source else ""
     return EdgetrainError(f"unknown config key '{key}'{where}{hint}")
