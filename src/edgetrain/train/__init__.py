@@ -34,7 +34,9 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     if rank == 0:
         run_dir = new_run_dir(cfg.output, cfg.run_name)
         write_yaml(run_dir / "config.yaml", cfg.to_dict())
-    args = (cfg, devices, local_batches, speeds, str(run_dir) if run_dir else None, model)
+    from edgetrain.models import user_models
+
+    args = (cfg, devices, local_batches, speeds, str(run_dir) if run_dir else None, model, user_models())
     if torchrun:
         from edgetrain.train.loop import run_worker
 

@@ -38,7 +38,7 @@ from edgetrain.comm.accounting import CommStats
 from edgetrain.config import TrainConfig
 from edgetrain.data import GlobalBatchSampler, build_data, shard_indices
 from edgetrain.errors import EdgetrainError
-from edgetrain.models import build_model, count_parameters
+from edgetrain.models import build_model, count_parameters, register_model
 from edgetrain.models.batchnorm import convert_batchnorm
 from edgetrain.report.files import save_torch, write_json
 
@@ -102,13 +102,21 @@ def build_sync(model, cfg, rank, world, stats, device):
 
 
 def run_worker(cfg: TrainConfig, devices: list[DeviceSpec], local_batches: list[int], speeds: list[float | None],
-               run_dir: str | None, user_model: nn.Module | None = None) -> dict | None:
+               run_dir: str | None, user_model: nn.Module | None = None,
+               registered: dict | None = None) -> dict | None:
     """Train on this device; rank 0 returns the run summary, the others None."""
     started = time.perf_counter()
+    for name, factory in (registered or {}).items():
+        register_model(name, factory)
     rank, world = init_distributed(cfg)
     me = devices[rank]
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", rank)), int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    speed = speeds[rank] if cfg.throttle else None
     cores = assign_cores(local_rank, local_world)
+    if speed is not None:
+        # A throttled device needs only ceil(speed) host cores; more threads would burn CPU time
+        # in OpenMP spin-waits, which the throttle would then stretch as if it were work.
+        cores = cores[:max(1, math.ceil(speed))]
     pin(cores)
     threads = cfg.threads or (min(len(cores), me.profile.cores) if me.profile.cores else len(cores))
     torch.set_num_threads(threads)
@@ -119,7 +127,6 @@ def run_worker(cfg: TrainConfig, devices: list[DeviceSpec], local_batches: list[
     params = count_parameters(model)
     if cfg.batchnorm == "sync" and world > 1:
         model = convert_batchnorm(model)
-    speed = speeds[rank] if cfg.throttle else None
     throttle = Throttle(speed) if speed is not None else None
     if throttle:
         throttle.attach(model)
@@ -147,7 +154,7 @@ def run_worker(cfg: TrainConfig, devices: list[DeviceSpec], local_batches: list[
         epoch_loss = epoch_correct = epoch_seen = 0.0
         batches = iter(loader)
         while step < total_steps:
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.process_time()
             try:
                 x, y = next(batches)
             except StopIteration:
@@ -185,7 +192,7 @@ def run_worker(cfg: TrainConfig, devices: list[DeviceSpec], local_batches: list[
                       "comm_busy_s": after["comm_s"] - before["comm_s"],
                       "bytes_sent": after["bytes_sent"] - before["bytes_sent"],
                       "bytes_recv": after["bytes_recv"] - before["bytes_recv"],
-                      "lr": scheduler.get_last_lr()[0], "peak_rss_mb": rss, **sync.step_metrics()}
+                      "cpu_s": time.process_time() - cpu0, "lr": scheduler.get_last_lr()[0], "peak_rss_mb": rss, **sync.step_metrics()}
             records.append(record)
             step += 1
             if limit_mb is not None and rss > limit_mb:
@@ -229,7 +236,7 @@ def _device_summary(records, rank, me: DeviceSpec, local_batch, speed, cores, th
             "speed": speed, "cores": cores, "threads": threads,
             "samples_per_s": sum(r["samples"] for r in timed) / total,
             "step_s": total / len(timed),
-            **{k: sum(r[k] for r in timed) / len(timed) for k in ("data_s", "compute_s", "comm_s", "comm_busy_s")},
+            **{k: sum(r[k] for r in timed) / len(timed) for k in ("data_s", "compute_s", "comm_s", "comm_busy_s", "cpu_s")},
             "bytes_sent": sum(r["bytes_sent"] for r in records), "bytes_recv": sum(r["bytes_recv"] for r in records),
             "peak_rss_mb": max((r["peak_rss_mb"] for r in records), default=peak_rss_mb()),
             "throttle_slept_s": throttle.slept if throttle else 0.0}
