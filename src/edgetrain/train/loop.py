@@ -20,6 +20,7 @@ the split. That is why N devices reproduce one device step for step.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import math
 import os
 import time
@@ -40,7 +41,7 @@ from edgetrain.data import GlobalBatchSampler, build_data, shard_indices
 from edgetrain.errors import EdgetrainError
 from edgetrain.models import build_model, count_parameters, register_model
 from edgetrain.models.batchnorm import convert_batchnorm
-from edgetrain.report.files import save_torch, write_json
+from edgetrain.report.files import atomic_write, save_torch, write_json
 
 
 def init_distributed(cfg: TrainConfig) -> tuple[int, int]:
@@ -244,9 +245,6 @@ def _device_summary(records, rank, me: DeviceSpec, local_batch, speed, cores, th
 
 def _write_outputs(cfg, run_dir: Path, model, optimizer, gathered, train_totals, evals, params, data, world,
                    local_batches, steps, sync, wall_s) -> dict:
-    from edgetrain.report.files import atomic_write
-    import json
-
     records = sorted((r for recs, _ in gathered for r in recs), key=lambda r: (r["step"], r["rank"]))
     with atomic_write(run_dir / "metrics.jsonl") as f:
         for r in records:
