@@ -7,9 +7,16 @@ import json
 import torch
 import torch.nn.functional as F
 
+from edgetrain.errors import EdgetrainError
 from edgetrain.tiling import TiledTraining
 
 from .models import batch, build, reference_grads, rel_err
+
+
+def run(rank: int, world: int, grid: str, cases: list[tuple[str, object, str]], train: tuple | None = None) -> dict:
+    """The exactness cases, then optionally ``training(*train)``, in one set of processes."""
+    return {"cases": exactness(rank, world, grid, cases),
+            "training": training(rank, world, grid, *train) if train else None}
 
 
 def exactness(rank: int, world: int, grid: str, cases: list[tuple[str, object, str]]) -> list[dict]:
@@ -58,5 +65,14 @@ def training(rank: int, world: int, grid: str, name: str, groups, steps: int) ->
               if v.is_floating_point()}
     tracked = {k: int(v) for k, v in model.state_dict().items() if k.endswith("num_batches_tracked")}
     worst = max(errors, key=errors.get)
-    return {"worst": worst, "err": errors[worst], "losses": losses, "tracked": tracked,
-            "changed": rel_err(model.state_dict()[worst].double(), build(name, torch.float32)[0].state_dict()[worst].double())}
+    initial = build(name, torch.float32)[0]
+    changed = min(rel_err(p.detach().double(), q.detach().double())
+                  for p, q in zip(model.parameters(), initial.parameters()))
+    try:
+        x, y = batch(shape, world - 1, torch.float32)
+        tiled.forward_backward(x, y, F.cross_entropy)
+        small_batch_error = ""
+    except EdgetrainError as e:
+        small_batch_error = str(e)
+    return {"worst": worst, "err": errors[worst], "losses": losses, "tracked": tracked, "changed": changed,
+            "small_batch_error": small_batch_error}

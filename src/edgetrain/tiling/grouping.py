@@ -18,7 +18,7 @@ once at start-up and broadcast from device 0 so that every device decides the sa
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -34,12 +34,13 @@ class Machine:
     device_flops: float
     bandwidth_bytes_s: float
     latency_s: float
-    source: dict[str, str]
+    source: dict[str, str] = field(default_factory=dict)
 
     def describe(self) -> str:
-        return (f"device {self.device_flops / 1e9:.1f} GFLOP/s ({self.source['device_flops']}), link "
-                f"{self.bandwidth_bytes_s / 1e6:.1f} MB/s ({self.source['bandwidth']}), latency "
-                f"{self.latency_s * 1e3:.3f} ms ({self.source['latency']})")
+        src = {k: self.source.get(k, "given") for k in ("device_flops", "bandwidth", "latency")}
+        return (f"device {self.device_flops / 1e9:.1f} GFLOP/s ({src['device_flops']}), link "
+                f"{self.bandwidth_bytes_s / 1e6:.1f} MB/s ({src['bandwidth']}), latency "
+                f"{self.latency_s * 1e3:.3f} ms ({src['latency']})")
 
 
 @dataclass
