@@ -254,7 +254,7 @@ def check_sequence(model: nn.Module, layers: list[tuple[str, nn.Module]], input_
     model.eval()
     try:
         dtype = next(model.parameters()).dtype
-        x = torch.randn(2, *input_shape, dtype=dtype)
+        x = torch.randn(1, *input_shape, dtype=dtype)
         with torch.no_grad():
             want = model(x)
             got = x

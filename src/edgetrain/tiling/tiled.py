@@ -207,15 +207,17 @@ class TiledBatchNorm(torch.autograd.Function):
     def backward(ctx, gy: torch.Tensor):
         x, weight, mean, invstd = ctx.saved_tensors
         shape = (1, -1, 1, 1)
-        xhat = (x - mean.view(shape)) * invstd.view(shape)
         sum_gy = gy.sum((0, 2, 3))
-        sum_gy_xhat = (gy * xhat).sum((0, 2, 3))
-        sums = ctx.comm.all_reduce(torch.cat([sum_gy, sum_gy_xhat]), "batchnorm_backward")
-        total_gy, total_gy_xhat = sums.chunk(2)
+        sum_gy_xhat = x.sub(mean.view(shape)).mul_(gy).sum((0, 2, 3)) * invstd
+        total_gy, total_gy_xhat = ctx.comm.all_reduce(torch.cat([sum_gy, sum_gy_xhat]), "batchnorm_backward").chunk(2)
         scale = invstd if weight is None else invstd * weight
         gx = gy * scale.view(shape)
-        owned = ctx.owned
-        gx[owned] -= (scale / ctx.n).view(shape) * (total_gy.view(shape) + xhat[owned] * total_gy_xhat.view(shape))
+        # The statistics' share of the gradient, on owned elements only:
+        # gx -= scale / n * (total_gy + xhat * total_gy_xhat), written as gx -= a + b * x.
+        b = scale * invstd * total_gy_xhat / ctx.n
+        a = scale * total_gy / ctx.n - b * mean
+        owned = gx[ctx.owned]
+        owned.addcmul_(x[ctx.owned], b.view(shape), value=-1.0).sub_(a.view(shape))
         # This device's share of the weight gradients; the strategy sums the shares over devices.
         gw = sum_gy_xhat if weight is not None else None
         gb = sum_gy if ctx.has_bias else None
