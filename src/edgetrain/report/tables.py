@@ -1,0 +1,35 @@
+"""The short tables edgetrain prints at the end of a command."""
+from __future__ import annotations
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:,.1f}"
+
+
+def _console() -> Console:
+    console = Console()
+    # Logs and pipes are not terminals: rich would assume 80 columns and squeeze the table.
+    return console if console.is_terminal else Console(width=120)
+
+
+def print_train_summary(summary: dict, console: Console | None = None) -> None:
+    console = console or _console()
+    table = Table(title="per device, measured (means per step after the first)", title_justify="left",
+                  box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("rank", "profile", "batch", "samples/s", "step ms", "data%", "comp%", "comm%", "RSS MiB", "MB sent"):
+        table.add_column(col, justify="left" if col == "profile" else "right", no_wrap=True)
+    for d in summary["per_device"]:
+        step = d["step_s"] or float("nan")
+        table.add_row(str(d["rank"]), d["profile"], str(d["local_batch"]), f"{d['samples_per_s']:,.1f}",
+                      f"{1000 * step:,.1f}", f"{100 * d['data_s'] / step:.0f}", f"{100 * d['compute_s'] / step:.0f}",
+                      f"{100 * d['comm_s'] / step:.0f}", f"{d['peak_rss_mb']:,.0f}", _mb(d["bytes_sent"]))
+    console.print(table)
+    acc = summary.get("test_accuracy")
+    acc_text = f"{acc:.2%}" if acc is not None else "not evaluated"
+    console.print(f"[bold]test accuracy {acc_text}[/]  train loss {summary['train_loss']:.4f}  "
+                  f"throughput {summary['throughput_samples_per_s']:,.1f} samples/s  "
+                  f"{summary['steps']} steps in {summary['wall_time_s']:.1f} s  ->  {summary['run_dir']}")
