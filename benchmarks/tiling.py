@@ -1,6 +1,6 @@
 """Spatially tiled training of a YOLOv2-tiny-style backbone at 416x416, side by side in one run.
 
-    PYTHONPATH=src python benchmarks/tiling.py [--batch 4] [--steps 3] [--rounds 2] [--out tiling.json]
+    PYTHONPATH=src python benchmarks/tiling.py [--batch 8] [--steps 4] [--out tiling.json]
 
 Prints, all measured in this run unless labelled "modelled" or "counted":
 
@@ -9,15 +9,15 @@ Prints, all measured in this run unless labelled "modelled" or "counted":
    measured with saved_tensors_hooks; target: 2x2 <= 35% of 1x1);
 2. step time of 2 devices on a 1x2 grid (one core each: one thread, pinned
    with sched_setaffinity) against the plain model on 1 device on one core
-   (target speedup >= 1.6x, limit 2x), repeated in interleaved rounds because
-   the machine is shared;
+   (target speedup >= 1.6x, limit 2x); the contenders take turns step by
+   step because the machine is shared and its load drifts;
 3. for several groupings of the tiled section: halo bytes, messages and
    recomputed FLOPs (counted from the region arithmetic) and the cost model's
    modelled time, with the grouping ``auto`` picked marked, for the machine
    measured in this run and for an assumed Raspberry-Pi-like one.
 
 A step is forward, backward and an SGD step on a global batch of ``--batch``
-images (default 4, small to keep the run to a few minutes on a 2-core host).
+images (default 8, small to keep the run to a few minutes on a 2-core host).
 """
 from __future__ import annotations
 
@@ -126,19 +126,50 @@ def untiled_saved_bytes(tiled: TiledTraining, x: torch.Tensor) -> int:
     return meter.bytes + h.numel() * h.element_size()
 
 
-def plain_steps(rank, world, batch, steps):
-    """The plain model on one device: forward, backward, SGD step."""
+def side_by_side(rank, world, batch, steps):
+    """Ranks 0 and 1 train tiled on a 1x2 grid, rank 2 trains the plain model alone; they take turns,
+    step by step, so that both see the same load on a shared machine."""
+    import torch.distributed as dist
+
+    pair = dist.new_group([0, 1])
     x, y = data(batch)
-    net = model()
-    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-    times = []
-    for _ in range(steps + 1):
-        start = time.perf_counter()
-        opt.zero_grad()
-        F.cross_entropy(net(x), y).backward()
-        opt.step()
-        times.append(time.perf_counter() - start)
-    return {"step_times_s": times[1:]}
+    if rank < 2:
+        tiled = TiledTraining(model(), "1x2", "auto", SHAPE, group=pair)
+        opt = torch.optim.SGD(tiled.parameters(), lr=0.01, momentum=0.9)
+
+        def step():
+            tiled.forward_backward(x, y, F.cross_entropy)
+    else:
+        net = model()
+        opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+
+        def step():
+            F.cross_entropy(net(x), y).backward()
+    a = torch.randn(512, 512)
+
+    def matmuls():
+        for _ in range(100):
+            a @ a
+
+    times = {"one": [], "two": [], "cal_one": [], "cal_two": []}
+    for i in range(steps + 1):  # the first turn is not timed (the tiled pair also measures the machine)
+        for who in times:
+            dist.barrier()
+            if who.endswith("one") == (rank == 2):
+                start = time.perf_counter()
+                if who.startswith("cal"):
+                    matmuls()
+                else:
+                    opt.zero_grad()
+                    step()
+                    opt.step()
+                if i:
+                    times[who].append(time.perf_counter() - start)
+    mine = ("one", "cal_one") if rank == 2 else ("two", "cal_two")
+    out = {"step_times_s": times[mine[0]], "calibration_s": times[mine[1]]}
+    if rank < 2:
+        out.update(tiled.report())
+    return out
 
 
 def mib(n: float) -> str:
@@ -183,9 +214,8 @@ def groupings_table(grid: tuple[int, int], batch: int, machine: Machine, label: 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per measurement (after one untimed)")
-    ap.add_argument("--rounds", type=int, default=2, help="interleaved timing rounds")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=4, help="timed steps of each contender (after one untimed)")
     ap.add_argument("--out", help="also write the results as JSON here")
     args = ap.parse_args()
     cores = sorted(os.sched_getaffinity(0))
@@ -208,31 +238,39 @@ def main() -> int:
         target = "  (target <= 35%: " + ("met" if ratio <= 0.35 else "NOT met") + ")" if grid == "2x2" else ""
         print(f"  ratio {grid} / 1x1 = {100 * ratio:.1f}%{target}")
 
-    print(f"\n2. Step time, 2 devices (grid 1x2, one core each) vs 1 device on one core (measured, "
-          f"{args.rounds} interleaved rounds of {args.steps} steps, median step)")
+    print(f"\n2. Step time, 2 devices (grid 1x2, one core each) vs 1 device on one core (measured: the two "
+          f"take turns step by step, {args.steps} timed steps each)")
+    timing = {}
     if len(cores) < 2:
         print("  only one core visible: skipped")
-        timing = []
     else:
-        timing = []
-        for r in range(args.rounds):
-            one = on_devices(plain_steps, 1, args.batch, args.steps, cores=cores[:1])[0]
-            two = on_devices(tiled_steps, 2, "1x2", args.batch, args.steps, cores=cores[:2])
-            t1 = statistics.median(one["step_times_s"])
-            t2 = max(statistics.median(rep["step_times_s"]) for rep in two)
-            split = two[0]["time_split_s"]
-            timing.append({"one_device_s": t1, "two_devices_s": t2, "speedup": t1 / t2,
-                           "split_device0": split, "bytes_per_step_device0": two[0]["bytes_exchanged_per_step"],
-                           "bytes_by_kind_device0": two[0]["bytes_exchanged_by_kind"], "groups": two[0]["groups"]})
-            print(f"  round {r + 1}: 1 device {t1:.3f} s, 2 devices {t2:.3f} s -> speedup {t1 / t2:.2f}x; "
-                  f"device 0 exchange {split['exchange']:.3f} s of {split['step']:.3f} s "
-                  f"(compute {split['compute']:.3f} s); groups {two[0]['groups']}")
-        speedups = [t["speedup"] for t in timing]
-        print(f"  speedup median {statistics.median(speedups):.2f}x over {len(speedups)} rounds "
-              f"(target >= 1.6x, limit 2x: {'met' if statistics.median(speedups) >= 1.6 else 'NOT met'})")
-        kinds = timing[-1]["bytes_by_kind_device0"]
-        print(f"  bytes sent per step by device 0: {timing[-1]['bytes_per_step_device0']:,} "
-              f"({', '.join(f'{k} {v:,}' for k, v in kinds.items() if k != 'metrics')})")
+        ranks = on_devices(side_by_side, 3, args.batch, args.steps, cores=[cores[0], cores[1], cores[0]])
+        one = ranks[2]["step_times_s"]
+        two = [max(a, b) for a, b in zip(ranks[0]["step_times_s"], ranks[1]["step_times_s"])]
+        ratios = [a / b for a, b in zip(one, two)]
+        split = ranks[0]["time_split_s"]
+        timing = {"one_device_s": one, "two_devices_s": two, "speedups": ratios, "split_device0": split,
+                  "seconds_by_kind_device0_last_step": ranks[0]["seconds_by_kind"],
+                  "bytes_by_kind_device0": ranks[0]["bytes_exchanged_by_kind"], "groups": ranks[0]["groups"]}
+        for i, (a, b) in enumerate(zip(one, two)):
+            print(f"  step {i + 1}: 1 device {a:.3f} s, 2 devices {b:.3f} s -> {a / b:.2f}x")
+        cal_one = ranks[2]["calibration_s"]
+        cal_two = [max(a, b) for a, b in zip(ranks[0]["calibration_s"], ranks[1]["calibration_s"])]
+        ceiling = statistics.median(2 * a / b for a, b in zip(cal_one, cal_two))
+        timing["machine_two_core_ceiling"] = ceiling
+        print(f"  machine check, same turns: a single-thread matmul loop takes {statistics.median(cal_one):.3f} s "
+              f"alone on one core and {statistics.median(cal_two):.3f} s when both cores run one at once: this "
+              f"machine gives compute-bound work at most {ceiling:.2f}x from its 2 cores right now")
+        med = statistics.median(ratios)
+        print(f"  speedup: median {med:.2f}x, from median step times {statistics.median(one):.3f} s / "
+              f"{statistics.median(two):.3f} s = {statistics.median(one) / statistics.median(two):.2f}x "
+              f"(target >= 1.6x, limit 2x: {'met' if med >= 1.6 else 'NOT met'})")
+        print(f"  device 0, mean step {split['step']:.3f} s = compute {split['compute']:.3f} s + exchange "
+              f"{split['exchange']:.3f} s (waiting included); last step's exchange by kind: "
+              + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in ranks[0]["seconds_by_kind"].items()))
+        print(f"  bytes sent per step by device 0: {ranks[0]['bytes_exchanged_per_step']:,} ("
+              + ", ".join(f"{k} {v:,}" for k, v in ranks[0]["bytes_exchanged_by_kind"].items() if k != "metrics")
+              + f"); groups {ranks[0]['groups']}")
 
     print("\n3. Groupings of the tiled section (bytes and FLOPs counted; time modelled)")
     measured = memory["1x2"]["machine"]

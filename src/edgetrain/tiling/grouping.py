@@ -94,7 +94,8 @@ def choose_groups(plan: SectionPlan, batch: int, itemsize: int, machine: Machine
     best: list[tuple[float, int]] = [(0.0, -1)] + [(float("inf"), -1)] * n
     for b in range(1, n + 1):
         for a in range(b):
-            t = best[a][0] + group_cost(plan, a, b, batch, itemsize, machine).seconds
+            # A nanosecond per group breaks ties towards fewer groups (a boundary with no halo is a no-op).
+            t = best[a][0] + group_cost(plan, a, b, batch, itemsize, machine).seconds + 1e-9
             if t < best[b][0]:
                 best[b] = (t, a)
     ends, b = [], n

@@ -255,6 +255,7 @@ class TiledTraining:
             "bytes_exchanged_per_step": sum(v for k, v in bytes_sent.items() if k != "metrics"),
             "bytes_exchanged_by_kind": bytes_sent,
             "bytes_note": "payload bytes this device sent on the last step (all-reduce payload counted once)",
+            "seconds_by_kind": self.last.get("seconds", {}),
             "recompute_overhead_pct": totals.get("recompute_overhead_pct"),
             "recompute_note": "extra forward FLOPs of the tiled section from overlaps, counted from region sizes",
             "time_split_s": {
