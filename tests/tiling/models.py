@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from edgetrain.models import build_model
 from edgetrain.models.yolo_tiny import YoloTiny
 
 
@@ -74,10 +75,15 @@ def narrow_yolo() -> YoloTiny:
 YOLO_SHAPE = (3, 33, 35)
 
 
+def narrow_resnet18() -> nn.Module:
+    """edgetrain's own ResNet-18 (stem, layer1-4 of two blocks each), 4 channels wide."""
+    return build_model("resnet18", 3, 5, width=4)
+
+
 def build(name: str, dtype: torch.dtype) -> tuple[nn.Module, tuple[int, int, int]]:
     torch.manual_seed(0)
     model, shape = {"plain": (plain_net, PLAIN_SHAPE), "resnet": (MiniResNet, RESNET_SHAPE),
-                    "yolo": (narrow_yolo, YOLO_SHAPE)}[name]
+                    "resnet18": (narrow_resnet18, RESNET_SHAPE), "yolo": (narrow_yolo, YOLO_SHAPE)}[name]
     model = model().to(dtype)
     # Non-trivial BatchNorm affine parameters, so their gradients are tested too.
     with torch.no_grad():
@@ -103,3 +109,8 @@ def reference_grads(model: nn.Module, x, y) -> tuple[float, dict[str, torch.Tens
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def resnet18_w4(in_channels: int = 3, num_classes: int = 10) -> nn.Module:
+    """A model factory for the trainer tests (module level, so device processes can import it)."""
+    return build_model("resnet18", in_channels, num_classes, width=4)

@@ -19,7 +19,7 @@ CASES = {
             ("yolo", "auto", "float32")],
     "2x1": [("plain", [14], "float64"), ("plain", [4, 10, 14], "float64"), ("resnet", "auto", "float64")],
     "2x2": [("plain", [14], "float64"), ("plain", list(range(1, 15)), "float32"), ("resnet", [3, 5], "float64"),
-            ("plain", "auto", "float64")],
+            ("plain", "auto", "float64"), ("resnet18", "auto", "float64"), ("resnet18", [3, 5, 7], "float64")],
     "1x3": [("plain", [14], "float64"), ("plain", [7, 14], "float64"), ("resnet", [3, 5], "float32")],
 }
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import json
+import statistics
 
 import torch
 import torch.nn.functional as F
@@ -66,8 +67,8 @@ def training(rank: int, world: int, grid: str, name: str, groups, steps: int) ->
     tracked = {k: int(v) for k, v in model.state_dict().items() if k.endswith("num_batches_tracked")}
     worst = max(errors, key=errors.get)
     initial = build(name, torch.float32)[0]
-    changed = min(rel_err(p.detach().double(), q.detach().double())
-                  for p, q in zip(model.parameters(), initial.parameters()))
+    changed = statistics.median(rel_err(p.detach().double(), q.detach().double())
+                                for p, q in zip(model.parameters(), initial.parameters()))
     try:
         x, y = batch(shape, world - 1, torch.float32)
         tiled.forward_backward(x, y, F.cross_entropy)

@@ -200,7 +200,11 @@ def model_layers(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], int | N
     """The model as a sequence of named layers, and the default end of its tiled section (or None).
 
     A model may say so itself with ``tiling_layers()`` (and ``tiled_section_default``);
-    an ``nn.Sequential`` is flattened; a CIFAR or torchvision ResNet is recognised.
+    an ``nn.Sequential`` is flattened; a kuangliu or torchvision ResNet (``conv1``,
+    ``bn1``, ``layer1``-``layer4``, functional ReLU and pooling) is recognised;
+    any other model is taken to be its children in order, nested Sequentials
+    flattened (as edgetrain's own ResNet18 is), which ``check_sequence`` verifies.
+    For ResNets the tiled section defaults to the stem and ``layer1``.
     """
     if hasattr(model, "tiling_layers"):
         return list(model.tiling_layers()), getattr(model, "tiled_section_default", None)
@@ -209,12 +213,14 @@ def model_layers(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], int | N
     resnet = _resnet_layers(model)
     if resnet is not None:
         return resnet
-    raise EdgetrainError(
-        f"cannot see {type(model).__name__} as a sequence of layers: give it a tiling_layers() method "
-        f"returning [(name, module), ...] whose composition is its forward, or use an nn.Sequential")
+    layers = _flatten(model, "")
+    if not layers:
+        raise EdgetrainError(f"{type(model).__name__} has no layers to tile")
+    after_layer1 = [i + 1 for i, (n, _) in enumerate(layers) if n.startswith("layer1.")]
+    return layers, (after_layer1[-1] if after_layer1 else None)
 
 
-def _flatten(seq: nn.Sequential, prefix: str) -> list[tuple[str, nn.Module]]:
+def _flatten(seq: nn.Module, prefix: str) -> list[tuple[str, nn.Module]]:
     out = []
     for n, m in seq.named_children():
         full = f"{prefix}{n}"
@@ -264,5 +270,6 @@ def check_sequence(model: nn.Module, layers: list[tuple[str, nn.Module]], input_
         model.train(was_training)
     if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
         raise EdgetrainError(
-            f"running the layers of {type(model).__name__} in sequence does not reproduce its forward; "
-            f"give the model a tiling_layers() method listing them in order")
+            f"running the layers of {type(model).__name__} in sequence ({', '.join(n for n, _ in layers)}) does "
+            f"not reproduce its forward; give the model a tiling_layers() method returning [(name, module), ...] "
+            f"in the order its forward applies them")

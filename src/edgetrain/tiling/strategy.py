@@ -199,6 +199,7 @@ class TiledTraining:
         self._sum_gradients(before)
         metrics = torch.zeros(2 + 2 * self.comm.world, dtype=torch.float64)
         metrics[0], metrics[1] = loss.detach().item(), correct
+        local = {"loss_sum": metrics[0].item() * n, "correct": correct, "samples": hi - lo}
         metrics[2 + self.comm.rank] = peak
         metrics[2 + self.comm.world + self.comm.rank] = meter.bytes
         if self._tail_bn_bytes and self.tail.training:
@@ -213,7 +214,8 @@ class TiledTraining:
         self.last = {
             "peak": [int(v) for v in metrics[2:2 + w]], "saved": [int(v) for v in metrics[2 + w:]],
             "bytes": dict(self.comm.bytes_sent), "seconds": dict(self.comm.seconds),
-            "step_s": step_s, "exchange_s": exchange_s, "batch": n,
+            "step_s": step_s, "exchange_s": exchange_s, "batch": n, "local": local,
+            "bytes_recv": self.comm.bytes_recv,
         }
         return float(metrics[0]), int(metrics[1]), n
 
@@ -304,3 +306,43 @@ def _is_submodule(model: nn.Module, name: str) -> bool:
         return True
     except AttributeError:
         return False
+
+
+class TiledSync:
+    """What ``edgetrain.train``'s loop drives for ``strategy: tiled`` (the role DDP's sync object plays).
+
+    ``step`` returns this device's part of the step's accounting (its share of
+    the batch, the loss summed over that share, its correct predictions), so
+    that summing over devices gives the global batch, as in data parallelism.
+    """
+
+    def __init__(self, tiled: TiledTraining, stats=None):
+        self.tiled = tiled
+        self.model = tiled.model
+        self.stats = stats
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, loss_fn) -> tuple[float, int, int]:
+        self.tiled.forward_backward(x, y, loss_fn)
+        last = self.tiled.last
+        if self.stats is not None:  # edgetrain.comm.accounting.CommStats; no hook threads run in tiled mode
+            self.stats.bytes_sent += sum(last["bytes"].values())
+            self.stats.bytes_recv += last["bytes_recv"]
+            self.stats.comm_s += last["exchange_s"]
+        local = last["local"]
+        return local["loss_sum"], local["correct"], local["samples"]
+
+    @property
+    def exchange_s(self) -> float:
+        return self.tiled.last.get("exchange_s", 0.0)
+
+    def after_backward(self, step: int) -> None:
+        pass
+
+    def after_step(self, step: int) -> None:
+        pass
+
+    def step_metrics(self) -> dict:
+        return {}
+
+    def summary(self) -> dict:
+        return {"sync": "tiled", "tiling": self.tiled.report()}

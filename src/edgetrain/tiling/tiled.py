@@ -57,10 +57,12 @@ class Comm:
         self.world = dist.get_world_size(group) if self.distributed else 1
         self.timeout = _dt.timedelta(seconds=timeout_s)
         self.bytes_sent: Counter[str] = Counter()
+        self.bytes_recv = 0
         self.seconds: Counter[str] = Counter()
 
     def reset(self) -> None:
         self.bytes_sent.clear()
+        self.bytes_recv = 0
         self.seconds.clear()
 
     def _global(self, rank: int) -> int:
@@ -79,6 +81,7 @@ class Comm:
             self.bytes_sent[kind] += t.numel() * t.element_size()
         for w in works:
             _wait(w, self.timeout, kind)
+        self.bytes_recv += sum(buf.numel() * buf.element_size() for _, buf in recvs)
         self.seconds[kind] += time.perf_counter() - start
 
     def all_reduce(self, t: torch.Tensor, kind: str) -> torch.Tensor:
@@ -88,6 +91,7 @@ class Comm:
         start = time.perf_counter()
         _wait(dist.all_reduce(t, group=self.group, async_op=True), self.timeout, kind)
         self.bytes_sent[kind] += t.numel() * t.element_size()
+        self.bytes_recv += t.numel() * t.element_size()
         self.seconds[kind] += time.perf_counter() - start
         return t
 
@@ -188,8 +192,9 @@ class TiledBatchNorm(torch.autograd.Function):
         start = time.perf_counter()
         mean, var, n = cross_device_moments(x[owned], comm.group if comm.world > 1 else None, shift)
         if comm.world > 1:
-            channels = x.shape[1]
-            comm.bytes_sent["batchnorm"] += (2 * channels + 1) * x.element_size()
+            payload = (2 * x.shape[1] + 1) * x.element_size()
+            comm.bytes_sent["batchnorm"] += payload
+            comm.bytes_recv += payload
             comm.seconds["batchnorm"] += time.perf_counter() - start
         if bn.track_running_stats:
             bn.num_batches_tracked.add_(1)
