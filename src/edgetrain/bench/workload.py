@@ -1,0 +1,235 @@
+"""Timed training steps of one model on one device: the workload most benches measure.
+
+A *step* is forward, loss, backward and an SGD update on a batch held in
+memory, so nothing but compute is timed (``bench stalls`` adds the loader).
+``measure_steps_isolated`` runs the steps in a fresh Python process so that
+its peak resident memory (``ru_maxrss``) belongs to that batch size alone,
+and a watchdog thread in that process stops it the moment its resident memory
+passes the device profile's limit: the limit hit comes back as a result
+instead of taking the machine down.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from edgetrain.errors import EdgetrainError
+
+# Input shape and classes of each data set the trainer knows; benches feed
+# synthetic tensors of that shape.
+DATASET_SHAPES: dict[str, tuple[tuple[int, int, int], int]] = {
+    "cifar10": ((3, 32, 32), 10),
+    "synthetic": ((3, 32, 32), 10),
+    "digits": ((1, 8, 8), 10),
+}
+MEMORY_LIMIT_EXIT = 3
+_POLL_S = 0.005
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """What a bench needs to know of a device: its memory limit and core count."""
+
+    name: str
+    memory_limit_mb: float | None  # None: the host's own memory
+    cores: int | None  # None: this host's cores
+    relative_speed: float | None = None  # compute speed relative to this host, where known
+
+
+# Until the lead's profiles land on main: a Raspberry Pi 4 (4 GB) and a Jetson Nano (4 GB shared).
+_PROFILES = {
+    "host": DeviceProfile("host", None, None, 1.0),
+    "rpi4": DeviceProfile("rpi4", 4096, 4),
+    "jetson-nano": DeviceProfile("jetson-nano", 4096, 4),
+}
+
+
+def device_profile(name: str) -> DeviceProfile:
+    try:
+        return _PROFILES[name]
+    except KeyError:
+        raise EdgetrainError(f"unknown device profile {name!r}; choose one of {sorted(_PROFILES)}") from None
+
+
+def host_memory_cap_mb(fraction: float = 0.8) -> float:
+    """What one measurement may use of this host: a share of the memory available now."""
+    import psutil
+
+    return psutil.virtual_memory().available / 2**20 * fraction
+
+
+def dataset_shape(dataset: str) -> tuple[tuple[int, int, int], int]:
+    try:
+        return DATASET_SHAPES[dataset]
+    except KeyError:
+        raise EdgetrainError(f"unknown dataset {dataset!r}; choose one of {sorted(DATASET_SHAPES)}") from None
+
+
+def build_model(name: str, dataset: str = "cifar10"):
+    """A model from ``edgetrain.models`` sized for ``dataset``."""
+    from edgetrain import models
+
+    (channels, _, _), classes = dataset_shape(dataset)
+    if hasattr(models, "build_model"):
+        return models.build_model(name, num_classes=classes, in_channels=channels)
+    return _interim_model(name, channels, classes)
+
+
+def _interim_model(name: str, channels: int, classes: int):
+    """Until ``edgetrain.models.build_model`` lands on main: CIFAR ResNet-18 and a tiny CNN."""
+    from torch import nn
+
+    def block(cin: int, cout: int, stride: int) -> nn.Module:
+        class Basic(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.body = nn.Sequential(
+                    nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True),
+                    nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout))
+                self.skip = (nn.Sequential() if stride == 1 and cin == cout else
+                             nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)))
+
+            def forward(self, x):
+                return (self.body(x) + self.skip(x)).relu()
+        return Basic()
+
+    if name == "resnet18":
+        layers = [nn.Conv2d(channels, 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64), nn.ReLU(inplace=True)]
+        cin = 64
+        for cout, stride in [(64, 1), (128, 2), (256, 2), (512, 2)]:
+            layers += [block(cin, cout, stride), block(cout, cout, 1)]
+            cin = cout
+        return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, classes))
+    if name == "small_cnn":
+        return nn.Sequential(nn.Conv2d(channels, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(4),
+                             nn.Flatten(), nn.Linear(8 * 16, classes))
+    raise EdgetrainError(f"unknown model {name!r}; choose resnet18 or small_cnn")
+
+
+def time_steps(model, batch_size: int, steps: int, warmup: int, dataset: str = "cifar10",
+               threads: int | None = None, seed: int = 0) -> dict[str, Any]:
+    """Time ``steps`` training steps after ``warmup`` untimed ones; return per-step seconds."""
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    shape, classes = dataset_shape(dataset)
+    x = torch.randn(batch_size, *shape)
+    y = torch.randint(0, classes, (batch_size,))
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        return time.perf_counter() - t0
+
+    for _ in range(warmup):
+        step()
+    step_s = [step() for _ in range(steps)]
+    total = sum(step_s)
+    return {
+        "batch_size": batch_size,
+        "steps": steps,
+        "warmup": warmup,
+        "threads": torch.get_num_threads(),
+        "step_s": step_s,
+        "samples_per_s": batch_size * steps / total,
+    }
+
+
+def rss_mb() -> float:
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**20
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set so far (Linux reports ``ru_maxrss`` in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _start_memory_watchdog(limit_mb: float) -> None:
+    """Exit with ``MEMORY_LIMIT_EXIT`` as soon as resident memory passes ``limit_mb``."""
+
+    def watch() -> None:
+        while True:
+            rss = rss_mb()
+            if rss > limit_mb:
+                sys.stdout.write(json.dumps({"status": "memory_limit", "rss_mb": rss,
+                                             "limit_mb": limit_mb}) + "\n")
+                sys.stdout.flush()
+                os._exit(MEMORY_LIMIT_EXIT)
+            time.sleep(_POLL_S)
+
+    threading.Thread(target=watch, daemon=True, name="memory-watchdog").start()
+
+
+def _child_main(spec: dict) -> dict:
+    if spec.get("memory_limit_mb"):
+        _start_memory_watchdog(spec["memory_limit_mb"])
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    model = build_model(spec["model"], spec["dataset"])
+    baseline = rss_mb()
+    out = time_steps(model, spec["batch_size"], spec["steps"], spec["warmup"], spec["dataset"],
+                     threads=spec["threads"], seed=spec.get("seed", 0))
+    out.update(status="ok", baseline_rss_mb=baseline, peak_rss_mb=peak_rss_mb())
+    return out
+
+
+def child_env(threads: int) -> dict[str, str]:
+    """Environment for a measuring child: finds this package, uses exactly ``threads`` threads."""
+    import edgetrain
+
+    env = dict(os.environ)
+    src = str(Path(edgetrain.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["OMP_NUM_THREADS"] = str(threads)
+    env["MKL_NUM_THREADS"] = str(threads)
+    return env
+
+
+def measure_steps_isolated(model: str, batch_size: int, *, dataset: str = "cifar10", steps: int = 5,
+                           warmup: int = 2, threads: int = 1, memory_limit_mb: float | None = None,
+                           timeout_s: float = 600, seed: int = 0) -> dict[str, Any]:
+    """``time_steps`` in a fresh process; ``status`` is ``ok``, ``memory_limit``, ``killed`` or ``timeout``."""
+    spec = dict(model=model, batch_size=batch_size, dataset=dataset, steps=steps, warmup=warmup,
+                threads=threads, memory_limit_mb=memory_limit_mb, seed=seed)
+    cmd = [sys.executable, "-m", "edgetrain.bench.workload", json.dumps(spec)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
+                              env=child_env(threads))
+    except subprocess.TimeoutExpired:
+        return {"batch_size": batch_size, "status": "timeout", "timeout_s": timeout_s}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode == MEMORY_LIMIT_EXIT and lines:
+        return {"batch_size": batch_size, **json.loads(lines[-1])}
+    if proc.returncode < 0:  # a signal: the kernel's OOM killer sends SIGKILL
+        return {"batch_size": batch_size, "status": "killed", "signal": -proc.returncode,
+                "stderr": proc.stderr[-2000:]}
+    if proc.returncode != 0 or not lines:
+        tail = proc.stderr.strip().splitlines()[-1:] or ["no output"]
+        if "EdgetrainError" in proc.stderr:
+            raise EdgetrainError(tail[0].split("EdgetrainError:", 1)[-1].strip())
+        raise RuntimeError(f"measuring batch {batch_size} failed (exit {proc.returncode}): "
+                           f"{proc.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+if __name__ == "__main__":
+    print(json.dumps(_child_main(json.loads(sys.argv[1]))))
