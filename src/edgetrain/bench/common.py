@@ -75,20 +75,24 @@ def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]
                 notes: Iterable[str] = ()) -> None:
     """A compact rich table, then one line per note (modelled values, skipped knobs...)."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
-    table = Table(title=title, title_justify="left")
+    table = Table()
     for i, col in enumerate(columns):
-        table.add_column(col, justify="left" if i == 0 else "right")
+        table.add_column(escape(col), justify="left" if i == 0 else "right")
     for row in rows:
-        table.add_row(*(fmt(v) for v in row))
+        table.add_row(*(escape(fmt(v)) for v in row))
     console = Console(width=max(100, Console().width))
+    console.print(f"[bold]{escape(title)}[/bold]", highlight=False)
     console.print(table)
     for note in notes:
-        console.print(f"  note: {note}", highlight=False)
+        console.print(f"  note: {escape(note)}", highlight=False)
 
 
-def say(message: str) -> None:
+def say(message: str, style: str = "yellow") -> None:
+    """One line for the user (a missing sensor, a skipped knob), printed as is."""
     from rich.console import Console
+    from rich.markup import escape
 
-    Console(width=max(100, Console().width)).print(message, highlight=False)
+    Console(width=max(100, Console().width)).print(f"[{style}]{escape(message)}[/{style}]", highlight=False)

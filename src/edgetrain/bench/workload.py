@@ -147,7 +147,7 @@ def time_steps(model, batch_size: int, steps: int, warmup: int, dataset: str = "
         "warmup": warmup,
         "threads": torch.get_num_threads(),
         "step_s": step_s,
-        "samples_per_s": batch_size * steps / total,
+        "samples_per_s": batch_size * steps / total if steps else None,
     }
 
 
