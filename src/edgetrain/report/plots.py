@@ -89,7 +89,8 @@ def plot_batch(result: dict[str, Any], path) -> None:
     mem.set_ylim(bottom=0)
     lines = ax.get_legend_handles_labels()
     lines2 = mem.get_legend_handles_labels()
-    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=8, loc="upper left")
+    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=8, loc="upper center",
+              bbox_to_anchor=(0.5, -0.14), ncol=2, frameon=False)
     p = result["params"]
     ax.set_title(f"{p['model']} on {p['profile']} ({p['threads']} thread(s))")
     save(fig, path)
@@ -180,8 +181,9 @@ def plot_power(result: dict[str, Any], path) -> None:
         ax.plot(*zip(*pts), "-", color=COLORS[3], label="Pareto front")
         ax.legend(fontsize=8)
     ax.set_xlabel("time per epoch (s)")
-    ax.set_ylabel("energy per epoch (J)" + (" [MODELLED]" if source["modelled"] else ""))
-    ax.set_title(f"Time vs energy per epoch; energy: {source['kind']}" + (" (modelled)" if source["modelled"] else ""))
+    ax.set_ylabel("energy per epoch (J)" + (", MODELLED" if source["modelled"] else ""))
+    ax.set_title("Time vs energy per epoch" + (" (energy modelled: no sensor)" if source["modelled"]
+                                                else f" ({source['kind']})"))
     save(fig, path)
 
 
@@ -232,6 +234,7 @@ def radar(labels: Sequence[str], configs: Sequence[tuple[str, Sequence[float | N
         ax.fill(angles, vals, alpha=0.1, color=COLORS[i % 10])
     ax.set_xticks(angles[:-1])
     ax.set_xticklabels(labels)
+    ax.tick_params(axis="x", pad=14)
     ax.set_ylim(0, 1.05)
     ax.set_yticks([0.25, 0.5, 0.75, 1.0])
     ax.set_yticklabels(["0.25", "0.5", "0.75", "1"], fontsize=7)
