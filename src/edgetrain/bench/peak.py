@@ -221,12 +221,15 @@ def distributed_sweep(**kwargs: Any) -> list[list[dict[str, Any]]] | None:
 
 
 def _ints(text: str) -> list[int]:
+    """argparse type for ``1,2,4``: argparse turns the error into one line and exit status 2."""
+    import argparse
+
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise EdgetrainError(f"expected comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not values or min(values) < 1:
-        raise EdgetrainError(f"expected positive integers, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return values
 
 

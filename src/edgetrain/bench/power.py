@@ -120,12 +120,6 @@ def sampled_meter(read_watts: Callable[[], float], period_s: float = 0.05) -> It
         thread.join(timeout=2)
 
 
-@contextmanager
-def modelled_meter(idle_w: float, per_core_w: float, cores: int) -> Iterator[Callable[[], float]]:
-    start = time.perf_counter()
-    yield lambda: (time.perf_counter() - start) * (idle_w + per_core_w * cores)
-
-
 def parse_power_model(text: str | None) -> tuple[float, float] | None:
     if not text:
         return None
@@ -155,15 +149,12 @@ def energy_source(rapl_root: str, ina_roots: tuple[str, ...], model: tuple[float
                        "for modelled energy. Times are measured"}
 
 
-def meter(source: dict, cores: int):
+def meter(source: dict):
+    """A context manager yielding a joules-so-far function for a real sensor."""
     if source["kind"].startswith("Intel RAPL"):
         return rapl_meter([Path(p) for p in source["paths"]])
-    if source["kind"] == "Jetson INA3221":
-        files = [Path(p) for p in source["paths"]]
-        return sampled_meter(lambda: sum(float(f.read_text()) for f in files) / 1000)
-    if source["modelled"]:
-        return modelled_meter(source["idle_w"], source["per_core_w"], cores)
-    return None
+    files = [Path(p) for p in source["paths"]]
+    return sampled_meter(lambda: sum(float(f.read_text()) for f in files) / 1000)
 
 
 # ---- knobs ----
@@ -241,17 +232,20 @@ def pareto_front(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _measure(net, batch_size: int, steps: int, warmup: int, dataset: str, threads: int,
              source: dict) -> dict[str, Any]:
+    """Timed steps and the joules they used (None without a sensor or a model)."""
     workload.time_steps(net, batch_size, 0, warmup, dataset, threads)
-    m = meter(source, threads)
-    if m is None:
-        timing = workload.time_steps(net, batch_size, steps, 0, dataset, threads)
-        return {"timing": timing, "joules": None}
-    with m as joules:
+    if source["kind"] == "none" or source["modelled"]:
         t0 = time.perf_counter()
         timing = workload.time_steps(net, batch_size, steps, 0, dataset, threads)
-        used = joules()
         metered_s = time.perf_counter() - t0
-    return {"timing": timing, "joules": used, "metered_s": metered_s}
+        joules = metered_s * (source["idle_w"] + source["per_core_w"] * threads) if source["modelled"] else None
+        return {"timing": timing, "joules": joules, "metered_s": metered_s}
+    with meter(source) as read_joules:
+        t0 = time.perf_counter()
+        timing = workload.time_steps(net, batch_size, steps, 0, dataset, threads)
+        joules = read_joules()
+        metered_s = time.perf_counter() - t0
+    return {"timing": timing, "joules": joules, "metered_s": metered_s}
 
 
 def run(model: str = "resnet18", dataset: str = "cifar10", *, threads: list[int] | None = None,
