@@ -1,0 +1,42 @@
+"""Model registry: a name maps to a factory ``(in_channels, num_classes, **kwargs) -> nn.Module``.
+
+Register your own with ``register_model("mynet", MyNet)``, or pass a built
+``nn.Module`` straight to ``edgetrain.train(config, model=...)``.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from torch import nn
+
+from edgetrain.errors import EdgetrainError
+from edgetrain.models.resnet import ResNet18
+from edgetrain.models.small_cnn import SmallCNN
+
+ModelFactory = Callable[..., nn.Module]
+
+MODELS: dict[str, ModelFactory] = {"small_cnn": SmallCNN, "resnet18": ResNet18}
+
+
+def register_model(name: str, factory: ModelFactory) -> None:
+    MODELS[name] = factory
+
+
+def _register_optional() -> None:
+    try:  # the tiling work adds a YOLOv2-tiny-style backbone
+        from edgetrain.models.yolo_tiny import YoloTiny
+    except ImportError:
+        return
+    MODELS.setdefault("yolo_tiny", YoloTiny)
+
+
+def build_model(name: str, in_channels: int = 3, num_classes: int = 10, **kwargs) -> nn.Module:
+    _register_optional()
+    if name not in MODELS:
+        raise EdgetrainError(f"unknown model '{name}'; known models: {', '.join(sorted(MODELS))} "
+                             f"(register your own with edgetrain.models.register_model)")
+    return MODELS[name](in_channels=in_channels, num_classes=num_classes, **kwargs)
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

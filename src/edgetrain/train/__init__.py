@@ -1,0 +1,47 @@
+"""Data-parallel training on emulated or real edge devices: ``train(config)``."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from torch import nn
+
+from edgetrain.cluster.launch import launch_local, under_torchrun
+from edgetrain.cluster.profiles import device_speed, plan_devices, split_batch
+from edgetrain.config import TrainConfig, load_config
+from edgetrain.report.files import new_run_dir, write_yaml
+
+
+def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: nn.Module | None = None,
+          **overrides: Any) -> dict | None:
+    """Train as ``config`` says (a ``TrainConfig``, a dict or a YAML path) with ``overrides`` on top.
+
+    On one host this spawns ``config.devices`` emulated devices and returns the
+    run summary (also written to ``<run_dir>/summary.json``). Under torchrun it
+    trains this process's device; rank 0 returns the summary, the others None.
+    Pass ``model`` to train your own ``nn.Module`` instead of a registered one.
+    """
+    cfg = load_config(config, **overrides)
+    torchrun = under_torchrun()
+    world = int(os.environ["WORLD_SIZE"]) if torchrun else None
+    devices = plan_devices(cfg, world)
+    local_batches = split_batch(cfg, devices)
+    needs_speed = cfg.throttle and any(d.profile.speed is not None or d.profile.gflops is not None for d in devices)
+    # Measured once, before the devices start, so they do not disturb each other's measurement.
+    speeds = [device_speed(d.profile) if needs_speed else None for d in devices]
+    rank = int(os.environ.get("RANK", 0))
+    run_dir = None
+    if rank == 0:
+        run_dir = new_run_dir(cfg.output, cfg.run_name)
+        write_yaml(run_dir / "config.yaml", cfg.to_dict())
+    args = (cfg, devices, local_batches, speeds, str(run_dir) if run_dir else None, model)
+    if torchrun:
+        from edgetrain.train.loop import run_worker
+
+        return run_worker(*args)
+    from edgetrain.train.loop import run_worker
+
+    return launch_local(len(devices), run_worker, args, [d.label for d in devices], log_dir=str(run_dir))[0]
+
+
+__all__ = ["train", "TrainConfig", "load_config"]

@@ -1,0 +1,220 @@
+"""Device profiles and cluster files.
+
+A profile says what a device is: its cores, its compute rate, its memory and
+its link. Compute rate is given in GFLOPS (dense single-precision, as LINPACK
+or a GEMM measures it). An emulated device runs at
+``speed = profile GFLOPS / GFLOPS of one host core``, measured on this host
+when the run starts (``host_core_gflops``), so a profile means the same on any
+host. A profile may give ``speed`` directly instead (relative to one host core).
+
+A cluster file lists the devices of a run::
+
+    profiles:                  # optional: your own profiles, possibly based on a built-in
+      pi-zero: {base: rpi4, cores: 1, gflops: 1.0, memory_mb: 512}
+    devices:
+      - rpi4                   # a profile name
+      - {profile: jetson-nano, batch: 24, link: wifi-20m}
+      - {profile: pi-zero, count: 2}
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from edgetrain.errors import EdgetrainError
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    name: str
+    cores: int | None = None          # cores of the real device; None = the host's
+    gflops: float | None = None       # sustained dense fp32 GFLOPS of the whole device; None = host speed
+    speed: float | None = None        # compute speed relative to one host core; overrides gflops
+    memory_mb: int | None = None      # memory the device has; None = no limit
+    link: str | None = None           # link preset or spec (see edgetrain.cluster.links)
+    description: str = ""
+
+
+# Compute rates: rpi4 from LINPACK on one Raspberry Pi 4 (15.5 GFLOPS, the Pi study cited in
+# the README); jetson-nano is its quad Cortex-A57 CPU (4 cores x 1.43 GHz x 8 fp32 FLOP/cycle
+# = 45.8 GFLOPS peak, at the same ~30% LINPACK efficiency as the Pi's A72): about 13.7 GFLOPS.
+BUILTIN_PROFILES: dict[str, DeviceProfile] = {
+    "host": DeviceProfile("host", description="this machine, unthrottled"),
+    "rpi4": DeviceProfile("rpi4", cores=4, gflops=15.5, memory_mb=4096, link="lan-1g",
+                          description="Raspberry Pi 4 Model B, 4x Cortex-A72 1.5 GHz, 4 GB"),
+    "jetson-nano": DeviceProfile("jetson-nano", cores=4, gflops=13.7, memory_mb=4096, link="lan-1g",
+                                 description="Jetson Nano CPU, 4x Cortex-A57 1.43 GHz, 4 GB (GPU not emulated)"),
+}
+
+_PROFILE_KEYS = {f.name for f in dataclasses.fields(DeviceProfile)} - {"name"}
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One device of a run: its rank, profile and share of the global batch."""
+
+    rank: int
+    profile: DeviceProfile
+    batch: int | None = None          # local batch, if the cluster file fixes it
+    link: str | None = None
+
+    @property
+    def label(self) -> str:
+        return f"device {self.rank} ({self.profile.name})"
+
+
+@functools.lru_cache(maxsize=1)
+def host_core_gflops(seconds: float = 0.3, n: int = 384) -> float:
+    """GFLOPS of one host core on a float32 GEMM, measured now (single thread)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        torch.mm(a, b)
+        reps, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            torch.mm(a, b)
+            reps += 1
+        elapsed = time.perf_counter() - start
+    finally:
+        torch.set_num_threads(threads)
+    return 2 * n**3 * reps / elapsed / 1e9
+
+
+def device_speed(profile: DeviceProfile) -> float | None:
+    """Speed relative to one host core, or None for an unthrottled device."""
+    if profile.speed is not None:
+        return profile.speed
+    if profile.gflops is not None:
+        return profile.gflops / host_core_gflops()
+    return None
+
+
+def _make_profile(name: str, spec: dict, known: dict[str, DeviceProfile], source: str) -> DeviceProfile:
+    if not isinstance(spec, dict):
+        raise EdgetrainError(f"profile '{name}' in {source} must be a mapping, not {spec!r}")
+    spec = dict(spec)
+    base_name = spec.pop("base", None)
+    unknown = set(spec) - _PROFILE_KEYS
+    if unknown:
+        raise EdgetrainError(f"profile '{name}' in {source} has unknown key '{sorted(unknown)[0]}'; "
+                             f"valid keys: base, {', '.join(sorted(_PROFILE_KEYS))}")
+    base = DeviceProfile(name)
+    if base_name is not None:
+        if base_name not in known:
+            raise EdgetrainError(f"profile '{name}' in {source} is based on unknown profile '{base_name}'; "
+                                 f"known: {', '.join(known)}")
+        base = dataclasses.replace(known[base_name], name=name)
+    for key in ("cores", "memory_mb"):
+        if key in spec and (not isinstance(spec[key], int) or spec[key] < 1):
+            raise EdgetrainError(f"profile '{name}' in {source}: {key} must be a positive integer, not {spec[key]!r}")
+    for key in ("gflops", "speed"):
+        if key in spec and (not isinstance(spec[key], (int, float)) or spec[key] <= 0):
+            raise EdgetrainError(f"profile '{name}' in {source}: {key} must be a positive number, not {spec[key]!r}")
+    if "gflops" in spec and "speed" not in spec:
+        spec["speed"] = None
+    return dataclasses.replace(base, **spec)
+
+
+def get_profile(name: str, extra: dict[str, DeviceProfile] | None = None) -> DeviceProfile:
+    known = {**BUILTIN_PROFILES, **(extra or {})}
+    if name not in known:
+        raise EdgetrainError(f"unknown device profile '{name}'; known profiles: {', '.join(known)} "
+                             f"(define your own under 'profiles:' in a cluster file)")
+    return known[name]
+
+
+def load_cluster(path: str | os.PathLike) -> list[DeviceSpec]:
+    """Devices listed in a cluster file, ranks in file order."""
+    from edgetrain.config import read_yaml_mapping
+
+    source = str(path)
+    data = read_yaml_mapping(Path(path), "cluster file")
+    unknown = set(data) - {"profiles", "devices"}
+    if unknown:
+        raise EdgetrainError(f"cluster file {source} has unknown key '{sorted(unknown)[0]}'; valid keys: profiles, devices")
+    profiles: dict[str, DeviceProfile] = {}
+    for name, spec in (data.get("profiles") or {}).items():
+        profiles[name] = _make_profile(str(name), spec, {**BUILTIN_PROFILES, **profiles}, source)
+    entries = data.get("devices")
+    if not entries or not isinstance(entries, list):
+        raise EdgetrainError(f"cluster file {source} needs a non-empty list under 'devices:'")
+    devices: list[DeviceSpec] = []
+    for i, entry in enumerate(entries):
+        if isinstance(entry, str):
+            entry = {"profile": entry}
+        if not isinstance(entry, dict) or "profile" not in entry:
+            raise EdgetrainError(f"cluster file {source}: device entry {i + 1} needs a 'profile' key, got {entry!r}")
+        bad = set(entry) - {"profile", "batch", "link", "count"}
+        if bad:
+            raise EdgetrainError(f"cluster file {source}: device entry {i + 1} has unknown key '{sorted(bad)[0]}'; "
+                                 f"valid keys: profile, batch, link, count")
+        count = entry.get("count", 1)
+        batch = entry.get("batch")
+        if not isinstance(count, int) or count < 1:
+            raise EdgetrainError(f"cluster file {source}: device entry {i + 1} count must be a positive integer")
+        if batch is not None and (not isinstance(batch, int) or batch < 1):
+            raise EdgetrainError(f"cluster file {source}: device entry {i + 1} batch must be a positive integer")
+        profile = get_profile(str(entry["profile"]), profiles)
+        for _ in range(count):
+            devices.append(DeviceSpec(len(devices), profile, batch, entry.get("link") or profile.link))
+    return devices
+
+
+def plan_devices(cfg: Any, world_size: int | None = None) -> list[DeviceSpec]:
+    """The devices of a run from ``cfg.cluster`` or ``cfg.devices`` x ``cfg.profile``."""
+    if cfg.cluster:
+        devices = load_cluster(cfg.cluster)
+        if world_size is not None and world_size != len(devices):
+            raise EdgetrainError(f"cluster file {cfg.cluster} lists {len(devices)} devices but "
+                                 f"WORLD_SIZE is {world_size}; launch one process per listed device")
+    else:
+        profile = get_profile(cfg.profile)
+        n = world_size if world_size is not None else cfg.devices
+        devices = [DeviceSpec(r, profile, None, profile.link) for r in range(n)]
+    if cfg.link:
+        devices = [dataclasses.replace(d, link=cfg.link) for d in devices]
+    return devices
+
+
+def split_batch(cfg: Any, devices: list[DeviceSpec]) -> list[int]:
+    """Local batch of every device; they sum to the global batch."""
+    n, total = len(devices), cfg.batch_size
+    if cfg.local_batch not in ("even", "balanced"):
+        sizes = [int(s) for s in cfg.local_batch.split(",")]
+        if len(sizes) != n:
+            raise EdgetrainError(f"config key 'local_batch' lists {len(sizes)} batches for {n} devices")
+        return sizes
+    fixed = [d.batch for d in devices]
+    if any(b is not None for b in fixed) and not all(b is not None for b in fixed):
+        raise EdgetrainError("the cluster file gives 'batch' for some devices but not all: give it for every device or none")
+    if all(b is not None for b in fixed):
+        if sum(fixed) != total:
+            raise EdgetrainError(f"the cluster file's device batches sum to {sum(fixed)}, but batch_size is {total}; "
+                                 f"set batch_size to {sum(fixed)}")
+        return fixed  # type: ignore[return-value]
+    if total < n:
+        raise EdgetrainError(f"batch_size {total} is smaller than the {n} devices: every device needs at least one sample")
+    if cfg.local_batch == "balanced":
+        weights = [device_speed(d.profile) or float(d.profile.cores or os.cpu_count() or 1) for d in devices]
+    else:
+        weights = [1.0] * n
+    # Largest-remainder rounding keeps the sum exact and every share >= 1.
+    raw = [total * w / sum(weights) for w in weights]
+    sizes = [max(1, int(r)) for r in raw]
+    order = sorted(range(n), key=lambda i: raw[i] - int(raw[i]), reverse=True)
+    i = 0
+    while sum(sizes) < total:
+        sizes[order[i % n]] += 1
+        i += 1
+    while sum(sizes) > total:
+        j = max(range(n), key=lambda k: sizes[k] - raw[k])
+        sizes[j] -= 1
+    return sizes

@@ -1,0 +1,203 @@
+"""The training configuration: one flat dataclass, loaded from YAML and CLI flags.
+
+Every field is an option of ``edgetrain train`` (``--batch-size`` for
+``batch_size``) and a key of the YAML file given with ``--config``. Values are
+checked on load; a wrong key, type or value is one line naming the key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from edgetrain.errors import EdgetrainError
+
+
+def _opt(default: Any, help: str, choices: tuple | None = None, minimum: float | None = None, **extra) -> Any:
+    meta = {"help": help, "choices": choices, "min": minimum, **extra}
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class TrainConfig:
+    # what to train
+    model: str = _opt("small_cnn", "model name from the registry: small_cnn, resnet18, yolo_tiny (or one you registered)")
+    dataset: str = _opt("digits", "digits (ships with scikit-learn), cifar10 (official python format, needs data_dir) or synthetic",
+                        choices=("digits", "cifar10", "synthetic"))
+    data_dir: str | None = _opt(None, "directory holding CIFAR-10's data_batch_1..5 and test_batch")
+    image_size: int = _opt(32, "side of the synthetic dataset's square images", minimum=4)
+    synthetic_samples: int = _opt(2048, "training images in the synthetic dataset (test set: a quarter of it)", minimum=1)
+    augment: bool = _opt(True, "random crop and horizontal flip for CIFAR-10 training images")
+    workers: int = _opt(0, "data-loader worker processes per device (0 = load in the training process)", minimum=0)
+
+    # the cluster
+    devices: int = _opt(1, "number of emulated devices on this host (ignored under torchrun, which sets WORLD_SIZE)", minimum=1)
+    profile: str = _opt("host", "device profile for every emulated device: host, rpi4, jetson-nano, or one defined in the cluster file")
+    cluster: str | None = _opt(None, "cluster file (YAML) listing devices and their profiles, batches and links")
+    throttle: bool = _opt(True, "emulate each profile's compute speed by duty cycling (off: every device runs at host speed)")
+    threads: int | None = _opt(None, "torch threads per device (default: the cores the device gets on this host)", minimum=1)
+
+    # optimisation
+    epochs: int = _opt(10, "passes over the training set", minimum=1)
+    steps: int | None = _opt(None, "stop after this many steps (overrides epochs)", minimum=1)
+    batch_size: int = _opt(64, "global batch: samples per step summed over all devices", minimum=1)
+    local_batch: str = _opt("even", "split of the global batch: even, balanced (to device speed) or a list like 16,16,32")
+    optimizer: str = _opt("sgd", "sgd (with momentum) or adam", choices=("sgd", "adam"))
+    lr: float = _opt(0.05, "learning rate", minimum=0.0)
+    momentum: float = _opt(0.9, "SGD momentum", minimum=0.0)
+    weight_decay: float = _opt(5e-4, "L2 weight decay", minimum=0.0)
+    schedule: str = _opt("cosine", "learning-rate schedule over the run", choices=("constant", "cosine"))
+    batchnorm: str = _opt("local", "BatchNorm statistics: local (per device, DDP's default) or sync (over all devices: "
+                          "same result as one device)", choices=("local", "sync"))
+    seed: int = _opt(0, "seed for weights, shuffling and augmentation", minimum=0)
+
+    # communication over edge links
+    compress: str = _opt("none", "gradient compression, e.g. none, fp16, topk:0.01, powersgd:2")
+    sync: str = _opt("sync", "synchronisation: sync, local:H, async:S, gossip")
+    link: str | None = _opt(None, "link of every device: a preset (lan-1g, wifi-20m, lte-10m, wan-intercontinental) or a spec")
+    link_mode: str = _opt("virtual", "link emulation: virtual (model comm time on a virtual clock) or enforced (really wait)",
+                          choices=("virtual", "enforced"))
+
+    # spatial tiling
+    strategy: str = _opt("ddp", "parallelism: ddp (data parallel) or tiled (spatial tiles of the early layers)",
+                         choices=("ddp", "tiled"))
+    grid: str = _opt("1x1", "tile grid ROWSxCOLS for --strategy tiled")
+    groups: str = _opt("auto", "tiled layer groups: auto, or layer indices after which devices exchange, like 3,7")
+
+    # run control and output
+    eval: bool = _opt(True, "evaluate on the test set after every epoch")
+    output: str = _opt("runs", "directory under which the run directory is made")
+    run_name: str | None = _opt(None, "name of the run directory (default: train-<timestamp>)")
+    timeout: float = _opt(120.0, "seconds to wait for a peer (rendezvous and every collective) before giving up", minimum=1.0)
+    progress: bool = _opt(True, "progress bar on rank 0")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def _base_type(annotation: str) -> tuple[type, bool]:
+    """(type, optional) from a field annotation such as ``int | None``."""
+    hint = typing.get_type_hints(TrainConfig)[annotation]
+    args = typing.get_args(hint)
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        inner = [a for a in args if a is not type(None)]
+        return inner[0], True
+    return hint, False
+
+
+def _coerce(key: str, value: Any, source: str) -> Any:
+    typ, optional = _base_type(key)
+    where = f" in {source}" if source else ""
+    if value is None:
+        if optional:
+            return None
+        raise EdgetrainError(f"config key '{key}'{where} must not be empty (expected {typ.__name__})")
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "yes", "1", "on", "false", "no", "0", "off"):
+            return value.lower() in ("true", "yes", "1", "on")
+        raise EdgetrainError(f"config key '{key}'{where} must be true or false, not {value!r}")
+    if typ is int:
+        if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, str) and value.strip().lstrip("-").isdigit())):
+            raise EdgetrainError(f"config key '{key}'{where} must be an integer, not {value!r}")
+        value = int(value)
+    elif typ is float:
+        try:
+            if isinstance(value, bool):
+                raise ValueError
+            value = float(value)
+        except (TypeError, ValueError):
+            raise EdgetrainError(f"config key '{key}'{where} must be a number, not {value!r}") from None
+    elif typ is str:
+        if isinstance(value, (dict, list)):
+            raise EdgetrainError(f"config key '{key}'{where} must be a string, not a {type(value).__name__}")
+        value = str(value)
+    meta = FIELDS[key].metadata
+    if meta.get("choices") and value not in meta["choices"]:
+        raise EdgetrainError(f"config key '{key}'{where} must be one of {', '.join(meta['choices'])}, not {value!r}")
+    if meta.get("min") is not None and value < meta["min"]:
+        raise EdgetrainError(f"config key '{key}'{where} must be >= {meta['min']:g}, not {value!r}")
+    return value
+
+
+def _unknown_key(key: str, source: str) -> EdgetrainError:
+    close = difflib.get_close_matches(key, FIELDS, n=1)
+    hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(FIELDS)}"
+    where = f" in {source}" if source else ""
+    return EdgetrainError(f"unknown config key '{key}'{where}{hint}")
+
+
+def load_config(source: TrainConfig | dict | str | os.PathLike | None = None, **overrides: Any) -> TrainConfig:
+    """Build a validated ``TrainConfig`` from a config object, a dict or a YAML path, then ``overrides``."""
+    values: dict[str, Any] = {}
+    origin = ""
+    if isinstance(source, TrainConfig):
+        values = source.to_dict()
+    elif isinstance(source, dict):
+        values, origin = dict(source), "config"
+    elif source is not None:
+        values, origin = read_yaml_mapping(source, "config file"), str(source)
+    cfg = TrainConfig()
+    for key, value in values.items():
+        if key not in FIELDS:
+            raise _unknown_key(key, origin)
+        setattr(cfg, key, _coerce(key, value, origin))
+    for key, value in overrides.items():
+        if key not in FIELDS:
+            raise _unknown_key(key, "overrides")
+        setattr(cfg, key, _coerce(key, value, "command line"))
+    validate(cfg)
+    return cfg
+
+
+def read_yaml_mapping(path: str | os.PathLike, what: str) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise EdgetrainError(f"{what} {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark else ""
+        raise EdgetrainError(f"{what} {path} is not valid YAML{at}: {getattr(e, 'problem', e)}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise EdgetrainError(f"{what} {path} must be a mapping of keys to values, not a {type(data).__name__}")
+    return data
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Checks that span several keys or need other modules; each failure names its key."""
+    if cfg.dataset == "cifar10" and not cfg.data_dir:
+        raise EdgetrainError("config key 'data_dir' is required with dataset cifar10: point it at cifar-10-batches-py")
+    if cfg.local_batch not in ("even", "balanced"):
+        try:
+            sizes = [int(s) for s in cfg.local_batch.split(",")]
+        except ValueError:
+            raise EdgetrainError(f"config key 'local_batch' must be even, balanced or a list like 16,16,32, "
+                                 f"not {cfg.local_batch!r}") from None
+        if any(s < 1 for s in sizes):
+            raise EdgetrainError(f"config key 'local_batch' needs every device's batch >= 1, not {cfg.local_batch!r}")
+        if sum(sizes) != cfg.batch_size:
+            raise EdgetrainError(f"config key 'local_batch' {cfg.local_batch} sums to {sum(sizes)}, "
+                                 f"but batch_size is {cfg.batch_size}; make them agree")
+    try:
+        from edgetrain import comm
+    except ImportError:  # pragma: no cover - comm is part of the package
+        comm = None
+    if comm is not None and hasattr(comm, "check_config"):
+        comm.check_config(cfg)
+    if cfg.grid != "1x1" and cfg.strategy != "tiled":
+        raise EdgetrainError(f"config key 'grid' {cfg.grid} needs strategy tiled (--strategy tiled)")

@@ -1,0 +1,40 @@
+"""``edgetrain train``: every TrainConfig field is a flag; ``--config`` reads a YAML file first."""
+from __future__ import annotations
+
+import argparse
+
+
+from edgetrain.config import FIELDS, _base_type
+
+
+def register(sub) -> None:
+    p = sub.add_parser("train", help="train a model on N emulated devices or, under torchrun, on real ones",
+                       description="Data-parallel training with PyTorch DDP over gloo. Flags override the --config "
+                                   "file; both are validated before any device starts.",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--config", metavar="FILE", help="YAML file of config keys (the flags' names with underscores)")
+    for name, f in FIELDS.items():
+        typ, _ = _base_type(name)
+        flag = "--" + name.replace("_", "-")
+        meta = f.metadata
+        kwargs = {"dest": name, "default": argparse.SUPPRESS, "help": meta["help"] + f" (default: {f.default})"}
+        if typ is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
+        else:
+            metavar = "|".join(meta["choices"]) if meta.get("choices") else typ.__name__.upper()
+            p.add_argument(flag, metavar=metavar, **kwargs)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from edgetrain.report.tables import print_train_summary
+    from edgetrain.train import train
+
+    overrides = {k: v for k, v in vars(args).items() if k in FIELDS}
+    summary = train(args.config, **overrides)
+    if summary is not None:
+        print_train_summary(summary)
+    return 0
+
+
+
