@@ -7,12 +7,13 @@ from bench_helpers import assert_png, read_result
 
 
 def test_batch_sweep_numbers_are_consistent(tmp_path):
-    assert main(["bench", "batch", "--model", "small_cnn", "--start-batch", "4", "--max-batch", "8", "--steps", "3",
+    assert main(["bench", "batch", "--model", "small_cnn", "--dataset", "digits", "--start-batch", "4",
+                 "--max-batch", "8", "--steps", "3",
                  "--threads", "1", "--peak-size", "128", "--output", str(tmp_path), "--name", "b"]) == 0
     result = read_result(tmp_path / "b")
     rows = result["rows"]
     assert [r["batch_size"] for r in rows] == [4, 8]
-    peak = result["gemm_peak_gflops"]
+    peak = result["peak_gflops"]
     per_sample = result["flops_per_sample"]["total_flops"]
     for r in rows:
         assert r["status"] == "ok" and len(r["step_s"]) == 3
@@ -26,14 +27,15 @@ def test_batch_sweep_numbers_are_consistent(tmp_path):
 
 
 def test_memory_limit_is_reported_not_a_crash(tmp_path):
-    # small_cnn: batch 2048 peaks near 540 MB resident, 4096 near 760 MB.
-    limit = 650
-    assert main(["bench", "batch", "--model", "small_cnn", "--start-batch", "2048", "--max-batch", "65536",
+    # small_cnn on 8x8 digits: batch 1024 peaks near 440 MB resident, 2048 near 575 MB.
+    limit = 520
+    assert main(["bench", "batch", "--model", "small_cnn", "--dataset", "digits", "--start-batch", "1024",
+                 "--max-batch", "65536",
                  "--steps", "1", "--warmup", "0", "--threads", "1", "--peak-size", "128",
                  "--memory-limit-mb", str(limit), "--output", str(tmp_path), "--name", "m"]) == 0
     result = read_result(tmp_path / "m")
     ok = [r for r in result["rows"] if r["status"] == "ok"]
-    assert ok and ok[0]["batch_size"] == 2048
+    assert ok and ok[0]["batch_size"] == 1024
     assert all(r["peak_rss_mb"] <= limit for r in ok)
     hit = result["limit_hit"]
     assert hit["status"] == "memory_limit" and hit["rss_mb"] > limit and hit["limit_mb"] == limit
@@ -42,7 +44,8 @@ def test_memory_limit_is_reported_not_a_crash(tmp_path):
 
 
 def test_a_limit_below_the_first_batch_is_one_clear_error(tmp_path, capsys):
-    assert main(["bench", "batch", "--model", "small_cnn", "--max-batch", "1", "--memory-limit-mb", "50",
+    assert main(["bench", "batch", "--model", "small_cnn", "--dataset", "digits", "--max-batch", "1",
+                 "--memory-limit-mb", "50",
                  "--peak-size", "64", "--output", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "does not fit the 50 MB memory limit" in err

@@ -31,7 +31,7 @@ def test_parse_perf_csv_and_ratios():
 
 def test_without_perf_the_bench_says_so_and_keeps_the_rest(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PATH", str(tmp_path / "no-perf-here"))
-    assert main(["bench", "counters", "--model", "small_cnn", "--batch-size", "4", "--steps", "2",
+    assert main(["bench", "counters", "--model", "small_cnn", "--dataset", "digits", "--batch-size", "4", "--steps", "2",
                  "--threads", "1", "--output", str(tmp_path), "--name", "c"]) == 0
     assert "perf not found on PATH" in capsys.readouterr().out
     result = read_result(tmp_path / "c")
@@ -42,7 +42,7 @@ def test_without_perf_the_bench_says_so_and_keeps_the_rest(tmp_path, monkeypatch
 
 @pytest.mark.skipif(shutil.which("perf") is None, reason="perf is not installed on this machine")
 def test_with_perf_counts_or_explains(tmp_path):
-    assert main(["bench", "counters", "--model", "small_cnn", "--batch-size", "4", "--steps", "2",
+    assert main(["bench", "counters", "--model", "small_cnn", "--dataset", "digits", "--batch-size", "4", "--steps", "2",
                  "--threads", "1", "--output", str(tmp_path), "--name", "c"]) == 0
     result = read_result(tmp_path / "c")
     assert result["samples_per_s"] > 0

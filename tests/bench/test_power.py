@@ -8,7 +8,7 @@ from bench_helpers import assert_png, read_result
 
 def _args(tmp_path, name, *extra):
     missing = str(tmp_path / "missing")
-    return ["bench", "power", "--model", "small_cnn", "--threads", "1,2", "--batch-size", "8", "--steps", "3",
+    return ["bench", "power", "--model", "small_cnn", "--dataset", "digits", "--threads", "1,2", "--batch-size", "8", "--steps", "3",
             "--epoch-samples", "1000", "--rapl-root", missing, "--ina-root", missing, "--cpu-root", missing,
             "--output", str(tmp_path), "--name", name, *extra]
 

@@ -9,11 +9,11 @@ from bench_helpers import assert_png, read_result
 
 def test_stalls_on_cifar_subset(tmp_path, cifar_dir):
     assert main(["bench", "stalls", "--data-dir", str(cifar_dir), "--model", "small_cnn", "--batch-size", "32",
-                 "--epoch-samples", "128", "--max-workers", "1", "--threads", "1",
+                 "--epoch-samples", "64", "--max-workers", "1", "--threads", "1",
                  "--output", str(tmp_path), "--name", "s"]) == 0
     result = read_result(tmp_path / "s")
     samples = result["params"]["epoch_samples"]
-    assert samples == 128
+    assert samples == 64
     rows = result["rows"]
     assert [r["workers"] for r in rows] == [0, 1]
     ingest = rows[0]["epoch_compute_s"]

@@ -20,7 +20,7 @@ def test_cv_statistics():
 
 
 def test_variability_run(tmp_path):
-    assert main(["bench", "variability", "--model", "small_cnn", "--repeats", "2", "--steps", "4",
+    assert main(["bench", "variability", "--model", "small_cnn", "--dataset", "digits", "--repeats", "2", "--steps", "4",
                  "--batch-size", "4", "--threads", "1", "--output", str(tmp_path), "--name", "v"]) == 0
     result = read_result(tmp_path / "v")
     runs = result["runs"]
@@ -30,3 +30,16 @@ def test_variability_run(tmp_path):
     for r in runs:
         assert r["samples_per_s"] == pytest.approx(4 * 4 / sum(r["devices"][0]["step_s"]))
     assert_png(tmp_path / "v" / "variability.png")
+
+
+def test_variability_across_devices_uses_the_trainer(tmp_path):
+    assert main(["bench", "variability", "--model", "small_cnn", "--dataset", "digits", "--repeats", "2",
+                 "--devices", "2", "--steps", "3", "--warmup", "1", "--batch-size", "8",
+                 "--output", str(tmp_path), "--name", "v2"]) == 0
+    result = read_result(tmp_path / "v2")
+    for run in result["runs"]:
+        assert [d["rank"] for d in run["devices"]] == [0, 1]
+        assert all(len(d["step_s"]) == 3 for d in run["devices"])  # the warm-up step is dropped
+        means = [statistics.fmean(d["step_s"]) for d in run["devices"]]
+        assert run["cv_across_devices"] == pytest.approx(statistics.stdev(means) / statistics.fmean(means))
+    assert result["summary"]["cv_across_devices"] is not None

@@ -20,7 +20,7 @@ def runs(tmp_path_factory) -> list[Path]:
     root = tmp_path_factory.mktemp("runs")
     assert main(["bench", "peak", "--gemm-sizes", "64,128", "--linpack-sizes", "64", "--threads", "1",
                  "--min-time", "0.01", "--output", str(root), "--name", "peak"]) == 0
-    assert main(["bench", "power", "--model", "small_cnn", "--threads", "1,2", "--batch-size", "8", "--steps", "2",
+    assert main(["bench", "power", "--model", "small_cnn", "--dataset", "digits", "--threads", "1,2", "--batch-size", "8", "--steps", "2",
                  "--power-model", "2.7,1.2", "--output", str(root), "--name", "power"]) == 0
     train = root / "train-1"  # the shape edgetrain train writes: summary.json beside its plots
     train.mkdir()

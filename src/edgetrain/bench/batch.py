@@ -32,40 +32,56 @@ def batch_sizes(start: int, max_batch: int) -> list[int]:
 
 def run(model: str = "resnet18", dataset: str = "cifar10", profile: str = "host", *,
         start_batch: int = 1, max_batch: int = 512, steps: int = 3, warmup: int = 1,
-        threads: int | None = None, memory_limit_mb: float | None = None, peak_size: int = 1024,
-        output: str = "runs", name: str | None = None, timeout_s: float = 600) -> dict[str, Any]:
+        threads: int | None = None, memory_limit_mb: float | None = None, throttle: bool = True,
+        peak_size: int = 1024, output: str = "runs", name: str | None = None,
+        timeout_s: float = 600) -> dict[str, Any]:
+    from edgetrain.cluster.profiles import device_speed, get_profile
+
     if start_batch < 1 or max_batch < start_batch:
         raise EdgetrainError(f"need 1 <= --start-batch <= --max-batch, got {start_batch} and {max_batch}")
-    prof = workload.device_profile(profile)
-    threads = threads or min(prof.cores or os.cpu_count() or 1, os.cpu_count() or 1)
+    prof = get_profile(profile)
+    host_cores = os.cpu_count() or 1
+    threads = threads or min(prof.cores or host_cores, host_cores)
     host_cap = workload.host_memory_cap_mb()
     if memory_limit_mb is not None:
         limit, limit_source = memory_limit_mb, "--memory-limit-mb"
-    elif prof.memory_limit_mb is not None:
-        limit, limit_source = prof.memory_limit_mb, f"profile {prof.name}"
+    elif prof.memory_mb is not None:
+        limit, limit_source = float(prof.memory_mb), f"profile {prof.name}"
     else:
         limit, limit_source = host_cap, "80% of this host's available memory"
     if limit > host_cap:
         raise EdgetrainError(f"memory limit {limit:.0f} MB is more than this host can give now "
                              f"({host_cap:.0f} MB available); pass a smaller --memory-limit-mb")
+    speed = device_speed(prof) if throttle else None
     notes = []
-    if prof.relative_speed is None:
-        notes.append(f"profile {prof.name}: its relative speed is not known, so throughput is this "
-                     f"host's at {threads} thread(s) with the profile's memory limit")
 
     import torch
 
     counted = flops.training_flops_per_sample(workload.build_model(model, dataset), dataset)
-    gemm_peak = peak.gemm(peak_size, threads)["gflops_best"]
+    if speed is None:
+        peak_gflops = peak.gemm(peak_size, threads)["gflops_best"]
+        peak_source = f"GEMM measured now (n={peak_size}, {threads} thread(s))"
+    else:
+        # The throttle makes the process compute at `speed` host cores; its peak is that share of one
+        # host core's GEMM rate, which is the profile's nominal GFLOPS by construction.
+        peak_gflops = speed * peak.gemm(peak_size, 1)["gflops_best"]
+        peak_source = (f"emulated: speed {speed:.3f} x one host core's GEMM (n={peak_size}); "
+                       f"profile {prof.name} nominal {prof.gflops} GFLOPS")
+        notes.append(f"profile {prof.name} emulated by throttling to {speed:.3f} of one host core "
+                     "(edgetrain.cluster.throttle); pass --no-throttle for host speed with the profile's memory limit")
+    if speed is None and prof.gflops is not None:
+        notes.append(f"--no-throttle: throughput is this host's at {threads} thread(s), with profile "
+                     f"{prof.name}'s memory limit")
     torch.set_num_threads(threads)
 
     rows: list[dict[str, Any]] = []
     limit_hit = None
     for b in batch_sizes(start_batch, max_batch):
         r = workload.measure_steps_isolated(model, b, dataset=dataset, steps=steps, warmup=warmup,
-                                            threads=threads, memory_limit_mb=limit, timeout_s=timeout_s)
+                                            threads=threads, memory_limit_mb=limit, timeout_s=timeout_s,
+                                            speed=speed)
         if r["status"] == "ok":
-            r.update(flops.achieved(counted["total_flops"], r["samples_per_s"], gemm_peak))
+            r.update(flops.achieved(counted["total_flops"], r["samples_per_s"], peak_gflops))
             r["step_s_median"] = sorted(r["step_s"])[len(r["step_s"]) // 2]
         rows.append(r)
         if r["status"] != "ok":
@@ -83,8 +99,8 @@ def run(model: str = "resnet18", dataset: str = "cifar10", profile: str = "host"
     result = save_result(
         run_dir, "batch", params,
         profile={"name": prof.name, "memory_limit_mb": limit, "limit_source": limit_source,
-                 "relative_speed": prof.relative_speed},
-        flops_per_sample=counted, gemm_peak_gflops=gemm_peak, gemm_peak_n=peak_size,
+                 "cores": prof.cores, "nominal_gflops": prof.gflops, "emulated_speed": speed},
+        flops_per_sample=counted, peak_gflops=peak_gflops, peak_source=peak_source,
         rows=rows, best=best["batch_size"], largest_fitting_batch=ok[-1]["batch_size"],
         limit_hit=limit_hit, notes=notes)
     from edgetrain.report import plots
@@ -99,10 +115,10 @@ def run(model: str = "resnet18", dataset: str = "cifar10", profile: str = "host"
     else:
         notes.append(f"no batch up to {max_batch} reached the {limit:.0f} MB limit ({limit_source})")
     notes.append(f"best batch {best['batch_size']}: {best['samples_per_s']:.1f} samples/s, "
-                 f"{100 * best['fraction_of_peak']:.0f}% of the {gemm_peak:.1f} GFLOPS GEMM peak "
-                 f"(n={peak_size}, {threads} thread(s)), {counted['total_flops'] / 1e9:.3f} GFLOP/sample")
+                 f"{100 * best['fraction_of_peak']:.0f}% of the {peak_gflops:.1f} GFLOPS peak ({peak_source}); "
+                 f"{counted['total_flops'] / 1e9:.3f} GFLOP per training sample (FlopCounterMode)")
     print_table(f"bench batch: {model} on {prof.name} ({threads} threads) -> {run_dir}",
-                ["batch", "status", "samples/s", "step s", "peak RSS MB", "GFLOPS", "% of GEMM peak"],
+                ["batch", "status", "samples/s", "step s", "peak RSS MB", "GFLOPS", "% of peak"],
                 table, notes)
     result["run_dir"] = str(run_dir)
     return result
@@ -119,9 +135,11 @@ def add_parser(sub) -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=None, help="default: the profile's cores, at most this host's")
     p.add_argument("--memory-limit-mb", type=float, default=None, help="override the profile's limit")
+    p.add_argument("--no-throttle", dest="throttle", action="store_false",
+                   help="run at host speed (keep the profile's memory limit)")
     p.add_argument("--peak-size", type=int, default=1024, help="GEMM size for the peak the fraction refers to")
     p.set_defaults(bench_func=lambda a: run(
         a.model, a.dataset, a.profile, start_batch=a.start_batch, max_batch=a.max_batch, steps=a.steps,
-        warmup=a.warmup, threads=a.threads, memory_limit_mb=a.memory_limit_mb, peak_size=a.peak_size,
+        warmup=a.warmup, threads=a.threads, memory_limit_mb=a.memory_limit_mb, throttle=a.throttle, peak_size=a.peak_size,
         output=a.output, name=a.name))
 

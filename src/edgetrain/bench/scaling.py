@@ -7,7 +7,8 @@ runs the real trainer on 1, 2, 4, ... devices and reports
 
 * speedup ``S_N = throughput_N / throughput_1`` and efficiency ``S_N / N``;
 * where a step's time goes, averaged over devices: data loading, compute,
-  communication, and waiting (the rest of the step).
+  communication (the transfer) and waiting for the slowest device (see
+  ``trainer_runs.split_per_step``).
 
 *Weak* scaling (default) keeps the per-device batch fixed, so the global batch
 grows with N, as data-parallel training on more boards usually does; *strong*
@@ -55,7 +56,7 @@ def run(config: dict[str, Any], devices: list[int], *, mode: str = "weak", outpu
     summaries, splits = {}, {}
     for n in sorted(set(devices)):
         cfg = dict(config, devices=n, output=str(run_dir / "runs"), run_name=f"devices-{n}", progress=False,
-                   batch_size=local_batch * n if mode == "weak" else local_batch)
+                   eval=False, batch_size=local_batch * n if mode == "weak" else local_batch)
         summary = train_fn(cfg)
         summaries[n] = summary
         splits[n] = trainer_runs.split_per_step(trainer_runs.read_metrics(summary["run_dir"]))
@@ -70,7 +71,9 @@ def run(config: dict[str, Any], devices: list[int], *, mode: str = "weak", outpu
                 ["devices", "samples/s", "speedup", "efficiency %", "data ms", "compute ms", "comm ms", "wait ms"],
                 [(r["devices"], r["throughput_samples_per_s"], r["speedup"], 100 * r["efficiency"],
                   *(1000 * r["split_s_per_step"][k] for k in ("data", "compute", "comm", "wait"))) for r in rows],
-                ["split = mean seconds per step over devices, after each device's first step"])
+                ["split = mean ms per step over devices, after the first step; comm = the transfer (the least "
+                 "blocked device's comm time), wait = the rest of a device's comm time, spent waiting for peers",
+                 "emulated devices share this host's cores: speedup is bounded by the cores there are"])
     result["run_dir"] = str(run_dir)
     return result
 
@@ -89,6 +92,8 @@ def add_parser(sub) -> None:
     p.add_argument("--batch-size", type=int, default=None, help="per device (weak) or global (strong)")
     p.add_argument("--steps", type=int, default=None, help="training steps per run (default 20)")
     p.add_argument("--workers", type=int, default=None, help="loader workers per device")
+    p.add_argument("--no-throttle", dest="throttle", action="store_false", default=None,
+                   help="devices run at host speed whatever their profile")
     p.set_defaults(bench_func=lambda a: run(_config(a), a.devices, mode=a.mode, output=a.output, name=a.name))
 
 
@@ -105,7 +110,7 @@ def _config(a) -> dict[str, Any]:
     config.setdefault("model", "small_cnn")
     config.setdefault("dataset", "synthetic")
     config.setdefault("steps", 20)
-    for key in ("model", "dataset", "data_dir", "profile", "batch_size", "steps", "workers"):
+    for key in ("model", "dataset", "data_dir", "profile", "batch_size", "steps", "workers", "throttle"):
         value = getattr(a, key)
         if value is not None:
             config[key] = value

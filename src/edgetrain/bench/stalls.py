@@ -20,14 +20,14 @@ board with four cores the workers and the training threads compete for the
 same cores, which is why more workers is not always better.
 
 The data set is CIFAR-10 in its official python format: five pickled batch
-files. A batch file can only be read whole, so each worker process reads the
-files it touches once per epoch: the fetch cost of this format is reading
-those files from storage.
+files, read and augmented with the trainer's own code (``edgetrain.data``).
+A batch file can only be read whole, so each worker process reads the files
+it touches once per epoch: the fetch cost of this format is reading those
+files from storage.
 """
 from __future__ import annotations
 
 import os
-import pickle
 import time
 from pathlib import Path
 from typing import Any
@@ -38,49 +38,43 @@ from torch.utils.data import DataLoader, Dataset
 
 from edgetrain.bench import workload
 from edgetrain.bench.common import print_table, save_result, start_run
+from edgetrain.data import cifar
+from edgetrain.data.datasets import random_crop_flip
 from edgetrain.errors import EdgetrainError
-
-CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
-CIFAR_STD = (0.2470, 0.2435, 0.2616)
-TRAIN_FILES = [f"data_batch_{i}" for i in range(1, 6)]
-
 
 def cifar_files(data_dir: str | os.PathLike) -> list[Path]:
     d = Path(data_dir)
     if (d / "cifar-10-batches-py").is_dir():
         d = d / "cifar-10-batches-py"
-    files = [d / name for name in TRAIN_FILES if (d / name).is_file()]
+    files = [d / name for name in cifar.TRAIN_FILES if (d / name).is_file()]
     if not files:
         raise EdgetrainError(f"no CIFAR-10 python-format training files (data_batch_1..5) in {data_dir}; "
                              "pass --data-dir pointing at cifar-10-batches-py")
     return files
 
 
-def _load_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    with open(path, "rb") as f:
-        entry = pickle.load(f, encoding="latin1")
-    return np.asarray(entry["data"], dtype=np.uint8), np.asarray(entry["labels"], dtype=np.int64)
-
-
 class CifarFiles(Dataset):
-    """CIFAR-10 training images read from their batch files on first use, with the usual augmentation.
+    """CIFAR-10 training images read from their batch files on first use, augmented as the trainer does.
 
-    Each process (the main one, or each loader worker) reads the files it
-    touches itself; ``fresh()`` gives a copy that has read nothing yet, so an
-    epoch pays for its reads as a real one does.
+    ``edgetrain.data.cifar10`` reads every file once at start-up and keeps the
+    images in memory, which hides the fetch cost inside start-up. Here each
+    process (the main one, or each loader worker) reads the files it touches
+    itself (with ``edgetrain.data.cifar.read_batch``), so an epoch pays for its
+    reads; ``fresh()`` gives a copy that has read nothing yet.
     """
 
-    def __init__(self, files: list[Path], augment: bool = True, lengths: list[int] | None = None):
+    def __init__(self, files: list[Path], augment: bool = True, lengths: list[int] | None = None, seed: int = 0):
         self.files = files
         self.augment = augment
-        self.lengths = lengths or [len(_load_batch(p)[1]) for p in files]
+        self.seed = seed
+        self.lengths = lengths or [len(cifar.read_batch(p)[1]) for p in files]
         self.offsets = np.cumsum([0] + self.lengths)
         self._loaded: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        self._mean = torch.tensor(CIFAR_MEAN).view(3, 1, 1)
-        self._std = torch.tensor(CIFAR_STD).view(3, 1, 1)
+        self._mean = torch.tensor(cifar.MEAN).view(3, 1, 1)
+        self._std = torch.tensor(cifar.STD).view(3, 1, 1)
 
     def fresh(self) -> "CifarFiles":
-        return CifarFiles(self.files, self.augment, self.lengths)
+        return CifarFiles(self.files, self.augment, self.lengths, self.seed)
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
@@ -88,16 +82,12 @@ class CifarFiles(Dataset):
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
         f = int(np.searchsorted(self.offsets, i, side="right")) - 1
         if f not in self._loaded:
-            self._loaded[f] = _load_batch(self.files[f])
+            self._loaded[f] = cifar.read_batch(self.files[f])
         images, labels = self._loaded[f]
         row = i - int(self.offsets[f])
-        x = torch.from_numpy(images[row].reshape(3, 32, 32)).float().div_(255)
-        if self.augment:  # random crop with 4-pixel zero padding and horizontal flip
-            x = torch.nn.functional.pad(x, (4, 4, 4, 4))
-            dy, dx = np.random.randint(0, 9, size=2)
-            x = x[:, dy:dy + 32, dx:dx + 32]
-            if np.random.rand() < 0.5:
-                x = x.flip(2)
+        x = torch.from_numpy(images[row]).float() / 255
+        if self.augment:
+            x = random_crop_flip(x, np.random.default_rng((self.seed, i)))
         return (x - self._mean) / self._std, int(labels[row])
 
 
@@ -161,7 +151,7 @@ def run(data_dir: str, model: str = "resnet18", *, batch_size: int = 64, epoch_s
         max_workers: int = 2, threads: int | None = None, threshold: float = 0.05, seed: int = 0,
         output: str = "runs", name: str | None = None) -> dict[str, Any]:
     files = cifar_files(data_dir)
-    ds = CifarFiles(files)
+    ds = CifarFiles(files, seed=seed)
     if epoch_samples < batch_size or epoch_samples > len(ds):
         raise EdgetrainError(f"--epoch-samples must be between the batch size ({batch_size}) and the "
                              f"data set's size ({len(ds)}), got {epoch_samples}")

@@ -3,8 +3,7 @@
 ``scaling`` and multi-device ``variability`` measure the real trainer (its
 data loading, all-reduce and waiting included), not a stand-in. A run's
 ``metrics.jsonl`` has one line per step and device with ``data_s``,
-``compute_s``, ``comm_s`` and ``step_s``; what a step spends outside those
-three is *waiting* (for the slowest device, for the barrier).
+``compute_s``, ``comm_s`` and ``step_s``.
 """
 from __future__ import annotations
 
@@ -43,16 +42,26 @@ def step_times_by_rank(records: list[dict[str, Any]], skip: int = 1) -> dict[int
 
 
 def split_per_step(records: list[dict[str, Any]], skip: int = 1) -> dict[str, float]:
-    """Mean seconds per step over devices: data, compute, comm, and wait (the rest of the step)."""
-    first = {}
+    """Mean seconds per step over devices: data, compute, comm (transfer) and wait.
+
+    The trainer counts as ``comm_s`` all the time a step is blocked on a
+    collective, which includes waiting for the slowest device to arrive. In
+    each step the device that arrives last waits for no one, so the smallest
+    ``comm_s`` over devices is the transfer itself and each device's excess
+    over it is waiting (for one device, nothing is waiting).
+    """
+    by_step: dict[int, list[dict[str, Any]]] = {}
     for r in records:
-        first[r["rank"]] = min(first.get(r["rank"], r["step"]), r["step"])
-    kept = [r for r in records if "step_s" in r and r["step"] >= first[r["rank"]] + skip] or \
-        [r for r in records if "step_s" in r]
-    if not kept:
+        if "step_s" in r:
+            by_step.setdefault(int(r["step"]), []).append(r)
+    steps = sorted(by_step)[skip:] or sorted(by_step)
+    if not steps:
         raise EdgetrainError("metrics.jsonl has no step records")
-    parts = {k: statistics.fmean(float(r.get(f"{k}_s", 0.0)) for r in kept) for k in ("data", "compute", "comm")}
-    step = statistics.fmean(float(r["step_s"]) for r in kept)
-    parts["wait"] = max(0.0, step - sum(parts.values()))
-    parts["step"] = step
-    return parts
+    rows = []
+    for s in steps:
+        transfer = min(float(r.get("comm_s", 0.0)) for r in by_step[s])
+        for r in by_step[s]:
+            rows.append({"data": float(r.get("data_s", 0.0)), "compute": float(r.get("compute_s", 0.0)),
+                         "comm": transfer, "wait": float(r.get("comm_s", 0.0)) - transfer,
+                         "step": float(r["step_s"])})
+    return {k: statistics.fmean(row[k] for row in rows) for k in ("data", "compute", "comm", "wait", "step")}

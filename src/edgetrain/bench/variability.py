@@ -81,7 +81,8 @@ def run(model: str = "resnet18", dataset: str = "cifar10", *, repeats: int = 3, 
         source = "edgetrain.train.train, metrics.jsonl"
         for i in range(repeats):
             cfg = dict(config or {}, model=model, dataset=dataset, devices=devices, batch_size=batch_size * devices,
-                       steps=steps + warmup, output=str(run_dir / "runs"), run_name=f"repeat-{i}", progress=False)
+                       steps=steps + warmup, output=str(run_dir / "runs"), run_name=f"repeat-{i}", progress=False,
+                       eval=False)
             summary = train_fn(cfg)
             by_rank = trainer_runs.step_times_by_rank(trainer_runs.read_metrics(summary["run_dir"]), skip=warmup)
             runs.append({"run": i, "samples_per_s": summary["throughput_samples_per_s"],

@@ -17,7 +17,6 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,31 +31,6 @@ DATASET_SHAPES: dict[str, tuple[tuple[int, int, int], int]] = {
 }
 MEMORY_LIMIT_EXIT = 3
 _POLL_S = 0.005
-
-
-@dataclass(frozen=True)
-class DeviceProfile:
-    """What a bench needs to know of a device: its memory limit and core count."""
-
-    name: str
-    memory_limit_mb: float | None  # None: the host's own memory
-    cores: int | None  # None: this host's cores
-    relative_speed: float | None = None  # compute speed relative to this host, where known
-
-
-# Until the lead's profiles land on main: a Raspberry Pi 4 (4 GB) and a Jetson Nano (4 GB shared).
-_PROFILES = {
-    "host": DeviceProfile("host", None, None, 1.0),
-    "rpi4": DeviceProfile("rpi4", 4096, 4),
-    "jetson-nano": DeviceProfile("jetson-nano", 4096, 4),
-}
-
-
-def device_profile(name: str) -> DeviceProfile:
-    try:
-        return _PROFILES[name]
-    except KeyError:
-        raise EdgetrainError(f"unknown device profile {name!r}; choose one of {sorted(_PROFILES)}") from None
 
 
 def host_memory_cap_mb(fraction: float = 0.8) -> float:
@@ -78,40 +52,7 @@ def build_model(name: str, dataset: str = "cifar10"):
     from edgetrain import models
 
     (channels, _, _), classes = dataset_shape(dataset)
-    if hasattr(models, "build_model"):
-        return models.build_model(name, num_classes=classes, in_channels=channels)
-    return _interim_model(name, channels, classes)
-
-
-def _interim_model(name: str, channels: int, classes: int):
-    """Until ``edgetrain.models.build_model`` lands on main: CIFAR ResNet-18 and a tiny CNN."""
-    from torch import nn
-
-    def block(cin: int, cout: int, stride: int) -> nn.Module:
-        class Basic(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.body = nn.Sequential(
-                    nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True),
-                    nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout))
-                self.skip = (nn.Sequential() if stride == 1 and cin == cout else
-                             nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)))
-
-            def forward(self, x):
-                return (self.body(x) + self.skip(x)).relu()
-        return Basic()
-
-    if name == "resnet18":
-        layers = [nn.Conv2d(channels, 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64), nn.ReLU(inplace=True)]
-        cin = 64
-        for cout, stride in [(64, 1), (128, 2), (256, 2), (512, 2)]:
-            layers += [block(cin, cout, stride), block(cout, cout, 1)]
-            cin = cout
-        return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, classes))
-    if name == "small_cnn":
-        return nn.Sequential(nn.Conv2d(channels, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(4),
-                             nn.Flatten(), nn.Linear(8 * 16, classes))
-    raise EdgetrainError(f"unknown model {name!r}; choose resnet18 or small_cnn")
+    return models.build_model(name, in_channels=channels, num_classes=classes)
 
 
 def time_steps(model, batch_size: int, steps: int, warmup: int, dataset: str = "cifar10",
@@ -185,6 +126,10 @@ def _child_main(spec: dict) -> dict:
 
     torch.set_num_threads(spec["threads"])
     model = build_model(spec["model"], spec["dataset"])
+    if spec.get("speed"):  # emulate a slower device the way the trainer does
+        from edgetrain.cluster.throttle import Throttle
+
+        Throttle(spec["speed"]).attach(model)
     baseline = rss_mb()
     out = time_steps(model, spec["batch_size"], spec["steps"], spec["warmup"], spec["dataset"],
                      threads=spec["threads"], seed=spec.get("seed", 0))
@@ -206,10 +151,13 @@ def child_env(threads: int) -> dict[str, str]:
 
 def measure_steps_isolated(model: str, batch_size: int, *, dataset: str = "cifar10", steps: int = 5,
                            warmup: int = 2, threads: int = 1, memory_limit_mb: float | None = None,
-                           timeout_s: float = 600, seed: int = 0) -> dict[str, Any]:
-    """``time_steps`` in a fresh process; ``status`` is ``ok``, ``memory_limit``, ``killed`` or ``timeout``."""
+                           timeout_s: float = 600, seed: int = 0, speed: float | None = None) -> dict[str, Any]:
+    """``time_steps`` in a fresh process; ``status`` is ``ok``, ``memory_limit``, ``killed`` or ``timeout``.
+
+    ``speed`` (relative to one host core) throttles the process as ``edgetrain.cluster.throttle`` does.
+    """
     spec = dict(model=model, batch_size=batch_size, dataset=dataset, steps=steps, warmup=warmup,
-                threads=threads, memory_limit_mb=memory_limit_mb, seed=seed)
+                threads=threads, memory_limit_mb=memory_limit_mb, seed=seed, speed=speed)
     cmd = [sys.executable, "-m", "edgetrain.bench.workload", json.dumps(spec)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
