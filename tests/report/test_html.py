@@ -25,7 +25,7 @@ def runs(tmp_path_factory) -> list[Path]:
     train = root / "train-1"  # the shape edgetrain train writes: summary.json beside its plots
     train.mkdir()
     (train / "summary.json").write_text(json.dumps({
-        "run_dir": str(train), "model": "small_cnn", "devices": 2, "throughput_samples_per_s": 900.0,
+        "run_dir": str(train), "model": "small_cnn", "dataset": "digits", "devices": 2, "throughput_samples_per_s": 900.0,
         "test_accuracy": 0.61, "per_device": [
             {"rank": r, "profile": "host", "local_batch": 16, "samples_per_s": 450.0, "peak_rss_mb": 400.0 + r,
              "data_s": 1.0, "compute_s": 6.0, "comm_s": 3.0, "bytes_sent": 2 ** 20, "bytes_recv": 2 ** 20}
@@ -58,6 +58,15 @@ def test_report_is_self_contained_with_decodable_pngs(runs, tmp_path, capsys):
     assert "Comparison" in page and "radar chart" in page
     assert "modelled" in page.lower()  # the power run's energy is labelled as modelled
     assert "training run" in page and "61.0%" in page
+    # the training run's achieved GFLOPS, set against the peak run shown beside it
+    peak = max(r["gflops_best"] for r in json.loads((runs[0] / "result.json").read_text())["rows"]
+               if r["kind"] == "gemm")
+    from edgetrain.bench import flops, workload
+
+    per_sample = flops.training_flops_per_sample(workload.build_model("small_cnn", "digits"), "digits")["total_flops"]
+    gflops = per_sample * 900.0 / 1e9
+    assert f"achieved {gflops:.2f} GFLOPS" in page
+    assert f"= {100 * gflops / peak:.1f}% of the {peak:.1f} GFLOPS peak" in page
 
 
 def test_radar_scores_best_is_one_and_missing_is_none():

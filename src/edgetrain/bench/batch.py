@@ -18,7 +18,7 @@ import os
 from typing import Any
 
 from edgetrain.bench import flops, peak, workload
-from edgetrain.bench.common import print_table, save_result, start_run
+from edgetrain.bench.common import print_table, save_result, say, start_run
 from edgetrain.errors import EdgetrainError
 
 
@@ -84,6 +84,8 @@ def run(model: str = "resnet18", dataset: str = "cifar10", profile: str = "host"
             r.update(flops.achieved(counted["total_flops"], r["samples_per_s"], peak_gflops))
             r["step_s_median"] = sorted(r["step_s"])[len(r["step_s"]) // 2]
         rows.append(r)
+        say(f"  batch {b}: " + (f"{r['samples_per_s']:.1f} samples/s, peak {r['peak_rss_mb']:.0f} MB"
+                                 if r["status"] == "ok" else r["status"]), style="dim")
         if r["status"] != "ok":
             limit_hit = {"batch_size": b, **{k: v for k, v in r.items() if k != "batch_size"}}
             break

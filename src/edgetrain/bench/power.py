@@ -21,6 +21,7 @@ active cores`` watts; energies from it are labelled *modelled* everywhere.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import subprocess
@@ -332,17 +333,11 @@ def add_parser(sub) -> None:
     p.add_argument("--epoch-samples", type=int, default=50000, help="samples in one epoch (CIFAR-10: 50000)")
     p.add_argument("--power-model", default=None, metavar="IDLE_W,PER_CORE_W",
                    help="model energy when no sensor exists (labelled modelled)")
-    p.add_argument("--rapl-root", default=RAPL_ROOT, help=argparse_suppress())
-    p.add_argument("--ina-root", action="append", default=None, help=argparse_suppress())
-    p.add_argument("--cpu-root", default=CPU_ROOT, help=argparse_suppress())
+    p.add_argument("--rapl-root", default=RAPL_ROOT, help=argparse.SUPPRESS)
+    p.add_argument("--ina-root", action="append", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--cpu-root", default=CPU_ROOT, help=argparse.SUPPRESS)
     p.set_defaults(bench_func=lambda a: run(
         a.model, a.dataset, threads=a.threads, batch_size=a.batch_size, steps=a.steps, warmup=a.warmup,
         epoch_samples=a.epoch_samples, power_model=a.power_model, rapl_root=a.rapl_root,
         ina_roots=tuple(a.ina_root) if a.ina_root else INA_ROOTS, cpu_root=a.cpu_root,
         output=a.output, name=a.name))
-
-
-def argparse_suppress() -> str:
-    import argparse
-
-    return argparse.SUPPRESS

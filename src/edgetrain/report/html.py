@@ -88,8 +88,41 @@ def _kv(d: dict[str, Any]) -> str:
 
 # ---- what each kind of run shows ----
 
-def headline(run: dict[str, Any]) -> tuple[list[str], list[list[Any]], list[str]]:
-    """(columns, rows, notes) summarising a run."""
+def peak_reference(runs: list[dict[str, Any]]) -> tuple[float, str] | None:
+    """The best GEMM GFLOPS among the ``bench peak`` runs shown (all devices at once where measured)."""
+    best: tuple[float, str] | None = None
+    for run in runs:
+        d = run["data"]
+        if run["kind"] != "bench" or d.get("bench") != "peak":
+            continue
+        for a in d.get("aggregate") or []:
+            if a["kind"] == "gemm" and (best is None or a["gflops_median_sum"] > best[0]):
+                best = (a["gflops_median_sum"], f"GEMM n={a['n']}, {a['devices']} devices at once ({run['dir'].name})")
+        if not d.get("aggregate"):
+            for r in d["rows"]:
+                if r["kind"] == "gemm" and (best is None or r["gflops_best"] > best[0]):
+                    best = (r["gflops_best"], f"GEMM n={r['n']}, {r['threads']} thread(s) ({run['dir'].name})")
+    return best
+
+
+def achieved_note(d: dict[str, Any], peak: tuple[float, str] | None) -> str | None:
+    """Achieved GFLOPS of a training run: the model's training FLOPs per sample x its throughput."""
+    try:
+        from edgetrain.bench import flops, workload
+
+        model = workload.build_model(d["model"], d.get("dataset", "cifar10"))
+        per_sample = flops.training_flops_per_sample(model, d.get("dataset", "cifar10"))["total_flops"]
+    except Exception:  # a model or dataset the registry does not know: no FLOP count, say nothing
+        return None
+    gflops = per_sample * d["throughput_samples_per_s"] / 1e9
+    text = f"achieved {gflops:.2f} GFLOPS ({per_sample / 1e9:.3f} GFLOP per training sample, FlopCounterMode)"
+    if peak:
+        text += f" = {100 * gflops / peak[0]:.1f}% of the {peak[0]:.1f} GFLOPS peak ({peak[1]})"
+    return text
+
+
+def headline(run: dict[str, Any], peak: tuple[float, str] | None = None) -> tuple[list[str], list[list[Any]], list[str]]:
+    """(columns, rows, notes) summarising a run; ``peak`` is what training runs' GFLOPS are set against."""
     d = run["data"]
     if run["kind"] == "train":
         cols = ["rank", "profile", "local batch", "samples/s", "peak RSS MB", "data s", "compute s", "comm s",
@@ -99,6 +132,8 @@ def headline(run: dict[str, Any]) -> tuple[list[str], list[list[Any]], list[str]
                  _mb(p.get("bytes_sent")), _mb(p.get("bytes_recv"))] for p in d.get("per_device", [])]
         notes = [f"throughput {d.get('throughput_samples_per_s', 0):.1f} samples/s; "
                  f"test accuracy {_pct(d.get('test_accuracy'))}"]
+        achieved = achieved_note(d, peak) if d.get("model") and d.get("throughput_samples_per_s") else None
+        notes += [achieved] if achieved else []
         return cols, rows, notes
     bench = d["bench"]
     notes = list(d.get("notes", []))
@@ -220,13 +255,13 @@ def comparison(runs: list[dict[str, Any]], max_configs: int = 8) -> str:
             f'<div>{_table(cols, rows)}</div></div></section>')
 
 
-def run_section(run: dict[str, Any]) -> str:
+def run_section(run: dict[str, Any], peak: tuple[float, str] | None = None) -> str:
     d = run["data"]
     title = f"bench {d['bench']}" if run["kind"] == "bench" else "training run"
     env = d.get("environment", {})
     meta = " · ".join(str(v) for v in (run["dir"], env.get("cpu"), env.get("logical_cpus") and
                                          f"{env['logical_cpus']} CPUs", env.get("torch"), env.get("created")) if v)
-    cols, rows, notes = headline(run)
+    cols, rows, notes = headline(run, peak)
     params = d.get("params") if run["kind"] == "bench" else {k: d.get(k) for k in (
         "model", "dataset", "devices", "profile", "batch_size", "steps", "epochs") if k in d}
     parts = [f"<section><h2>{html.escape(title)}</h2><div class='meta'>{html.escape(meta)}</div>"]
@@ -248,7 +283,8 @@ def render(run_dirs: list[str | Path]) -> str:
         raise EdgetrainError("give at least one run directory")
     runs = [load_run(d) for d in run_dirs]
     when = _dt.datetime.now().strftime("%Y-%m-%d %H:%M")
-    body = comparison(runs) + "".join(run_section(r) for r in runs)
+    peak = peak_reference(runs)
+    body = comparison(runs) + "".join(run_section(r, peak) for r in runs)
     return (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>edgetrain report</title>"
             f"<meta name='viewport' content='width=device-width,initial-scale=1'><style>{CSS}</style></head>"
             f"<body><header><h1>edgetrain report</h1><p>{len(runs)} run(s) · generated {when}</p></header>"

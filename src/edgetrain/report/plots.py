@@ -110,10 +110,12 @@ def plot_scaling(result: dict[str, Any], path) -> None:
     eff.grid(False)
     eff.plot(n, [100 * r["efficiency"] for r in rows], "s--", color=COLORS[2], label="efficiency")
     eff.set_ylabel("efficiency (%)", color=COLORS[2])
-    eff.set_ylim(0, 110)
+    eff.set_ylim(0, max(110, 110 * max(r["efficiency"] for r in rows)))
+    ax.set_ylim(0, max(max(n), max(r["speedup"] for r in rows)) * 1.1)
     h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = eff.get_legend_handles_labels()
-    ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="upper left")
+    ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=3,
+              frameon=False)
     ax.set_title("Speedup and efficiency")
     ax = axes[1]
     bottom = [0.0] * len(rows)
@@ -124,7 +126,7 @@ def plot_scaling(result: dict[str, Any], path) -> None:
     ax.set_xlabel("devices")
     ax.set_ylabel("time per step (ms, mean over devices)")
     ax.set_title("Where a step's time goes")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=4, frameon=False)
     save(fig, path)
 
 
@@ -142,7 +144,7 @@ def plot_stalls(result: dict[str, Any], path) -> None:
     ax.set_xticks(w)
     ax.set_ylim(bottom=0)
     ax.set_title("Rates")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2, frameon=False)
     ax = axes[1]
     compute = [r["epoch_compute_s"] for r in rows]
     prep = [r["prep_stall_s"] for r in rows]
@@ -154,7 +156,7 @@ def plot_stalls(result: dict[str, Any], path) -> None:
     ax.set_xlabel("loader workers")
     ax.set_ylabel(f"seconds per epoch ({result['params']['epoch_samples']} samples)")
     ax.set_title("Epoch time split (DS-Analyzer)")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=3, frameon=False)
     save(fig, path)
 
 
@@ -216,8 +218,10 @@ def plot_counters(result: dict[str, Any], path) -> None:
         ax.set_title("Hardware counters of a training step")
     else:
         ax.axis("off")
-        ax.text(0.5, 0.5, "hardware counters not available:\n" + (result.get("message") or ""),
-                ha="center", va="center", wrap=True, fontsize=9)
+        import textwrap
+
+        message = textwrap.fill(result.get("message") or "", 70)
+        ax.text(0.5, 0.5, f"Hardware counters not available\n\n{message}", ha="center", va="center", fontsize=10)
     save(fig, path)
 
 
