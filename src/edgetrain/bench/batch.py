@@ -8,16 +8,23 @@ memory is its own; the sweep doubles the batch until the profile's memory
 limit is hit, which is recorded as a result, not a crash.
 
 The achieved GFLOPS of each batch (model FLOPs per sample x samples/s, see
-``flops.py``) are set against a GEMM peak measured in the same run with the
-same thread count, so the fraction of peak is a ratio of two numbers taken
-side by side.
+``flops.py``) are set against a GEMM peak measured in the same process right
+after the steps, with the same thread count, so the fraction of peak is a
+ratio of two numbers taken side by side; both use medians (of step times, of
+GEMM repeats), which a shared machine's bursts of load disturb least.
+
+A profile with a compute rate (``rpi4``: 15.5 GFLOPS) is emulated as the
+trainer does it: the process is throttled to ``speed`` host cores
+(``edgetrain.cluster.throttle``) and runs ``ceil(speed)`` threads; its peak is
+``speed`` x one host core's GEMM rate.
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
-from edgetrain.bench import flops, peak, workload
+from edgetrain.bench import flops, workload
 from edgetrain.bench.common import print_table, save_result, say, start_run
 from edgetrain.errors import EdgetrainError
 
@@ -41,7 +48,10 @@ def run(model: str = "resnet18", dataset: str = "cifar10", profile: str = "host"
         raise EdgetrainError(f"need 1 <= --start-batch <= --max-batch, got {start_batch} and {max_batch}")
     prof = get_profile(profile)
     host_cores = os.cpu_count() or 1
-    threads = threads or min(prof.cores or host_cores, host_cores)
+    speed = device_speed(prof) if throttle else None
+    if threads is None:
+        # A throttled device computes at `speed` host cores: more threads than that only spin.
+        threads = min(math.ceil(speed), host_cores) if speed else min(prof.cores or host_cores, host_cores)
     host_cap = workload.host_memory_cap_mb()
     if memory_limit_mb is not None:
         limit, limit_source = memory_limit_mb, "--memory-limit-mb"
@@ -52,36 +62,28 @@ def run(model: str = "resnet18", dataset: str = "cifar10", profile: str = "host"
     if limit > host_cap:
         raise EdgetrainError(f"memory limit {limit:.0f} MB is more than this host can give now "
                              f"({host_cap:.0f} MB available); pass a smaller --memory-limit-mb")
-    speed = device_speed(prof) if throttle else None
     notes = []
-
-    import torch
-
-    counted = flops.training_flops_per_sample(workload.build_model(model, dataset), dataset)
     if speed is None:
-        peak_gflops = peak.gemm(peak_size, threads)["gflops_best"]
-        peak_source = f"GEMM measured now (n={peak_size}, {threads} thread(s))"
+        peak_source = f"float32 GEMM n={peak_size} at {threads} thread(s), measured in each batch's process"
     else:
-        # The throttle makes the process compute at `speed` host cores; its peak is that share of one
-        # host core's GEMM rate, which is the profile's nominal GFLOPS by construction.
-        peak_gflops = speed * peak.gemm(peak_size, 1)["gflops_best"]
-        peak_source = (f"emulated: speed {speed:.3f} x one host core's GEMM (n={peak_size}); "
-                       f"profile {prof.name} nominal {prof.gflops} GFLOPS")
+        peak_source = (f"emulated: speed {speed:.3f} x one host core's GEMM n={peak_size}, measured in each "
+                       f"batch's process (profile {prof.name}: nominal {prof.gflops} GFLOPS)")
         notes.append(f"profile {prof.name} emulated by throttling to {speed:.3f} of one host core "
                      "(edgetrain.cluster.throttle); pass --no-throttle for host speed with the profile's memory limit")
     if speed is None and prof.gflops is not None:
         notes.append(f"--no-throttle: throughput is this host's at {threads} thread(s), with profile "
                      f"{prof.name}'s memory limit")
-    torch.set_num_threads(threads)
+    counted = flops.training_flops_per_sample(workload.build_model(model, dataset), dataset)
 
     rows: list[dict[str, Any]] = []
     limit_hit = None
     for b in batch_sizes(start_batch, max_batch):
         r = workload.measure_steps_isolated(model, b, dataset=dataset, steps=steps, warmup=warmup,
                                             threads=threads, memory_limit_mb=limit, timeout_s=timeout_s,
-                                            speed=speed)
+                                            speed=speed, peak_n=peak_size)
         if r["status"] == "ok":
-            r.update(flops.achieved(counted["total_flops"], r["samples_per_s"], peak_gflops))
+            # Typical step against typical GEMM (medians): robust to a shared machine's bursts of load.
+            r.update(flops.achieved(counted["total_flops"], r["samples_per_s_median_step"], r["peak_gflops_median"]))
             r["step_s_median"] = sorted(r["step_s"])[len(r["step_s"]) // 2]
         rows.append(r)
         say(f"  batch {b}: " + (f"{r['samples_per_s']:.1f} samples/s, peak {r['peak_rss_mb']:.0f} MB"
@@ -102,14 +104,14 @@ def run(model: str = "resnet18", dataset: str = "cifar10", profile: str = "host"
         run_dir, "batch", params,
         profile={"name": prof.name, "memory_limit_mb": limit, "limit_source": limit_source,
                  "cores": prof.cores, "nominal_gflops": prof.gflops, "emulated_speed": speed},
-        flops_per_sample=counted, peak_gflops=peak_gflops, peak_source=peak_source,
+        flops_per_sample=counted, peak_source=peak_source,
         rows=rows, best=best["batch_size"], largest_fitting_batch=ok[-1]["batch_size"],
         limit_hit=limit_hit, notes=notes)
     from edgetrain.report import plots
 
     plots.plot_batch(result, run_dir / "batch.png")
     table = [(r["batch_size"], r["status"], r.get("samples_per_s"), r.get("step_s_median"),
-              r.get("peak_rss_mb") or r.get("rss_mb"), r.get("achieved_gflops"),
+              r.get("peak_rss_mb") or r.get("rss_mb"), r.get("achieved_gflops"), r.get("peak_gflops_median"),
               None if r.get("fraction_of_peak") is None else 100 * r["fraction_of_peak"]) for r in rows]
     if limit_hit:
         notes.append(f"memory limit {limit:.0f} MB ({limit_source}) hit at batch {limit_hit['batch_size']}: "
@@ -117,10 +119,11 @@ def run(model: str = "resnet18", dataset: str = "cifar10", profile: str = "host"
     else:
         notes.append(f"no batch up to {max_batch} reached the {limit:.0f} MB limit ({limit_source})")
     notes.append(f"best batch {best['batch_size']}: {best['samples_per_s']:.1f} samples/s, "
-                 f"{100 * best['fraction_of_peak']:.0f}% of the {peak_gflops:.1f} GFLOPS peak ({peak_source}); "
+                 f"{100 * best['fraction_of_peak']:.0f}% of the {best['peak_gflops_median']:.1f} GFLOPS peak; "
                  f"{counted['total_flops'] / 1e9:.3f} GFLOP per training sample (FlopCounterMode)")
+    notes.append(f"% of peak = FLOPs/sample x batch / median step time, over the median GEMM rate; peak: {peak_source}")
     print_table(f"bench batch: {model} on {prof.name} ({threads} threads) -> {run_dir}",
-                ["batch", "status", "samples/s", "step s", "peak RSS MB", "GFLOPS", "% of peak"],
+                ["batch", "status", "samples/s", "median step s", "peak RSS MB", "GFLOPS", "peak GFLOPS", "% of peak"],
                 table, notes)
     result["run_dir"] = str(run_dir)
     return result

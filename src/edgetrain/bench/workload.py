@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import threading
@@ -89,6 +90,7 @@ def time_steps(model, batch_size: int, steps: int, warmup: int, dataset: str = "
         "threads": torch.get_num_threads(),
         "step_s": step_s,
         "samples_per_s": batch_size * steps / total if steps else None,
+        "samples_per_s_median_step": batch_size / statistics.median(step_s) if steps else None,
     }
 
 
@@ -134,6 +136,14 @@ def _child_main(spec: dict) -> dict:
     out = time_steps(model, spec["batch_size"], spec["steps"], spec["warmup"], spec["dataset"],
                      threads=spec["threads"], seed=spec.get("seed", 0))
     out.update(status="ok", baseline_rss_mb=baseline, peak_rss_mb=peak_rss_mb())
+    if spec.get("peak_n"):
+        # The GEMM peak the steps are set against, measured in the same process right after them, so that
+        # a shared machine's load drifts as little as possible between the two numbers of the ratio.
+        from edgetrain.bench.peak import gemm
+
+        g = gemm(spec["peak_n"], 1 if spec.get("speed") else spec["threads"], min_time_s=0.5)
+        scale = spec.get("speed") or 1.0  # a throttled device's peak: its share of one host core
+        out.update(peak_gflops_best=scale * g["gflops_best"], peak_gflops_median=scale * g["gflops_median"])
     return out
 
 
@@ -151,13 +161,15 @@ def child_env(threads: int) -> dict[str, str]:
 
 def measure_steps_isolated(model: str, batch_size: int, *, dataset: str = "cifar10", steps: int = 5,
                            warmup: int = 2, threads: int = 1, memory_limit_mb: float | None = None,
-                           timeout_s: float = 600, seed: int = 0, speed: float | None = None) -> dict[str, Any]:
+                           timeout_s: float = 600, seed: int = 0, speed: float | None = None,
+                           peak_n: int | None = None) -> dict[str, Any]:
     """``time_steps`` in a fresh process; ``status`` is ``ok``, ``memory_limit``, ``killed`` or ``timeout``.
 
-    ``speed`` (relative to one host core) throttles the process as ``edgetrain.cluster.throttle`` does.
+    ``speed`` (relative to one host core) throttles the process as ``edgetrain.cluster.throttle`` does;
+    ``peak_n`` also measures the GEMM peak (of that size) in the same process, after the steps.
     """
     spec = dict(model=model, batch_size=batch_size, dataset=dataset, steps=steps, warmup=warmup,
-                threads=threads, memory_limit_mb=memory_limit_mb, seed=seed, speed=speed)
+                threads=threads, memory_limit_mb=memory_limit_mb, seed=seed, speed=speed, peak_n=peak_n)
     cmd = [sys.executable, "-m", "edgetrain.bench.workload", json.dumps(spec)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,

@@ -144,13 +144,14 @@ def headline(run: dict[str, Any], peak: tuple[float, str] | None = None) -> tupl
         notes += [f"{a['devices']} devices at once, {a['kind']} n={a['n']}: {a['gflops_median_sum']:.1f} GFLOPS"
                   for a in d.get("aggregate") or []]
     elif bench == "batch":
-        cols = ["batch", "status", "samples/s", "peak RSS MB", "GFLOPS", "% of peak"]
+        cols = ["batch", "status", "samples/s", "peak RSS MB", "GFLOPS", "peak GFLOPS", "% of peak"]
         rows = [[r["batch_size"], r["status"], r.get("samples_per_s"), r.get("peak_rss_mb") or r.get("rss_mb"),
-                 r.get("achieved_gflops"), _pct(r.get("fraction_of_peak"))] for r in d["rows"]]
+                 r.get("achieved_gflops"), r.get("peak_gflops_median"), _pct(r.get("fraction_of_peak"))]
+                for r in d["rows"]]
         notes.append(f"best batch {d['best']}; largest that fits {d['largest_fitting_batch']}; memory limit "
-                     f"{d['profile']['memory_limit_mb']:.0f} MB ({d['profile']['limit_source']}); peak "
-                     f"{d['peak_gflops']:.1f} GFLOPS ({d['peak_source']}); {d['flops_per_sample']['total_flops'] / 1e9:.3f} "
-                     "GFLOP per training sample")
+                     f"{d['profile']['memory_limit_mb']:.0f} MB ({d['profile']['limit_source']}); "
+                     f"{d['flops_per_sample']['total_flops'] / 1e9:.3f} GFLOP per training sample; peak: "
+                     f"{d['peak_source']}")
     elif bench == "scaling":
         cols = ["devices", "samples/s", "speedup", "efficiency", "data ms", "compute ms", "comm ms", "wait ms"]
         rows = [[r["devices"], r["throughput_samples_per_s"], r["speedup"], _pct(r["efficiency"]),
