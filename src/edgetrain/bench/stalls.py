@@ -197,10 +197,12 @@ def run(data_dir: str, model: str = "resnet18", *, batch_size: int = 64, epoch_s
     if removes is None:
         verdict = (f"no worker count up to {max_workers} removes the stall; with {fastest['workers']} "
                    f"worker(s) (fastest) the limiting stage is {fastest['limiting_stage']}")
+    elif removes == 0:
+        verdict = "no data stall even with 0 workers: loading in the training process keeps up with compute"
     else:
         verdict = (f"{removes} loader worker(s) remove the stall (under {100 * threshold:.0f}% of the epoch); "
-                   f"with fewer, the limiting stage is "
-                   + (", ".join(f"{r['limiting_stage']} at {r['workers']}" for r in rows[:removes]) or "-"))
+                   "with fewer, the limiting stage is "
+                   + ", ".join(f"{r['limiting_stage']} at {r['workers']}" for r in rows[:removes]))
     params = dict(data_dir=str(files[0].parent), model=model, batch_size=batch_size, epoch_samples=samples,
                   max_workers=max_workers, threads=threads, stall_threshold=threshold, seed=seed)
     run_dir = start_run(output, name, "stalls")
