@@ -15,7 +15,9 @@ two ways the input pipeline makes it wait:
 
 For each worker count ``0..k`` the bench times one pass of ``epoch_samples``
 samples in each state, plus the loader alone (cached), and says which stage
-limits and the smallest worker count whose stall is under a threshold. On a
+limits and the smallest worker count whose stall is under a threshold. Each
+pass starts its workers afresh, as every epoch of a loader without persistent
+workers does; on short passes that start-up is a visible part of the stall. On a
 board with four cores the workers and the training threads compete for the
 same cores, which is why more workers is not always better.
 
