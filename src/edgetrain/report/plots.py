@@ -80,8 +80,9 @@ def plot_batch(result: dict[str, Any], path) -> None:
     mem.grid(False)
     mem.plot(bs, [r["peak_rss_mb"] for r in ok], "s--", color=COLORS[1], label="peak memory (RSS)")
     limit = result["profile"]["memory_limit_mb"]
-    mem.axhline(limit, color="red", lw=1, ls=":", label=f"memory limit {limit:.0f} MB")
     hit = result.get("limit_hit")
+    if hit or limit < 2 * max(r["peak_rss_mb"] for r in ok):  # a far-off limit would flatten the curve
+        mem.axhline(limit, color="red", lw=1, ls=":", label=f"memory limit {limit:.0f} MB")
     if hit:
         mem.scatter([hit["batch_size"]], [hit.get("rss_mb", limit)], marker="X", s=120, color="red",
                     zorder=5, label=f"limit hit at batch {hit['batch_size']}")
@@ -92,7 +93,7 @@ def plot_batch(result: dict[str, Any], path) -> None:
     ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=8, loc="upper center",
               bbox_to_anchor=(0.5, -0.14), ncol=2, frameon=False)
     p = result["params"]
-    ax.set_title(f"{p['model']} on {p['profile']} ({p['threads']} thread(s))")
+    ax.set_title(f"{p['model']} on {p['profile']} ({p['threads']} thread(s), memory limit {limit:.0f} MB)")
     save(fig, path)
 
 
