@@ -1,6 +1,6 @@
 import pytest
 
-from conftest import run_cli
+from edgetrain_testing import run_cli
 from edgetrain.config import FIELDS, TrainConfig, load_config
 from edgetrain.errors import EdgetrainError
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import FAST, run_cli
+from edgetrain_testing import FAST, run_cli
 from edgetrain import train
 from edgetrain.errors import EdgetrainError
 
