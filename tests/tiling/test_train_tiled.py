@@ -8,7 +8,7 @@ import torch
 from edgetrain.models import register_model
 from edgetrain.train import train
 
-from conftest import FAST, run_cli
+from edgetrain_testing import FAST, run_cli
 from .models import rel_err, resnet18_w4
 
 RUN = dict(FAST, model="tiling_resnet18_w4", dataset="synthetic", image_size=12, synthetic_samples=48,
