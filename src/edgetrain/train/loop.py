@@ -42,6 +42,7 @@ from edgetrain.errors import EdgetrainError
 from edgetrain.models import build_model, count_parameters, register_model
 from edgetrain.models.batchnorm import convert_batchnorm
 from edgetrain.report.files import atomic_write, save_torch, write_json
+from edgetrain.tiling import TiledSync, TiledTraining
 
 
 def init_distributed(cfg: TrainConfig) -> tuple[int, int]:
@@ -126,15 +127,22 @@ def run_worker(cfg: TrainConfig, devices: list[DeviceSpec], local_batches: list[
     data = build_data(cfg)
     model = user_model if user_model is not None else build_model(cfg.model, data.input_shape[0], data.num_classes)
     params = count_parameters(model)
-    if cfg.batchnorm == "sync" and world > 1:
+    tiled = None
+    if cfg.strategy == "tiled":
+        # Spatial tiles of the first layers, data parallel after them; every BatchNorm gets
+        # whole-map or global-batch statistics whatever cfg.batchnorm says.
+        tiled = TiledTraining(model, cfg.grid, cfg.groups, data.input_shape)
+    elif cfg.batchnorm == "sync" and world > 1:
         model = convert_batchnorm(model)
     throttle = Throttle(speed) if speed is not None else None
     if throttle:
         throttle.attach(model)
 
     stats = CommStats()
-    sync = build_sync(model, cfg, rank, world, stats, me)
-    sampler = GlobalBatchSampler(len(data.train), local_batches, rank, cfg.seed)
+    sync = TiledSync(tiled, stats) if tiled else build_sync(model, cfg, rank, world, stats, me)
+    # Tiled training gives every device the whole global batch (TiledTraining.shard_data is False).
+    sampler = GlobalBatchSampler(len(data.train), [cfg.batch_size] if tiled else local_batches,
+                                 0 if tiled else rank, cfg.seed)
     if len(sampler) == 0:
         raise EdgetrainError(f"batch_size {cfg.batch_size} is larger than the {len(data.train)} training images of "
                              f"{data.name}; lower batch_size")
@@ -162,10 +170,14 @@ def run_worker(cfg: TrainConfig, devices: list[DeviceSpec], local_batches: list[
                 break
             t_data = time.perf_counter()
             before = stats.snapshot()
-            out = sync.model(x)
-            loss_sum = F.cross_entropy(out, y, reduction="sum")
             optimizer.zero_grad(set_to_none=True)
-            (loss_sum * (world / cfg.batch_size)).backward()
+            if tiled:  # this device's share of the batch: loss summed over it, correct, samples
+                loss_value, correct, n = sync.step(x, y, F.cross_entropy)
+            else:
+                out = sync.model(x)
+                loss_sum = F.cross_entropy(out, y, reduction="sum")
+                (loss_sum * (world / cfg.batch_size)).backward()
+                loss_value, correct, n = loss_sum.item(), (out.detach().argmax(1) == y).sum().item(), len(y)
             t_bwd = time.perf_counter()
             sync.after_backward(step)
             t_after_bwd = time.perf_counter()
@@ -180,14 +192,14 @@ def run_worker(cfg: TrainConfig, devices: list[DeviceSpec], local_batches: list[
             if after["collectives"] > before["collectives"] and t_data <= after["last_launch"] <= t_bwd:
                 hidden_wait = t_bwd - after["last_launch"]
             comm_s = hidden_wait + (t_after_bwd - t_bwd) + (t_end - t_opt)
+            if tiled:
+                comm_s = sync.exchange_s
             step_s = t_end - t0
-            n = len(y)
-            correct = (out.detach().argmax(1) == y).sum().item()
-            epoch_loss += loss_sum.item()
+            epoch_loss += loss_value
             epoch_correct += correct
             epoch_seen += n
             rss = peak_rss_mb()
-            record = {"step": step, "epoch": epoch, "rank": rank, "loss": loss_sum.item() / max(n, 1),
+            record = {"step": step, "epoch": epoch, "rank": rank, "loss": loss_value / max(n, 1),
                       "samples": n, "samples_per_s": n / step_s, "step_s": step_s, "data_s": t_data - t0,
                       "compute_s": max(step_s - (t_data - t0) - comm_s, 0.0), "comm_s": comm_s,
                       "comm_busy_s": after["comm_s"] - before["comm_s"],
@@ -203,6 +215,8 @@ def run_worker(cfg: TrainConfig, devices: list[DeviceSpec], local_batches: list[
             if bar:
                 bar.update(step, epoch, ema_loss, epoch_correct / max(epoch_seen, 1),
                            cfg.batch_size / step_s)
+        if step >= total_steps or epoch == epochs - 1:
+            sync.finish()  # the mode's last exchange: every device now holds the same model
         if cfg.eval:
             test_loss, test_acc = evaluate(unwrap(sync.model), data.test, rank, world)
             evals.append({"epoch": epoch, "step": step, "test_loss": test_loss, "test_accuracy": test_acc})
@@ -212,6 +226,7 @@ def run_worker(cfg: TrainConfig, devices: list[DeviceSpec], local_batches: list[
             break
     if bar:
         bar.close()
+    sync.finish()  # no-op if the last epoch already called it
 
     train_totals = torch.tensor([epoch_loss, epoch_correct, epoch_seen], dtype=torch.float64)
     mine = _device_summary(records, rank, me, local_batches[rank], speed, cores, threads, throttle)
