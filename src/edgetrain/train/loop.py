@@ -203,6 +203,8 @@ def run_worker(cfg: TrainConfig, devices: list[DeviceSpec], local_batches: list[
             if bar:
                 bar.update(step, epoch, ema_loss, epoch_correct / max(epoch_seen, 1),
                            cfg.batch_size / step_s)
+        if step >= total_steps or epoch == epochs - 1:
+            sync.finish()  # the mode's last exchange: every device now holds the same model
         if cfg.eval:
             test_loss, test_acc = evaluate(unwrap(sync.model), data.test, rank, world)
             evals.append({"epoch": epoch, "step": step, "test_loss": test_loss, "test_accuracy": test_acc})
@@ -212,6 +214,7 @@ def run_worker(cfg: TrainConfig, devices: list[DeviceSpec], local_batches: list[
             break
     if bar:
         bar.close()
+    sync.finish()  # no-op if the last epoch already called it
 
     train_totals = torch.tensor([epoch_loss, epoch_correct, epoch_seen], dtype=torch.float64)
     mine = _device_summary(records, rank, me, local_batches[rank], speed, cores, threads, throttle)
