@@ -198,8 +198,9 @@ def predict(costs: ModelCosts, devices: list[DeviceSpec], batches: list[int], tr
             efficiency: float = DEFAULT_EFFICIENCY, overlap: float = 0.0, optimizer: str = "sgd",
             momentum: float = 0.9, runtime_mb: float | None = None) -> Prediction:
     """Model one cluster: ``devices`` with local ``batches``, exchanging ``traffic``."""
-    if not 0 < efficiency <= 1:
-        raise EdgetrainError(f"efficiency must be a fraction in (0, 1], got {efficiency:g}")
+    if not efficiency > 0:
+        raise EdgetrainError(f"efficiency must be a positive fraction of the profile's GFLOPS (usually below 1), "
+                             f"got {efficiency:g}")
     if not 0 <= overlap <= 1:
         raise EdgetrainError(f"overlap must be a fraction in [0, 1], got {overlap:g}")
     if len(batches) != len(devices):
