@@ -20,7 +20,9 @@ measured:
   planner's; both come from the same link model, so this checks the bytes,
   the bucket and round counts, and the cadence of each mode;
 * step time: the virtual clock's advance per step (compute, waiting for the
-  slowest device, communication) against the analytic model and the simulator;
+  slowest device, communication) against the analytic model and the simulator,
+  and against the simulator fed each device's *measured* mean compute and CV,
+  which checks the step model (waiting, communication, cadence) alone;
 * memory: peak RSS of the busiest device against the modelled total.
 
 What this validates and what it does not: an emulated rpi4's speed is *derived
@@ -34,6 +36,7 @@ Raspberry Pi. Steps after the first are measured (the first pays set-up).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import tempfile
@@ -111,10 +114,11 @@ def measured(summary: dict) -> dict:
     compute = [statistics.mean(r["virtual_compute_s"] for r in rs) for rs in by_rank]
     target = [statistics.mean(r["cpu_s"] for r in rs) / d["speed"] for rs, d in zip(by_rank, summary["per_device"])]
     slow = max(range(world), key=lambda k: compute[k])
-    every = [r["virtual_compute_s"] for rs in by_rank for r in rs]
-    return {"step_s": clock, "compute_s": compute[slow], "throttle_target_s": target[slow],
-            "comm_s": statistics.mean(r["virtual_comm_s"] for r in by_rank[0]),
-            "compute_cv": statistics.stdev(every) / statistics.mean(every) if len(every) > 1 else 0.0,
+    cvs = [statistics.stdev(r["virtual_compute_s"] for r in rs) / statistics.mean(r["virtual_compute_s"] for r in rs)
+           for rs in by_rank if len(rs) > 1]
+    return {"step_s": clock, "compute_s": compute[slow], "compute_s_per_device": compute,
+            "throttle_target_s": target[slow], "comm_s": statistics.mean(r["virtual_comm_s"] for r in by_rank[0]),
+            "compute_cv": statistics.mean(cvs) if cvs else 0.0,
             "peak_rss_mb": summary["peak_rss_mb_max"], "summary_compute_s": max(d["compute_s"] for d in summary["per_device"])}
 
 
@@ -162,11 +166,16 @@ def main() -> None:
             blind = predict_inputs(inputs, runtime_mb=runtime_mb)
             calibrated = predict_inputs(inputs, efficiency=efficiency, runtime_mb=runtime_mb)
             sim = simulate(calibrated, steps=args.steps, compute_cv=m["compute_cv"], seed=0)
+            # the step model alone: the simulator fed the measured per-device compute instead of the predicted
+            given = dataclasses.replace(calibrated, devices=[dataclasses.replace(d, compute_s=c) for d, c in
+                                                             zip(calibrated.devices, m["compute_s_per_device"])])
+            sim_given = simulate(given, steps=args.steps, compute_cv=m["compute_cv"], seed=0)
             row = {"run": label, "measured": m,
                    "predicted": {"compute_s_default_eff": max(d.compute_s for d in blind.devices),
                                  "compute_s_host_eff": max(d.compute_s for d in calibrated.devices),
                                  "comm_s": calibrated.devices[0].comm_s, "step_s_default_eff": blind.step_s,
                                  "step_s_host_eff": calibrated.step_s, "simulated_step_s_host_eff": sim.mean_step_s,
+                                 "simulated_step_s_measured_compute": sim_given.mean_step_s,
                                  "simulated_comm_s": float(sim.comm_s.mean() / args.steps),
                                  "memory_mb": max(d.memory_total_mb for d in calibrated.devices), "kind": "modelled"}}
             rows.append(row)
@@ -182,19 +191,21 @@ def main() -> None:
               f"{m['compute_s'] / p['compute_s_host_eff']:>15.2f} {m['throttle_target_s'] / p['compute_s_host_eff']:>17.2f} "
               f"{m['compute_cv']:>8.3f}")
     print("\ncommunication and step time per step (s), memory (MiB): predicted (modelled) vs measured")
-    print(f"{'run':<14} {'comm pred':>9} {'comm sim':>9} {'comm meas':>9} {'m/pred':>6} {'m/sim':>6} {'step pred':>9} {'step sim':>9} "
-          f"{'step meas':>9} {'meas/pred':>9} {'meas/sim':>8} {'mem pred':>8} {'RSS meas':>8} {'ratio':>6}")
+    print(f"{'run':<14} {'comm pred':>9} {'comm sim':>8} {'comm meas':>9} {'m/pred':>6} {'m/sim':>6} "
+          f"{'step pred':>9} {'step sim':>8} {'sim|meas comp':>13} {'step meas':>9} {'m/pred':>6} {'m/sim':>6} "
+          f"{'m/sim|mc':>8} {'mem pred':>8} {'RSS meas':>8} {'ratio':>5}")
     for r in rows:
         p, m = r["predicted"], r["measured"]
         comm_ratio = f"{m['comm_s'] / p['comm_s']:.3f}" if p["comm_s"] else "-"
         sim_ratio = f"{m['comm_s'] / p['simulated_comm_s']:.3f}" if p["simulated_comm_s"] else "-"
-        print(f"{r['run']:<14} {p['comm_s']:>9.3f} {p['simulated_comm_s']:>9.3f} {m['comm_s']:>9.3f} {comm_ratio:>6} "
-              f"{sim_ratio:>6} {p['step_s_host_eff']:>9.3f} "
-              f"{p['simulated_step_s_host_eff']:>9.3f} {m['step_s']:>9.3f} {m['step_s'] / p['step_s_host_eff']:>9.2f} "
-              f"{m['step_s'] / p['simulated_step_s_host_eff']:>8.2f} {p['memory_mb']:>8.0f} {m['peak_rss_mb']:>8.0f} "
-              f"{m['peak_rss_mb'] / p['memory_mb']:>6.2f}")
-    print("(step pred/sim use the efficiency the emulator realises; the simulator adds the measured compute CV "
-          "and link jitter)")
+        print(f"{r['run']:<14} {p['comm_s']:>9.3f} {p['simulated_comm_s']:>8.3f} {m['comm_s']:>9.3f} {comm_ratio:>6} "
+              f"{sim_ratio:>6} {p['step_s_host_eff']:>9.3f} {p['simulated_step_s_host_eff']:>8.3f} "
+              f"{p['simulated_step_s_measured_compute']:>13.3f} {m['step_s']:>9.3f} "
+              f"{m['step_s'] / p['step_s_host_eff']:>6.2f} {m['step_s'] / p['simulated_step_s_host_eff']:>6.2f} "
+              f"{m['step_s'] / p['simulated_step_s_measured_compute']:>8.2f} {p['memory_mb']:>8.0f} "
+              f"{m['peak_rss_mb']:>8.0f} {m['peak_rss_mb'] / p['memory_mb']:>5.2f}")
+    print("(step pred/sim: the efficiency the emulator realises; sim adds the measured compute CV and link jitter; "
+          "sim|meas comp: the simulator fed each device's measured mean compute, i.e. the step model alone)")
     print("Emulated rpi4 speed is derived from the profile's GFLOPS: this validates FLOP counting, efficiency and the "
           "comm model against edgetrain's emulator, not real hardware.")
     elapsed = time.perf_counter() - started

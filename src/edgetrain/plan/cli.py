@@ -40,8 +40,8 @@ def register(sub) -> None:
         p.add_argument("--" + name.replace("_", "-"), dest=name, metavar=metavar, default=argparse.SUPPRESS,
                        help=meta["help"] + f" (default: {FIELDS[name].default})")
     p.add_argument("--efficiency", type=float, default=DEFAULT_EFFICIENCY,
-                   help="fraction of the profile's GFLOPS a training step achieves (0.6: measured range 0.5-0.9 "
-                        "for small CNNs on the development host; see edgetrain.plan.model)")
+                   help="fraction of the profile's GFLOPS a training step achieves (0.6: the middle of 0.4-0.9 "
+                        "measured for small CNNs and ResNet-18 on the development host; see edgetrain.plan.model)")
     p.add_argument("--overlap", type=float, default=0.0,
                    help="fraction of synchronous communication hidden behind backward (edgetrain's hooks: 0)")
     p.add_argument("--runtime-mb", type=float, default=None,

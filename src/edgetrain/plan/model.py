@@ -10,10 +10,11 @@ Compute. Device ``i`` with local batch ``b_i`` and a profile rated ``G_i`` GFLOP
 ``efficiency`` is the fraction of the profile's GFLOPS (a sustained GEMM /
 LINPACK rate) that a training step achieves. The default 0.6 comes from
 measurement on the development host: one-thread training steps (batch 32,
-32x32 inputs, CPU time) of small_cnn width 16 / 32 and ResNet-18 width 16 /
-64 reached 0.51, 0.69, 0.65 and 0.92 of the same core's 384x384 GEMM rate
-(``cluster.profiles.host_core_gflops``); small edge models sit at the low
-end. ``benchmarks/plan_accuracy.py`` measures it again for its model.
+32x32 inputs, CPU time) reached, of the same core's 384x384 GEMM rate,
+0.4-0.5 for small_cnn width 16, 0.69 for small_cnn width 32, 0.65 for
+ResNet-18 width 16 and 0.92 for ResNet-18 width 64: wider layers use the
+core better. 0.6 sits in the middle; for a small model pass a lower one.
+``benchmarks/plan_accuracy.py`` measures it again for its model.
 
 Communication. An exchange is a list of collectives (``traffic.py``); each
 costs the link model's time (``edgetrain.cluster.links``, Hockney's
