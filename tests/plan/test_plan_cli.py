@@ -13,7 +13,7 @@ from conftest import run_cli
 def test_plan_prints_tables_and_writes_json_and_png(tmp_path):
     proc = run_cli("plan", "--model", "small_cnn", "--dataset", "synthetic", "--image-size", "8", "--devices", "4",
                    "--profile", "rpi4", "--link", "lte-10m", "--batch-size", "64", "--compress", "topk:0.01",
-                   "--sync", "local:4", "--scale", "1,2,4,...,64", "--runtime-mb", "200", "--sim-steps", "20",
+                   "--sync", "local:4", "--scale", "1,2,4,...,64", "--runtime-mb", "200", "--sim-steps", "18",
                    "--output", str(tmp_path), "--run-name", "p")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
@@ -23,6 +23,7 @@ def test_plan_prints_tables_and_writes_json_and_png(tmp_path):
     assert result["simulation"]["kind"].startswith("modelled") and result["scaling"]["kind"] == "modelled"
     assert [r["devices"] for r in result["scaling"]["rows"]] == [1, 2, 4, 8, 16, 32, 64]
     assert result["prediction"]["traffic"]["compress"] == "topk:0.01"
+    assert result["simulation"]["steps"] == 20  # local:4 simulates whole periods
     assert len(result["prediction"]["per_device"]) == 4
     assert (tmp_path / "p" / "scaling.png").read_bytes()[:4] == b"\x89PNG"
 

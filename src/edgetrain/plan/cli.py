@@ -13,6 +13,7 @@ directory. Every number is modelled except the counted model costs.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from edgetrain.config import FIELDS, _base_type, load_config
@@ -46,7 +47,8 @@ def register(sub) -> None:
                    help="fraction of synchronous communication hidden behind backward (edgetrain's hooks: 0)")
     p.add_argument("--runtime-mb", type=float, default=None,
                    help="memory baseline per device in MiB (default: RSS of an idle edgetrain process, measured now)")
-    p.add_argument("--sim-steps", type=int, default=100, help="steps to simulate")
+    p.add_argument("--sim-steps", type=int, default=100,
+                   help="steps to simulate (local:H and gossip:H round up to whole periods)")
     p.add_argument("--compute-cv", type=float, default=0.05,
                    help="coefficient of variation of a device's step compute time in the simulation (0.05: "
                         "CPU time of one-thread training steps on the shared development host varied by 5-9%%)")
@@ -114,8 +116,11 @@ def run(args: argparse.Namespace) -> int:
     knobs = dict(efficiency=args.efficiency, overlap=args.overlap, runtime_mb=args.runtime_mb)
     pred = predict_inputs(inputs, **knobs)
     knobs["runtime_mb"] = pred.runtime_mb  # measured once
-    sim = simulate(pred, steps=args.sim_steps, **sim_options).to_dict()
-    rows = scaling(lambda n: predict_inputs(inputs, n, **knobs), counts, args.sim_steps, **sim_options) if counts else None
+    steps = args.sim_steps
+    if pred.traffic.mode in ("local", "gossip"):  # whole periods, or the mean would miss part of an exchange
+        steps = math.ceil(steps / pred.traffic.period) * pred.traffic.period
+    sim = simulate(pred, steps=steps, **sim_options).to_dict()
+    rows = scaling(lambda n: predict_inputs(inputs, n, **knobs), counts, steps, **sim_options) if counts else None
 
     out = console()
     print_prediction(pred, out)
