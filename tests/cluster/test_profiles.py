@@ -72,9 +72,10 @@ def test_throttle_stretches_cpu_work():
         throttle.checkpoint()
     throttle.checkpoint()
     cpu, wall = time.process_time() - start_cpu, time.perf_counter() - start
-    # At speed 0.5 the work takes at least twice its CPU time (more only if the host is busy).
+    # At speed 0.5 the work takes at least twice its CPU time (more only if the host is busy,
+    # in which case the throttle sleeps less: time lost to other processes counts as stretch).
     assert wall >= 0.9 * cpu / 0.5
-    assert throttle.slept > 0.5 * cpu
+    assert throttle.slept > 0
 
 
 def test_throttle_gives_no_credit_for_waiting():

@@ -147,7 +147,7 @@ def test_a_peer_that_never_arrives_times_out(tmp_path):
 
 def test_runs_under_torchrun(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "edgetrain", "train", "--steps", "5", "--no-progress", "--output", str(tmp_path),
+                           "-m", "edgetrain", "train", "--model", "small_cnn", "--steps", "5", "--no-progress", "--output", str(tmp_path),
                            "--run-name", "tr"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads((tmp_path / "tr" / "summary.json").read_text())

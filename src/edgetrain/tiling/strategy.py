@@ -341,6 +341,9 @@ class TiledSync:
     def after_step(self, step: int) -> None:
         pass
 
+    def finish(self) -> None:
+        """Nothing to settle: every step already left identical parameters on every device."""
+
     def step_metrics(self) -> dict:
         return {}
 
