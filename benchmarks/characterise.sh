@@ -12,6 +12,7 @@ cd "$(dirname "$0")/.."
 OUT=${1:-runs/characterise}
 CIFAR=${2:-../shared/data/cifar10-subset/cifar-10-batches-py}
 EDGETRAIN=${EDGETRAIN:-edgetrain}
+PYTHON=${PYTHON:-python3}  # the interpreter that has edgetrain installed (make setup: .venv/bin/python)
 mkdir -p "$OUT"
 
 # 1. Peak: GEMM (float32) and LINPACK (float64, residual-checked) at 1 and 2 threads.
@@ -29,8 +30,11 @@ $EDGETRAIN bench batch --model resnet18 --profile rpi4 --start-batch 8 --max-bat
 $EDGETRAIN bench batch --model resnet18 --profile host --threads 1 --start-batch 16 --max-batch 128 --steps 2 \
     --output "$OUT" --name batch-host-1thread
 
+#    The same fraction with training steps and GEMMs interleaved in one process (robust to a shared machine).
+$PYTHON benchmarks/fraction_of_peak.py --batches 32,64 --rounds 6
+
 # 4. Data stalls on the CIFAR-10 subset: ResNet-18 (compute-heavy) and the small CNN (data-hungry).
-$EDGETRAIN bench stalls --data-dir "$CIFAR" --model resnet18 --batch-size 64 --epoch-samples 512 --max-workers 2 \
+$EDGETRAIN bench stalls --data-dir "$CIFAR" --model resnet18 --batch-size 64 --epoch-samples 256 --max-workers 2 \
     --output "$OUT" --name stalls-resnet18
 $EDGETRAIN bench stalls --data-dir "$CIFAR" --model small_cnn --batch-size 64 --epoch-samples 2048 --max-workers 2 \
     --output "$OUT" --name stalls-small-cnn

@@ -24,7 +24,8 @@ def test_stalls_on_cifar_subset(tmp_path, cifar_dir):
         assert r["train_cold_samples_per_s"] == pytest.approx(samples / r["epoch_cold_s"])
         assert r["prep_stall_s"] == pytest.approx(max(0.0, r["epoch_cached_s"] - ingest))
         assert r["fetch_stall_s"] == pytest.approx(max(0.0, r["epoch_cold_s"] - r["epoch_cached_s"]))
-        assert r["limiting_stage"] == stalls.limiting_stage(ingest, r["epoch_cached_s"], r["epoch_cold_s"], 0.05)
+        assert r["limiting_stage"] == stalls.limiting_stage(result["ingestion_samples_per_s"], r["prep_samples_per_s"],
+                                                            r["fetch_samples_per_s"], 0.05)
     removes = result["stall_removed_at_workers"]
     assert removes is None or rows[removes]["limiting_stage"] == "compute"
     assert result["verdict"]
@@ -33,9 +34,11 @@ def test_stalls_on_cifar_subset(tmp_path, cifar_dir):
 
 
 def test_limiting_stage():
-    assert stalls.limiting_stage(1.0, 1.01, 1.02, 0.05) == "compute"
-    assert stalls.limiting_stage(1.0, 2.0, 2.1, 0.05) == "prep"
-    assert stalls.limiting_stage(1.0, 1.1, 3.0, 0.05) == "fetch"
+    # rates in samples/s: ingestion, loader cached (prep), loader cold (fetch + prep)
+    assert stalls.limiting_stage(100.0, 500.0, 400.0, 0.05) == "compute"
+    assert stalls.limiting_stage(100.0, 97.0, 96.0, 0.05) == "compute"  # within the threshold
+    assert stalls.limiting_stage(100.0, 50.0, 49.0, 0.05) == "prep"
+    assert stalls.limiting_stage(100.0, 500.0, 20.0, 0.05) == "fetch"
 
 
 def test_reader_gives_normalised_augmented_images(cifar_dir):

@@ -14,8 +14,12 @@ two ways the input pipeline makes it wait:
    waits on storage.
 
 For each worker count ``0..k`` the bench times one pass of ``epoch_samples``
-samples in each state, plus the loader alone (cached), and says which stage
-limits and the smallest worker count whose stall is under a threshold. Each
+samples in each state, plus the loader alone (cached and cold). As in
+DS-Analyzer, the limiting stage is the slowest of the three rates (ingestion,
+prep, fetch), and the stall removed at the smallest worker count whose
+loader keeps up with ingestion; the measured stall seconds (differences of
+the training passes) are reported beside it, and show what rates alone do
+not: workers competing with training for the same cores. Each
 pass starts its workers afresh, as every epoch of a loader without persistent
 workers does; on short passes that start-up is a visible part of the stall. On a
 board with four cores the workers and the training threads compete for the
@@ -141,12 +145,15 @@ def _epoch(model, loader_or_batch, steps: int, train: bool) -> float:
     return elapsed
 
 
-def limiting_stage(ingest_s: float, cached_s: float, cold_s: float, threshold: float) -> str:
-    prep = max(0.0, cached_s - ingest_s)
-    fetch = max(0.0, cold_s - cached_s)
-    if (prep + fetch) <= threshold * cold_s:
+def limiting_stage(ingest: float, prep: float, fetch: float, threshold: float) -> str:
+    """The slowest stage from the three rates (samples/s), as DS-Analyzer predicts it.
+
+    ``prep``: the loader alone on cached data; ``fetch``: the loader alone on a
+    cold cache (fetch and prep together). Rates within ``threshold`` count as equal.
+    """
+    if min(prep, fetch) >= ingest * (1 - threshold):
         return "compute"
-    return "prep" if prep >= fetch else "fetch"
+    return "fetch" if fetch < prep * (1 - threshold) else "prep"
 
 
 def run(data_dir: str, model: str = "resnet18", *, batch_size: int = 64, epoch_samples: int = 1024,
@@ -182,17 +189,20 @@ def run(data_dir: str, model: str = "resnet18", *, batch_size: int = 64, epoch_s
         prep_s = _epoch(net, _loader(ds, batch_size, w, seed), steps, train=False)
         cached_s = _epoch(net, _loader(ds, batch_size, w, seed), steps, train=True)
         drop_page_cache(files)
+        fetch_s = _epoch(net, _loader(ds, batch_size, w, seed), steps, train=False)
+        drop_page_cache(files)
         cold_s = _epoch(net, _loader(ds, batch_size, w, seed), steps, train=True)
         rows.append({
             "workers": w,
             "prep_samples_per_s": samples / prep_s,
+            "fetch_samples_per_s": samples / fetch_s,
             "train_cached_samples_per_s": samples / cached_s,
             "train_cold_samples_per_s": samples / cold_s,
             "epoch_compute_s": ingest_s, "epoch_cached_s": cached_s, "epoch_cold_s": cold_s,
             "prep_stall_s": max(0.0, cached_s - ingest_s),
             "fetch_stall_s": max(0.0, cold_s - cached_s),
             "stall_fraction": max(0.0, cold_s - ingest_s) / cold_s,
-            "limiting_stage": limiting_stage(ingest_s, cached_s, cold_s, threshold),
+            "limiting_stage": limiting_stage(samples / ingest_s, samples / prep_s, samples / fetch_s, threshold),
         })
     removes = next((r["workers"] for r in rows if r["limiting_stage"] == "compute"), None)
     fastest = max(rows, key=lambda r: r["train_cold_samples_per_s"])
@@ -215,14 +225,17 @@ def run(data_dir: str, model: str = "resnet18", *, batch_size: int = 64, epoch_s
 
     plots.plot_stalls(result, run_dir / "stalls.png")
     print_table(f"bench stalls: {model}, batch {batch_size}, {samples} samples/epoch -> {run_dir}",
-                ["workers", "loader alone/s", "train cached/s", "train cold/s", "prep stall s",
+                ["workers", "loader cached/s", "loader cold/s", "train cached/s", "train cold/s", "prep stall s",
                  "fetch stall s", "stall %", "limiting"],
-                [(r["workers"], r["prep_samples_per_s"], r["train_cached_samples_per_s"],
+                [(r["workers"], r["prep_samples_per_s"], r["fetch_samples_per_s"], r["train_cached_samples_per_s"],
                   r["train_cold_samples_per_s"], r["prep_stall_s"], r["fetch_stall_s"],
                   100 * r["stall_fraction"], r["limiting_stage"]) for r in rows],
                 [f"ingestion rate (synthetic data in memory, no stall): {samples / ingest_s:.1f} samples/s",
                  f"reading the data set files: {cold_read:.0f} MB/s after dropping their pages, "
-                 f"{cached_read:.0f} MB/s cached", verdict])
+                 f"{cached_read:.0f} MB/s cached",
+                 "limiting = the slowest of ingestion, loader cached (prep) and loader cold (fetch + prep) rates; "
+                 "stall seconds = measured training epochs' differences (on a shared machine they include "
+                 "interference: workers and other processes competing for the cores)", verdict])
     result["run_dir"] = str(run_dir)
     return result
 

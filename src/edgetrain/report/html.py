@@ -157,9 +157,9 @@ def headline(run: dict[str, Any], peak: tuple[float, str] | None = None) -> tupl
         rows = [[r["devices"], r["throughput_samples_per_s"], r["speedup"], _pct(r["efficiency"]),
                  *(1000 * r["split_s_per_step"][k] for k in ("data", "compute", "comm", "wait"))] for r in d["rows"]]
     elif bench == "stalls":
-        cols = ["workers", "loader alone/s", "train cached/s", "train cold/s", "prep stall s", "fetch stall s",
-                "limiting"]
-        rows = [[r["workers"], r["prep_samples_per_s"], r["train_cached_samples_per_s"],
+        cols = ["workers", "loader cached/s", "loader cold/s", "train cached/s", "train cold/s", "prep stall s",
+                "fetch stall s", "limiting"]
+        rows = [[r["workers"], r["prep_samples_per_s"], r["fetch_samples_per_s"], r["train_cached_samples_per_s"],
                  r["train_cold_samples_per_s"], r["prep_stall_s"], r["fetch_stall_s"], r["limiting_stage"]]
                 for r in d["rows"]]
         notes += [f"ingestion rate (no stall) {d['ingestion_samples_per_s']:.1f} samples/s", d["verdict"]]

@@ -139,12 +139,13 @@ def plot_stalls(result: dict[str, Any], path) -> None:
     ax.axhline(result["ingestion_samples_per_s"], color="black", ls=":", label="ingestion (synthetic, no stall)")
     ax.plot(w, [r["train_cached_samples_per_s"] for r in rows], "o-", label="training, cached data")
     ax.plot(w, [r["train_cold_samples_per_s"] for r in rows], "s-", label="training, cold page cache")
-    ax.plot(w, [r["prep_samples_per_s"] for r in rows], "^--", alpha=0.7, label="loader alone, cached")
+    ax.plot(w, [r["prep_samples_per_s"] for r in rows], "^--", alpha=0.7, label="loader alone, cached (prep)")
+    ax.plot(w, [r["fetch_samples_per_s"] for r in rows], "v--", alpha=0.7, label="loader alone, cold (fetch)")
+    ax.set_yscale("log")
     ax.set_xlabel("loader workers")
     ax.set_ylabel("samples/s")
     ax.set_xticks(w)
-    ax.set_ylim(bottom=0)
-    ax.set_title("Rates")
+    ax.set_title("Rates (log scale)")
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2, frameon=False)
     ax = axes[1]
     compute = [r["epoch_compute_s"] for r in rows]
