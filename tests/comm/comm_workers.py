@@ -107,15 +107,17 @@ def exchange_exactness(rank: int, world: int) -> dict:
         g = torch.Generator().manual_seed(100 + r)
         return torch.randn(1000, generator=g) * (0.05 if r == 0 else 0.1)
 
+    segments = (400, 3, 597)  # three "layers" end to end, as in a DDP bucket
     makers = {"none": NoCompression, "fp16": HalfCast, "int8": Int8, "topk": lambda: TopK(0.03),
+              "topk-layerwise": lambda: TopK(0.03, layerwise=True), "threshold-strom": lambda: Threshold(0.15, None, "strom"),
               "randk": lambda: RandomK(0.05, seed=9), "sign": ScaledSign, "vote": MajorityVote,
               "threshold": lambda: Threshold(0.15)}
     out = {}
     for name, make in makers.items():
         emu = LinkEmulator(None, rank)
-        got = average(inputs(rank), make(), NoMemory(), emu)
+        got = average(inputs(rank), make(), NoMemory(), emu, segments=segments)
         local = [make() for _ in range(world)]  # fresh compressors: same seeds and counters as the real ones
-        payloads = [c.encode(inputs(r)) for r, c in enumerate(local)]
+        payloads = [c.encode(inputs(r), segments=segments) for r, c in enumerate(local)]
         expected = local[0].combine([c.decode(p) for c, p in zip(local, payloads)])
         if local[0].summable:
             want_bytes = ring_allreduce_bytes(payloads[rank].nbytes, world)
@@ -183,20 +185,19 @@ def link_time_checks(rank: int, world: int, link: str) -> dict:
     return out
 
 
-def sync_modes(rank: int, world: int, cases: list[tuple[str, str]], link: str | None = None,
-               mode: str = "virtual", slow_rank_s: float = 0.0) -> dict:
-    """Train with each (sync, compress) pair through ``build_sync``; final models and summaries."""
+def sync_modes(rank: int, world: int, cases: list[tuple]) -> dict:
+    """Train with each (sync, compress, link, link mode, extra compute on device 1) through ``build_sync``."""
     from edgetrain.comm import build_sync
 
     results = {}
-    for sync_spec, compress in cases:
+    for case in cases:
+        sync_spec, compress, link, mode, slow_s = case
         sync = build_sync(tiny_model(), Cfg(sync=sync_spec, compress=compress, link=link, link_mode=mode),
                           rank, world)
-        losses = run_steps(sync, rank, steps=32, compute_s=slow_rank_s if rank == 1 else 0.0)
+        losses = run_steps(sync, rank, steps=32, compute_s=slow_s if rank == 1 else 0.0)
         metrics = sync.step_metrics()
         sync.finish()
-        results[(sync_spec, compress)] = {"first": sum(losses[:4]) / 4, "last": sum(losses[-4:]) / 4,
-                                          "params": flat_params(sync.model.module if hasattr(sync.model, "module")
-                                                               else sync.model),
-                                          "summary": sync.summary(), "metrics": metrics}
+        results[case] = {"first": sum(losses[:4]) / 4, "last": sum(losses[-4:]) / 4,
+                         "params": flat_params(sync.model.module if hasattr(sync.model, "module") else sync.model),
+                         "summary": sync.summary(), "metrics": metrics}
     return results

@@ -114,9 +114,11 @@ def test_threshold_sends_crossing_entries_as_sign_and_index():
     x = torch.tensor([0.5, -0.05, -0.3, 0.2, 0.0, -0.21])
     c = Threshold(0.2)
     p, d = roundtrip(c, x)
-    assert torch.equal(d, torch.tensor([0.2, 0.0, -0.2, 0.2, 0.0, -0.2]))
-    assert p.nbytes == 4 + 4 * 4  # Wt, then one 32-bit word per entry sent
+    # crossed: 0.5, 0.2 (mean 0.35) and -0.3, -0.21 (mean 0.255); the rest stays behind
+    assert torch.allclose(d, torch.tensor([0.35, 0.0, -0.255, 0.35, 0.0, -0.255]))
+    assert p.nbytes == 8 + 4 * 4  # two magnitudes, then one 32-bit word (index and sign) per entry sent
     assert torch.equal(c.decode(unpack(p.pack(), c.layout(6, p.nbytes), 6)), d)
+    assert c.decode(c.encode(torch.full((5,), 0.1))).count_nonzero() == 0
 
 
 def test_threshold_higher_on_poorer_links():
@@ -180,3 +182,70 @@ def test_good_compress_specs():
     assert parse_compress("topk:0.01:dgc:warmup=100").options == {"dgc": True, "warmup": 100.0}
     assert parse_compress(None).method == "none" and parse_compress("fp32").method == "none"
     assert parse_compress("powersgd:4").arg == 4
+
+
+# -- per-tensor (segment) behaviour: a DDP bucket holds several layers end to end --------
+SEGMENTS = (300, 7, 693)
+
+
+def layered() -> torch.Tensor:
+    x = sample()
+    x[300:307] = torch.tensor([1.0, -2.0, 1.5, -1.2, 3.0, 1.1, -1.3])  # a layer of far larger entries (a bias)
+    return x
+
+
+def test_per_layer_scales_for_sign_int8_qsgd():
+    x = layered()
+    parts = torch.split(x, SEGMENTS)
+    p = ScaledSign().encode(x, segments=SEGMENTS)
+    d = ScaledSign().decode(p)
+    assert p.nbytes == 4 * 3 + (1000 + 7) // 8
+    for xs, ds in zip(parts, torch.split(d, SEGMENTS)):
+        assert torch.isclose((xs - ds).norm() ** 2, xs.norm() ** 2 - xs.abs().sum() ** 2 / xs.numel(), rtol=1e-4)
+    p = Int8().encode(x, segments=SEGMENTS)
+    d = Int8().decode(p)
+    assert p.nbytes == 4 * 3 + 1000
+    for xs, ds in zip(parts, torch.split(d, SEGMENTS)):
+        assert ((xs - ds).abs() <= xs.abs().max() / 254 * (1 + 1e-5)).all()
+    p = QSGD(8, seed=0).encode(x, segments=SEGMENTS)
+    d = QSGD(8).decode(p)
+    for xs, ds in zip(parts, torch.split(d, SEGMENTS)):
+        assert ((xs - ds).abs() <= xs.norm() / 8 * (1 + 1e-5)).all()
+
+
+def test_topk_global_and_layerwise():
+    x = layered()
+    d = TopK(0.01).decode(TopK(0.01).encode(x, segments=SEGMENTS))
+    assert d.count_nonzero() == 10 and d[300:307].count_nonzero() == 7  # global: the large layer wins
+    c = TopK(0.01, layerwise=True)
+    p = c.encode(x, segments=SEGMENTS)
+    d = c.decode(p)
+    counts = [int(part.count_nonzero()) for part in torch.split(d, SEGMENTS)]
+    assert counts == [3, 1, 7] and p.nbytes == 8 * 11  # ceil(1% of each layer)
+
+
+def test_threshold_mean_is_per_layer_and_sign():
+    x = torch.tensor([0.3, -0.5, 0.01, 5.0, -2.0, 3.0])
+    c = Threshold(0.2)
+    p = c.encode(x, segments=(3, 3))
+    d = c.decode(unpack(p.pack(), c.layout(6, p.nbytes, (3, 3)), 6, (3, 3)))
+    assert torch.allclose(d, torch.tensor([0.3, -0.5, 0.0, 4.0, -2.0, 4.0]))
+    assert p.nbytes == 4 * 4 + 4 * 5
+    strom = Threshold(0.2, decode_to="strom")
+    assert torch.allclose(strom.decode(strom.encode(x, segments=(3, 3))),
+                          torch.tensor([0.2, -0.2, 0.0, 0.2, -0.2, 0.2]))
+
+
+@pytest.mark.parametrize("make", [lambda: TopK(0.02, layerwise=True), ScaledSign, lambda: Threshold(0.05),
+                                  Int8])
+def test_error_feedback_loses_nothing_with_layers(make):
+    c, memory = make(), ResidualMemory()
+    inputs, sent = torch.zeros(1000, dtype=torch.float64), torch.zeros(1000, dtype=torch.float64)
+    for step in range(20):
+        x = layered() * (step + 1) / 10
+        inputs += x
+        compensated = memory.compensate(x)
+        d = c.decode(c.encode(compensated, segments=SEGMENTS))
+        memory.update(compensated, d)
+        sent += d
+    assert torch.allclose(sent + memory.residuals[0].double(), inputs, atol=1e-4)

@@ -50,29 +50,28 @@ def test_link_model_matches_enforced_run():
         assert r["virtual"]["comm_time_is"] == "modelled" and r["virtual"]["comm_fraction"] > 0.5
 
 
+LTE = ("lte-10m", "virtual", 0.0)
+SYNC_CASES = [("local:4", "none", *LTE), ("local:4:nesterov", "topk:0.2", *LTE), ("async:2", "none", *LTE),
+              ("async:3", "sign", *LTE), ("gossip", "none", *LTE), ("sync", "threshold:0.01", *LTE),
+              # an enforced link and a straggler: device 1 computes 30 ms longer every step
+              ("async:2", "none", "40mbit:10ms", "enforced", 0.03)]
+
+
 def test_sync_modes_train_and_agree():
-    cases = [("local:4", "none"), ("local:4:nesterov", "topk:0.2"), ("async:2", "none"), ("async:3", "sign"),
-             ("gossip", "none"), ("sync", "threshold:0.01")]
-    ranks = spawn(sync_modes, 2, cases, "lte-10m", "virtual")
-    for case in cases:
+    ranks = spawn(sync_modes, 2, SYNC_CASES)
+    for case in SYNC_CASES:
         a, b = ranks[0][case], ranks[1][case]
         assert a["last"] < 0.7 * a["first"], f"{case} did not train: {a['first']:.3f} -> {a['last']:.3f}"
         assert torch.allclose(a["params"], b["params"], atol=1e-6), f"{case}: final models differ"
         s = a["summary"]
         assert s["sync_steps"] == 32 and s["virtual_time_s"] > 0 and 0 < s["comm_fraction"] < 1, (case, s)
-        # gossip with two devices sends each step what an all-reduce would, plus the final average
-        assert s["bytes_sent_per_device"] > 0 and s["compression_ratio"] > (0.9 if case[0] == "gossip" else 1.5)
+        # gossip with two devices sends each step what an all-reduce would, plus the final average;
+        # async on a fast link completes a round every step
+        fewer = case[0] != "gossip" and case[2] == "lte-10m"
+        assert s["bytes_sent_per_device"] > 0 and s["compression_ratio"] > (1.5 if fewer else 0.9), (case, s)
         assert {"virtual_s", "virtual_compute_s", "virtual_comm_s"} <= set(a["metrics"])
-    for bound in (2, 3):
-        s = ranks[0][(f"async:{bound}", "none" if bound == 2 else "sign")]["summary"]
-        assert s["staleness_max"] <= bound and s["rounds"] >= 32 // bound
-    assert ranks[0][("local:4", "none")]["summary"]["averages"] == 8
-
-
-def test_async_fast_device_runs_ahead_of_a_straggler():
-    # enforced link, device 1 is 30 ms slower per step: device 0 still never trains on rounds older than 2 steps
-    ranks = spawn(sync_modes, 2, [("async:2", "none")], "40mbit:10ms", "enforced", 0.03)
-    for r in ranks:
-        s = r[("async:2", "none")]["summary"]
-        assert s["staleness_max"] <= 2
-        assert torch.allclose(ranks[0][("async:2", "none")]["params"], ranks[1][("async:2", "none")]["params"])
+        if case[0].startswith("async"):
+            # never trains on a round older than the bound, even beside a straggler
+            bound = int(case[0].split(":")[1])
+            assert s["staleness_max"] <= bound and s["rounds"] >= 32 // bound, s
+    assert ranks[0][SYNC_CASES[0]]["summary"]["averages"] == 8

@@ -94,6 +94,7 @@ class BoundedStaleness(SyncMode):
         self.compressor, self.memory = compressor, memory
         self.group = group
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.segments = tuple(p.numel() for p in self.params)
         if world_size > 1:
             broadcast_model(model, emulator, group)
         self.ref = flatten(self.params)
@@ -110,7 +111,7 @@ class BoundedStaleness(SyncMode):
         p = self.world_size
         snapshot = flatten(self.params)
         compensated = self.memory.compensate(snapshot - self.ref, "params")
-        payload = self.compressor.encode(compensated, "params")
+        payload = self.compressor.encode(compensated, "params", self.segments)
         self.memory.update(compensated, self.compressor.decode(payload), "params")
         clocks = torch.zeros(2 * p, dtype=torch.float64)
         clocks[self.rank] = clock_s
@@ -181,12 +182,12 @@ class BoundedStaleness(SyncMode):
         """Fold round ``r`` into the model; True if every device had finished training when it launched."""
         p = self.world_size
         if r.received is None:
-            mean_delta = self.compressor.decode(Payload((r.buf,), r.payload.numel, r.payload.ctx)).div_(p)
+            mean_delta = self.compressor.decode(Payload((r.buf,), r.payload.numel, self.segments,
+                                                        r.payload.ctx)).div_(p)
         else:
-            n = r.buf.numel()
-            layout = self.compressor.layout(r.payload.numel, n)
+            layout = self.compressor.layout(r.payload.numel, r.buf.numel(), self.segments)
             mean_delta = self.compressor.combine(
-                [self.compressor.decode(unpack(b, layout, r.payload.numel)) for b in r.received])
+                [self.compressor.decode(unpack(b, layout, r.payload.numel, self.segments)) for b in r.received])
         new_ref = self.ref + mean_delta
         if final:
             unflatten(new_ref, self.params)

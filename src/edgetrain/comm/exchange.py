@@ -39,11 +39,14 @@ def wait(work: dist.Work, timeout_s: float, what: str) -> None:
 
 
 def average(x: torch.Tensor, compressor: Compressor, memory, emulator: LinkEmulator, key: object = 0,
-            group=None) -> torch.Tensor:
-    """The mean over the group of every device's decoded ``x`` (flat fp32)."""
+            group=None, segments: tuple[int, ...] | None = None) -> torch.Tensor:
+    """The mean over the group of every device's decoded ``x`` (flat fp32).
+
+    ``segments``: lengths of the tensors laid end to end in ``x`` (see ``compress/base.py``).
+    """
     x = x.detach().reshape(-1).float()
     compensated = memory.compensate(x, key)
-    payload = compressor.encode(compensated, key)
+    payload = compressor.encode(compensated, key, segments)
     own = compressor.decode(payload)
     memory.update(compensated, own, key)
     world = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -64,7 +67,7 @@ def _allreduce(payload: Payload, compressor: Compressor, emulator: LinkEmulator,
         wait(dist.all_reduce(buf, group=group, async_op=True), emulator.timeout_s, f"{compressor.name} all-reduce")
 
     emulator.run("allreduce", ring_allreduce_bytes(nbytes, world), collective)
-    total = compressor.decode(Payload((buf,), payload.numel, payload.ctx))
+    total = compressor.decode(Payload((buf,), payload.numel, payload.segments, payload.ctx))
     return total.div_(world)
 
 
@@ -92,6 +95,7 @@ def _allgather(payload: Payload, compressor: Compressor, emulator: LinkEmulator,
              f"{compressor.name} all-gather")
 
     emulator.run("allgather", ring_allgather_bytes(buf.numel(), world), collective)
-    decoded = [compressor.decode(unpack(r[:n], compressor.layout(payload.numel, n), payload.numel))
+    decoded = [compressor.decode(unpack(r[:n], compressor.layout(payload.numel, n, payload.segments),
+                                        payload.numel, payload.segments))
                for r, n in zip(received, sizes)]
     return compressor.combine(decoded)

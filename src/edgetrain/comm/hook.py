@@ -56,7 +56,11 @@ class CompressionState:
 
 def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     buffer = bucket.buffer()
-    mean = average(buffer, state.compressor, state.memory, state.emulator, key=bucket.index(), group=state.group)
+    segments = tuple(g.numel() for g in bucket.gradients())  # the bucket's parameters, end to end
+    if sum(segments) != buffer.numel():
+        segments = None
+    mean = average(buffer, state.compressor, state.memory, state.emulator, key=bucket.index(), group=state.group,
+                   segments=segments)
     buffer.copy_(mean.view_as(buffer))
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(buffer)

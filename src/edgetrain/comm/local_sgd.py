@@ -46,6 +46,7 @@ class LocalSGD(SyncMode):
         self.compressor, self.memory = compressor, memory
         self.group = group
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.segments = tuple(p.numel() for p in self.params)
         if world_size > 1:
             broadcast_model(model, emulator, group)
         self.ref = flatten(self.params)
@@ -69,7 +70,7 @@ class LocalSGD(SyncMode):
     def _average(self) -> None:
         x = flatten(self.params)
         pseudo_grad = average(self.ref.detach() - x, self.compressor, self.memory, self.emulator,
-                              key="params", group=self.group)
+                              key="params", group=self.group, segments=self.segments)
         with torch.no_grad():
             if self.outer is None:
                 self.ref -= pseudo_grad

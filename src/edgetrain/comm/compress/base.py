@@ -17,6 +17,12 @@ How payloads from the devices are combined depends on the compressor:
 
 On the wire a payload is one byte buffer: its tensors' bytes back to back.
 Bytes are counted from that buffer, never from a formula.
+
+``segments`` are the lengths of the tensors (layers) laid end to end in the
+flat input, e.g. the parameters of a DDP bucket. Compressors that keep one
+scale per tensor (sign, int8, QSGD, threshold) or one budget per tensor
+(top-k, as DGC selects layer by layer) use them; every device knows them, so
+they never travel. Without segments the whole input is one tensor.
 """
 from __future__ import annotations
 
@@ -29,13 +35,19 @@ import torch
 class Payload:
     """What one device sends: ``tensors`` (flat), plus ``numel`` of the tensor they encode.
 
-    ``ctx`` is what every device can rebuild without receiving it (random-k's
-    shared indices); it never goes on the wire and is not counted.
+    ``segments`` and ``ctx`` are what every device knows without receiving it
+    (the layer lengths; random-k's shared indices); they never go on the wire.
     """
 
     tensors: tuple[torch.Tensor, ...]
     numel: int
+    segments: tuple[int, ...] | None = None
     ctx: object = None
+
+    @property
+    def parts(self) -> tuple[int, ...]:
+        """Segment lengths, the whole input as one segment if none were given."""
+        return self.segments or (self.numel,)
 
     @property
     def nbytes(self) -> int:
@@ -47,8 +59,9 @@ class Payload:
         return torch.cat(parts) if len(parts) > 1 else parts[0].clone()
 
 
-def unpack(buffer: torch.Tensor, layout: list[tuple[torch.dtype, int]], numel: int) -> Payload:
-    """Inverse of ``Payload.pack`` given each tensor's dtype and length."""
+def unpack(buffer: torch.Tensor, layout: list[tuple[torch.dtype, int]], numel: int,
+           segments: tuple[int, ...] | None = None) -> Payload:
+    """Inverse of ``Payload.pack`` given each tensor's dtype and length (wider dtypes first, for alignment)."""
     tensors, offset = [], 0
     for dtype, count in layout:
         size = count * torch.empty((), dtype=dtype).element_size()
@@ -56,7 +69,17 @@ def unpack(buffer: torch.Tensor, layout: list[tuple[torch.dtype, int]], numel: i
         offset += size
     if offset != buffer.numel():
         raise ValueError(f"payload of {buffer.numel()} bytes does not match layout {layout}")
-    return Payload(tuple(tensors), numel)
+    return Payload(tuple(tensors), numel, segments)
+
+
+def segment_ids(parts: tuple[int, ...]) -> torch.Tensor:
+    """For every entry of the flat input, the index of its segment."""
+    return torch.repeat_interleave(torch.arange(len(parts)), torch.tensor(parts))
+
+
+def segment_sum(values: torch.Tensor, ids: torch.Tensor, count: int) -> torch.Tensor:
+    """Per-segment sums of ``values`` (entries labelled by ``ids``)."""
+    return torch.zeros(count, dtype=values.dtype).index_add_(0, ids, values)
 
 
 class Compressor:
@@ -73,7 +96,7 @@ class Compressor:
     fixed_size = True
     error_bound = ""
 
-    def encode(self, x: torch.Tensor, key: object = 0) -> Payload:
+    def encode(self, x: torch.Tensor, key: object = 0, segments: tuple[int, ...] | None = None) -> Payload:
         raise NotImplementedError
 
     def decode(self, payload: Payload) -> torch.Tensor:
@@ -86,7 +109,8 @@ class Compressor:
             total += d
         return total.div_(len(decoded))
 
-    def layout(self, numel: int, nbytes: int) -> list[tuple[torch.dtype, int]]:
+    def layout(self, numel: int, nbytes: int, segments: tuple[int, ...] | None = None
+               ) -> list[tuple[torch.dtype, int]]:
         """How a packed payload of ``nbytes`` encoding ``numel`` values splits into tensors."""
         raise NotImplementedError
 

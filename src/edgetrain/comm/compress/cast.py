@@ -31,14 +31,14 @@ class HalfCast(Compressor):
         self.error_bound = ("|x-d| <= max(2^-11 |x|, 2^-25) for |x| <= 65504" if dtype == torch.float16
                             else "|x-d| <= 2^-8 |x|")
 
-    def encode(self, x: torch.Tensor, key: object = 0) -> Payload:
+    def encode(self, x: torch.Tensor, key: object = 0, segments: tuple[int, ...] | None = None) -> Payload:
         x = x.detach().reshape(-1)
         if self.dtype == torch.float16:
             x = x.clamp(-FP16_MAX, FP16_MAX)
-        return Payload((x.to(self.dtype),), x.numel())
+        return Payload((x.to(self.dtype),), x.numel(), segments)
 
     def decode(self, payload: Payload) -> torch.Tensor:
         return payload.tensors[0].float()
 
-    def layout(self, numel: int, nbytes: int) -> list[tuple[torch.dtype, int]]:
+    def layout(self, numel: int, nbytes: int, segments=None) -> list[tuple[torch.dtype, int]]:
         return [(self.dtype, numel)]

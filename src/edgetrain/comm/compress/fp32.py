@@ -11,11 +11,11 @@ class NoCompression(Compressor):
     summable = True
     error_bound = "exact: decode(encode(x)) == x"
 
-    def encode(self, x: torch.Tensor, key: object = 0) -> Payload:
-        return Payload((x.detach().float().reshape(-1),), x.numel())
+    def encode(self, x: torch.Tensor, key: object = 0, segments: tuple[int, ...] | None = None) -> Payload:
+        return Payload((x.detach().float().reshape(-1),), x.numel(), segments)
 
     def decode(self, payload: Payload) -> torch.Tensor:
         return payload.tensors[0].float()
 
-    def layout(self, numel: int, nbytes: int) -> list[tuple[torch.dtype, int]]:
+    def layout(self, numel: int, nbytes: int, segments=None) -> list[tuple[torch.dtype, int]]:
         return [(torch.float32, numel)]

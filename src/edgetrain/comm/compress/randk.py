@@ -40,15 +40,16 @@ class RandomK(Compressor):
         k = min(n, max(1, math.ceil(self.ratio * n)))
         return torch.randperm(n, generator=g)[:k]
 
-    def encode(self, x: torch.Tensor, key: object = 0) -> Payload:
+    def encode(self, x: torch.Tensor, key: object = 0, segments: tuple[int, ...] | None = None) -> Payload:
+        # uniform over the whole input: every layer keeps about ``ratio`` of its entries anyway
         x = x.detach().reshape(-1).float()
         indices = self._indices(key, x.numel())
-        return Payload((x[indices],), x.numel(), ctx=indices)
+        return Payload((x[indices],), x.numel(), segments, ctx=indices)
 
     def decode(self, payload: Payload) -> torch.Tensor:
         out = torch.zeros(payload.numel, dtype=torch.float32)
         out[payload.ctx] = payload.tensors[0]
         return out
 
-    def layout(self, numel: int, nbytes: int) -> list[tuple[torch.dtype, int]]:
+    def layout(self, numel: int, nbytes: int, segments=None) -> list[tuple[torch.dtype, int]]:
         return [(torch.float32, nbytes // 4)]

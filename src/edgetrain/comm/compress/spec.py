@@ -6,15 +6,17 @@
 ``int8``                           linear 8-bit quantization
 ``qsgd[:LEVELS]``                  stochastic quantization, 1..127 levels (default 127)
 ``topk:RATIO``                     top-k with error feedback; options ``dgc`` (momentum
-                                   correction, ``momentum=0.9``), ``warmup=STEPS``
-                                   (DGC's sparsity ramp), ``noef``
+                                   correction, ``momentum=0.9``), ``warmup=STEPS`` (DGC's
+                                   sparsity ramp), ``layerwise`` (a budget per layer, as
+                                   DGC), ``noef``
 ``randk:RATIO``                    random-k (shared seed) with error feedback; ``noef``
 ``sign``                           EF-signSGD (scaled sign, error feedback); ``sign:vote``
                                    for signSGD majority vote
 ``powersgd[:RANK]``                PyTorch's PowerSGD hook (default rank 2); ``start=ITER``
                                    vanilla all-reduce iterations first (default 10)
 ``threshold[:TAU]``                Strom's two-step threshold method, ``Wt`` derived
-                                   from the device's link (default tau 0.001)
+                                   from the device's link (default tau 0.001); entries
+                                   decode to their layer's mean, ``strom`` to +-Wt
 =================================  =================================================
 """
 from __future__ import annotations
@@ -38,11 +40,11 @@ from edgetrain.errors import EdgetrainError
 METHODS = ("none", "fp16", "bf16", "int8", "qsgd", "topk", "randk", "sign", "powersgd", "threshold")
 _OPTIONS = {
     "none": set(), "fp16": set(), "bf16": set(), "int8": set(), "qsgd": set(),
-    "topk": {"dgc", "momentum", "warmup", "noef"},
+    "topk": {"dgc", "momentum", "warmup", "noef", "layerwise"},
     "randk": {"noef"},
     "sign": {"vote", "noef"},
     "powersgd": {"start"},
-    "threshold": set(),
+    "threshold": {"strom"},
 }
 
 
@@ -132,7 +134,7 @@ def build_compressor(spec: CompressSpec, link: Link | None = None, seed: int = 0
         return QSGD(int(arg or 127), seed=seed * 1_000_003 + rank), NoMemory()
     if name == "topk":
         memory = DGCMemory(opts.get("momentum", 0.9)) if "dgc" in opts else (ResidualMemory() if ef else NoMemory())
-        return TopK(arg, warmup_steps=int(opts.get("warmup", 0))), memory
+        return TopK(arg, warmup_steps=int(opts.get("warmup", 0)), layerwise="layerwise" in opts), memory
     if name == "randk":
         return RandomK(arg, seed=seed), ResidualMemory() if ef else NoMemory()
     if name == "sign":
@@ -140,7 +142,7 @@ def build_compressor(spec: CompressSpec, link: Link | None = None, seed: int = 0
             return MajorityVote(), NoMemory()
         return ScaledSign(), ResidualMemory() if ef else NoMemory()
     if name == "threshold":
-        return Threshold(arg or 0.001, link), ResidualMemory()
+        return Threshold(arg or 0.001, link, "strom" if "strom" in opts else "mean"), ResidualMemory()
     raise EdgetrainError(f"{name} is a DDP hook of its own, not a Compressor; it is built by build_hook")
 
 
