@@ -33,10 +33,11 @@ $EDGETRAIN bench batch --model resnet18 --profile host --threads 1 --start-batch
 #    The same fraction with training steps and GEMMs interleaved in one process (robust to a shared machine).
 $PYTHON benchmarks/fraction_of_peak.py --batches 32,64 --rounds 6
 
-# 4. Data stalls on the CIFAR-10 subset: ResNet-18 (compute-heavy) and the small CNN (data-hungry).
-$EDGETRAIN bench stalls --data-dir "$CIFAR" --model resnet18 --batch-size 64 --epoch-samples 256 --max-workers 2 \
+# 4. Data stalls on the CIFAR-10 subset: ResNet-18 (compute-heavy) and the small CNN (data-hungry);
+#    training on one thread leaves the other core to the loader workers.
+$EDGETRAIN bench stalls --data-dir "$CIFAR" --model resnet18 --batch-size 64 --epoch-samples 256 --max-workers 2 --threads 1 \
     --output "$OUT" --name stalls-resnet18
-$EDGETRAIN bench stalls --data-dir "$CIFAR" --model small_cnn --batch-size 64 --epoch-samples 2048 --max-workers 2 \
+$EDGETRAIN bench stalls --data-dir "$CIFAR" --model small_cnn --batch-size 64 --epoch-samples 2048 --max-workers 2 --threads 1 \
     --output "$OUT" --name stalls-small-cnn
 
 # 5. One page with everything.
