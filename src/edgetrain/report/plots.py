@@ -71,7 +71,8 @@ def plot_batch(result: dict[str, Any], path) -> None:
     bs = [r["batch_size"] for r in ok]
     ax.plot(bs, [r["samples_per_s"] for r in ok], "o-", color=COLORS[0], label="throughput")
     ax.set_xscale("log", base=2)
-    ax.set_xticks(bs, [str(b) for b in bs])
+    ticks = bs + ([result["limit_hit"]["batch_size"]] if result.get("limit_hit") else [])
+    ax.set_xticks(ticks, [str(b) for b in ticks])
     ax.minorticks_off()
     ax.set_xlabel("batch size")
     ax.set_ylabel("throughput (samples/s)", color=COLORS[0])
