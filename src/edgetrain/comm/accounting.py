@@ -53,6 +53,17 @@ class CommStats:
             self.comm_s += now - started
             self.last_done = max(self.last_done, now)
 
+    def record(self, sent: int, recv: int, collectives: int, seconds: float) -> None:
+        """Count a finished blocking exchange in one go."""
+        now = time.perf_counter()
+        with self._lock:
+            self.bytes_sent += int(sent)
+            self.bytes_recv += int(recv)
+            self.collectives += collectives
+            self.comm_s += seconds
+            self.last_launch = now - seconds
+            self.last_done = max(self.last_done, now)
+
     def snapshot(self) -> dict:
         with self._lock:
             return {"bytes_sent": self.bytes_sent, "bytes_recv": self.bytes_recv,

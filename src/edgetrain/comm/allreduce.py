@@ -6,6 +6,7 @@ records bytes and time in a ``CommStats``. Register it on any DDP model::
     state = AllReduceState(stats=CommStats())
     ddp_model.register_comm_hook(state, allreduce_hook)
 """
+# No "from __future__ import annotations": DDP checks the hook's annotations are the real types.
 
 from dataclasses import dataclass, field
 

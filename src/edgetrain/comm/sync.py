@@ -1,37 +1,155 @@
 """How devices agree on the model each step.
 
 A sync object wraps the model for one worker and is called by the training
-loop at two points of every step. The default, ``Synchronous``, is plain DDP:
-gradients are all-reduced during backward through a communication hook.
+loop at fixed points of every step. The default, ``Synchronous``, is plain DDP:
+gradients are averaged during backward through a communication hook
+(compressed or not). The other modes live beside it: ``local_sgd.py``,
+``asynchronous.py``, ``gossip.py``; ``edgetrain.comm.build_sync`` picks one.
 
 Interface the training loop relies on::
 
-    sync = Synchronous(model, world_size, stats, hook=..., hook_state=...)
+    sync = build_sync(model, cfg, rank, world_size, stats, link)
     out = sync.model(x)          # the module to run forward on
     loss.backward()
     sync.after_backward(step)    # gradients are ready for optimizer.step()
     optimizer.step()
     sync.after_step(step)        # parameters may be exchanged here
-    sync.step_metrics()          # extra fields for this step's metrics.jsonl record
+    sync.step_metrics()          # extra fields for this step's metrics.jsonl record:
+                                 # virtual_s (the device's clock), virtual_compute_s, virtual_comm_s
+                                 # (modelled in virtual mode, measured otherwise), staleness (async)
+    ...
+    sync.finish()                # every device, after the last step: final exchange
     sync.summary()               # extra fields for summary.json
+
+Every mode keeps the device's clock (``emulation.LinkEmulator``): a step
+starts at the first training-mode forward of ``sync.model`` and ends in
+``after_step``; evaluation forwards (``model.eval()`` or ``no_grad``) and
+the time between steps (data loading, logging) are not counted.
+
+Traffic that is not counted: DDP's buffer broadcast (``broadcast_buffers``)
+and the statistics of cross-device BatchNorm travel outside the hooks.
 """
 from __future__ import annotations
 
+import time
 import warnings
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from edgetrain.comm.accounting import CommStats
+from edgetrain.comm.accounting import CommStats, ring_allreduce_bytes
 from edgetrain.comm.allreduce import AllReduceState, allreduce_hook
+from edgetrain.comm.emulation import LinkEmulator
+from edgetrain.comm.exchange import wait
 
 
-class Synchronous:
-    """Synchronous data parallelism with DDP; one device runs the bare model."""
+class SyncMode:
+    """What every mode shares: the clock, the byte tally against fp32 all-reduce, the report."""
 
-    def __init__(self, model: nn.Module, world_size: int, stats: CommStats, hook=None, hook_state=None,
-                 broadcast_buffers: bool = True, bucket_cap_mb: float = 25.0):
-        self.stats = stats
+    name = "sync"
+
+    def __init__(self, model: nn.Module, world_size: int, emulator: LinkEmulator, clock_group=None,
+                 spec: str = "sync", compress: str = "none"):
+        self.world_size = world_size
+        self.emulator = emulator
+        self.stats: CommStats = emulator.stats
+        self.clock_group = clock_group
+        self.spec = spec
+        self.compress = compress
+        numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        self.fp32_step_bytes = ring_allreduce_bytes(4 * numel, world_size)
+        self._metrics: dict = {}
+        self._devices: list[dict] | None = None
+
+    def _watch(self, module: nn.Module) -> None:
+        module.register_forward_pre_hook(self._on_forward)
+
+    def _on_forward(self, module: nn.Module, args) -> None:
+        if module.training and torch.is_grad_enabled():
+            self.emulator.start_step()
+
+    def _max_clock(self, arrived: float) -> float:
+        """The latest arrival among all devices (virtual mode; a real all-reduce, not charged as traffic)."""
+        if not self.emulator.virtual or self.world_size == 1:
+            return arrived
+        started = time.perf_counter()
+        t = torch.tensor([arrived], dtype=torch.float64)
+        wait(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.clock_group, async_op=True),
+             self.emulator.timeout_s, "clock all-reduce")
+        self.emulator.blocked(time.perf_counter() - started)
+        return float(t.item())
+
+    def _close_step(self, ready_s: float | None = None, **extra) -> None:
+        step = self.emulator.finish_step(ready_s)
+        # names distinct from the training loop's own comm_s / compute_s, which they would overwrite
+        self._metrics = {"virtual_s": step["virtual_s"], "virtual_compute_s": step["compute_s"],
+                         "virtual_comm_s": step["comm_model_s"], **extra}
+
+    # -- interface ------------------------------------------------------------------
+    def after_backward(self, step: int) -> None:
+        pass
+
+    def after_step(self, step: int) -> None:
+        self._close_step(self._max_clock(self.emulator.arrive()))
+
+    def step_metrics(self) -> dict:
+        return dict(self._metrics)
+
+    def finish(self) -> None:
+        """After the last step, on every device (collectives): the mode's final exchange, then every
+        device's totals for the summary. Calling it again does nothing."""
+        if self._devices is not None:
+            return
+        if self.world_size > 1:
+            self._final_exchange()
+        mine = {"bytes_sent": self.stats.bytes_sent, "virtual_time_s": self.emulator.virtual_s}
+        if self.world_size > 1 and dist.is_initialized():
+            devices: list = [None] * self.world_size
+            dist.all_gather_object(devices, mine, group=self.clock_group)
+            self._devices = devices
+        else:
+            self._devices = [mine]
+
+    def _final_exchange(self) -> None:
+        """What the mode must still send so that every device ends with the same model."""
+
+    def summary(self) -> dict:
+        steps = max(1, self.emulator.steps)
+        sent = self.stats.bytes_sent
+        out = {
+            "sync": self.spec,
+            "compress": self.compress,
+            "link": ", ".join(sorted({l.describe() for l in self.emulator.links})) if self.emulator.links else None,
+            "sync_steps": self.emulator.steps,
+            "bytes_sent_per_device": sent,
+            "bytes_per_step_per_device": sent / steps,
+            "fp32_allreduce_bytes_per_step": self.fp32_step_bytes,
+            "compression_ratio": (self.fp32_step_bytes * self.emulator.steps / sent) if sent else None,
+            **self.emulator.summary(),
+        }
+        if self._devices:
+            out["bytes_sent_max_device"] = max(d["bytes_sent"] for d in self._devices)
+            out["virtual_time_max_device_s"] = max(d["virtual_time_s"] for d in self._devices)
+        return out
+
+
+class Synchronous(SyncMode):
+    """Synchronous data parallelism with DDP; one device runs the bare model.
+
+    ``hook``/``hook_state``: any DDP communication hook (default: the accounted
+    fp32 all-reduce of ``allreduce.py``). ``build_sync`` passes edgetrain's
+    compression or PowerSGD hook, sharing ``emulator``.
+    """
+
+    def __init__(self, model: nn.Module, world_size: int, stats: CommStats | None = None, hook=None,
+                 hook_state=None, broadcast_buffers: bool = True, bucket_cap_mb: float = 25.0,
+                 emulator: LinkEmulator | None = None, clock_group=None, spec: str = "sync",
+                 compress: str = "none"):
+        if emulator is None:
+            emulator = LinkEmulator(None, dist.get_rank() if dist.is_initialized() else 0, stats)
+        super().__init__(model, world_size, emulator, clock_group, spec, compress)
         if world_size > 1:
             # broadcast_buffers is DDP's default (rank 0's BatchNorm buffers win each step);
             # with cross-device BatchNorm the buffers already agree and the trainer turns it off.
@@ -39,19 +157,8 @@ class Synchronous:
                 warnings.simplefilter("ignore", FutureWarning)
                 self.model = DDP(model, broadcast_buffers=broadcast_buffers, bucket_cap_mb=bucket_cap_mb)
             if hook is None:
-                hook, hook_state = allreduce_hook, AllReduceState(stats=stats)
+                hook, hook_state = allreduce_hook, AllReduceState(stats=self.stats)
             self.model.register_comm_hook(hook_state, hook)
         else:
             self.model = model
-
-    def after_backward(self, step: int) -> None:
-        pass
-
-    def after_step(self, step: int) -> None:
-        pass
-
-    def step_metrics(self) -> dict:
-        return {}
-
-    def summary(self) -> dict:
-        return {"sync": "sync"}
+        self._watch(self.model)

@@ -1,0 +1,21 @@
+"""No compression: the fp32 tensor itself, summed by all-reduce (what plain DDP sends)."""
+from __future__ import annotations
+
+import torch
+
+from edgetrain.comm.compress.base import Compressor, Payload
+
+
+class NoCompression(Compressor):
+    name = "none"
+    summable = True
+    error_bound = "exact: decode(encode(x)) == x"
+
+    def encode(self, x: torch.Tensor, key: object = 0, segments: tuple[int, ...] | None = None) -> Payload:
+        return Payload((x.detach().float().reshape(-1),), x.numel(), segments)
+
+    def decode(self, payload: Payload) -> torch.Tensor:
+        return payload.tensors[0].float()
+
+    def layout(self, numel: int, nbytes: int, segments=None) -> list[tuple[torch.dtype, int]]:
+        return [(torch.float32, numel)]

@@ -1,0 +1,74 @@
+"""8-bit quantization: deterministic linear (int8) and stochastic (QSGD), one scale per tensor.
+
+``Int8``: per tensor (segment) one fp32 scale ``s = max|x| / 127`` and
+``q = round(x / s)`` as int8. Error bound: ``|x_i - d_i| <= max|x| / 254``,
+``max`` over the entry's tensor.
+
+``QSGD`` (Alistarh et al., NeurIPS 2017): with ``L`` levels, each entry is
+``||x||_2 * sign(x_i) * l_i / L`` (norm of its tensor) where ``l_i`` rounds
+``L |x_i| / ||x||_2`` up or down at random, with the probabilities that make
+``d`` unbiased: ``E[d] = x``. Error bound: ``|x_i - d_i| <= ||x||_2 / L``.
+Levels travel as int8 (``L <= 127``), with one fp32 norm per tensor. QSGD's
+Elias coding of the levels is not used: the byte count is the int8 tensor's.
+
+Neither keeps state; both are usually run without error feedback.
+"""
+from __future__ import annotations
+
+import torch
+
+from edgetrain.comm.compress.base import Compressor, Payload, segment_ids, segment_sum
+
+TINY = torch.finfo(torch.float32).tiny
+
+
+class Int8(Compressor):
+    name = "int8"
+    error_bound = "|x-d| <= max|x| / 254 per tensor"
+
+    def encode(self, x: torch.Tensor, key: object = 0, segments: tuple[int, ...] | None = None) -> Payload:
+        x = x.detach().reshape(-1).float()
+        parts = segments or (x.numel(),)
+        ids = segment_ids(parts)
+        peak = torch.zeros(len(parts)).scatter_reduce_(0, ids, x.abs(), "amax")
+        scale = peak.clamp_min(TINY) / 127.0
+        q = torch.round(x / scale[ids]).clamp_(-127, 127).to(torch.int8)
+        return Payload((scale, q), x.numel(), segments)
+
+    def decode(self, payload: Payload) -> torch.Tensor:
+        scale, q = payload.tensors
+        return q.float() * scale[segment_ids(payload.parts)]
+
+    def layout(self, numel: int, nbytes: int, segments=None) -> list[tuple[torch.dtype, int]]:
+        return [(torch.float32, len(segments or (numel,))), (torch.int8, numel)]
+
+
+class QSGD(Compressor):
+    error_bound = "E[d] = x and |x-d| <= ||x||_2 / levels per tensor"
+
+    def __init__(self, levels: int = 127, seed: int | None = None):
+        if not 1 <= levels <= 127:
+            raise ValueError(f"QSGD levels must be in [1, 127] (int8 on the wire), got {levels}")
+        self.levels = levels
+        self.name = f"qsgd:{levels}"
+        self.generator = torch.Generator()
+        if seed is not None:
+            self.generator.manual_seed(seed)
+
+    def encode(self, x: torch.Tensor, key: object = 0, segments: tuple[int, ...] | None = None) -> Payload:
+        x = x.detach().reshape(-1).float()
+        parts = segments or (x.numel(),)
+        ids = segment_ids(parts)
+        norm = segment_sum(x * x, ids, len(parts)).sqrt_()
+        level = x.abs() / norm.clamp_min(TINY)[ids] * self.levels
+        low = level.floor()
+        up = torch.rand(x.numel(), generator=self.generator) < (level - low)
+        q = (low + up.float()).clamp_(max=self.levels) * x.sign()
+        return Payload((norm, q.to(torch.int8)), x.numel(), segments)
+
+    def decode(self, payload: Payload) -> torch.Tensor:
+        norm, q = payload.tensors
+        return q.float() * (norm / self.levels)[segment_ids(payload.parts)]
+
+    def layout(self, numel: int, nbytes: int, segments=None) -> list[tuple[torch.dtype, int]]:
+        return [(torch.float32, len(segments or (numel,))), (torch.int8, numel)]

@@ -1,0 +1,101 @@
+"""Two-step threshold compression for poor links (Strom, "Scalable distributed DNN
+training using commodity GPU cloud computing", Interspeech 2015).
+
+Step 1, accumulate: each device adds its update to a local residual (error
+feedback, always on for this method). Step 2, send what crossed: every entry
+whose residual reached the device's threshold ``Wt`` is sent as one 32-bit
+word, index and sign together (``index * 2 + negative``); the rest stays in
+the residual for later. How a sent entry decodes:
+
+* ``strom``: to ``+Wt`` or ``-Wt``, as in the paper. An entry whose residual
+  is far above ``Wt`` then drains by only ``Wt`` per step and applies its
+  gradient many steps late;
+* ``mean`` (default): to ``+m`` or ``-m``, the mean magnitude of the entries
+  of its tensor (layer) sent with that sign, two fp32 per tensor per message
+  (Dryden et al., "Communication quantization for data-parallel training of
+  deep neural networks", MLHPC 2016). A residual is then drained at the size
+  of what its layer actually accumulated.
+
+The payload is the magnitudes plus 4 bytes per entry sent, and its length
+differs from device to device and step to step.
+
+``Wt`` is per device and derived from its link: poorer links wait for a
+larger accumulation before they send::
+
+    Wt = tau * sqrt(reference_bps / bandwidth_bps),   reference = 1 Gbit/s
+
+so a 1 Gbit/s link uses ``tau``, a 10 Mbit/s LTE link ``10 tau``; links faster
+than the reference use ``tau``. ``tau`` is the spec's argument
+(``threshold:0.001``); with no emulated link ``Wt = tau``.
+
+Error bound of ``decode(encode(x))``: ``d_i = 0`` where ``|x_i| < Wt``; where
+``|x_i| >= Wt``, ``d_i = sign(x_i) Wt`` (strom) or ``sign(x_i) m`` with ``m``
+the mean of ``|x_j|`` over the sent entries of that sign and tensor, so
+``m >= Wt`` (mean).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from edgetrain.cluster.links import Link
+from edgetrain.comm.compress.base import Compressor, Payload, segment_ids, segment_sum
+
+REFERENCE_BPS = 1e9
+
+
+def link_threshold(tau: float, link: Link | None) -> float:
+    """The per-device threshold ``Wt`` for base threshold ``tau`` on ``link``."""
+    if link is None:
+        return tau
+    return tau * math.sqrt(max(1.0, REFERENCE_BPS / link.bandwidth_bps))
+
+
+class Threshold(Compressor):
+    fixed_size = False
+    error_bound = ("d == 0 where |x| < Wt; elsewhere d == sign(x) Wt (strom) or sign(x) times the mean |x| "
+                   "sent with that sign in that tensor (mean)")
+
+    def __init__(self, tau: float, link: Link | None = None, decode_to: str = "mean"):
+        if not tau > 0:
+            raise ValueError(f"threshold must be positive, got {tau}")
+        if decode_to not in ("mean", "strom"):
+            raise ValueError(f"threshold decodes to 'mean' or 'strom', not {decode_to!r}")
+        self.tau = tau
+        self.wt = link_threshold(tau, link)
+        self.decode_to = decode_to
+        self.name = f"threshold:{tau:g}" + (":strom" if decode_to == "strom" else "")
+
+    def encode(self, x: torch.Tensor, key: object = 0, segments: tuple[int, ...] | None = None) -> Payload:
+        x = x.detach().reshape(-1).float()
+        if x.numel() >= 2 ** 30:
+            raise ValueError("threshold compression packs index and sign in 31 bits: tensor too long")
+        indices = torch.nonzero(x.abs() >= self.wt).view(-1)
+        values = x[indices]
+        negative = values < 0
+        codes = (indices * 2 + negative.long()).to(torch.int32)
+        if self.decode_to == "strom":
+            return Payload((torch.tensor([self.wt], dtype=torch.float32), codes), x.numel(), segments)
+        parts = segments or (x.numel(),)
+        # slot 2s: positive entries of tensor s, slot 2s+1: negative ones
+        slots = segment_ids(parts)[indices] * 2 + negative.long()
+        total = segment_sum(values.abs(), slots, 2 * len(parts))
+        count = segment_sum(torch.ones_like(values), slots, 2 * len(parts))
+        return Payload((total / count.clamp_min(1), codes), x.numel(), segments)
+
+    def decode(self, payload: Payload) -> torch.Tensor:
+        magnitudes, codes = payload.tensors
+        codes = codes.long()
+        indices, negative = codes >> 1, codes & 1
+        if self.decode_to == "strom" or magnitudes.numel() == 1:
+            size = magnitudes[0].expand(indices.numel())
+        else:
+            size = magnitudes[segment_ids(payload.parts)[indices] * 2 + negative]
+        out = torch.zeros(payload.numel, dtype=torch.float32)
+        out[indices] = torch.where(negative.bool(), -size, size)
+        return out
+
+    def layout(self, numel: int, nbytes: int, segments=None) -> list[tuple[torch.dtype, int]]:
+        head = 1 if self.decode_to == "strom" else 2 * len(segments or (numel,))
+        return [(torch.float32, head), (torch.int32, (nbytes - 4 * head) // 4)]

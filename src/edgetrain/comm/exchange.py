@@ -1,0 +1,101 @@
+"""Average a tensor over devices through a compressor: the one path every mode uses.
+
+``average`` runs the GRACE pipeline for one flat tensor::
+
+    compensated = memory.compensate(x)        # add what was not sent before
+    payload     = compressor.encode(compensated)
+    memory.update(compensated, decode(payload))
+    all-reduce (summable) or all-gather the payloads, decode, combine
+
+and charges every collective to the device's ``LinkEmulator``: bytes from the
+packed payload actually handed to gloo, times the traffic of the algorithm
+(``edgetrain.comm.accounting``), and modelled time from the link model.
+
+Collectives block until done (with a timeout) before the function returns;
+see ``emulation.py`` for why.
+"""
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from edgetrain.comm.accounting import ring_allgather_bytes, ring_allreduce_bytes
+from edgetrain.comm.compress.base import Compressor, Payload, unpack
+from edgetrain.comm.emulation import LinkEmulator
+from edgetrain.errors import EdgetrainError
+
+
+def wait(work: dist.Work, timeout_s: float, what: str) -> None:
+    """Wait for a collective, turning gloo's timeout into one clear error."""
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        if "timed out" in str(e).lower() or "timeout" in str(e).lower():
+            raise EdgetrainError(f"{what} timed out after {timeout_s:g} s: a device stopped responding or is "
+                                 "far slower than the rest; check the other workers' logs") from e
+        raise
+
+
+def average(x: torch.Tensor, compressor: Compressor, memory, emulator: LinkEmulator, key: object = 0,
+            group=None, segments: tuple[int, ...] | None = None) -> torch.Tensor:
+    """The mean over the group of every device's decoded ``x`` (flat fp32).
+
+    ``segments``: lengths of the tensors laid end to end in ``x`` (see ``compress/base.py``).
+    """
+    x = x.detach().reshape(-1).float()
+    compensated = memory.compensate(x, key)
+    payload = compressor.encode(compensated, key, segments)
+    own = compressor.decode(payload)
+    memory.update(compensated, own, key)
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    if world == 1:
+        return own
+    if compressor.summable:
+        return _allreduce(payload, compressor, emulator, group, world)
+    return _allgather(payload, compressor, emulator, group, world)
+
+
+def _allreduce(payload: Payload, compressor: Compressor, emulator: LinkEmulator, group, world: int):
+    if len(payload.tensors) != 1:
+        raise ValueError(f"summable compressor {compressor.name} must send one tensor")
+    buf = payload.tensors[0].clone()
+    nbytes = buf.numel() * buf.element_size()
+
+    def collective() -> None:
+        wait(dist.all_reduce(buf, group=group, async_op=True), emulator.timeout_s, f"{compressor.name} all-reduce")
+
+    emulator.run("allreduce", ring_allreduce_bytes(nbytes, world), collective)
+    total = compressor.decode(Payload((buf,), payload.numel, payload.segments, payload.ctx))
+    return total.div_(world)
+
+
+def _allgather(payload: Payload, compressor: Compressor, emulator: LinkEmulator, group, world: int):
+    buf = payload.pack()
+    if compressor.fixed_size:
+        sizes = [buf.numel()] * world
+    else:
+        size = torch.tensor([buf.numel()], dtype=torch.int64)
+        gathered = [torch.empty_like(size) for _ in range(world)]
+
+        def exchange_sizes() -> None:
+            wait(dist.all_gather(gathered, size, group=group, async_op=True), emulator.timeout_s,
+                 f"{compressor.name} size all-gather")
+
+        emulator.run("allgather", ring_allgather_bytes(8, world), exchange_sizes)
+        sizes = [int(s.item()) for s in gathered]
+        longest = max(sizes)
+        if longest > buf.numel():  # gloo gathers equal lengths: pad, and count the padding as sent
+            buf = torch.cat([buf, torch.zeros(longest - buf.numel(), dtype=torch.uint8)])
+    received = [torch.empty_like(buf) for _ in range(world)]
+
+    def collective() -> None:
+        wait(dist.all_gather(received, buf, group=group, async_op=True), emulator.timeout_s,
+             f"{compressor.name} all-gather")
+
+    emulator.run("allgather", ring_allgather_bytes(buf.numel(), world), collective)
+    decoded = [compressor.decode(unpack(r[:n], compressor.layout(payload.numel, n, payload.segments),
+                                        payload.numel, payload.segments))
+               for r, n in zip(received, sizes)]
+    return compressor.combine(decoded)

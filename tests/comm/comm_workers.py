@@ -1,0 +1,203 @@
+"""Helpers for the distributed tests: spawn a gloo group of processes, and the code each one runs.
+
+Worker functions live here (not in the test files) so that spawned processes
+can import them by name.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+import time
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn, world: int, port: int, out: str, args: tuple) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        result = fn(rank, world, *args)
+        torch.save(result, os.path.join(out, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn, world: int = 2, *args, timeout: float = 120.0) -> list:
+    """Run ``fn(rank, world, *args)`` in ``world`` processes of one gloo group; their return values."""
+    with tempfile.TemporaryDirectory() as out:
+        ctx = mp.start_processes(_entry, args=(fn, world, free_port(), out, args), nprocs=world, join=False,
+                                 start_method="spawn")
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError(f"distributed test did not finish in {timeout:g} s")
+        return [torch.load(os.path.join(out, f"{r}.pt"), weights_only=False) for r in range(world)]
+
+
+# -- tiny task -------------------------------------------------------------------------
+def tiny_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def tiny_data(rank: int, n: int = 256):
+    """A learnable 4-class problem; each device holds its own shard."""
+    g = torch.Generator().manual_seed(1234)
+    w = torch.randn(20, 4, generator=g)
+    g.manual_seed(rank + 1)
+    x = torch.randn(n, 20, generator=g)
+    return x, (x @ w).argmax(1)
+
+
+def flat_params(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+# -- workers -------------------------------------------------------------------------
+def plain_ddp_training(rank: int, world: int, specs: list[str], steps: int = 40) -> dict:
+    """Register each compressor on a plain DDP model (no edgetrain trainer) and train."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from edgetrain.comm import make_hook
+
+    x, y = tiny_data(rank)
+    results = {}
+    for spec in specs:
+        model = DDP(tiny_model())
+        state, hook = make_hook(spec)
+        model.register_comm_hook(state, hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.0 if "dgc" in spec else 0.9)
+        losses = []
+        for step in range(steps):
+            i = (step * 32) % len(x)
+            loss = nn.functional.cross_entropy(model(x[i:i + 32]), y[i:i + 32])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        results[spec] = {"first": sum(losses[:4]) / 4, "last": sum(losses[-4:]) / 4,
+                         "bytes": state.stats.bytes_sent, "params": flat_params(model.module)}
+    return results
+
+
+def exchange_exactness(rank: int, world: int) -> dict:
+    """``exchange.average`` returns the combination of every device's decoded payload; bytes match payloads."""
+    from edgetrain.comm.accounting import ring_allgather_bytes, ring_allreduce_bytes
+    from edgetrain.comm.compress import (HalfCast, Int8, MajorityVote, NoCompression, NoMemory, RandomK,
+                                         ScaledSign, Threshold, TopK)
+    from edgetrain.comm.emulation import LinkEmulator
+    from edgetrain.comm.exchange import average
+
+    def inputs(r: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(100 + r)
+        return torch.randn(1000, generator=g) * (0.05 if r == 0 else 0.1)
+
+    segments = (400, 3, 597)  # three "layers" end to end, as in a DDP bucket
+    makers = {"none": NoCompression, "fp16": HalfCast, "int8": Int8, "topk": lambda: TopK(0.03),
+              "topk-layerwise": lambda: TopK(0.03, layerwise=True), "threshold-strom": lambda: Threshold(0.15, None, "strom"),
+              "randk": lambda: RandomK(0.05, seed=9), "sign": ScaledSign, "vote": MajorityVote,
+              "threshold": lambda: Threshold(0.15)}
+    out = {}
+    for name, make in makers.items():
+        emu = LinkEmulator(None, rank)
+        got = average(inputs(rank), make(), NoMemory(), emu, segments=segments)
+        local = [make() for _ in range(world)]  # fresh compressors: same seeds and counters as the real ones
+        payloads = [c.encode(inputs(r), segments=segments) for r, c in enumerate(local)]
+        expected = local[0].combine([c.decode(p) for c, p in zip(local, payloads)])
+        if local[0].summable:
+            want_bytes = ring_allreduce_bytes(payloads[rank].nbytes, world)
+        elif local[0].fixed_size:
+            want_bytes = ring_allgather_bytes(payloads[rank].nbytes, world)
+        else:  # lengths first, then every payload padded to the longest
+            want_bytes = ring_allgather_bytes(8, world) + ring_allgather_bytes(max(p.nbytes for p in payloads), world)
+        # fp16 payloads are also summed in fp16: one more rounding of the sum
+        tol = 2 ** -10 * expected.abs().max().item() if name == "fp16" else 1e-6
+        out[name] = {"max_error": (got - expected).abs().max().item(), "tol": tol, "bytes": emu.stats.bytes_sent,
+                     "want_bytes": want_bytes, "payload": payloads[rank].nbytes}
+    return out
+
+
+class Cfg(SimpleNamespace):
+    def __init__(self, **kw):
+        super().__init__(**{"compress": "none", "sync": "sync", "link": None, "link_mode": "virtual", "seed": 0,
+                            **kw})
+
+
+def run_steps(sync, rank: int, steps: int, lr: float = 0.1, compute_s: float = 0.0) -> list[float]:
+    x, y = tiny_data(rank)
+    opt = torch.optim.SGD(sync.model.parameters(), lr=lr, momentum=0.9)
+    losses = []
+    for step in range(steps):
+        i = (step * 32) % len(x)
+        loss = nn.functional.cross_entropy(sync.model(x[i:i + 32]), y[i:i + 32])
+        opt.zero_grad()
+        loss.backward()
+        if compute_s:
+            time.sleep(compute_s)  # stands in for a device's compute: same in every mode
+        sync.after_backward(step)
+        opt.step()
+        sync.after_step(step)
+        losses.append(loss.item())
+    return losses
+
+
+def link_time_checks(rank: int, world: int, link: str) -> dict:
+    """Enforced all-reduce vs the link model; virtual vs enforced clock on a short DDP run."""
+    from edgetrain.cluster.links import collective_time, get_link
+    from edgetrain.comm import build_sync
+    from edgetrain.comm.accounting import ring_allreduce_bytes
+    from edgetrain.comm.compress import NoCompression, NoMemory
+    from edgetrain.comm.emulation import LinkEmulator
+    from edgetrain.comm.exchange import average
+
+    out = {}
+    emu = LinkEmulator([get_link(link)] * world, rank, mode="enforced")
+    x = torch.ones(100_000)
+    dist.barrier()
+    started = time.perf_counter()
+    average(x, NoCompression(), NoMemory(), emu)
+    out["allreduce_wall_s"] = time.perf_counter() - started
+    out["allreduce_model_s"] = collective_time([get_link(link)] * world, "allreduce",
+                                               ring_allreduce_bytes(400_000, world))
+    for mode in ("virtual", "enforced"):
+        sync = build_sync(tiny_model(), Cfg(compress="none", link=link, link_mode=mode), rank, world)
+        dist.barrier()
+        started = time.perf_counter()
+        run_steps(sync, rank, steps=6, compute_s=0.03)
+        out[f"{mode}_wall_s"] = time.perf_counter() - started
+        sync.finish()
+        out[mode] = sync.summary()
+    return out
+
+
+def sync_modes(rank: int, world: int, cases: list[tuple]) -> dict:
+    """Train with each (sync, compress, link, link mode, extra compute on device 1) through ``build_sync``."""
+    from edgetrain.comm import build_sync
+
+    results = {}
+    for case in cases:
+        sync_spec, compress, link, mode, slow_s = case
+        sync = build_sync(tiny_model(), Cfg(sync=sync_spec, compress=compress, link=link, link_mode=mode),
+                          rank, world)
+        losses = run_steps(sync, rank, steps=32, compute_s=slow_s if rank == 1 else 0.0)
+        metrics = sync.step_metrics()
+        sync.finish()
+        results[case] = {"first": sum(losses[:4]) / 4, "last": sum(losses[-4:]) / 4,
+                         "params": flat_params(sync.model.module if hasattr(sync.model, "module") else sync.model),
+                         "summary": sync.summary(), "metrics": metrics}
+    return results

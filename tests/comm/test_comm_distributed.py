@@ -1,0 +1,77 @@
+"""Two-process gloo groups on 127.0.0.1: hooks on plain DDP, exact exchanges, link time, sync modes."""
+from __future__ import annotations
+
+import pytest
+import torch
+from comm_workers import exchange_exactness, link_time_checks, plain_ddp_training, spawn, sync_modes
+
+from edgetrain.comm.accounting import ring_allreduce_bytes
+
+DDP_SPECS = ["none", "fp16", "bf16", "int8", "qsgd", "topk:0.1", "topk:0.05:dgc:warmup=8", "randk:0.25", "sign",
+             "sign:vote", "powersgd:1:start=4", "threshold:0.01"]
+
+
+def test_compressors_train_a_plain_ddp_model():
+    ranks = spawn(plain_ddp_training, 2, DDP_SPECS)
+    for spec in DDP_SPECS:
+        a, b = ranks[0][spec], ranks[1][spec]
+        assert a["last"] < 0.6 * a["first"], f"{spec} did not train: {a['first']:.3f} -> {a['last']:.3f}"
+        assert torch.allclose(a["params"], b["params"], atol=1e-6), f"{spec}: devices disagree"
+        assert a["bytes"] > 0
+    fp32 = ranks[0]["none"]["bytes"]
+    assert ranks[0]["fp16"]["bytes"] * 2 == fp32
+    assert ranks[0]["topk:0.1"]["bytes"] < fp32 / 2
+    # PowerSGD bytes, from the model's shapes: rank-1 P (n) and Q (m) per weight, biases as they are
+    steps, vanilla = 40, 4
+    full = 20 * 32 + 32 + 32 * 4 + 4
+    compressed = [32 + 4, 32 + 4, 20 + 32]  # uncompressed biases, P (32 + 4 rows), Q (20 + 32 columns)
+    want = vanilla * ring_allreduce_bytes(4 * full, 2) + (steps - vanilla) * sum(
+        ring_allreduce_bytes(4 * n, 2) for n in compressed)
+    assert ranks[0]["powersgd:1:start=4"]["bytes"] == want
+
+
+def test_exchange_is_exact_and_counts_payload_bytes():
+    for rank_result in spawn(exchange_exactness, 2):
+        for name, r in rank_result.items():
+            assert r["max_error"] <= r["tol"], name
+            assert r["bytes"] == r["want_bytes"], name
+
+
+def test_link_model_matches_enforced_run():
+    ranks = spawn(link_time_checks, 2, "8mbit:60ms")
+    for r in ranks:
+        # one all-reduce: the enforced wall time is the model's prediction
+        assert r["allreduce_wall_s"] == pytest.approx(r["allreduce_model_s"], rel=0.10)
+        # a short DDP run: the virtual clock predicts the enforced run's time
+        virtual, enforced = r["virtual"]["virtual_time_s"], r["enforced"]["virtual_time_s"]
+        assert virtual == pytest.approx(enforced, rel=0.10), (virtual, enforced)
+        assert r["enforced_wall_s"] == pytest.approx(enforced, rel=0.10)
+        assert r["virtual_wall_s"] < 0.5 * r["enforced_wall_s"]  # virtual mode did not wait
+        assert r["virtual"]["comm_time_is"] == "modelled" and r["virtual"]["comm_fraction"] > 0.5
+
+
+LTE = ("lte-10m", "virtual", 0.0)
+SYNC_CASES = [("local:4", "none", *LTE), ("local:4:nesterov", "topk:0.2", *LTE), ("async:2", "none", *LTE),
+              ("async:3", "sign", *LTE), ("gossip", "none", *LTE), ("sync", "threshold:0.01", *LTE),
+              # an enforced link and a straggler: device 1 computes 30 ms longer every step
+              ("async:2", "none", "40mbit:10ms", "enforced", 0.03)]
+
+
+def test_sync_modes_train_and_agree():
+    ranks = spawn(sync_modes, 2, SYNC_CASES)
+    for case in SYNC_CASES:
+        a, b = ranks[0][case], ranks[1][case]
+        assert a["last"] < 0.7 * a["first"], f"{case} did not train: {a['first']:.3f} -> {a['last']:.3f}"
+        assert torch.allclose(a["params"], b["params"], atol=1e-6), f"{case}: final models differ"
+        s = a["summary"]
+        assert s["sync_steps"] == 32 and s["virtual_time_s"] > 0 and 0 < s["comm_fraction"] < 1, (case, s)
+        # gossip with two devices sends each step what an all-reduce would, plus the final average;
+        # async on a fast link completes a round every step
+        fewer = case[0] != "gossip" and case[2] == "lte-10m"
+        assert s["bytes_sent_per_device"] > 0 and s["compression_ratio"] > (1.5 if fewer else 0.9), (case, s)
+        assert {"virtual_s", "virtual_compute_s", "virtual_comm_s"} <= set(a["metrics"])
+        if case[0].startswith("async"):
+            # never trains on a round older than the bound, even beside a straggler
+            bound = int(case[0].split(":")[1])
+            assert s["staleness_max"] <= bound and s["rounds"] >= 32 // bound, s
+    assert ranks[0][SYNC_CASES[0]]["summary"]["averages"] == 8
