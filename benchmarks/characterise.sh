@@ -33,12 +33,17 @@ $EDGETRAIN bench batch --model resnet18 --profile host --threads 1 --start-batch
 #    The same fraction with training steps and GEMMs interleaved in one process (robust to a shared machine).
 $PYTHON benchmarks/fraction_of_peak.py --batches 32,64 --rounds 6
 
-# 4. Data stalls on the CIFAR-10 subset: ResNet-18 (compute-heavy) and the small CNN (data-hungry).
-$EDGETRAIN bench stalls --data-dir "$CIFAR" --model resnet18 --batch-size 64 --epoch-samples 256 --max-workers 2 \
+# 4. Data stalls on the CIFAR-10 subset: ResNet-18 (compute-heavy) and the small CNN (data-hungry);
+#    training on one thread leaves the other core to the loader workers.
+$EDGETRAIN bench stalls --data-dir "$CIFAR" --model resnet18 --batch-size 64 --epoch-samples 256 --max-workers 2 --threads 1 \
     --output "$OUT" --name stalls-resnet18
-$EDGETRAIN bench stalls --data-dir "$CIFAR" --model small_cnn --batch-size 64 --epoch-samples 2048 --max-workers 2 \
+$EDGETRAIN bench stalls --data-dir "$CIFAR" --model small_cnn --batch-size 64 --epoch-samples 2048 --max-workers 2 --threads 1 \
     --output "$OUT" --name stalls-small-cnn
 
-# 5. One page with everything.
+# 5. Scaling over 1, 2 and 4 emulated devices (one thread each, so a device's work is the same at every count).
+$EDGETRAIN bench scaling --devices 1,2,4 --model small_cnn --dataset digits --batch-size 32 --steps 20 --threads 1 \
+    --output "$OUT" --name scaling
+
+# 6. One page with everything.
 $EDGETRAIN report "$OUT"/peak "$OUT"/batch-host "$OUT"/batch-rpi4 "$OUT"/batch-host-1thread \
-    "$OUT"/stalls-resnet18 "$OUT"/stalls-small-cnn -o "$OUT"/report.html
+    "$OUT"/stalls-resnet18 "$OUT"/stalls-small-cnn "$OUT"/scaling -o "$OUT"/report.html

@@ -92,6 +92,9 @@ def add_parser(sub) -> None:
     p.add_argument("--batch-size", type=int, default=None, help="per device (weak) or global (strong)")
     p.add_argument("--steps", type=int, default=None, help="training steps per run (default 20)")
     p.add_argument("--workers", type=int, default=None, help="loader workers per device")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads per device (default: the cores each device gets; 1 keeps the work per "
+                        "device the same at every count)")
     p.add_argument("--no-throttle", dest="throttle", action="store_false", default=None,
                    help="devices run at host speed whatever their profile")
     p.set_defaults(bench_func=lambda a: run(_config(a), a.devices, mode=a.mode, output=a.output, name=a.name))
@@ -110,7 +113,7 @@ def _config(a) -> dict[str, Any]:
     config.setdefault("model", "small_cnn")
     config.setdefault("dataset", "synthetic")
     config.setdefault("steps", 20)
-    for key in ("model", "dataset", "data_dir", "profile", "batch_size", "steps", "workers", "throttle"):
+    for key in ("model", "dataset", "data_dir", "profile", "batch_size", "steps", "workers", "throttle", "threads"):
         value = getattr(a, key)
         if value is not None:
             config[key] = value

@@ -5,7 +5,8 @@ Mohan et al., "Analyzing and Mitigating Data Stalls in DNN Training" (VLDB
 two ways the input pipeline makes it wait:
 
 1. *ingestion*: training steps on synthetic batches already in memory; the
-   rate the compute can absorb, with no stall;
+   rate the compute can absorb, with no stall (measured beside each worker
+   count, since a shared machine's load drifts);
 2. *prep stall*: the extra time when batches come from the real loader with
    the dataset in the page cache: decoding, augmenting and collating samples
    in ``w`` loader workers (plus worker start-up, which a real epoch pays);
@@ -34,6 +35,7 @@ files from storage.
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -177,7 +179,6 @@ def run(data_dir: str, model: str = "resnet18", *, batch_size: int = 64, epoch_s
 
     synthetic = (torch.randn(batch_size, 3, 32, 32), torch.randint(0, 10, (batch_size,)))
     _epoch(net, synthetic, 1, train=True)  # warm-up: first-step allocation is nobody's stall
-    ingest_s = _epoch(net, synthetic, steps, train=True)
 
     drop_page_cache(files)
     cold_read = read_rate_mb_s(files)
@@ -185,6 +186,9 @@ def run(data_dir: str, model: str = "resnet18", *, batch_size: int = 64, epoch_s
 
     rows = []
     for w in range(max_workers + 1):
+        # Ingestion is measured again beside each worker count: on a shared machine the load drifts, and
+        # a stall is a difference between passes that should see the same load.
+        ingest_s = _epoch(net, synthetic, steps, train=True)
         read_rate_mb_s(files)  # dataset in the page cache
         prep_s = _epoch(net, _loader(ds, batch_size, w, seed), steps, train=False)
         cached_s = _epoch(net, _loader(ds, batch_size, w, seed), steps, train=True)
@@ -194,6 +198,7 @@ def run(data_dir: str, model: str = "resnet18", *, batch_size: int = 64, epoch_s
         cold_s = _epoch(net, _loader(ds, batch_size, w, seed), steps, train=True)
         rows.append({
             "workers": w,
+            "ingestion_samples_per_s": samples / ingest_s,
             "prep_samples_per_s": samples / prep_s,
             "fetch_samples_per_s": samples / fetch_s,
             "train_cached_samples_per_s": samples / cached_s,
@@ -218,19 +223,21 @@ def run(data_dir: str, model: str = "resnet18", *, batch_size: int = 64, epoch_s
     params = dict(data_dir=str(files[0].parent), model=model, batch_size=batch_size, epoch_samples=samples,
                   max_workers=max_workers, threads=threads, stall_threshold=threshold, seed=seed)
     run_dir = start_run(output, name, "stalls")
-    result = save_result(run_dir, "stalls", params, ingestion_samples_per_s=samples / ingest_s,
+    ingestion = statistics.median(r["ingestion_samples_per_s"] for r in rows)
+    result = save_result(run_dir, "stalls", params, ingestion_samples_per_s=ingestion,
                          read_mb_per_s={"cold": cold_read, "cached": cached_read},
                          rows=rows, stall_removed_at_workers=removes, verdict=verdict)
     from edgetrain.report import plots
 
     plots.plot_stalls(result, run_dir / "stalls.png")
     print_table(f"bench stalls: {model}, batch {batch_size}, {samples} samples/epoch -> {run_dir}",
-                ["workers", "loader cached/s", "loader cold/s", "train cached/s", "train cold/s", "prep stall s",
+                ["workers", "ingestion/s", "loader cached/s", "loader cold/s", "train cached/s", "train cold/s", "prep stall s",
                  "fetch stall s", "stall %", "limiting"],
-                [(r["workers"], r["prep_samples_per_s"], r["fetch_samples_per_s"], r["train_cached_samples_per_s"],
+                [(r["workers"], r["ingestion_samples_per_s"], r["prep_samples_per_s"], r["fetch_samples_per_s"], r["train_cached_samples_per_s"],
                   r["train_cold_samples_per_s"], r["prep_stall_s"], r["fetch_stall_s"],
                   100 * r["stall_fraction"], r["limiting_stage"]) for r in rows],
-                [f"ingestion rate (synthetic data in memory, no stall): {samples / ingest_s:.1f} samples/s",
+                [f"ingestion rate (synthetic data in memory, no stall): {ingestion:.1f} samples/s "
+                 "(median of the per-row measurements)",
                  f"reading the data set files: {cold_read:.0f} MB/s after dropping their pages, "
                  f"{cached_read:.0f} MB/s cached",
                  "limiting = the slowest of ingestion, loader cached (prep) and loader cold (fetch + prep) rates; "

@@ -71,7 +71,8 @@ def plot_batch(result: dict[str, Any], path) -> None:
     bs = [r["batch_size"] for r in ok]
     ax.plot(bs, [r["samples_per_s"] for r in ok], "o-", color=COLORS[0], label="throughput")
     ax.set_xscale("log", base=2)
-    ax.set_xticks(bs, [str(b) for b in bs])
+    ticks = bs + ([result["limit_hit"]["batch_size"]] if result.get("limit_hit") else [])
+    ax.set_xticks(ticks, [str(b) for b in ticks])
     ax.minorticks_off()
     ax.set_xlabel("batch size")
     ax.set_ylabel("throughput (samples/s)", color=COLORS[0])
@@ -136,7 +137,8 @@ def plot_stalls(result: dict[str, Any], path) -> None:
     w = [r["workers"] for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     ax = axes[0]
-    ax.axhline(result["ingestion_samples_per_s"], color="black", ls=":", label="ingestion (synthetic, no stall)")
+    ax.plot(w, [r.get("ingestion_samples_per_s", result["ingestion_samples_per_s"]) for r in rows], "k:",
+            label="ingestion (synthetic, no stall)")
     ax.plot(w, [r["train_cached_samples_per_s"] for r in rows], "o-", label="training, cached data")
     ax.plot(w, [r["train_cold_samples_per_s"] for r in rows], "s-", label="training, cold page cache")
     ax.plot(w, [r["prep_samples_per_s"] for r in rows], "^--", alpha=0.7, label="loader alone, cached (prep)")
