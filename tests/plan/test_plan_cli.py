@@ -7,7 +7,7 @@ from edgetrain.cli import main
 from edgetrain.errors import EdgetrainError
 from edgetrain.plan.cli import parse_scale, parse_stragglers
 
-from conftest import run_cli
+from edgetrain_testing import run_cli
 
 
 def test_plan_prints_tables_and_writes_json_and_png(tmp_path):
