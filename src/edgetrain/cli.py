@@ -11,7 +11,7 @@ import sys
 
 from edgetrain.errors import EdgetrainError
 
-SUBCOMMANDS = ("edgetrain.train.cli", "edgetrain.bench.cli", "edgetrain.report.cli")
+SUBCOMMANDS = ("edgetrain.train.cli", "edgetrain.bench.cli", "edgetrain.report.cli", "edgetrain.plan.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:

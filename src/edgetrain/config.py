@@ -69,7 +69,8 @@ class TrainConfig:
     strategy: str = _opt("ddp", "parallelism: ddp (data parallel) or tiled (spatial tiles of the early layers)",
                          choices=("ddp", "tiled"))
     grid: str = _opt("1x1", "tile grid ROWSxCOLS for --strategy tiled")
-    groups: str = _opt("auto", "tiled layer groups: auto, or layer indices after which devices exchange, like 3,7")
+    groups: str = _opt("auto", "tiled layer groups: auto, or group ends as layer indices like 4,8: layers 0-3 and 4-7 "
+                       "are fused groups, halos are exchanged between them, the data-parallel tail starts at 8")
 
     # run control and output
     eval: bool = _opt(True, "evaluate on the test set after every epoch")
@@ -132,7 +133,8 @@ def _coerce(key: str, value: Any, source: str) -> Any:
 
 
 def _unknown_key(key: str, source: str) -> EdgetrainError:
-    close = difflib.get_close_matches(key, FIELDS, n=1)
+    prefixes = sorted((f for f in FIELDS if key.startswith(f + "_") or f.startswith(key)), key=len)
+    close = prefixes[-1:] or difflib.get_close_matches(key, FIELDS, n=1)
     hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(FIELDS)}"
     where = f" in {source}" if source else ""
     return EdgetrainError(f"unknown config key '{key}'{where}{hint}")
@@ -201,3 +203,10 @@ def validate(cfg: TrainConfig) -> None:
         comm.check_config(cfg)
     if cfg.grid != "1x1" and cfg.strategy != "tiled":
         raise EdgetrainError(f"config key 'grid' {cfg.grid} needs strategy tiled (--strategy tiled)")
+    if cfg.strategy == "tiled":
+        from edgetrain.tiling import parse_grid
+
+        rows, cols = parse_grid(cfg.grid)
+        if not cfg.cluster and "WORLD_SIZE" not in os.environ and cfg.devices != rows * cols:
+            raise EdgetrainError(f"config key 'devices' is {cfg.devices} but grid {cfg.grid} needs {rows * cols} "
+                                 f"devices, one per tile; set --devices {rows * cols}")

@@ -70,7 +70,7 @@ class DeviceSpec:
 
 @functools.lru_cache(maxsize=1)
 def host_core_gflops(seconds: float = 0.3, n: int = 384) -> float:
-    """GFLOPS of one host core on a float32 GEMM, measured now (single thread)."""
+    """GFLOPS of one host core on a float32 GEMM, measured now by CPU time (single thread)."""
     import torch
 
     threads = torch.get_num_threads()
@@ -78,11 +78,13 @@ def host_core_gflops(seconds: float = 0.3, n: int = 384) -> float:
     try:
         a, b = torch.randn(n, n), torch.randn(n, n)
         torch.mm(a, b)
-        reps, start = 0, time.perf_counter()
-        while time.perf_counter() - start < seconds:
+        # CPU time, not wall time: the throttle counts CPU time too, and on a busy host the
+        # wall clock would charge other processes' time to this core and make devices too fast.
+        reps, start = 0, time.thread_time()
+        while time.thread_time() - start < seconds:
             torch.mm(a, b)
             reps += 1
-        elapsed = time.perf_counter() - start
+        elapsed = time.thread_time() - start
     finally:
         torch.set_num_threads(threads)
     return 2 * n**3 * reps / elapsed / 1e9

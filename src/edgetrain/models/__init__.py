@@ -16,10 +16,18 @@ from edgetrain.models.small_cnn import SmallCNN
 ModelFactory = Callable[..., nn.Module]
 
 MODELS: dict[str, ModelFactory] = {"small_cnn": SmallCNN, "resnet18": ResNet18}
+_BUILTIN = frozenset(MODELS) | {"yolo_tiny"}
 
 
 def register_model(name: str, factory: ModelFactory) -> None:
+    """Make ``name`` usable as ``model:``. The factory travels to device processes by pickle,
+    so define it at module level (a class or a ``def``, not a lambda)."""
     MODELS[name] = factory
+
+
+def user_models() -> dict[str, ModelFactory]:
+    """Models registered in this process, to re-register in the device processes."""
+    return {k: v for k, v in MODELS.items() if k not in _BUILTIN}
 
 
 def _register_optional() -> None:

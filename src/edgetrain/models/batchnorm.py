@@ -4,9 +4,9 @@ PyTorch's ``nn.SyncBatchNorm`` refuses CPU tensors, and edge devices have no
 GPU, so edgetrain carries its own. The statistics travel in one all-reduce per
 layer (latency is what hurts on edge links), computed around a shift that every
 device shares (the running mean) so that the one-pass variance does not lose
-precision. The all-reduce is the autograd-aware one from
-``torch.distributed.nn``: its backward sums the gradient of the statistics over
-devices, which is exactly the gradient single-device BatchNorm would give.
+precision. The all-reduce is differentiable (``AllReduceSum``): its backward sums the
+gradient of the statistics over devices, which is exactly the gradient
+single-device BatchNorm would give.
 
 The same moments serve the spatially tiled layers (``edgetrain.tiling``),
 where each device holds a tile of the feature map instead of a slice of the
@@ -16,8 +16,27 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_nn
 from torch import nn
+
+
+class AllReduceSum(torch.autograd.Function):
+    """Sum over the devices of ``group``; the gradient of a sum is the sum of the gradients.
+
+    (``torch.distributed.nn.functional.all_reduce`` does the same and is deprecated in torch 2.13.)
+    """
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group=None) -> torch.Tensor:
+        ctx.group = group
+        out = tensor.clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad, None
 
 
 def cross_device_moments(x: torch.Tensor, group=None, shift: torch.Tensor | None = None,
@@ -34,7 +53,7 @@ def cross_device_moments(x: torch.Tensor, group=None, shift: torch.Tensor | None
     count = torch.tensor([x.numel() / channels], dtype=x.dtype)
     packed = torch.cat([xs.sum(dims), (xs * xs).sum(dims), count])
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        packed = dist_nn.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+        packed = AllReduceSum.apply(packed, group)
     s1, s2, n = packed[:channels], packed[channels:2 * channels], packed[-1]
     mean_shifted = s1 / n
     var = (s2 / n - mean_shifted * mean_shifted).clamp_min(0)
@@ -76,6 +95,10 @@ def convert_batchnorm(module: nn.Module, group=None) -> nn.Module:
     if isinstance(module, nn.BatchNorm2d) and not isinstance(module, CrossDeviceBatchNorm2d):
         new = CrossDeviceBatchNorm2d(module.num_features, module.eps, module.momentum, module.affine,
                                      module.track_running_stats, group=group)
+        if module.running_mean is not None:
+            new.to(module.running_mean.dtype)
+        elif module.weight is not None:
+            new.to(module.weight.dtype)
         new.load_state_dict(module.state_dict())
         new.train(module.training)
         return new

@@ -1,6 +1,7 @@
 """The short tables edgetrain prints at the end of a command."""
 from __future__ import annotations
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -9,12 +10,18 @@ def _mb(n: float) -> str:
     return f"{n / 1e6:,.1f}"
 
 
+def _console() -> Console:
+    console = Console()
+    # Logs and pipes are not terminals: rich would assume 80 columns and squeeze the table.
+    return console if console.is_terminal else Console(width=120)
+
+
 def print_train_summary(summary: dict, console: Console | None = None) -> None:
-    console = console or Console()
-    table = Table(title="devices (measured; times are means per step after the first)", title_justify="left")
-    for col in ("rank", "profile", "batch", "samples/s", "step ms", "data %", "compute %", "comm %",
-                "peak RSS MiB", "MB sent"):
-        table.add_column(col, justify="right" if col not in ("profile",) else "left")
+    console = console or _console()
+    table = Table(title="per device, measured (means per step after the first)", title_justify="left",
+                  box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("rank", "profile", "batch", "samples/s", "step ms", "data%", "comp%", "comm%", "RSS MiB", "MB sent"):
+        table.add_column(col, justify="left" if col == "profile" else "right", no_wrap=True)
     for d in summary["per_device"]:
         step = d["step_s"] or float("nan")
         table.add_row(str(d["rank"]), d["profile"], str(d["local_batch"]), f"{d['samples_per_s']:,.1f}",

@@ -12,15 +12,18 @@ from edgetrain.config import TrainConfig, load_config
 from edgetrain.report.files import new_run_dir, write_yaml
 
 
-def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: nn.Module | None = None,
+def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: nn.Module | str | None = None,
           **overrides: Any) -> dict | None:
     """Train as ``config`` says (a ``TrainConfig``, a dict or a YAML path) with ``overrides`` on top.
 
     On one host this spawns ``config.devices`` emulated devices and returns the
     run summary (also written to ``<run_dir>/summary.json``). Under torchrun it
     trains this process's device; rank 0 returns the summary, the others None.
-    Pass ``model`` to train your own ``nn.Module`` instead of a registered one.
+    ``model`` is either the name of a registered model (the config key) or
+    your own ``nn.Module`` to train instead of a registered one.
     """
+    if isinstance(model, str):
+        overrides["model"], model = model, None
     cfg = load_config(config, **overrides)
     torchrun = under_torchrun()
     world = int(os.environ["WORLD_SIZE"]) if torchrun else None
@@ -34,7 +37,9 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     if rank == 0:
         run_dir = new_run_dir(cfg.output, cfg.run_name)
         write_yaml(run_dir / "config.yaml", cfg.to_dict())
-    args = (cfg, devices, local_batches, speeds, str(run_dir) if run_dir else None, model)
+    from edgetrain.models import user_models
+
+    args = (cfg, devices, local_batches, speeds, str(run_dir) if run_dir else None, model, user_models())
     if torchrun:
         from edgetrain.train.loop import run_worker
 

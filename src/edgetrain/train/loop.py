@@ -20,6 +20,7 @@ the split. That is why N devices reproduce one device step for step.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import math
 import os
 import time
@@ -38,9 +39,10 @@ from edgetrain.comm.accounting import CommStats
 from edgetrain.config import TrainConfig
 from edgetrain.data import GlobalBatchSampler, build_data, shard_indices
 from edgetrain.errors import EdgetrainError
-from edgetrain.models import build_model, count_parameters
+from edgetrain.models import build_model, count_parameters, register_model
 from edgetrain.models.batchnorm import convert_batchnorm
-from edgetrain.report.files import save_torch, write_json
+from edgetrain.report.files import atomic_write, save_torch, write_json
+from edgetrain.tiling import TiledSync, TiledTraining
 
 
 def init_distributed(cfg: TrainConfig) -> tuple[int, int]:
@@ -102,13 +104,21 @@ def build_sync(model, cfg, rank, world, stats, device):
 
 
 def run_worker(cfg: TrainConfig, devices: list[DeviceSpec], local_batches: list[int], speeds: list[float | None],
-               run_dir: str | None, user_model: nn.Module | None = None) -> dict | None:
+               run_dir: str | None, user_model: nn.Module | None = None,
+               registered: dict | None = None) -> dict | None:
     """Train on this device; rank 0 returns the run summary, the others None."""
     started = time.perf_counter()
+    for name, factory in (registered or {}).items():
+        register_model(name, factory)
     rank, world = init_distributed(cfg)
     me = devices[rank]
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", rank)), int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    speed = speeds[rank] if cfg.throttle else None
     cores = assign_cores(local_rank, local_world)
+    if speed is not None:
+        # A throttled device needs only ceil(speed) host cores; more threads would burn CPU time
+        # in OpenMP spin-waits, which the throttle would then stretch as if it were work.
+        cores = cores[:max(1, math.ceil(speed))]
     pin(cores)
     threads = cfg.threads or (min(len(cores), me.profile.cores) if me.profile.cores else len(cores))
     torch.set_num_threads(threads)
@@ -117,16 +127,22 @@ def run_worker(cfg: TrainConfig, devices: list[DeviceSpec], local_batches: list[
     data = build_data(cfg)
     model = user_model if user_model is not None else build_model(cfg.model, data.input_shape[0], data.num_classes)
     params = count_parameters(model)
-    if cfg.batchnorm == "sync" and world > 1:
+    tiled = None
+    if cfg.strategy == "tiled":
+        # Spatial tiles of the first layers, data parallel after them; every BatchNorm gets
+        # whole-map or global-batch statistics whatever cfg.batchnorm says.
+        tiled = TiledTraining(model, cfg.grid, cfg.groups, data.input_shape)
+    elif cfg.batchnorm == "sync" and world > 1:
         model = convert_batchnorm(model)
-    speed = speeds[rank] if cfg.throttle else None
     throttle = Throttle(speed) if speed is not None else None
     if throttle:
         throttle.attach(model)
 
     stats = CommStats()
-    sync = build_sync(model, cfg, rank, world, stats, me)
-    sampler = GlobalBatchSampler(len(data.train), local_batches, rank, cfg.seed)
+    sync = TiledSync(tiled, stats) if tiled else build_sync(model, cfg, rank, world, stats, me)
+    # Tiled training gives every device the whole global batch (TiledTraining.shard_data is False).
+    sampler = GlobalBatchSampler(len(data.train), [cfg.batch_size] if tiled else local_batches,
+                                 0 if tiled else rank, cfg.seed)
     if len(sampler) == 0:
         raise EdgetrainError(f"batch_size {cfg.batch_size} is larger than the {len(data.train)} training images of "
                              f"{data.name}; lower batch_size")
@@ -147,17 +163,21 @@ def run_worker(cfg: TrainConfig, devices: list[DeviceSpec], local_batches: list[
         epoch_loss = epoch_correct = epoch_seen = 0.0
         batches = iter(loader)
         while step < total_steps:
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.process_time()
             try:
                 x, y = next(batches)
             except StopIteration:
                 break
             t_data = time.perf_counter()
             before = stats.snapshot()
-            out = sync.model(x)
-            loss_sum = F.cross_entropy(out, y, reduction="sum")
             optimizer.zero_grad(set_to_none=True)
-            (loss_sum * (world / cfg.batch_size)).backward()
+            if tiled:  # this device's share of the batch: loss summed over it, correct, samples
+                loss_value, correct, n = sync.step(x, y, F.cross_entropy)
+            else:
+                out = sync.model(x)
+                loss_sum = F.cross_entropy(out, y, reduction="sum")
+                (loss_sum * (world / cfg.batch_size)).backward()
+                loss_value, correct, n = loss_sum.item(), (out.detach().argmax(1) == y).sum().item(), len(y)
             t_bwd = time.perf_counter()
             sync.after_backward(step)
             t_after_bwd = time.perf_counter()
@@ -172,20 +192,20 @@ def run_worker(cfg: TrainConfig, devices: list[DeviceSpec], local_batches: list[
             if after["collectives"] > before["collectives"] and t_data <= after["last_launch"] <= t_bwd:
                 hidden_wait = t_bwd - after["last_launch"]
             comm_s = hidden_wait + (t_after_bwd - t_bwd) + (t_end - t_opt)
+            if tiled:
+                comm_s = sync.exchange_s
             step_s = t_end - t0
-            n = len(y)
-            correct = (out.detach().argmax(1) == y).sum().item()
-            epoch_loss += loss_sum.item()
+            epoch_loss += loss_value
             epoch_correct += correct
             epoch_seen += n
             rss = peak_rss_mb()
-            record = {"step": step, "epoch": epoch, "rank": rank, "loss": loss_sum.item() / max(n, 1),
+            record = {"step": step, "epoch": epoch, "rank": rank, "loss": loss_value / max(n, 1),
                       "samples": n, "samples_per_s": n / step_s, "step_s": step_s, "data_s": t_data - t0,
                       "compute_s": max(step_s - (t_data - t0) - comm_s, 0.0), "comm_s": comm_s,
                       "comm_busy_s": after["comm_s"] - before["comm_s"],
                       "bytes_sent": after["bytes_sent"] - before["bytes_sent"],
                       "bytes_recv": after["bytes_recv"] - before["bytes_recv"],
-                      "lr": scheduler.get_last_lr()[0], "peak_rss_mb": rss, **sync.step_metrics()}
+                      "cpu_s": time.process_time() - cpu0, "lr": scheduler.get_last_lr()[0], "peak_rss_mb": rss, **sync.step_metrics()}
             records.append(record)
             step += 1
             if limit_mb is not None and rss > limit_mb:
@@ -232,7 +252,7 @@ def _device_summary(records, rank, me: DeviceSpec, local_batch, speed, cores, th
             "speed": speed, "cores": cores, "threads": threads,
             "samples_per_s": sum(r["samples"] for r in timed) / total,
             "step_s": total / len(timed),
-            **{k: sum(r[k] for r in timed) / len(timed) for k in ("data_s", "compute_s", "comm_s", "comm_busy_s")},
+            **{k: sum(r[k] for r in timed) / len(timed) for k in ("data_s", "compute_s", "comm_s", "comm_busy_s", "cpu_s")},
             "bytes_sent": sum(r["bytes_sent"] for r in records), "bytes_recv": sum(r["bytes_recv"] for r in records),
             "peak_rss_mb": max((r["peak_rss_mb"] for r in records), default=peak_rss_mb()),
             "throttle_slept_s": throttle.slept if throttle else 0.0}
@@ -240,9 +260,6 @@ def _device_summary(records, rank, me: DeviceSpec, local_batch, speed, cores, th
 
 def _write_outputs(cfg, run_dir: Path, model, optimizer, gathered, train_totals, evals, params, data, world,
                    local_batches, steps, sync, wall_s) -> dict:
-    from edgetrain.report.files import atomic_write
-    import json
-
     records = sorted((r for recs, _ in gathered for r in recs), key=lambda r: (r["step"], r["rank"]))
     with atomic_write(run_dir / "metrics.jsonl") as f:
         for r in records:

@@ -1,0 +1,120 @@
+"""Speedup and efficiency versus the number of devices, with the split of a step.
+
+The Raspberry Pi study measured 15.5 GFLOPS LINPACK on one board and 47 on
+four, and training that scaled far worse than that: every step waits for the
+gradient all-reduce over a slow link and for the slowest board. This bench
+runs the real trainer on 1, 2, 4, ... devices and reports
+
+* speedup ``S_N = throughput_N / throughput_1`` and efficiency ``S_N / N``;
+* where a step's time goes, averaged over devices: data loading, compute,
+  communication (the transfer) and waiting for the slowest device (see
+  ``trainer_runs.split_per_step``).
+
+*Weak* scaling (default) keeps the per-device batch fixed, so the global batch
+grows with N, as data-parallel training on more boards usually does; *strong*
+scaling keeps the global batch fixed and splits it. Emulated devices share
+this host's cores, so their speedup is bounded by the cores there are.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from edgetrain.bench import trainer_runs
+from edgetrain.bench.common import print_table, save_result, start_run
+from edgetrain.errors import EdgetrainError
+
+
+def scaling_rows(summaries: dict[int, dict], splits: dict[int, dict]) -> list[dict[str, Any]]:
+    """One row per device count, ``speedup = throughput_N / throughput_1``."""
+    base = summaries[1]["throughput_samples_per_s"]
+    rows = []
+    for n in sorted(summaries):
+        thr = summaries[n]["throughput_samples_per_s"]
+        speedup = thr / base
+        rows.append({"devices": n, "throughput_samples_per_s": thr, "speedup": speedup,
+                     "efficiency": speedup / n, "split_s_per_step": splits[n],
+                     "bytes_sent_per_device": _mean([d.get("bytes_sent") for d in summaries[n].get("per_device", [])]),
+                     "run_dir": summaries[n].get("run_dir")})
+    return rows
+
+
+def _mean(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def run(config: dict[str, Any], devices: list[int], *, mode: str = "weak", output: str = "runs",
+        name: str | None = None, train_fn: trainer_runs.TrainFn | None = None) -> dict[str, Any]:
+    if mode not in ("weak", "strong"):
+        raise EdgetrainError(f"--mode must be weak or strong, got {mode!r}")
+    if not devices or min(devices) < 1 or 1 not in devices:
+        raise EdgetrainError(f"--devices needs positive device counts including 1 (the baseline), e.g. 1,2,4; "
+                             f"got {devices}")
+    train_fn = train_fn or trainer_runs.default_train_fn()
+    run_dir = start_run(output, name, "scaling")
+    local_batch = int(config.get("batch_size", 32))
+    summaries, splits = {}, {}
+    for n in sorted(set(devices)):
+        cfg = dict(config, devices=n, output=str(run_dir / "runs"), run_name=f"devices-{n}", progress=False,
+                   eval=False, batch_size=local_batch * n if mode == "weak" else local_batch)
+        summary = train_fn(cfg)
+        summaries[n] = summary
+        splits[n] = trainer_runs.split_per_step(trainer_runs.read_metrics(summary["run_dir"]))
+    rows = scaling_rows(summaries, splits)
+    params = dict(config, devices=sorted(set(devices)), mode=mode,
+                  batch_size_note="per device" if mode == "weak" else "global")
+    result = save_result(run_dir, "scaling", params, rows=rows)
+    from edgetrain.report import plots
+
+    plots.plot_scaling(result, run_dir / "scaling.png")
+    print_table(f"bench scaling ({mode}): {config.get('model')} -> {run_dir}",
+                ["devices", "samples/s", "speedup", "efficiency %", "data ms", "compute ms", "comm ms", "wait ms"],
+                [(r["devices"], r["throughput_samples_per_s"], r["speedup"], 100 * r["efficiency"],
+                  *(1000 * r["split_s_per_step"][k] for k in ("data", "compute", "comm", "wait"))) for r in rows],
+                ["split = mean ms per step over devices, after the first step; comm = the transfer (the least "
+                 "blocked device's comm time), wait = the rest of a device's comm time, spent waiting for peers",
+                 "emulated devices share this host's cores: speedup is bounded by the cores there are"])
+    result["run_dir"] = str(run_dir)
+    return result
+
+
+def add_parser(sub) -> None:
+    from edgetrain.bench.peak import _ints
+
+    p = sub.add_parser("scaling", help="speedup and efficiency versus number of devices (runs the trainer)")
+    p.add_argument("--config", default=None, help="training config YAML to start from")
+    p.add_argument("--devices", type=_ints, default=[1, 2, 4], metavar="N,N,...")
+    p.add_argument("--mode", default="weak", choices=["weak", "strong"])
+    p.add_argument("--model", default=None)
+    p.add_argument("--dataset", default=None)
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--profile", default=None)
+    p.add_argument("--batch-size", type=int, default=None, help="per device (weak) or global (strong)")
+    p.add_argument("--steps", type=int, default=None, help="training steps per run (default 20)")
+    p.add_argument("--workers", type=int, default=None, help="loader workers per device")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads per device (default: the cores each device gets; 1 keeps the work per "
+                        "device the same at every count)")
+    p.add_argument("--no-throttle", dest="throttle", action="store_false", default=None,
+                   help="devices run at host speed whatever their profile")
+    p.set_defaults(bench_func=lambda a: run(_config(a), a.devices, mode=a.mode, output=a.output, name=a.name))
+
+
+def _config(a) -> dict[str, Any]:
+    config: dict[str, Any] = {}
+    if a.config:
+        import yaml
+
+        try:
+            with open(a.config) as f:
+                config = dict(yaml.safe_load(f) or {})
+        except OSError as e:
+            raise EdgetrainError(f"cannot read --config {a.config}: {e.strerror}") from None
+    config.setdefault("model", "small_cnn")
+    config.setdefault("dataset", "synthetic")
+    config.setdefault("steps", 20)
+    for key in ("model", "dataset", "data_dir", "profile", "batch_size", "steps", "workers", "throttle", "threads"):
+        value = getattr(a, key)
+        if value is not None:
+            config[key] = value
+    return config

@@ -1,0 +1,146 @@
+"""``edgetrain plan``: predict step time, throughput and memory of a cluster before training on it.
+
+Takes the options of ``edgetrain train`` that describe the job and the
+cluster (same names, same validation), plus the model's knobs::
+
+    edgetrain plan --model resnet18 --dataset synthetic --devices 4 --profile rpi4 --link lte-10m \\
+        --batch-size 128 --compress topk:0.01 --scale 1,2,4,...,4096
+
+Prints the per-device prediction, the simulation and (``--scale``) the
+scaling table; writes ``plan.json`` and ``scaling.png`` into a new run
+directory. Every number is modelled except the counted model costs.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+from edgetrain.config import FIELDS, _base_type, load_config
+from edgetrain.errors import EdgetrainError
+
+# The TrainConfig options that describe what is planned (the rest only matter to a real run).
+PLAN_FIELDS = ("model", "dataset", "data_dir", "image_size", "synthetic_samples", "devices", "profile", "cluster",
+               "batch_size", "local_batch", "optimizer", "momentum", "compress", "sync", "link", "seed", "output",
+               "run_name")
+MAX_DEVICES = 1 << 20
+
+
+def register(sub) -> None:
+    from edgetrain.plan.model import DEFAULT_EFFICIENCY
+
+    p = sub.add_parser("plan", help="predict step time, throughput and memory of a cluster (modelled, no training)",
+                       description="Analytic cost model and step simulator: counted FLOPs and bytes of the real "
+                                   "model, device profiles and the link model. Everything printed is modelled.",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--config", metavar="FILE", help="YAML file of edgetrain train config keys (plan reads the ones it needs)")
+    for name in PLAN_FIELDS:
+        typ, _ = _base_type(name)
+        meta = FIELDS[name].metadata
+        metavar = "|".join(meta["choices"]) if meta.get("choices") else typ.__name__.upper()
+        p.add_argument("--" + name.replace("_", "-"), dest=name, metavar=metavar, default=argparse.SUPPRESS,
+                       help=meta["help"] + f" (default: {FIELDS[name].default})")
+    p.add_argument("--efficiency", type=float, default=DEFAULT_EFFICIENCY,
+                   help="fraction of the profile's GFLOPS a training step achieves (0.6: the middle of 0.4-0.9 "
+                        "measured for small CNNs and ResNet-18 on the development host; see edgetrain.plan.model)")
+    p.add_argument("--overlap", type=float, default=0.0,
+                   help="fraction of synchronous communication hidden behind backward (edgetrain's hooks: 0)")
+    p.add_argument("--runtime-mb", type=float, default=None,
+                   help="memory baseline per device in MiB (default: RSS of an idle edgetrain process, measured now)")
+    p.add_argument("--sim-steps", type=int, default=100,
+                   help="steps to simulate (local:H and gossip:H round up to whole periods)")
+    p.add_argument("--compute-cv", type=float, default=0.05,
+                   help="coefficient of variation of a device's step compute time in the simulation (0.05: "
+                        "CPU time of one-thread training steps on the shared development host varied by 5-9%%)")
+    p.add_argument("--stragglers", default="0", metavar="P[:SLOWDOWN]",
+                   help="probability that a device's step is a straggler, and how much slower it is (default x3)")
+    p.add_argument("--jitter", action=argparse.BooleanOptionalAction, default=True,
+                   help="simulate the links' latency jitter")
+    p.add_argument("--scale", default=None, metavar="N,N,...",
+                   help="device counts for the scaling table, e.g. 1,2,4,...,4096 ('...' keeps doubling)")
+    p.set_defaults(func=run)
+
+
+def parse_scale(text: str) -> list[int]:
+    """``"1,2,4,...,64"`` -> [1, 2, 4, 8, 16, 32, 64]; ``"1,3,9"`` as given."""
+    parts = [t.strip() for t in text.split(",") if t.strip()]
+    counts: list[int] = []
+    try:
+        for i, t in enumerate(parts):
+            if t == "...":
+                if len(counts) < 2 or i + 1 >= len(parts):
+                    raise ValueError
+                ratio, last = counts[-1] / counts[-2], int(parts[i + 1])
+                if ratio <= 1:
+                    raise ValueError
+                while counts[-1] * ratio < last:
+                    counts.append(round(counts[-1] * ratio))
+            else:
+                counts.append(int(t))
+    except ValueError:
+        raise EdgetrainError(f"bad --scale {text!r}; give device counts like 1,2,4,8 or 1,2,4,...,4096") from None
+    if not counts or any(n < 1 or n > MAX_DEVICES for n in counts) or counts != sorted(set(counts)):
+        raise EdgetrainError(f"--scale needs increasing device counts between 1 and {MAX_DEVICES:,}, got {text!r}")
+    return counts
+
+
+def parse_stragglers(text: str) -> tuple[float, float]:
+    prob, _, factor = text.partition(":")
+    try:
+        p, f = float(prob), float(factor) if factor else 3.0
+    except ValueError:
+        raise EdgetrainError(f"bad --stragglers {text!r}; write P or P:SLOWDOWN, e.g. 0.01:3") from None
+    if not 0 <= p <= 1 or f < 1:
+        raise EdgetrainError(f"--stragglers {text!r}: probability must be in [0, 1] and the slowdown >= 1")
+    return p, f
+
+
+def run(args: argparse.Namespace) -> int:
+    from edgetrain.plan.config import plan_inputs, predict_inputs
+    from edgetrain.plan.report import console, device_groups, plot_scaling, print_prediction, print_scaling, print_simulation
+    from edgetrain.plan.simulate import scaling, simulate
+    from edgetrain.report.files import new_run_dir, write_json
+
+    overrides = {k: v for k, v in vars(args).items() if k in PLAN_FIELDS}
+    cfg = load_config(args.config, **overrides)
+    if args.sim_steps < 1:
+        raise EdgetrainError(f"--sim-steps must be >= 1, got {args.sim_steps}")
+    if args.compute_cv < 0:
+        raise EdgetrainError(f"--compute-cv must be >= 0, got {args.compute_cv:g}")
+    straggler_prob, straggler_factor = parse_stragglers(args.stragglers)
+    counts = parse_scale(args.scale) if args.scale else None
+    sim_options = dict(compute_cv=args.compute_cv, straggler_prob=straggler_prob, straggler_factor=straggler_factor,
+                       jitter=args.jitter, seed=cfg.seed)
+
+    inputs = plan_inputs(cfg)
+    knobs = dict(efficiency=args.efficiency, overlap=args.overlap, runtime_mb=args.runtime_mb)
+    pred = predict_inputs(inputs, **knobs)
+    knobs["runtime_mb"] = pred.runtime_mb  # measured once
+    steps = args.sim_steps
+    if pred.traffic.mode in ("local", "gossip"):  # whole periods, or the mean would miss part of an exchange
+        steps = math.ceil(steps / pred.traffic.period) * pred.traffic.period
+    sim = simulate(pred, steps=steps, **sim_options).to_dict()
+    rows = scaling(lambda n: predict_inputs(inputs, n, **knobs), counts, steps, **sim_options) if counts else None
+
+    out = console()
+    print_prediction(pred, out)
+    print_simulation(sim, out)
+    if rows:
+        print_scaling(rows, out)
+
+    run_dir = new_run_dir(cfg.output, cfg.run_name, prefix="plan")
+    result = {
+        "kind": "modelled",
+        "note": "predictions of the analytic model and the simulator; only the model costs are counted",
+        "argv": sys.argv[1:],
+        "config": {k: getattr(cfg, k) for k in PLAN_FIELDS},
+        "prediction": pred.to_dict(per_device=len(pred.devices) <= 1024) | {"device_groups": device_groups(pred)},
+        "simulation": sim,
+        "scaling": {"kind": "modelled", "mode": "weak", "rows": rows} if rows else None,
+    }
+    write_json(run_dir / "plan.json", result)
+    if rows:
+        title = f"{cfg.model}, {pred.devices[0].profile}, {pred.devices[0].link}, {cfg.sync}, compress {cfg.compress}"
+        plot_scaling(rows, run_dir / "scaling.png", title)
+    out.print(f"wrote {run_dir / 'plan.json'}" + (f" and {run_dir / 'scaling.png'}" if rows else ""))
+    return 0

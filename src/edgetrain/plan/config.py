@@ -1,0 +1,54 @@
+"""From a ``TrainConfig`` (the options of ``edgetrain train``) to the planner's inputs.
+
+The planner reads the same configuration as training: the model and the data
+give the input shape, ``devices`` x ``profile`` or ``cluster`` the devices
+(``cluster.profiles.plan_devices``), ``batch_size`` / ``local_batch`` the
+local batches (``split_batch``), ``link`` / ``sync`` / ``compress`` the
+communication. Scaling to ``n`` devices repeats the cluster's devices in
+order with their local batches (weak scaling: every device keeps its batch).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from edgetrain.cluster.profiles import DeviceSpec, plan_devices, split_batch
+from edgetrain.config import TrainConfig
+from edgetrain.plan.costs import ModelCosts, count_costs, data_footprint
+from edgetrain.plan.model import DEFAULT_EFFICIENCY, Prediction, predict
+from edgetrain.plan.traffic import traffic
+
+
+@dataclass
+class PlanInputs:
+    cfg: TrainConfig
+    costs: ModelCosts
+    devices: list[DeviceSpec]
+    batches: list[int]
+
+
+def plan_inputs(cfg: TrainConfig, costs: ModelCosts | None = None) -> PlanInputs:
+    """Devices, local batches and counted model costs for ``cfg`` (validated: bad input is an ``EdgetrainError``)."""
+    devices = plan_devices(cfg)
+    batches = split_batch(cfg, devices)
+    if costs is None:
+        shape, classes, dataset_bytes = data_footprint(cfg)
+        costs = count_costs(cfg.model, shape, classes, dataset_bytes=dataset_bytes)
+    return PlanInputs(cfg, costs, devices, batches)
+
+
+def scaled(inputs: PlanInputs, n: int) -> tuple[list[DeviceSpec], list[int]]:
+    """``n`` devices: the cluster's devices repeated in order, each with its local batch."""
+    base, batches = inputs.devices, inputs.batches
+    devices = [dataclasses.replace(base[i % len(base)], rank=i) for i in range(n)]
+    return devices, [batches[i % len(batches)] for i in range(n)]
+
+
+def predict_inputs(inputs: PlanInputs, n: int | None = None, efficiency: float = DEFAULT_EFFICIENCY,
+                   overlap: float = 0.0, runtime_mb: float | None = None) -> Prediction:
+    """The analytic prediction for the configured cluster, or for it scaled to ``n`` devices."""
+    devices, batches = (inputs.devices, inputs.batches) if n is None else scaled(inputs, n)
+    cfg = inputs.cfg
+    return predict(inputs.costs, devices, batches, traffic(inputs.costs, len(devices), cfg.sync, cfg.compress),
+                   efficiency=efficiency, overlap=overlap, optimizer=cfg.optimizer, momentum=cfg.momentum,
+                   runtime_mb=runtime_mb)

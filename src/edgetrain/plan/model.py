@@ -1,0 +1,279 @@
+"""The analytic cost model: step time, throughput and memory of a cluster, in closed form.
+
+Everything here is *modelled*: computed from counted model costs
+(``costs.py``), the devices' profiles and the link model, never measured.
+
+Compute. Device ``i`` with local batch ``b_i`` and a profile rated ``G_i`` GFLOPS::
+
+    compute_i = train FLOPs per sample x b_i / (G_i x efficiency)
+
+``efficiency`` is the fraction of the profile's GFLOPS (a sustained GEMM /
+LINPACK rate) that a training step achieves. The default 0.6 comes from
+measurement on the development host: one-thread training steps (batch 32,
+32x32 inputs, CPU time) reached, of the same core's 384x384 GEMM rate,
+0.4-0.5 for small_cnn width 16, 0.69 for small_cnn width 32, 0.65 for
+ResNet-18 width 16 and 0.92 for ResNet-18 width 64: wider layers use the
+core better. 0.6 sits in the middle; for a small model pass a lower one.
+``benchmarks/plan_accuracy.py`` measures it again for its model.
+
+Communication. An exchange is a list of collectives (``traffic.py``); each
+costs the link model's time (``edgetrain.cluster.links``, Hockney's
+alpha-beta model per round)::
+
+    Tc = rounds x max over devices taking part (latency + chunk / goodput)
+
+computed with the comm code's own ``collective_time`` and ``ROUNDS``: one
+round is ``collective_time`` of a 1-round (``p2p``) transfer of one chunk over
+the distinct links, so thousands of identical links cost no more than one.
+The mean latency is used (no jitter; the simulator adds it).
+
+Step time, with ``c_max`` the slowest device's compute and ``H`` the period:
+
+* ``sync``:     ``c_max + Tc`` (DDP; no overlap: edgetrain's hooks finish their
+  collective before backward goes on). ``overlap`` hides ``min(overlap x Tc, c_max)``
+  of it, as DDP on a real network overlaps buckets with backward.
+* ``local:H``:  ``c_max + Tc / H`` (devices run freely, all meet every H steps).
+* ``gossip:H``: ``c_max + Tc / H``, ``Tc`` the slowest device-and-neighbours
+  exchange; independent of ``p``. Steady state: a slow device holds back its
+  neighbours, and through them, hop by hop, the whole ring.
+* ``async:S``:  each device ``max(c_i, max(Tc, c_max) / S)``: a round takes
+  ``Tc`` and needs every device's launch, and a device runs at most ``S``
+  steps ahead of the round it waits for.
+
+Memory per device: weights and buffers, gradients, optimizer state (SGD with
+momentum 1 copy, without 0, Adam 2), the sync mode's and compressor's model-
+sized buffers (``Traffic.state_copies``: DDP's gradient buckets, error
+feedback, local SGD's reference model...), activations saved for backward x
+``b_i``, the dataset (every device holds it), and a runtime baseline: the
+measured RSS of an idle process that imported edgetrain's training loop and
+torch. Not modelled: transient buffers of backward and of compression, the
+allocator's fragmentation. Devices above their profile's ``memory_mb`` are
+flagged.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+from edgetrain.cluster.links import PRESETS, ROUNDS, Link, collective_time, get_link
+from edgetrain.cluster.profiles import DeviceProfile, DeviceSpec, host_core_gflops
+from edgetrain.errors import EdgetrainError
+from edgetrain.plan.costs import ModelCosts
+from edgetrain.plan.traffic import Traffic
+
+DEFAULT_EFFICIENCY = 0.6
+MIB = 2**20
+
+
+@functools.lru_cache(maxsize=1)
+def idle_process_mb() -> float:
+    """RSS (MiB) of a fresh Python process that imported torch and edgetrain's training loop, measured now."""
+    code = ("import psutil, edgetrain.train.loop, edgetrain.comm; "
+            "print(psutil.Process().memory_info().rss / 2**20)")
+    env = dict(os.environ)
+    src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+        return float(out.stdout.strip().splitlines()[-1])
+    except (subprocess.TimeoutExpired, ValueError, IndexError):
+        raise EdgetrainError("could not measure the RSS of an idle edgetrain process; "
+                             "pass --runtime-mb to give the runtime baseline yourself") from None
+
+
+def device_gflops(profile: DeviceProfile) -> tuple[float, str]:
+    """(GFLOPS, where the number comes from) of a profile."""
+    if profile.speed is not None:
+        return profile.speed * host_core_gflops(), "speed x measured host core"
+    if profile.gflops is not None:
+        return float(profile.gflops), "profile"
+    return host_core_gflops() * (profile.cores or os.cpu_count() or 1), "measured host cores"
+
+
+def device_links(devices: list[DeviceSpec]) -> list[Link | None]:
+    """Every device's link; as ``comm.gather_links``, a device without one among devices with one is on lan-1g."""
+    cache: dict = {}
+    links = []
+    for d in devices:
+        key = d.link if not isinstance(d.link, dict) else repr(sorted(d.link.items()))
+        if key not in cache:
+            cache[key] = get_link(d.link)
+        links.append(cache[key])
+    if any(link is not None for link in links):
+        links = [PRESETS["lan-1g"] if link is None else link for link in links]
+    return links
+
+
+def exchange_seconds(traffic: Traffic, links: list[Link]) -> float:
+    """Modelled seconds of one exchange among all ``links`` (not gossip), mean latency."""
+    p = len(links)
+    distinct = list(dict.fromkeys(links))
+    total = 0.0
+    for kind, sent in traffic.collectives:
+        rounds = ROUNDS[kind](p)
+        if rounds:
+            total += rounds * collective_time(distinct, "p2p", sent / rounds)
+    return total
+
+
+def gossip_seconds(traffic: Traffic, links: list[Link], rank: int) -> float:
+    """Modelled seconds of device ``rank``'s exchange with its ring neighbours."""
+    p = len(links)
+    members = list(dict.fromkeys(links[j % p] for j in (rank - 1, rank, rank + 1)))
+    return sum(collective_time(members, kind, sent) for kind, sent in traffic.collectives)
+
+
+@dataclass
+class DevicePrediction:
+    rank: int
+    profile: str
+    gflops: float
+    gflops_source: str
+    batch: int
+    link: str
+    compute_s: float
+    comm_s: float                 # exposed communication per step
+    wait_s: float                 # idle, waiting for slower devices (or an async round)
+    step_s: float
+    samples_per_s: float
+    memory_mb: dict               # the parts, MiB
+    memory_total_mb: float
+    memory_limit_mb: int | None
+    over_limit: bool
+
+
+@dataclass
+class Prediction:
+    """The analytic model's output for one cluster. Every number is modelled."""
+
+    costs: ModelCosts
+    traffic: Traffic
+    devices: list[DevicePrediction]
+    links: list[Link | None]
+    efficiency: float
+    overlap: float
+    runtime_mb: float
+    exchange_s: float             # one exchange (gossip: the slowest device's)
+    step_s: float                 # mean over devices (sync modes: the common step)
+    throughput: float             # samples/s, summed over devices
+    comm_fraction: float
+    optimizer: str
+    assumptions: list[str] = field(default_factory=list)
+
+    @property
+    def over_limit(self) -> list[int]:
+        return [d.rank for d in self.devices if d.over_limit]
+
+    def to_dict(self, per_device: bool = True) -> dict:
+        out = {
+            "kind": "modelled",
+            "model": self.costs.to_dict() | {"kind": "counted"},
+            "traffic": dataclasses.asdict(self.traffic) | {"kind": "counted from the compressor's payload"},
+            "devices": len(self.devices), "efficiency": self.efficiency, "overlap": self.overlap,
+            "runtime_mb": self.runtime_mb, "optimizer": self.optimizer,
+            "exchange_s": self.exchange_s, "step_s": self.step_s, "throughput_samples_per_s": self.throughput,
+            "comm_fraction": self.comm_fraction,
+            "compute_s_max": max(d.compute_s for d in self.devices),
+            "memory_total_mb_max": max(d.memory_total_mb for d in self.devices),
+            "over_limit_ranks": self.over_limit,
+            "assumptions": self.assumptions,
+        }
+        if per_device:
+            out["per_device"] = [dataclasses.asdict(d) for d in self.devices]
+        return out
+
+
+ASSUMPTIONS = [
+    "compute = counted train FLOPs x local batch / (profile GFLOPS x efficiency)",
+    "communication = link model (alpha-beta per ring round, slowest link bottlenecks), mean latency, no jitter",
+    "no overlap of communication with compute unless --overlap (edgetrain's hooks do not overlap)",
+    "memory = weights + gradients + optimizer + comm buffers + activations x batch + dataset + runtime baseline",
+]
+
+
+def predict(costs: ModelCosts, devices: list[DeviceSpec], batches: list[int], traffic: Traffic, *,
+            efficiency: float = DEFAULT_EFFICIENCY, overlap: float = 0.0, optimizer: str = "sgd",
+            momentum: float = 0.9, runtime_mb: float | None = None) -> Prediction:
+    """Model one cluster: ``devices`` with local ``batches``, exchanging ``traffic``."""
+    if not efficiency > 0:
+        raise EdgetrainError(f"efficiency must be a positive fraction of the profile's GFLOPS (usually below 1), "
+                             f"got {efficiency:g}")
+    if not 0 <= overlap <= 1:
+        raise EdgetrainError(f"overlap must be a fraction in [0, 1], got {overlap:g}")
+    if len(batches) != len(devices):
+        raise EdgetrainError(f"{len(batches)} local batches for {len(devices)} devices")
+    runtime_mb = idle_process_mb() if runtime_mb is None else float(runtime_mb)
+    p = len(devices)
+    links = device_links(devices)
+    if p > 1 and traffic.collectives and links[0] is None:
+        raise EdgetrainError(f"the {p} devices have no link to plan communication over: give --link "
+                             f"(a preset: {', '.join(PRESETS)}, or a spec like 20mbit:5ms) or links in the cluster file")
+
+    gflops_cache: dict[DeviceProfile, tuple[float, str]] = {}
+    compute = []
+    for d, b in zip(devices, batches):
+        if d.profile not in gflops_cache:
+            gflops_cache[d.profile] = device_gflops(d.profile)
+        compute.append(costs.train_flops_per_sample * b / (gflops_cache[d.profile][0] * 1e9 * efficiency))
+    c_max = max(compute)
+
+    if not traffic.collectives:
+        exchange, per_device_exchange = 0.0, [0.0] * p
+    elif traffic.neighbours_only:
+        per_device_exchange = [gossip_seconds(traffic, links, r) for r in range(p)]  # type: ignore[arg-type]
+        exchange = max(per_device_exchange)
+    else:
+        exchange = exchange_seconds(traffic, links)  # type: ignore[arg-type]
+        per_device_exchange = [exchange] * p
+
+    if traffic.mode == "async":
+        round_s = max(exchange, c_max)
+        steps = [max(c, round_s / traffic.period) if exchange else c for c in compute]
+        comm = [0.0] * p  # rounds run in the background; what shows is waiting
+    else:
+        exposed = exchange - min(overlap * exchange, c_max) if traffic.mode == "sync" else exchange
+        comm = [exposed / traffic.period] * p
+        steps = [c_max + comm[0]] * p
+    memory = _memory(costs, traffic, optimizer, momentum, runtime_mb, batches)
+
+    rows = []
+    for d, b, c, t, s, link, mem in zip(devices, batches, compute, comm, steps, links, memory):
+        total = sum(mem.values())
+        limit = d.profile.memory_mb
+        g, source = gflops_cache[d.profile]
+        rows.append(DevicePrediction(
+            rank=d.rank, profile=d.profile.name, gflops=g, gflops_source=source, batch=b,
+            link=link.name or link.describe() if link else "none", compute_s=c, comm_s=t, wait_s=max(0.0, s - c - t),
+            step_s=s, samples_per_s=b / s, memory_mb=mem, memory_total_mb=total, memory_limit_mb=limit,
+            over_limit=limit is not None and total > limit))
+    step_mean = sum(steps) / p
+    throughput = sum(r.samples_per_s for r in rows)
+    comm_fraction = sum((r.step_s - r.compute_s) / r.step_s for r in rows) / p
+    return Prediction(costs, traffic, rows, links, efficiency, overlap, runtime_mb, exchange, step_mean, throughput,
+                      comm_fraction, optimizer, list(ASSUMPTIONS))
+
+
+def _memory(costs: ModelCosts, traffic: Traffic, optimizer: str, momentum: float, runtime_mb: float,
+            batches: list[int]) -> list[dict]:
+    """Per-device memory parts in MiB."""
+    if optimizer not in ("sgd", "adam"):
+        raise EdgetrainError(f"optimizer must be sgd or adam, not {optimizer!r}")
+    optimizer_copies = 2 if optimizer == "adam" else (1 if momentum > 0 else 0)
+    fixed = {
+        "weights": (costs.param_bytes + costs.buffer_bytes) / MIB,
+        "gradients": costs.param_bytes / MIB,
+        "optimizer": optimizer_copies * costs.param_bytes / MIB,
+        "comm_buffers": traffic.state_copies * costs.param_bytes / MIB,
+    }
+    tail = {"dataset": costs.dataset_bytes / MIB, "runtime": runtime_mb}
+    cache: dict[int, dict] = {}
+    out = []
+    for b in batches:
+        if b not in cache:
+            cache[b] = {**fixed, "activations": costs.activation_bytes_per_sample * b / MIB, **tail}
+        out.append(cache[b])
+    return out

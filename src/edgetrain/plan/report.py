@@ -1,0 +1,138 @@
+"""Tables and the scaling plot of ``edgetrain plan``. Every title says the numbers are modelled."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich import box
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from edgetrain.plan.model import Prediction
+from edgetrain.report.files import atomic_write
+
+
+def console() -> Console:
+    c = Console()
+    return c if c.is_terminal else Console(width=140)  # pipes and logs: do not squeeze to 80 columns
+
+
+def _ranks(ranks: list[int]) -> str:
+    """0,1,2,3,7 -> '0-3,7'."""
+    parts, start = [], ranks[0]
+    for prev, cur in zip(ranks, ranks[1:] + [None]):
+        if cur != prev + 1:
+            parts.append(str(start) if start == prev else f"{start}-{prev}")
+            start = cur
+    return ",".join(parts)
+
+
+def device_groups(pred: Prediction) -> list[dict]:
+    """Devices with identical predictions, merged (a cluster of 4096 identical devices is one row)."""
+    groups: dict[tuple, dict] = {}
+    for d in pred.devices:
+        key = (d.profile, d.batch, d.link, round(d.compute_s, 9), round(d.step_s, 9), round(d.memory_total_mb, 6))
+        if key not in groups:
+            groups[key] = {"ranks": [], "device": d}
+        groups[key]["ranks"].append(d.rank)
+    return [{"ranks": _ranks(g["ranks"]), "count": len(g["ranks"]), **_row(g["device"])} for g in groups.values()]
+
+
+def _row(d) -> dict:
+    return {"profile": d.profile, "gflops": d.gflops, "gflops_source": d.gflops_source, "batch": d.batch,
+            "link": d.link, "compute_s": d.compute_s, "comm_s": d.comm_s, "wait_s": d.wait_s, "step_s": d.step_s,
+            "samples_per_s": d.samples_per_s, "memory_mb": d.memory_mb, "memory_total_mb": d.memory_total_mb,
+            "memory_limit_mb": d.memory_limit_mb, "over_limit": d.over_limit}
+
+
+def print_prediction(pred: Prediction, out: Console) -> None:
+    c = pred.costs
+    t = pred.traffic
+    out.print(f"[bold]{c.model}[/] input {'x'.join(map(str, c.input_shape))}: {c.params:,} parameters, "
+              f"{c.train_flops_per_sample / 1e9:,.3f} GFLOP/sample train (fwd {c.forward_flops_per_sample / 1e9:,.3f}), "
+              f"{c.activation_bytes_per_sample / 2**20:,.2f} MiB activations/sample  [dim](counted)[/]")
+    table = Table(title=f"per device, modelled (efficiency {pred.efficiency:g}, overlap {pred.overlap:g}, "
+                        f"{t.sync}, compress {t.compress})", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("ranks", "profile", "GFLOPS", "batch", "link", "compute s", "comm s", "wait s", "step s",
+                "samples/s", "memory MiB", "limit MiB", ""):
+        table.add_column(col, justify="left" if col in ("ranks", "profile", "link", "") else "right", no_wrap=True)
+    for g in device_groups(pred):
+        limit = g["memory_limit_mb"]
+        table.add_row(g["ranks"], g["profile"], f"{g['gflops']:,.1f}", str(g["batch"]), g["link"],
+                      f"{g['compute_s']:,.3f}", f"{g['comm_s']:,.3f}", f"{g['wait_s']:,.3f}", f"{g['step_s']:,.3f}",
+                      f"{g['samples_per_s']:,.2f}", f"{g['memory_total_mb']:,.0f}",
+                      "-" if limit is None else f"{limit:,}", "[red]OVER LIMIT[/]" if g["over_limit"] else "")
+    out.print(table)
+    m = pred.devices[0].memory_mb
+    out.print("memory per device (rank 0), MiB: " + ", ".join(f"{k} {v:,.1f}" for k, v in m.items())
+              + f"  [dim](runtime = measured idle process RSS {pred.runtime_mb:,.0f} MiB)[/]")
+    if t.collectives:
+        kinds = ", ".join(f"{k} {b / 1e6:,.3f} MB" for k, b in t.collectives)
+        every = "" if t.period == 1 else f" every {t.period} steps" if t.mode != "async" else ""
+        out.print(f"exchange{every}: {len(t.collectives)} collective(s) ({escape(kinds)}) sent per device, "
+                  f"payload {t.payload_bytes / 1e6:,.3f} MB vs fp32 {t.fp32_bytes / 1e6:,.3f} MB, "
+                  f"modelled {pred.exchange_s:,.3f} s")
+    else:
+        out.print("no communication (one device)")
+    out.print(f"[bold]modelled[/]: step {pred.step_s:,.3f} s, throughput {pred.throughput:,.2f} samples/s, "
+              f"communication+waiting {pred.comm_fraction:.1%} of the step")
+    if pred.over_limit:
+        out.print(f"[red]devices {_ranks(pred.over_limit)} need more memory than their profile has[/]")
+
+
+def print_simulation(sim: dict, out: Console) -> None:
+    s = sim["cluster_step_s"]
+    stragglers = (f", stragglers p={sim['straggler_prob']:g} x{sim['straggler_factor']:g}"
+                  if sim["straggler_prob"] else "")
+    out.print(f"[bold]simulated[/] ({sim['steps']} steps, compute CV {sim['compute_cv']:g}{stragglers}, "
+              f"link jitter {'on' if sim['link_jitter'] else 'off'}, seed {sim['seed']}): "
+              f"step mean {s['mean']:,.3f} s, p50 {s['p50']:,.3f} s, p99 {s['p99']:,.3f} s, "
+              f"throughput {sim['throughput_samples_per_s']:,.2f} samples/s; time: compute "
+              f"{sim['compute_fraction']:.1%}, communication {sim['comm_fraction']:.1%}, "
+              f"waiting {sim['wait_fraction']:.1%}")
+
+
+def print_scaling(rows: list[dict], out: Console) -> None:
+    table = Table(title="scaling, modelled (weak: every device keeps its local batch)", title_justify="left",
+                  box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("devices", "step s", "samples/s", "speedup", "efficiency", "sim step s", "sim p99 s",
+                "sim samples/s", "sim speedup", "sim eff.", "comm %", "wait %"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for r in rows:
+        table.add_row(f"{r['devices']:,}", f"{r['analytic_step_s']:,.3f}", f"{r['analytic_throughput']:,.2f}",
+                      f"{r['analytic_speedup']:,.2f}", f"{r['analytic_efficiency']:.3f}",
+                      f"{r['simulated_step_s']:,.3f}", f"{r['simulated_p99_step_s']:,.3f}",
+                      f"{r['simulated_throughput']:,.2f}", f"{r['simulated_speedup']:,.2f}",
+                      f"{r['simulated_efficiency']:.3f}", f"{100 * r['comm_fraction']:.0f}",
+                      f"{100 * r['wait_fraction']:.0f}")
+    out.print(table)
+
+
+def plot_scaling(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import ScalarFormatter
+
+    n = [r["devices"] for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    ideal = [rows[0]["analytic_throughput"] * k / n[0] for k in n]
+    ax1.plot(n, ideal, "k:", label="linear")
+    ax1.plot(n, [r["analytic_throughput"] for r in rows], "o-", label="analytic")
+    ax1.plot(n, [r["simulated_throughput"] for r in rows], "s--", label="simulated")
+    ax1.set(xscale="log", yscale="log", xlabel="devices", ylabel="samples/s (modelled)", title="throughput")
+    ax2.plot(n, [r["analytic_efficiency"] for r in rows], "o-", label="analytic")
+    ax2.plot(n, [r["simulated_efficiency"] for r in rows], "s--", label="simulated")
+    ax2.set(xscale="log", ylim=(0, 1.05), xlabel="devices", ylabel="speedup / devices (modelled)",
+            title="scaling efficiency")
+    for ax in (ax1, ax2):
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"modelled, not measured: {title}", fontsize=10)
+    fig.tight_layout()
+    with atomic_write(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=110)
+    plt.close(fig)

@@ -1,0 +1,299 @@
+"""A step simulator for clusters of up to thousands of devices (numpy, vectorised over devices).
+
+It replays ``S`` training steps of the cluster a ``Prediction`` describes,
+with the same clock rules as edgetrain's virtual link emulation
+(``edgetrain.comm.emulation``), and adds what the closed form leaves out:
+
+* **compute variability**: each device's step takes a gamma-distributed time
+  with the modelled mean and coefficient of variation ``compute_cv``;
+* **stragglers**: with probability ``straggler_prob`` a device's step takes
+  ``straggler_factor`` times as long (a background job, thermal throttling);
+* **link jitter**: every ring round adds ``N(0, jitter)`` to each link's
+  latency, clipped at zero, and lasts as long as the slowest device's
+  transfer, as in ``edgetrain.cluster.links.collective_time``. With thousands
+  of devices a round's slowest latency is drawn directly from the
+  distribution of a maximum (``max of n normals = Phi^-1(U^(1/n))``) per group
+  of identical links, so a round costs O(link groups), not O(devices).
+
+Clock rules per mode (``arrive_i`` = device ``i``'s clock after its compute):
+
+* ``sync``:   every device waits for the slowest, then the exchange:
+  ``t = max_i arrive_i + Tc`` (less the ``overlap`` share, as in ``model.py``);
+* ``local:H``: ``t_i = arrive_i`` between averages, ``max_i arrive_i + Tc`` every H steps;
+* ``gossip:H``: ``t_i = max(arrive of i and its two ring neighbours) + Tc_i`` every H steps;
+* ``async:S``: rounds. A round launched at clocks ``a_i`` completes at
+  ``max_i a_i + Tc``; a device keeps stepping, applies the round at its first
+  step end past completion and launches the next, or, ``S`` steps after the
+  launch, waits for it (``edgetrain.comm.asynchronous``).
+
+With ``compute_cv = 0``, no stragglers and no jitter the simulator reproduces
+the analytic model's step time (exactly for sync, local SGD and gossip on
+identical devices; async up to the first and last round). Deterministic for a
+seed.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from edgetrain.cluster.links import ROUNDS
+from edgetrain.errors import EdgetrainError
+from edgetrain.plan.model import Prediction
+
+
+@dataclass
+class SimResult:
+    """Simulated steps. Arrays are per device; ``step_ends[i, s]`` is device ``i``'s clock after step ``s``."""
+
+    steps: int
+    mode: str
+    batches: np.ndarray
+    step_ends: np.ndarray          # (devices, steps)
+    compute_s: np.ndarray          # per device, summed over steps
+    comm_s: np.ndarray             # per device, exposed communication summed over steps
+    seed: int
+    compute_cv: float
+    straggler_prob: float
+    straggler_factor: float
+    jitter: bool
+
+    @property
+    def devices(self) -> int:
+        return len(self.batches)
+
+    @property
+    def total_s(self) -> np.ndarray:
+        return self.step_ends[:, -1]
+
+    @property
+    def wait_s(self) -> np.ndarray:
+        return np.maximum(self.total_s - self.compute_s - self.comm_s, 0.0)
+
+    @property
+    def cluster_step_s(self) -> np.ndarray:
+        """Per step: time from the last device finishing step s-1 to the last finishing step s."""
+        done = self.step_ends.max(axis=0)
+        return np.diff(done, prepend=0.0)
+
+    @property
+    def mean_step_s(self) -> float:
+        return float(np.mean(self.total_s / self.steps))
+
+    @property
+    def throughput(self) -> float:
+        return float(np.sum(self.batches * self.steps / self.total_s))
+
+    def to_dict(self) -> dict:
+        total = self.total_s
+        steps = self.cluster_step_s
+
+        def stats(a: np.ndarray) -> dict:
+            return {"mean": float(a.mean()), "min": float(a.min()), "max": float(a.max())}
+
+        return {
+            "kind": "modelled (simulated)", "steps": self.steps, "devices": self.devices, "mode": self.mode,
+            "seed": self.seed, "compute_cv": self.compute_cv, "straggler_prob": self.straggler_prob,
+            "straggler_factor": self.straggler_factor, "link_jitter": self.jitter,
+            "mean_step_s": self.mean_step_s, "throughput_samples_per_s": self.throughput,
+            "cluster_step_s": {"mean": float(steps.mean()), "p50": float(np.percentile(steps, 50)),
+                               "p99": float(np.percentile(steps, 99))},
+            "per_device_step_s": stats(total / self.steps),
+            "compute_fraction": float(np.mean(self.compute_s / total)),
+            "comm_fraction": float(np.mean(self.comm_s / total)),
+            "wait_fraction": float(np.mean(self.wait_s / total)),
+            "wait_s_per_step": stats(self.wait_s / self.steps),
+        }
+
+
+def simulate(pred: Prediction, steps: int = 100, compute_cv: float = 0.05, straggler_prob: float = 0.0,
+             straggler_factor: float = 3.0, jitter: bool = True, seed: int = 0) -> SimResult:
+    """Simulate ``steps`` training steps of the cluster ``pred`` models."""
+    if steps < 1:
+        raise EdgetrainError(f"simulate at least 1 step, not {steps}")
+    if compute_cv < 0 or not 0 <= straggler_prob <= 1 or straggler_factor < 1:
+        raise EdgetrainError(f"compute CV must be >= 0, straggler probability in [0, 1] and its slowdown >= 1; "
+                             f"got {compute_cv:g}, {straggler_prob:g}, {straggler_factor:g}")
+    rng = np.random.default_rng(seed)
+    traffic = pred.traffic
+    p = len(pred.devices)
+    batches = np.array([d.batch for d in pred.devices], dtype=float)
+    mean = np.array([d.compute_s for d in pred.devices])
+    compute = _compute_times(rng, mean, steps, compute_cv, straggler_prob, straggler_factor)
+    comm_s = np.zeros(p)
+    if traffic.mode == "async":
+        ends = _async(rng, pred, compute, jitter)
+    else:
+        ends = np.empty((p, steps))
+        period = traffic.period
+        exchanges = [s for s in range(steps) if (s + 1) % period == 0] if traffic.collectives else []
+        if traffic.neighbours_only:
+            tc = _gossip_times(rng, pred, len(exchanges), jitter)            # (exchanges, p)
+        else:
+            tc = _exchange_times(rng, pred, len(exchanges), jitter)          # (exchanges,)
+        t = np.zeros(p)
+        x = 0
+        for s in range(steps):
+            arrive = t + compute[:, s]
+            if x < len(exchanges) and exchanges[x] == s:
+                if traffic.neighbours_only:
+                    ready = np.maximum(arrive, np.maximum(np.roll(arrive, 1), np.roll(arrive, -1)))
+                    spent = tc[x]
+                else:
+                    ready = np.full(p, arrive.max())
+                    spent = tc[x]
+                    if traffic.mode == "sync":
+                        spent = spent - min(pred.overlap * spent, compute[:, s].max())
+                t = ready + spent
+                comm_s += spent
+                x += 1
+            else:
+                t = arrive
+            ends[:, s] = t
+    return SimResult(steps, traffic.mode, batches, ends, compute.sum(axis=1), comm_s, seed, compute_cv,
+                     straggler_prob, straggler_factor, jitter)
+
+
+def _compute_times(rng: np.random.Generator, mean: np.ndarray, steps: int, cv: float, straggler_prob: float,
+                   straggler_factor: float) -> np.ndarray:
+    """(devices, steps) compute seconds: gamma with the given mean and CV, some steps slowed by stragglers."""
+    if cv > 0:
+        shape = 1.0 / cv**2
+        times = rng.gamma(shape, 1.0, size=(len(mean), steps)) * (mean / shape)[:, None]
+    else:
+        times = np.repeat(mean[:, None], steps, axis=1)
+    if straggler_prob > 0:
+        slow = rng.random(times.shape) < straggler_prob
+        times = np.where(slow, times * straggler_factor, times)
+    return times
+
+
+def _link_arrays(pred: Prediction) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    links = pred.links
+    return (np.array([link.latency_s for link in links]), np.array([link.jitter_s for link in links]),
+            np.array([link.goodput_Bps for link in links]))
+
+
+def _max_of_normals(rng: np.random.Generator, n: int, size: tuple[int, ...]) -> np.ndarray:
+    """Draws of the maximum of ``n`` independent standard normals: ``Phi^-1(U^(1/n))``."""
+    u = rng.random(size)
+    upper_tail = -np.expm1(np.log(u) / n)          # 1 - U^(1/n), computed without cancellation
+    return -torch.special.ndtri(torch.from_numpy(upper_tail)).numpy()
+
+
+def _exchange_times(rng: np.random.Generator, pred: Prediction, count: int, jitter: bool) -> np.ndarray:
+    """Seconds of ``count`` exchanges among all devices (every collective of one exchange summed)."""
+    out = np.zeros(count)
+    if count == 0:
+        return out
+    latency, jit, goodput = _link_arrays(pred)
+    groups: dict[tuple[float, float, float], int] = {}
+    for key in zip(latency, jit, goodput):
+        groups[key] = groups.get(key, 0) + 1
+    p = len(latency)
+    for kind, sent in pred.traffic.collectives:
+        rounds = ROUNDS[kind](p)
+        if rounds == 0:
+            continue
+        chunk = sent / rounds
+        slowest = np.zeros((count, rounds))
+        for (lat, sigma, gp), n in groups.items():
+            round_lat = np.full((count, rounds), lat)
+            if jitter and sigma > 0:
+                round_lat = np.maximum(0.0, lat + sigma * _max_of_normals(rng, n, (count, rounds)))
+            slowest = np.maximum(slowest, round_lat + chunk / gp)
+        out += slowest.sum(axis=1)
+    return out
+
+
+def _gossip_times(rng: np.random.Generator, pred: Prediction, count: int, jitter: bool) -> np.ndarray:
+    """(count, devices) seconds of each device's exchange with its ring neighbours."""
+    p = len(pred.devices)
+    out = np.zeros((count, p))
+    if count == 0:
+        return out
+    latency, jit, goodput = _link_arrays(pred)
+    members = [0, 1] if p == 2 else [-1, 0, 1]
+    for kind, sent in pred.traffic.collectives:
+        rounds = ROUNDS[kind](len(members))
+        chunk = sent / rounds
+        total = np.zeros((count, p))
+        for _ in range(rounds):
+            slowest = np.zeros((count, p))
+            for shift in members:
+                lat, sigma, gp = (np.roll(a, shift) for a in (latency, jit, goodput))
+                round_lat = np.broadcast_to(lat, (count, p))
+                if jitter and np.any(sigma > 0):
+                    round_lat = np.maximum(0.0, lat + sigma * rng.standard_normal((count, p)))
+                slowest = np.maximum(slowest, round_lat + chunk / gp)
+            total += slowest
+        out += total
+    return out
+
+
+def _async(rng: np.random.Generator, pred: Prediction, compute: np.ndarray, jitter: bool) -> np.ndarray:
+    """Step end clocks (devices, steps) under bounded staleness, simulated round by round."""
+    p, steps = compute.shape
+    bound = pred.traffic.period
+    ends = np.empty((p, steps))
+    if not pred.traffic.collectives:
+        return np.cumsum(compute, axis=1)
+    rows = np.arange(p)
+    ends[:, 0] = compute[:, 0]
+    done = np.ones(p, dtype=int)          # steps finished; every device launches its first round after step 1
+    launch = ends[:, 0].copy()
+    while done.min() < steps:
+        complete = launch.max() + _exchange_times(rng, pred, 1, jitter)[0]
+        index = done[:, None] + np.arange(bound)[None, :]
+        inside = index < steps
+        step = np.where(inside, compute[rows[:, None], np.minimum(index, steps - 1)], 0.0)
+        end = launch[:, None] + np.cumsum(step, axis=1)
+        reached = end >= complete
+        applied = reached.any(axis=1)
+        k = np.where(applied, reached.argmax(axis=1) + 1, bound)      # steps run in this round
+        new_launch = np.where(applied, end[rows, k - 1], np.maximum(end[:, -1], complete))
+        # the step that waited ends when the round completes (the wait is charged to it)
+        end[rows, k - 1] = new_launch
+        record = (np.arange(bound)[None, :] < k[:, None]) & inside
+        ends[rows[:, None].repeat(bound, 1)[record], index[record]] = end[record]
+        done = done + np.minimum(k, np.maximum(steps - done, 0))
+        launch = new_launch
+    return ends
+
+
+@dataclass
+class ScalePoint:
+    devices: int
+    analytic_step_s: float
+    analytic_throughput: float
+    simulated_step_s: float
+    simulated_throughput: float
+    simulated_p99_step_s: float
+    comm_fraction: float          # simulated
+    wait_fraction: float          # simulated
+    over_limit: bool
+
+
+def scaling(predict_for, counts: list[int], steps: int = 100, **sim) -> list[dict]:
+    """Speedup and efficiency over device counts. ``predict_for(n)`` gives the ``Prediction`` for ``n`` devices."""
+    points: list[ScalePoint] = []
+    for n in counts:
+        pred = predict_for(n)
+        result = simulate(pred, steps=steps, **sim)
+        summary = result.to_dict()
+        points.append(ScalePoint(n, pred.step_s, pred.throughput, result.mean_step_s, result.throughput,
+                                 summary["cluster_step_s"]["p99"], summary["comm_fraction"],
+                                 summary["wait_fraction"], bool(pred.over_limit)))
+    base = points[0]
+    rows = []
+    for pt in points:
+        scale = pt.devices / base.devices
+        row = dataclasses.asdict(pt)
+        row["analytic_speedup"] = pt.analytic_throughput / base.analytic_throughput
+        row["simulated_speedup"] = pt.simulated_throughput / base.simulated_throughput
+        row["analytic_efficiency"] = row["analytic_speedup"] / scale
+        row["simulated_efficiency"] = row["simulated_speedup"] / scale
+        rows.append(row)
+    return rows

@@ -1,0 +1,300 @@
+"""One self-contained HTML page for one run or a comparison of runs.
+
+Everything is inline: CSS, and plots as base64 PNGs, so the page can be
+mailed or archived as one file. A run directory is either a bench run
+(``result.json``, written by ``edgetrain bench``) or a training run
+(``summary.json``, written by ``edgetrain train``).
+
+The radar chart compares configurations on five axes, as the Raspberry Pi
+study compared frameworks: throughput and accuracy (higher is better),
+memory, energy and communication (lower is better). Each axis is scored
+against the best configuration shown, so 1 is the best and outward is better;
+a configuration with no value on an axis sits at 0 and reads "n/a" in the
+table beside it.
+"""
+from __future__ import annotations
+
+import base64
+import datetime as _dt
+import html
+import json
+from pathlib import Path
+from typing import Any
+
+from edgetrain.errors import EdgetrainError
+
+AXES = [  # (key, label, unit, higher is better)
+    ("throughput", "throughput", "samples/s", True),
+    ("memory", "memory", "MB peak RSS", False),
+    ("energy", "energy", "J/epoch", False),
+    ("communication", "communication", "% of step", False),
+    ("accuracy", "accuracy", "% test", True),
+]
+
+CSS = """
+body{font-family:-apple-system,"Segoe UI",Roboto,"DejaVu Sans",sans-serif;margin:0;background:#f4f5f7;color:#1d2330}
+header{background:#1f3a5f;color:#fff;padding:18px 32px}
+header h1{margin:0;font-size:24px} header p{margin:4px 0 0;opacity:.85;font-size:13px}
+main{max-width:1120px;margin:0 auto;padding:20px 24px 40px}
+section{background:#fff;border-radius:8px;box-shadow:0 1px 3px rgba(0,0,0,.12);padding:18px 22px;margin:18px 0}
+h2{margin:0 0 4px;font-size:19px} h3{font-size:15px;margin:16px 0 6px;color:#34405a}
+.meta{color:#5b6475;font-size:12px;margin-bottom:10px}
+table{border-collapse:collapse;font-size:13px;margin:6px 0 10px}
+th,td{padding:4px 10px;border-bottom:1px solid #e3e6eb;text-align:right}
+th{background:#eef1f5;font-weight:600} td:first-child,th:first-child{text-align:left}
+table.kv td:first-child{color:#5b6475}
+.imgs img{max-width:100%;display:block;margin:10px auto;border:1px solid #e3e6eb;border-radius:4px}
+.note{background:#fff7e0;border-left:3px solid #e0a800;padding:6px 10px;margin:6px 0;font-size:13px}
+.flex{display:flex;gap:18px;flex-wrap:wrap;align-items:flex-start} .flex>*{flex:1 1 420px}
+.modelled{color:#b35c00;font-weight:600}
+"""
+
+# Marks images that failed to decode, so a headless browser's DOM dump can be checked.
+CHECK_SCRIPT = """
+window.addEventListener('load',function(){var bad=0;document.querySelectorAll('img').forEach(function(i){
+var ok=i.complete&&i.naturalWidth>0;i.setAttribute('data-loaded',ok?'yes':'no');if(!ok)bad++;});
+document.body.setAttribute('data-broken-images',String(bad));});
+"""
+
+
+def load_run(run_dir: str | Path) -> dict[str, Any]:
+    d = Path(run_dir)
+    for name, kind in (("result.json", "bench"), ("summary.json", "train")):
+        if (d / name).is_file():
+            try:
+                data = json.loads((d / name).read_text())
+            except json.JSONDecodeError as e:
+                raise EdgetrainError(f"{d / name} is not valid JSON ({e}); was the run interrupted?") from None
+            return {"dir": d, "kind": kind, "data": data, "pngs": sorted(d.glob("*.png"))}
+    raise EdgetrainError(f"{run_dir} is not an edgetrain run directory (no result.json or summary.json)")
+
+
+def _img(png: bytes, alt: str) -> str:
+    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{base64.b64encode(png).decode()}">'
+
+
+def _table(columns: list[str], rows: list[list[Any]], cls: str = "") -> str:
+    from edgetrain.bench.common import fmt
+
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(fmt(v))}</td>" for v in r) + "</tr>" for r in rows)
+    return f'<table class="{cls}"><tr>{head}</tr>{body}</table>'
+
+
+def _kv(d: dict[str, Any]) -> str:
+    rows = [[k, json.dumps(v) if isinstance(v, (list, dict)) else v] for k, v in d.items() if v is not None]
+    return _table(["parameter", "value"], rows, "kv")
+
+
+# ---- what each kind of run shows ----
+
+def peak_reference(runs: list[dict[str, Any]]) -> tuple[float, str] | None:
+    """The best GEMM GFLOPS among the ``bench peak`` runs shown (all devices at once where measured)."""
+    best: tuple[float, str] | None = None
+    for run in runs:
+        d = run["data"]
+        if run["kind"] != "bench" or d.get("bench") != "peak":
+            continue
+        for a in d.get("aggregate") or []:
+            if a["kind"] == "gemm" and (best is None or a["gflops_median_sum"] > best[0]):
+                best = (a["gflops_median_sum"], f"GEMM n={a['n']}, {a['devices']} devices at once ({run['dir'].name})")
+        if not d.get("aggregate"):
+            for r in d["rows"]:
+                if r["kind"] == "gemm" and (best is None or r["gflops_best"] > best[0]):
+                    best = (r["gflops_best"], f"GEMM n={r['n']}, {r['threads']} thread(s) ({run['dir'].name})")
+    return best
+
+
+def achieved_note(d: dict[str, Any], peak: tuple[float, str] | None) -> str | None:
+    """Achieved GFLOPS of a training run: the model's training FLOPs per sample x its throughput."""
+    try:
+        from edgetrain.bench import flops, workload
+
+        model = workload.build_model(d["model"], d.get("dataset", "cifar10"))
+        per_sample = flops.training_flops_per_sample(model, d.get("dataset", "cifar10"))["total_flops"]
+    except Exception:  # a model or dataset the registry does not know: no FLOP count, say nothing
+        return None
+    gflops = per_sample * d["throughput_samples_per_s"] / 1e9
+    text = f"achieved {gflops:.2f} GFLOPS ({per_sample / 1e9:.3f} GFLOP per training sample, FlopCounterMode)"
+    if peak:
+        text += f" = {100 * gflops / peak[0]:.1f}% of the {peak[0]:.1f} GFLOPS peak ({peak[1]})"
+    return text
+
+
+def headline(run: dict[str, Any], peak: tuple[float, str] | None = None) -> tuple[list[str], list[list[Any]], list[str]]:
+    """(columns, rows, notes) summarising a run; ``peak`` is what training runs' GFLOPS are set against."""
+    d = run["data"]
+    if run["kind"] == "train":
+        cols = ["rank", "profile", "local batch", "samples/s", "peak RSS MB", "data s", "compute s", "comm s",
+                "MB sent", "MB recv"]
+        rows = [[p.get("rank"), p.get("profile"), p.get("local_batch"), p.get("samples_per_s"),
+                 p.get("peak_rss_mb"), p.get("data_s"), p.get("compute_s"), p.get("comm_s"),
+                 _mb(p.get("bytes_sent")), _mb(p.get("bytes_recv"))] for p in d.get("per_device", [])]
+        notes = [f"throughput {d.get('throughput_samples_per_s', 0):.1f} samples/s; "
+                 f"test accuracy {_pct(d.get('test_accuracy'))}"]
+        achieved = achieved_note(d, peak) if d.get("model") and d.get("throughput_samples_per_s") else None
+        notes += [achieved] if achieved else []
+        return cols, rows, notes
+    bench = d["bench"]
+    notes = list(d.get("notes", []))
+    if bench == "peak":
+        cols = ["kind", "n", "threads", "GFLOPS best", "GFLOPS median", "scaled residual"]
+        rows = [[r["kind"], r["n"], r["threads"], r["gflops_best"], r["gflops_median"],
+                 r.get("max_scaled_residual")] for r in d["rows"]]
+        notes += [f"{a['devices']} devices at once, {a['kind']} n={a['n']}: {a['gflops_median_sum']:.1f} GFLOPS"
+                  for a in d.get("aggregate") or []]
+    elif bench == "batch":
+        cols = ["batch", "status", "samples/s", "peak RSS MB", "GFLOPS", "peak GFLOPS", "% of peak"]
+        rows = [[r["batch_size"], r["status"], r.get("samples_per_s"), r.get("peak_rss_mb") or r.get("rss_mb"),
+                 r.get("achieved_gflops"), r.get("peak_gflops_median"), _pct(r.get("fraction_of_peak"))]
+                for r in d["rows"]]
+        notes.append(f"best batch {d['best']}; largest that fits {d['largest_fitting_batch']}; memory limit "
+                     f"{d['profile']['memory_limit_mb']:.0f} MB ({d['profile']['limit_source']}); "
+                     f"{d['flops_per_sample']['total_flops'] / 1e9:.3f} GFLOP per training sample; peak: "
+                     f"{d['peak_source']}")
+    elif bench == "scaling":
+        cols = ["devices", "samples/s", "speedup", "efficiency", "data ms", "compute ms", "comm ms", "wait ms"]
+        rows = [[r["devices"], r["throughput_samples_per_s"], r["speedup"], _pct(r["efficiency"]),
+                 *(1000 * r["split_s_per_step"][k] for k in ("data", "compute", "comm", "wait"))] for r in d["rows"]]
+    elif bench == "stalls":
+        cols = ["workers", "loader cached/s", "loader cold/s", "train cached/s", "train cold/s", "prep stall s",
+                "fetch stall s", "limiting"]
+        rows = [[r["workers"], r["prep_samples_per_s"], r["fetch_samples_per_s"], r["train_cached_samples_per_s"],
+                 r["train_cold_samples_per_s"], r["prep_stall_s"], r["fetch_stall_s"], r["limiting_stage"]]
+                for r in d["rows"]]
+        notes += [f"ingestion rate (no stall) {d['ingestion_samples_per_s']:.1f} samples/s", d["verdict"]]
+    elif bench == "counters":
+        cols = ["event", "count", "per sample"]
+        rows = [[k, v, d["per_sample"].get(k)] for k, v in d["counts"].items()]
+        rows += [[k, v, None] for k, v in d["ratios"].items()]
+        notes += [d["message"]] if d.get("message") else []
+    elif bench == "power":
+        m = " (modelled)" if d["energy_source"]["modelled"] else ""
+        cols = ["setting", "samples/s", "s/epoch", f"J/epoch{m}", f"avg W{m}", "Pareto"]
+        front = {r["setting"] for r in d["pareto"]}
+        rows = [[r["setting"], r["samples_per_s"], r["epoch_s"], r["energy_j_per_epoch"], r["avg_power_w"],
+                 r["setting"] in front] for r in d["rows"]]
+        notes.insert(0, f"energy source: {d['energy_source']['kind']}")
+    elif bench == "variability":
+        cols = ["run", "device", "mean step ms", "CV within"]
+        rows = [[run_["run"], dev["rank"], 1000 * dev["mean_step_s"], _pct(dev["cv_within"])]
+                for run_ in d["runs"] for dev in run_["devices"]]
+        s = d["summary"]
+        notes.append(f"CV within a run {_pct(s['cv_within_mean'])}, across runs {_pct(s['cv_across_runs'])}, "
+                     f"across devices {_pct(s['cv_across_devices'])}")
+    else:
+        cols, rows = [], []
+    return cols, rows, notes
+
+
+def configurations(run: dict[str, Any]) -> list[tuple[str, dict[str, float | None]]]:
+    """The configurations a run measured, each with whichever radar metrics it has."""
+    d, name = run["data"], run["dir"].name
+    if run["kind"] == "train":
+        per = d.get("per_device", [])
+        comm = [p["comm_s"] / t for p in per
+                if (t := sum(p.get(k) or 0 for k in ("data_s", "compute_s", "comm_s"))) and p.get("comm_s") is not None]
+        return [(name, {"throughput": d.get("throughput_samples_per_s"),
+                        "memory": max((p["peak_rss_mb"] for p in per if p.get("peak_rss_mb")), default=None),
+                        "energy": d.get("energy_j_per_epoch"),
+                        "communication": 100 * sum(comm) / len(comm) if comm else None,
+                        "accuracy": None if d.get("test_accuracy") is None else 100 * d["test_accuracy"]})]
+    bench = d["bench"]
+    if bench == "batch":
+        return [(f"{name} b={r['batch_size']}", {"throughput": r["samples_per_s"], "memory": r["peak_rss_mb"]})
+                for r in d["rows"] if r["status"] == "ok"]
+    if bench == "power":
+        return [(f"{name} {r['setting']}", {"throughput": r["samples_per_s"], "energy": r["energy_j_per_epoch"]})
+                for r in d["rows"]]
+    if bench == "scaling":
+        return [(f"{name} N={r['devices']}", {
+            "throughput": r["throughput_samples_per_s"],
+            "communication": 100 * r["split_s_per_step"]["comm"] / r["split_s_per_step"]["step"]
+            if r["split_s_per_step"].get("step") else None}) for r in d["rows"]]
+    return []
+
+
+def best_configuration(configs: list[tuple[str, dict]]) -> tuple[str, dict]:
+    return max(configs, key=lambda c: c[1].get("throughput") or 0.0)
+
+
+def radar_scores(configs: list[tuple[str, dict]]) -> list[tuple[str, list[float | None]]]:
+    """Each metric scored against the best configuration: 1 is best, ``None`` where missing."""
+    out = []
+    for name, m in configs:
+        scores: list[float | None] = []
+        for key, _, _, higher in AXES:
+            values = [c[1].get(key) for c in configs if c[1].get(key) is not None and c[1].get(key) > 0]
+            v = m.get(key)
+            if v is None or v <= 0 or not values:
+                scores.append(None)
+            else:
+                scores.append(v / max(values) if higher else min(values) / v)
+        out.append((name, scores))
+    return out
+
+
+def comparison(runs: list[dict[str, Any]], max_configs: int = 8) -> str:
+    if len(runs) == 1:
+        configs = configurations(runs[0])
+    else:
+        configs = [best_configuration(c) for c in map(configurations, runs) if c]
+    configs = configs[:max_configs]
+    if len(configs) < 2:
+        return ""
+    from edgetrain.report import plots
+
+    scores = radar_scores(configs)
+    fig = plots.radar([f"{label}\n({'higher' if hi else 'lower'} is better)" for _, label, _, hi in AXES], scores,
+                      "Configurations compared (1 = best shown)")
+    cols = ["configuration"] + [f"{label} ({unit})" for _, label, unit, _ in AXES]
+    rows = [[name] + [m.get(key) if m.get(key) is not None else "n/a" for key, _, _, _ in AXES]
+            for name, m in configs]
+    return (f'<section><h2>Comparison</h2><div class="meta">{len(configs)} configurations; each axis scored '
+            'against the best configuration shown; missing values (n/a) sit at 0</div>'
+            f'<div class="flex"><div class="imgs">{_img(plots.png_bytes(fig), "radar chart")}</div>'
+            f'<div>{_table(cols, rows)}</div></div></section>')
+
+
+def run_section(run: dict[str, Any], peak: tuple[float, str] | None = None) -> str:
+    d = run["data"]
+    title = f"bench {d['bench']}" if run["kind"] == "bench" else "training run"
+    env = d.get("environment", {})
+    meta = " · ".join(str(v) for v in (run["dir"], env.get("cpu"), env.get("logical_cpus") and
+                                         f"{env['logical_cpus']} CPUs", env.get("torch"), env.get("created")) if v)
+    cols, rows, notes = headline(run, peak)
+    params = d.get("params") if run["kind"] == "bench" else {k: d.get(k) for k in (
+        "model", "dataset", "devices", "profile", "batch_size", "steps", "epochs") if k in d}
+    parts = [f"<section><h2>{html.escape(title)}</h2><div class='meta'>{html.escape(meta)}</div>"]
+    for n in notes:
+        cls = " modelled" if "modelled" in n.lower() else ""
+        parts.append(f'<div class="note{cls}">{html.escape(n)}</div>')
+    parts.append('<div class="flex"><div>')
+    if rows:
+        parts.append("<h3>Results</h3>" + _table(cols, rows))
+    parts.append("</div><div><h3>Parameters</h3>" + _kv(params or {}) + "</div></div>")
+    if run["pngs"]:
+        parts.append('<div class="imgs">' + "".join(_img(p.read_bytes(), p.name) for p in run["pngs"]) + "</div>")
+    parts.append("</section>")
+    return "".join(parts)
+
+
+def render(run_dirs: list[str | Path]) -> str:
+    if not run_dirs:
+        raise EdgetrainError("give at least one run directory")
+    runs = [load_run(d) for d in run_dirs]
+    when = _dt.datetime.now().strftime("%Y-%m-%d %H:%M")
+    peak = peak_reference(runs)
+    body = comparison(runs) + "".join(run_section(r, peak) for r in runs)
+    return (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>edgetrain report</title>"
+            f"<meta name='viewport' content='width=device-width,initial-scale=1'><style>{CSS}</style></head>"
+            f"<body><header><h1>edgetrain report</h1><p>{len(runs)} run(s) · generated {when}</p></header>"
+            f"<main>{body}</main><script>{CHECK_SCRIPT}</script></body></html>")
+
+
+def _mb(b: float | None) -> float | None:
+    return None if b is None else b / 2**20
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.1f}%"

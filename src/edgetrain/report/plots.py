@@ -1,0 +1,251 @@
+"""One plot per bench, drawn from its ``result.json``, and the radar chart of the report.
+
+matplotlib with the Agg backend (no display needed); every figure has a
+title, labelled axes with units and a legend, and is written atomically.
+"""
+from __future__ import annotations
+
+import io
+import math
+import os
+from typing import Any, Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from edgetrain.report.files import atomic_write  # noqa: E402
+
+plt.rcParams.update({"figure.dpi": 110, "axes.grid": True, "grid.alpha": 0.3, "font.size": 10,
+                     "axes.spines.top": False, "axes.spines.right": False})
+COLORS = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+
+
+def save(fig, path: str | os.PathLike) -> None:
+    fig.tight_layout()
+    with atomic_write(path, "wb") as f:
+        fig.savefig(f, format="png")
+    plt.close(fig)
+
+
+def png_bytes(fig) -> bytes:
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def plot_peak(result: dict[str, Any], path) -> None:
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, kind, title in ((axes[0], "gemm", "GEMM (float32, 2n³ flops)"),
+                            (axes[1], "linpack", "LINPACK LU solve (float64, ⅔n³+2n² flops)")):
+        rows = [r for r in result["rows"] if r["kind"] == kind]
+        for i, t in enumerate(sorted({r["threads"] for r in rows})):
+            pts = sorted((r["n"], r["gflops_best"], r["gflops_median"]) for r in rows if r["threads"] == t)
+            if not pts:
+                continue
+            ns, best, med = zip(*pts)
+            ax.plot(ns, best, "o-", color=COLORS[i % 10], label=f"{t} thread(s), best")
+            ax.plot(ns, med, "x--", color=COLORS[i % 10], alpha=0.6, label=f"{t} thread(s), median")
+        for j, agg in enumerate(r for r in result.get("aggregate", []) if r["kind"] == kind):
+            ax.scatter([agg["n"]], [agg["gflops_median_sum"]], marker="*", s=150, color="black",
+                       zorder=5, label=f"{agg['devices']} devices at once (sum)" if j == 0 else None)
+        sizes = sorted({r["n"] for r in rows})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(n) for n in sizes])
+        ax.minorticks_off()
+        ax.set_xlabel("matrix size n")
+        ax.set_ylabel("GFLOPS")
+        ax.set_title(title)
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=8)
+    fig.suptitle("Device peak")
+    save(fig, path)
+
+
+def plot_batch(result: dict[str, Any], path) -> None:
+    ok = [r for r in result["rows"] if r["status"] == "ok"]
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    bs = [r["batch_size"] for r in ok]
+    ax.plot(bs, [r["samples_per_s"] for r in ok], "o-", color=COLORS[0], label="throughput")
+    ax.set_xscale("log", base=2)
+    ticks = bs + ([result["limit_hit"]["batch_size"]] if result.get("limit_hit") else [])
+    ax.set_xticks(ticks, [str(b) for b in ticks])
+    ax.minorticks_off()
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("throughput (samples/s)", color=COLORS[0])
+    ax.set_ylim(bottom=0)
+    mem = ax.twinx()
+    mem.grid(False)
+    mem.plot(bs, [r["peak_rss_mb"] for r in ok], "s--", color=COLORS[1], label="peak memory (RSS)")
+    limit = result["profile"]["memory_limit_mb"]
+    hit = result.get("limit_hit")
+    if hit or limit < 2 * max(r["peak_rss_mb"] for r in ok):  # a far-off limit would flatten the curve
+        mem.axhline(limit, color="red", lw=1, ls=":", label=f"memory limit {limit:.0f} MB")
+    if hit:
+        mem.scatter([hit["batch_size"]], [hit.get("rss_mb", limit)], marker="X", s=120, color="red",
+                    zorder=5, label=f"limit hit at batch {hit['batch_size']}")
+    mem.set_ylabel("peak memory (MB)", color=COLORS[1])
+    mem.set_ylim(bottom=0)
+    lines = ax.get_legend_handles_labels()
+    lines2 = mem.get_legend_handles_labels()
+    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=8, loc="upper center",
+              bbox_to_anchor=(0.5, -0.14), ncol=2, frameon=False)
+    p = result["params"]
+    ax.set_title(f"{p['model']} on {p['profile']} ({p['threads']} thread(s), memory limit {limit:.0f} MB)")
+    save(fig, path)
+
+
+def plot_scaling(result: dict[str, Any], path) -> None:
+    rows = result["rows"]
+    n = [r["devices"] for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    ax = axes[0]
+    ax.plot(n, [r["speedup"] for r in rows], "o-", label="measured speedup")
+    ax.plot(n, n, ":", color="gray", label="linear")
+    ax.set_xlabel("devices")
+    ax.set_ylabel("speedup over 1 device")
+    ax.set_xticks(n)
+    eff = ax.twinx()
+    eff.grid(False)
+    eff.plot(n, [100 * r["efficiency"] for r in rows], "s--", color=COLORS[2], label="efficiency")
+    eff.set_ylabel("efficiency (%)", color=COLORS[2])
+    eff.set_ylim(0, max(110, 110 * max(r["efficiency"] for r in rows)))
+    ax.set_ylim(0, max(max(n), max(r["speedup"] for r in rows)) * 1.1)
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = eff.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=3,
+              frameon=False)
+    ax.set_title("Speedup and efficiency")
+    ax = axes[1]
+    bottom = [0.0] * len(rows)
+    for i, part in enumerate(("data", "compute", "comm", "wait")):
+        vals = [r["split_s_per_step"][part] * 1000 for r in rows]
+        ax.bar([str(x) for x in n], vals, bottom=bottom, color=COLORS[i], label=part)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_xlabel("devices")
+    ax.set_ylabel("time per step (ms, mean over devices)")
+    ax.set_title("Where a step's time goes")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=4, frameon=False)
+    save(fig, path)
+
+
+def plot_stalls(result: dict[str, Any], path) -> None:
+    rows = result["rows"]
+    w = [r["workers"] for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    ax = axes[0]
+    ax.plot(w, [r.get("ingestion_samples_per_s", result["ingestion_samples_per_s"]) for r in rows], "k:",
+            label="ingestion (synthetic, no stall)")
+    ax.plot(w, [r["train_cached_samples_per_s"] for r in rows], "o-", label="training, cached data")
+    ax.plot(w, [r["train_cold_samples_per_s"] for r in rows], "s-", label="training, cold page cache")
+    ax.plot(w, [r["prep_samples_per_s"] for r in rows], "^--", alpha=0.7, label="loader alone, cached (prep)")
+    ax.plot(w, [r["fetch_samples_per_s"] for r in rows], "v--", alpha=0.7, label="loader alone, cold (fetch)")
+    ax.set_yscale("log")
+    ax.set_xlabel("loader workers")
+    ax.set_ylabel("samples/s")
+    ax.set_xticks(w)
+    ax.set_title("Rates (log scale)")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2, frameon=False)
+    ax = axes[1]
+    compute = [r["epoch_compute_s"] for r in rows]
+    prep = [r["prep_stall_s"] for r in rows]
+    fetch = [r["fetch_stall_s"] for r in rows]
+    labels = [str(x) for x in w]
+    ax.bar(labels, compute, label="compute (ingestion)", color=COLORS[0])
+    ax.bar(labels, prep, bottom=compute, label="prep stall", color=COLORS[1])
+    ax.bar(labels, fetch, bottom=[c + p for c, p in zip(compute, prep)], label="fetch stall", color=COLORS[3])
+    ax.set_xlabel("loader workers")
+    ax.set_ylabel(f"seconds per epoch ({result['params']['epoch_samples']} samples)")
+    ax.set_title("Epoch time split (DS-Analyzer)")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=3, frameon=False)
+    save(fig, path)
+
+
+def plot_power(result: dict[str, Any], path) -> None:
+    rows = [r for r in result["rows"] if r.get("energy_j_per_epoch") is not None]
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    if not rows:
+        rows = result["rows"]
+        ax.bar([r["setting"] for r in rows], [r["epoch_s"] for r in rows])
+        ax.set_ylabel("time per epoch (s)")
+        ax.set_title("Time per epoch (no energy: no sensor and no power model)")
+        save(fig, path)
+        return
+    source = result["energy_source"]
+    front = {r["setting"] for r in result.get("pareto", [])}
+    for r in rows:
+        on = r["setting"] in front
+        ax.scatter(r["epoch_s"], r["energy_j_per_epoch"], s=60 if on else 35,
+                   color=COLORS[3] if on else COLORS[0], zorder=3)
+        ax.annotate(r["setting"], (r["epoch_s"], r["energy_j_per_epoch"]), fontsize=8,
+                    xytext=(4, 4), textcoords="offset points")
+    pts = sorted((r["epoch_s"], r["energy_j_per_epoch"]) for r in rows if r["setting"] in front)
+    if pts:
+        ax.plot(*zip(*pts), "-", color=COLORS[3], label="Pareto front")
+        ax.legend(fontsize=8)
+    ax.set_xlabel("time per epoch (s)")
+    ax.set_ylabel("energy per epoch (J)" + (", MODELLED" if source["modelled"] else ""))
+    ax.set_title("Time vs energy per epoch" + (" (energy modelled: no sensor)" if source["modelled"]
+                                                else f" ({source['kind']})"))
+    save(fig, path)
+
+
+def plot_variability(result: dict[str, Any], path) -> None:
+    runs = result["runs"]
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    data, labels = [], []
+    for run in runs:
+        for dev in run["devices"]:
+            data.append([s * 1000 for s in dev["step_s"]])
+            labels.append(f"run {run['run']}\ndev {dev['rank']}")
+    ax.boxplot(data, tick_labels=labels)
+    ax.set_ylabel("step time (ms)")
+    s = result["summary"]
+    ax.set_title(f"Step time per run and device: CV within {100 * s['cv_within_mean']:.2f}% (mean), "
+                 f"across runs {100 * s['cv_across_runs']:.2f}%", fontsize=9)
+    if len(labels) > 8:
+        ax.tick_params(axis="x", labelsize=7)
+    save(fig, path)
+
+
+def plot_counters(result: dict[str, Any], path) -> None:
+    vals = {k: v for k, v in result.get("ratios", {}).items() if v is not None}
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    if vals:
+        ax.barh(list(vals), list(vals.values()), color=COLORS[0])
+        for i, v in enumerate(vals.values()):
+            ax.annotate(f"{v:.3g}", (v, i), xytext=(3, -3), textcoords="offset points", fontsize=8)
+        ax.set_xlabel("value (IPC, or miss ratio)")
+        ax.set_title("Hardware counters of a training step")
+    else:
+        ax.axis("off")
+        import textwrap
+
+        message = textwrap.fill(result.get("message") or "", 70)
+        ax.text(0.5, 0.5, f"Hardware counters not available\n\n{message}", ha="center", va="center", fontsize=10)
+    save(fig, path)
+
+
+def radar(labels: Sequence[str], configs: Sequence[tuple[str, Sequence[float | None]]], title: str):
+    """A radar chart of scores in [0, 1] (1 = best of the configurations); ``None`` is drawn at 0."""
+    k = len(labels)
+    angles = [2 * math.pi * i / k for i in range(k)] + [0.0]
+    fig = plt.figure(figsize=(6.5, 5.5))
+    ax = fig.add_subplot(111, polar=True)
+    for i, (name, scores) in enumerate(configs):
+        vals = [0.0 if s is None else s for s in scores]
+        vals.append(vals[0])
+        ax.plot(angles, vals, "o-", lw=1.5, color=COLORS[i % 10], label=name)
+        ax.fill(angles, vals, alpha=0.1, color=COLORS[i % 10])
+    ax.set_xticks(angles[:-1])
+    ax.set_xticklabels(labels)
+    ax.tick_params(axis="x", pad=14)
+    ax.set_ylim(0, 1.05)
+    ax.set_yticks([0.25, 0.5, 0.75, 1.0])
+    ax.set_yticklabels(["0.25", "0.5", "0.75", "1"], fontsize=7)
+    ax.set_title(title, pad=18)
+    ax.legend(loc="upper right", bbox_to_anchor=(1.35, 1.1), fontsize=8)
+    return fig
