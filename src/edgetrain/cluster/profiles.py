@@ -183,6 +183,10 @@ def plan_devices(cfg: Any, world_size: int | None = None) -> list[DeviceSpec]:
         devices = [DeviceSpec(r, profile, None, profile.link) for r in range(n)]
     if cfg.link:
         devices = [dataclasses.replace(d, link=cfg.link) for d in devices]
+    from edgetrain.cluster.links import get_link
+
+    for d in devices:  # a bad link in the cluster file fails here, before any device starts
+        get_link(d.link)
     return devices
 
 
