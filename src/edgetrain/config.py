@@ -210,3 +210,20 @@ def validate(cfg: TrainConfig) -> None:
         if not cfg.cluster and "WORLD_SIZE" not in os.environ and cfg.devices != rows * cols:
             raise EdgetrainError(f"config key 'devices' is {cfg.devices} but grid {cfg.grid} needs {rows * cols} "
                                  f"devices, one per tile; set --devices {rows * cols}")
+
+
+def add_config_arguments(parser, names=None) -> None:
+    """One ``--flag`` per config field (all, or ``names``); unset flags stay out of the namespace."""
+    import argparse
+
+    for name in names or FIELDS:
+        f = FIELDS[name]
+        typ, _ = _base_type(name)
+        meta = f.metadata
+        kwargs = {"dest": name, "default": argparse.SUPPRESS, "help": meta["help"] + f" (default: {f.default})"}
+        flag = "--" + name.replace("_", "-")
+        if typ is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
+        else:
+            metavar = "|".join(meta["choices"]) if meta.get("choices") else typ.__name__.upper()
+            parser.add_argument(flag, metavar=metavar, **kwargs)

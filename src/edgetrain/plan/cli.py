@@ -16,7 +16,7 @@ import argparse
 import math
 import sys
 
-from edgetrain.config import FIELDS, _base_type, load_config
+from edgetrain.config import add_config_arguments, load_config
 from edgetrain.errors import EdgetrainError
 
 # The TrainConfig options that describe what is planned (the rest only matter to a real run).
@@ -34,12 +34,7 @@ def register(sub) -> None:
                                    "model, device profiles and the link model. Everything printed is modelled.",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--config", metavar="FILE", help="YAML file of edgetrain train config keys (plan reads the ones it needs)")
-    for name in PLAN_FIELDS:
-        typ, _ = _base_type(name)
-        meta = FIELDS[name].metadata
-        metavar = "|".join(meta["choices"]) if meta.get("choices") else typ.__name__.upper()
-        p.add_argument("--" + name.replace("_", "-"), dest=name, metavar=metavar, default=argparse.SUPPRESS,
-                       help=meta["help"] + f" (default: {FIELDS[name].default})")
+    add_config_arguments(p, PLAN_FIELDS)
     p.add_argument("--efficiency", type=float, default=DEFAULT_EFFICIENCY,
                    help="fraction of the profile's GFLOPS a training step achieves (0.6: the middle of 0.4-0.9 "
                         "measured for small CNNs and ResNet-18 on the development host; see edgetrain.plan.model)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 
-from edgetrain.config import FIELDS, _base_type
+from edgetrain.config import FIELDS, add_config_arguments
 
 
 def register(sub) -> None:
@@ -13,16 +13,7 @@ def register(sub) -> None:
                                    "file; both are validated before any device starts.",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--config", metavar="FILE", help="YAML file of config keys (the flags' names with underscores)")
-    for name, f in FIELDS.items():
-        typ, _ = _base_type(name)
-        flag = "--" + name.replace("_", "-")
-        meta = f.metadata
-        kwargs = {"dest": name, "default": argparse.SUPPRESS, "help": meta["help"] + f" (default: {f.default})"}
-        if typ is bool:
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
-        else:
-            metavar = "|".join(meta["choices"]) if meta.get("choices") else typ.__name__.upper()
-            p.add_argument(flag, metavar=metavar, **kwargs)
+    add_config_arguments(p)
     p.set_defaults(func=run)
 
 
