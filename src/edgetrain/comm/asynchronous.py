@@ -58,7 +58,7 @@ from edgetrain.comm.accounting import ring_allgather_bytes, ring_allreduce_bytes
 from edgetrain.comm.compress.base import Compressor, Payload, unpack
 from edgetrain.comm.emulation import LinkEmulator
 from edgetrain.comm.exchange import wait
-from edgetrain.comm.params import average_buffers, broadcast_model, flatten, unflatten
+from edgetrain.comm.params import average_buffers, flatten, unflatten
 from edgetrain.comm.sync import SyncMode
 
 
@@ -93,10 +93,7 @@ class BoundedStaleness(SyncMode):
         self.staleness = staleness
         self.compressor, self.memory = compressor, memory
         self.group = group
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.segments = tuple(p.numel() for p in self.params)
-        if world_size > 1:
-            broadcast_model(model, emulator, group)
+        self._start_together(model, group)
         self.ref = flatten(self.params)
         self.round: _Round | None = None
         self.steps = 0

@@ -29,7 +29,7 @@ from torch import nn
 from edgetrain.comm.accounting import ring_allreduce_bytes
 from edgetrain.comm.emulation import LinkEmulator
 from edgetrain.comm.exchange import wait
-from edgetrain.comm.params import average_buffers, broadcast_model, flatten, unflatten
+from edgetrain.comm.params import average_buffers, flatten, unflatten
 from edgetrain.comm.sync import SyncMode
 
 
@@ -51,9 +51,7 @@ class Gossip(SyncMode):
         self.period = period
         self.group = group
         self.neighbours = ring_neighbours(rank, world_size)
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        if world_size > 1:
-            broadcast_model(model, emulator, group)
+        self._start_together(model, group)
         self.steps = 0
         self.exchanges = 0
         self._watch(model)

@@ -27,7 +27,7 @@ from torch import nn
 from edgetrain.comm.compress.base import Compressor
 from edgetrain.comm.emulation import LinkEmulator
 from edgetrain.comm.exchange import average
-from edgetrain.comm.params import average_buffers, broadcast_model, flatten, unflatten
+from edgetrain.comm.params import average_buffers, flatten, unflatten
 from edgetrain.comm.sync import SyncMode
 
 
@@ -45,10 +45,7 @@ class LocalSGD(SyncMode):
         self.period = period
         self.compressor, self.memory = compressor, memory
         self.group = group
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.segments = tuple(p.numel() for p in self.params)
-        if world_size > 1:
-            broadcast_model(model, emulator, group)
+        self._start_together(model, group)
         self.ref = flatten(self.params)
         self.outer = None
         if nesterov:

@@ -43,6 +43,7 @@ from edgetrain.comm.accounting import CommStats, ring_allreduce_bytes
 from edgetrain.comm.allreduce import AllReduceState, allreduce_hook
 from edgetrain.comm.emulation import LinkEmulator
 from edgetrain.comm.exchange import wait
+from edgetrain.comm.params import broadcast_model
 
 
 class SyncMode:
@@ -62,6 +63,13 @@ class SyncMode:
         self.fp32_step_bytes = ring_allreduce_bytes(4 * numel, world_size)
         self._metrics: dict = {}
         self._devices: list[dict] | None = None
+
+    def _start_together(self, model: nn.Module, group=None) -> None:
+        """Every device starts from rank 0's model; keep the trainable parameters the mode exchanges."""
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.segments = tuple(p.numel() for p in self.params)
+        if self.world_size > 1:
+            broadcast_model(model, self.emulator, group)
 
     def _watch(self, module: nn.Module) -> None:
         module.register_forward_pre_hook(self._on_forward)
