@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from edgetrain.comm import check_config
 from edgetrain.errors import EdgetrainError
 
 
@@ -195,12 +196,7 @@ def validate(cfg: TrainConfig) -> None:
         if sum(sizes) != cfg.batch_size:
             raise EdgetrainError(f"config key 'local_batch' {cfg.local_batch} sums to {sum(sizes)}, "
                                  f"but batch_size is {cfg.batch_size}; make them agree")
-    try:
-        from edgetrain import comm
-    except ImportError:  # pragma: no cover - comm is part of the package
-        comm = None
-    if comm is not None and hasattr(comm, "check_config"):
-        comm.check_config(cfg)
+    check_config(cfg)
     if cfg.grid != "1x1" and cfg.strategy != "tiled":
         raise EdgetrainError(f"config key 'grid' {cfg.grid} needs strategy tiled (--strategy tiled)")
     if cfg.strategy == "tiled":

@@ -12,11 +12,12 @@ from torch import nn
 from edgetrain.errors import EdgetrainError
 from edgetrain.models.resnet import ResNet18
 from edgetrain.models.small_cnn import SmallCNN
+from edgetrain.models.yolo_tiny import YoloTiny
 
 ModelFactory = Callable[..., nn.Module]
 
-MODELS: dict[str, ModelFactory] = {"small_cnn": SmallCNN, "resnet18": ResNet18}
-_BUILTIN = frozenset(MODELS) | {"yolo_tiny"}
+MODELS: dict[str, ModelFactory] = {"small_cnn": SmallCNN, "resnet18": ResNet18, "yolo_tiny": YoloTiny}
+_BUILTIN = frozenset(MODELS)
 
 
 def register_model(name: str, factory: ModelFactory) -> None:
@@ -30,16 +31,7 @@ def user_models() -> dict[str, ModelFactory]:
     return {k: v for k, v in MODELS.items() if k not in _BUILTIN}
 
 
-def _register_optional() -> None:
-    try:  # the tiling work adds a YOLOv2-tiny-style backbone
-        from edgetrain.models.yolo_tiny import YoloTiny
-    except ImportError:
-        return
-    MODELS.setdefault("yolo_tiny", YoloTiny)
-
-
 def build_model(name: str, in_channels: int = 3, num_classes: int = 10, **kwargs) -> nn.Module:
-    _register_optional()
     if name not in MODELS:
         raise EdgetrainError(f"unknown model '{name}'; known models: {', '.join(sorted(MODELS))} "
                              f"(register your own with edgetrain.models.register_model)")

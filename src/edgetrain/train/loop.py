@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader, Subset
 
 from edgetrain.cluster.profiles import DeviceSpec
 from edgetrain.cluster.throttle import Throttle, assign_cores, peak_rss_mb, pin
+from edgetrain.comm import build_sync
 from edgetrain.comm.accounting import CommStats
 from edgetrain.config import TrainConfig
 from edgetrain.data import GlobalBatchSampler, build_data, shard_indices
@@ -92,17 +93,6 @@ def evaluate(model: nn.Module, dataset, rank: int, world: int, batch: int = 256)
     return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
 
 
-def build_sync(model, cfg, rank, world, stats, device):
-    """The sync mode's object; edgetrain.comm may provide richer ones."""
-    from edgetrain import comm
-
-    if hasattr(comm, "build_sync"):
-        return comm.build_sync(model, cfg, rank, world, stats, device.link)
-    from edgetrain.comm.sync import Synchronous
-
-    return Synchronous(model, world, stats, broadcast_buffers=cfg.batchnorm == "local")
-
-
 def run_worker(cfg: TrainConfig, devices: list[DeviceSpec], local_batches: list[int], speeds: list[float | None],
                run_dir: str | None, user_model: nn.Module | None = None,
                registered: dict | None = None) -> dict | None:
@@ -139,7 +129,7 @@ def run_worker(cfg: TrainConfig, devices: list[DeviceSpec], local_batches: list[
         throttle.attach(model)
 
     stats = CommStats()
-    sync = TiledSync(tiled, stats) if tiled else build_sync(model, cfg, rank, world, stats, me)
+    sync = TiledSync(tiled, stats) if tiled else build_sync(model, cfg, rank, world, stats, me.link)
     # Tiled training gives every device the whole global batch (TiledTraining.shard_data is False).
     sampler = GlobalBatchSampler(len(data.train), [cfg.batch_size] if tiled else local_batches,
                                  0 if tiled else rank, cfg.seed)
