@@ -7,17 +7,21 @@ over gloo on this host. Prints samples/s, speedup and efficiency
 beyond the core count share cores, which the efficiency shows.
 
 Part 2, throttled rpi4 devices: the same model on 1 and 4 `rpi4`-profile
-devices. An rpi4 runs at speed s = 15.5 GFLOPS / (measured GFLOPS of one host
-core). The per-device compute time of a throttled device should be the
-unthrottled one-core compute time divided by s; the ratio of measured to
-expected speed is printed (target: within 10%).
+devices. An rpi4 runs at speed s = 15.5 GFLOPS / (GFLOPS of one host core,
+measured by each device when it starts; the device reports the s it used).
+The per-device compute time of a throttled device should be the unthrottled
+one-core compute time divided by its s; the ratio of measured to expected
+speed is printed (target: within 10%), with the throttle's calibration: the
+CPU time of a warm unthrottled forward + backward pass and how much more the
+same pass cost when duty-cycled (the factor the throttle corrects for).
 
-    python benchmarks/scaling.py [--steps 6]
+    python benchmarks/scaling.py [--steps 6] [--rounds 3]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -42,6 +46,7 @@ def run(out: str, devices: int, steps: int, **kw) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of throttled runs (rpi4 part)")
     args = ap.parse_args()
     edgetrain.register_model("resnet18_w32", resnet18_w32)
     result: dict = {"benchmark": "scaling", "model": "resnet18 (width 32)", "local_batch": LOCAL_BATCH}
@@ -63,30 +68,45 @@ def main() -> None:
 
         gflops = host_core_gflops()
         speed = BUILTIN_PROFILES["rpi4"].gflops / gflops
-        print(f"\nrpi4 devices: profile 15.5 GFLOPS, host core {gflops:.1f} GFLOPS (measured) -> speed {speed:.3f}")
-        # The unthrottled one-core reference, measured before and after the throttled runs (drift cancels).
-        refs = [run(out, 1, args.steps, threads=1)]
-        throttled = {n: run(out, n, args.steps, profile="rpi4") for n in (1, 4)}
-        refs.append(run(out, 1, args.steps, threads=1))
-        host_compute = sum(r["per_device"][0]["compute_s"] for r in refs) / len(refs)
-        host_tput = sum(r["throughput_samples_per_s"] for r in refs) / len(refs)
-        expected = host_compute / speed
-        result["rpi4"] = {"host_core_gflops": gflops, "speed": speed, "host_compute_s": host_compute,
-                          "expected_compute_s": expected, "runs": []}
-        one = throttled[1]["throughput_samples_per_s"]
-        result["rpi4"]["single_device_throughput_ratio"] = one / host_tput / speed
-        print(f"1 rpi4 device: {one:.2f} samples/s vs host core {host_tput:.2f} samples/s: "
-              f"{one / host_tput:.3f}x, profile says {speed:.3f}x -> measured/profile {one / host_tput / speed:.3f}")
-        print(f"{'devices':>8} {'device':>7} {'compute s/step':>15} {'expected':>9} {'speed ratio':>12}")
-        for n, s in throttled.items():
-            for d in s["per_device"]:
-                ratio = expected / d["compute_s"]  # measured speed / profile speed
-                result["rpi4"]["runs"].append({"devices": n, "rank": d["rank"], "compute_s": d["compute_s"],
-                                               "speed_ratio": ratio, "samples_per_s": d["samples_per_s"]})
-                print(f"{n:>8} {d['rank']:>7} {d['compute_s']:>15.3f} {expected:>9.3f} {ratio:>12.3f}")
-        worst = max(abs(r["speed_ratio"] - 1) for r in result["rpi4"]["runs"])
-        result["rpi4"]["worst_deviation"] = worst
-        print(f"worst deviation of emulated rpi4 speed from its profile: {100 * worst:.1f}% (target <= 10%)")
+        print(f"\nrpi4 devices: profile 15.5 GFLOPS, host core {gflops:.1f} GFLOPS (measured here) -> speed {speed:.3f}")
+        # This VM's speed drifts by 10-15% from one second to the next, so the throttled runs are
+        # compared with unthrottled one-core runs just before and after them, over several rounds,
+        # and each device's ratio is the median over the rounds.
+        print(f"{args.rounds} rounds of: host core unthrottled, 1 rpi4, 4 rpi4, host core unthrottled")
+        host_runs, rounds = [run(out, 1, args.steps, threads=1)], []
+        for _ in range(args.rounds):
+            throttled = {n: run(out, n, args.steps, profile="rpi4") for n in (1, 4)}
+            host_runs.append(run(out, 1, args.steps, threads=1))
+            host_compute = sum(r["per_device"][0]["compute_s"] for r in host_runs[-2:]) / 2
+            rows = []
+            for n, s in throttled.items():
+                for d in s["per_device"]:
+                    expected = host_compute / d["speed"]  # the speed this device used (it measured the host)
+                    rows.append({"devices": n, "rank": d["rank"], "speed": d["speed"], "compute_s": d["compute_s"],
+                                 "expected_compute_s": expected, "speed_ratio": expected / d["compute_s"],
+                                 "reference_pass_s": d["throttle_reference_pass_s"],
+                                 "inflation": d["throttle_inflation"]})
+            rounds.append({"host_compute_s": host_compute, "devices": rows})
+        host_steps = [r["per_device"][0]["compute_s"] for r in host_runs]
+        print(f"host core compute s/step in the {len(host_steps)} unthrottled runs: "
+              + " ".join(f"{c:.3f}" for c in host_steps))
+        print(f"{'devices':>8} {'device':>7} {'speed':>6} {'compute s/step':>15} {'expected':>9} {'speed ratio':>12} "
+              f"{'ref pass s':>10} {'inflation':>9}   (one line per round)")
+        medians = []
+        for i, first in enumerate(rounds[0]["devices"]):
+            per_round = [r["devices"][i] for r in rounds]
+            for d in per_round:
+                print(f"{d['devices']:>8} {d['rank']:>7} {d['speed']:>6.3f} {d['compute_s']:>15.3f} "
+                      f"{d['expected_compute_s']:>9.3f} {d['speed_ratio']:>12.3f} {d['reference_pass_s']:>10.3f} "
+                      f"{d['inflation']:>9.2f}")
+            median = statistics.median(d["speed_ratio"] for d in per_round)
+            medians.append({"devices": first["devices"], "rank": first["rank"], "median_speed_ratio": median})
+            print(f"{'':>8} {'':>7} {'median speed ratio over rounds:':>40} {median:.3f}")
+        worst = max(abs(m["median_speed_ratio"] - 1) for m in medians)
+        result["rpi4"] = {"host_core_gflops": gflops, "rounds": rounds, "host_compute_s": host_steps,
+                          "median_speed_ratio": medians, "worst_deviation": worst}
+        print(f"worst deviation of emulated rpi4 speed (median over {args.rounds} rounds) from its profile: "
+              f"{100 * worst:.1f}% (target <= 10%)")
     path = Path(__file__).parent / "results" / "scaling.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {path}")

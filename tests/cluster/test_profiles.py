@@ -1,6 +1,7 @@
 import time
 
 import pytest
+import torch
 
 from edgetrain.cluster.profiles import BUILTIN_PROFILES, load_cluster, plan_devices, split_batch
 from edgetrain.cluster.throttle import Throttle, assign_cores
@@ -87,3 +88,51 @@ def test_throttle_gives_no_credit_for_waiting():
         pass
     throttle.checkpoint()
     assert time.perf_counter() - start >= 0.9 * (time.process_time() - start_cpu) / 0.5
+
+
+class BurnCPU(torch.nn.Module):
+    """A layer whose forward costs ``seconds`` of CPU time, so a test controls the work exactly."""
+
+    def __init__(self, seconds: float):
+        super().__init__()
+        self.seconds = seconds
+        self.linear = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        start = time.process_time()
+        while time.process_time() - start < self.seconds:
+            pass
+        return self.linear(x)
+
+
+def test_calibrated_throttle_charges_work_at_its_warm_cost():
+    model = BurnCPU(0.01)
+    throttle = Throttle(speed=0.5, quantum=0.001)
+    assert throttle.calibrate(model, torch.randn(8, 4)) == pytest.approx(0.01, rel=0.5)
+    throttle.attach(model)
+    model.seconds = 0.02  # the same work now costs twice the CPU (as after sleeping on a cold core)
+    for _ in range(12):
+        model(torch.randn(8, 4)).sum().backward()
+    assert throttle.inflation == pytest.approx(2.0, rel=0.25)
+    # Charged at the warm cost: 10 ms of work at speed 0.5 is 20 ms, which the 20 ms of CPU already
+    # took, so the throttle hardly sleeps (charging raw CPU it would sleep 20 ms per pass).
+    before = throttle.slept
+    for _ in range(5):
+        model(torch.randn(8, 4)).sum().backward()
+    assert throttle.slept - before < 0.5 * 5 * 0.02
+
+
+def test_throttle_inflation_ignores_eval_and_other_batch_sizes():
+    model = BurnCPU(0.005)
+    throttle = Throttle(speed=0.5, quantum=0.001)
+    throttle.calibrate(model, torch.randn(8, 4))
+    throttle.attach(model)
+    with torch.no_grad():
+        model(torch.randn(8, 4))
+    model(torch.randn(3, 4)).sum().backward()
+    model.eval()
+    model(torch.randn(8, 4)).sum().backward()
+    assert throttle.inflations == []
+    model.train()
+    model(torch.randn(8, 4)).sum().backward()
+    assert len(throttle.inflations) == 1

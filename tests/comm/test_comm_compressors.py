@@ -72,6 +72,30 @@ def test_topk_keeps_largest():
     assert (x - d).norm() ** 2 <= (1 - k / x.numel()) * x.norm() ** 2 + 1e-9
 
 
+def test_topk_compact_gap_codes_bridge_long_gaps():
+    n = 300_000  # > 4 x 65535: positions need fillers
+    x = torch.zeros(n)
+    where = torch.tensor([0, 1, 65535, 65536, 200_000, 262_141, n - 1])
+    x[where] = torch.arange(1.0, 8.0) * torch.tensor([1, -1, 1, -1, 1, -1, 1])
+    x += torch.randn(n) * 1e-6
+    c = TopK(len(where) / n, compact=True)
+    p, d = roundtrip(c, x)
+    assert torch.equal(torch.nonzero(d).flatten(), where)
+    assert torch.allclose(d[where], x[where], rtol=2 ** -11)
+    assert p.nbytes == 4 * (len(where) + (n - 1) // 65535)  # fp16 value + int16 gap, fixed size
+    buf = p.pack()
+    assert torch.equal(c.decode(unpack(buf, c.layout(n, p.nbytes), n)), d)
+
+
+def test_topk_compact_matches_plain_selection_at_half_the_bytes():
+    x = sample(5000)
+    plain_p, plain = roundtrip(TopK(0.02), x)
+    compact_p, compact = roundtrip(TopK(0.02, compact=True), x)
+    assert torch.equal(plain != 0, compact != 0)
+    assert torch.allclose(compact, plain, rtol=2 ** -11, atol=0)
+    assert compact_p.nbytes == plain_p.nbytes // 2
+
+
 def test_topk_dgc_warmup_density():
     c = TopK(0.001, warmup_steps=8)
     densities = []
@@ -127,8 +151,8 @@ def test_threshold_higher_on_poorer_links():
     assert lte == pytest.approx(0.01)
 
 
-@pytest.mark.parametrize("make", [lambda: TopK(0.01), lambda: RandomK(0.02), ScaledSign, lambda: Threshold(0.05),
-                                  Int8])
+@pytest.mark.parametrize("make", [lambda: TopK(0.01), lambda: TopK(0.01, compact=True), lambda: RandomK(0.02),
+                                  ScaledSign, lambda: Threshold(0.05), Int8])
 def test_error_feedback_loses_nothing(make):
     c, memory = make(), ResidualMemory()
     inputs, sent = torch.zeros(500, dtype=torch.float64), torch.zeros(500, dtype=torch.float64)
@@ -180,6 +204,7 @@ def test_bad_compress_specs(spec, message):
 
 def test_good_compress_specs():
     assert parse_compress("topk:0.01:dgc:warmup=100").options == {"dgc": True, "warmup": 100.0}
+    assert parse_compress("topk:0.005:compact").options == {"compact": True}
     assert parse_compress(None).method == "none" and parse_compress("fp32").method == "none"
     assert parse_compress("powersgd:4").arg == 4
 

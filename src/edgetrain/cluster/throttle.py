@@ -14,6 +14,20 @@ Three knobs make one host process behave like an edge device:
    at most 1 per core. Checkpoints fire after every leaf module's forward and
    during backward, so a throttled device also launches its gradient
    communication late, as a real slow device would.
+
+   Duty cycling has a cost of its own on a shared host: work that follows a
+   sleep runs on cold caches and a core that was idle, so the same forward
+   pass took 10-30% more CPU time than it does back to back (measured on this
+   project's 2-core VM), and a throttle charging raw CPU time made devices that
+   much slower than their profile. So the throttle is **calibrated**:
+   ``calibrate`` times the model's forward and backward pass unthrottled and
+   back to back (the host's warm speed, which the profile's speed is relative
+   to), every throttled training pass is timed again, and CPU time is charged
+   divided by the ratio of the two (its ``inflation``, smoothed over passes).
+   When a pass ends, what it was charged is settled against the reference,
+   so every training pass takes the reference time / speed (or longer, if its
+   work alone took longer): 1/speed of the host's *warm* time, whatever
+   sleeping costs and however much the host's speed drifts meanwhile.
 3. **Memory.** The peak resident set (``ru_maxrss``) is compared with the
    profile's memory after every step; exceeding it stops the run with a clear
    message, as an out-of-memory kill would on the device.
@@ -22,14 +36,23 @@ Limits, stated plainly: CPU time counts every thread of the process, so the
 communication library's own CPU work is stretched too; the host's caches,
 memory bandwidth and SIMD width are not the device's, so the emulated speed is
 right on average (GFLOPS) but not layer by layer; waiting (for data or peers)
-earns no credit, and sleeps shorter than ``quantum`` are batched.
+earns no credit, and sleeps shorter than ``quantum`` are batched. The
+inflation is measured on training passes of the calibrated batch size (from
+the start of the forward to the last gradient at a leaf's output) and applied
+to all work, optimizer and compression included; for a model whose gradients
+are communicated during the backward pass (several DDP buckets), the CPU time
+of that communication counts as pass time too. Without ``calibrate`` (tiled
+training) raw CPU time is charged.
 """
 from __future__ import annotations
 
+import copy
 import os
 import resource
+import statistics
 import time
 
+import torch
 from torch import nn
 
 
@@ -56,8 +79,47 @@ class Throttle:
         self.speed = speed
         self.quantum = quantum
         self.slept = 0.0
+        self.reference_cpu: float | None = None  # CPU s of one warm, unthrottled forward + backward
+        self.reference_batch: int | None = None
+        self.reference_gradients = 0            # gradient checkpoints in one pass
+        self.inflation = 1.0                     # throttled pass CPU / reference_cpu (smoothed)
+        self.inflations: list[float] = []        # every measured ratio, for the run summary
+        self._pass: dict | None = None           # the training pass being timed
         self._debt = 0.0
+        self._credit = 0.0
         self.reset()
+
+    def calibrate(self, model: nn.Module, example: torch.Tensor, passes: int = 8, budget_s: float = 1.0) -> float:
+        """Time forward + backward passes of a copy of ``model`` back to back, by CPU time.
+
+        A pass is timed as in training (``attach``): from the start of the forward to the last
+        gradient reaching a leaf module's output. After one warm-up pass, passes run until
+        ``passes`` are timed or they took ``budget_s`` of CPU (at least 2); the reference is
+        their median (this VM's CPU time for identical passes spread by +-15%). The copy leaves
+        the model's weights, gradients and BatchNorm statistics untouched. Call before ``attach``.
+        """
+        clone = copy.deepcopy(model).train()
+        marks = {"start": 0.0, "last": 0.0, "gradients": 0}
+
+        def start(*_args) -> None:
+            marks.update(start=time.process_time(), gradients=0)
+
+        def gradient_arrived() -> None:
+            marks["last"] = time.process_time()
+            marks["gradients"] += 1
+
+        _hook(clone, start, lambda: None, gradient_arrived)
+        costs: list[float] = []
+        with torch.enable_grad():
+            _scalar(clone(example)).backward()  # warm-up: allocations, first-call costs
+            while len(costs) < passes and (len(costs) < 2 or sum(costs) < budget_s):
+                _scalar(clone(example)).backward()
+                costs.append(marks["last"] - marks["start"])
+        self.reference_cpu = statistics.median(costs)
+        self.reference_batch = example.shape[0]
+        self.reference_gradients = marks["gradients"]
+        self.reset()
+        return self.reference_cpu
 
     def reset(self) -> None:
         """Forget time spent outside compute (waiting for data or peers earns no credit)."""
@@ -67,25 +129,80 @@ class Throttle:
 
     def checkpoint(self, *_args) -> None:
         cpu, wall = time.process_time(), time.perf_counter()
-        self._debt += (cpu - self._cpu) / self.speed - (wall - self._wall)
+        self._debt += (cpu - self._cpu) / (self.speed * self.inflation) - (wall - self._wall)
         # Never bank credit beyond one quantum: waiting is not computing.
         self._debt = max(self._debt, -self.quantum)
         self._cpu, self._wall = cpu, wall
+        self._pay()
+
+    def _pay(self) -> None:
+        if self._credit and self._debt > 0:  # a pass that slept more than its reference asked
+            repaid = min(self._credit, self._debt)
+            self._debt -= repaid
+            self._credit -= repaid
         if self._debt > self.quantum:
             time.sleep(self._debt)
             self.slept += self._debt
+            now = time.perf_counter()
+            self._debt -= now - self._wall
+            self._wall = now
+
+    def _pass_starts(self, module: nn.Module, args) -> None:
+        timed = (self.reference_cpu and module.training and torch.is_grad_enabled() and args
+                 and getattr(args[0], "shape", (None,))[0] == self.reference_batch)
+        self._pass = {"cpu": time.process_time(), "slept": self.slept, "gradients": 0} if timed else None
+
+    def _gradient_arrived(self) -> None:
+        self.checkpoint()
+        p = self._pass
+        if p is None:
+            return
+        p["gradients"] += 1
+        if p["gradients"] < self.reference_gradients:
+            return
+        # The pass's last gradient (the count is known from calibration), before DDP sends any.
+        # Its CPU time was charged at the inflation estimated before it; settle the difference
+        # now, so that a training pass takes reference / speed, whatever its CPU time was.
+        self._pass = None
+        used = time.process_time() - p["cpu"]
+        settle = (self.reference_cpu - used / self.inflation) / self.speed
+        if settle > 0:
+            self._debt += settle
+        elif self.inflations:  # over-charged: give back what was really slept for it, no more.
+            # Not after the first pass, which was charged with no estimate and pays one-off costs.
+            self._credit += min(-settle, self.slept - p["slept"], 0.25 * self.reference_cpu / self.speed)
+        self._pay()
+        ratio = used / self.reference_cpu
+        self.inflations.append(ratio)
+        # Bounded and then smoothed, so that one pass disturbed by the host cannot swing the speed.
+        ratio = min(max(ratio, 0.5), 3.0)
+        self.inflation = ratio if len(self.inflations) == 1 else 0.7 * self.inflation + 0.3 * ratio
 
     def attach(self, model: nn.Module) -> None:
         """Checkpoint after each leaf module's forward and when its output's gradient arrives."""
+        _hook(model, self._pass_starts, self.checkpoint, self._gradient_arrived)
 
-        def on_forward(_module, _inputs, output):
-            self.checkpoint()
-            if hasattr(output, "requires_grad") and output.requires_grad:
-                output.register_hook(lambda grad: (self.checkpoint(), None)[1])
 
-        for module in model.modules():
-            if not any(True for _ in module.children()):
-                module.register_forward_hook(on_forward)
+def _hook(model: nn.Module, on_start, on_leaf_forward, on_leaf_gradient) -> None:
+    """Call ``on_start`` before each forward of ``model``, the others at each leaf module's output."""
+    model.register_forward_pre_hook(on_start)
+
+    def on_forward(_module, _inputs, output):
+        on_leaf_forward()
+        if getattr(output, "requires_grad", False):
+            output.register_hook(lambda grad: (on_leaf_gradient(), None)[1])
+
+    for module in model.modules():
+        if not any(True for _ in module.children()):
+            module.register_forward_hook(on_forward)
+
+
+def _scalar(output) -> torch.Tensor:
+    """A scalar to call ``backward`` on, from a tensor or a (nested) tuple, list or dict of them."""
+    if isinstance(output, torch.Tensor):
+        return output.float().sum()
+    items = output.values() if isinstance(output, dict) else output
+    return sum(_scalar(o) for o in items if isinstance(o, (torch.Tensor, tuple, list, dict)))
 
 
 def peak_rss_mb() -> float:

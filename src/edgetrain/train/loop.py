@@ -23,6 +23,7 @@ import datetime as dt
 import json
 import math
 import os
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -126,6 +127,18 @@ def run_worker(cfg: TrainConfig, devices: list[DeviceSpec], local_batches: list[
         model = convert_batchnorm(model)
     throttle = Throttle(speed) if speed is not None else None
     if throttle:
+        if not tiled:  # the reference pass: this model, this device's batch, warm and unthrottled
+            example = torch.randn(local_batches[rank], *data.input_shape)
+            # One device of each host at a time: devices sharing host cores would otherwise slow
+            # each other's reference, and with it the whole run.
+            turns = torch.tensor([local_world])
+            if world > 1:
+                dist.all_reduce(turns, op=dist.ReduceOp.MAX)
+            for turn in range(int(turns.item())):
+                if turn == local_rank:
+                    throttle.calibrate(model, example)
+                if world > 1:
+                    dist.barrier()
         throttle.attach(model)
 
     stats = CommStats()
@@ -245,7 +258,11 @@ def _device_summary(records, rank, me: DeviceSpec, local_batch, speed, cores, th
             **{k: sum(r[k] for r in timed) / len(timed) for k in ("data_s", "compute_s", "comm_s", "comm_busy_s", "cpu_s")},
             "bytes_sent": sum(r["bytes_sent"] for r in records), "bytes_recv": sum(r["bytes_recv"] for r in records),
             "peak_rss_mb": max((r["peak_rss_mb"] for r in records), default=peak_rss_mb()),
-            "throttle_slept_s": throttle.slept if throttle else 0.0}
+            "throttle_slept_s": throttle.slept if throttle else 0.0,
+            # Measured: CPU time of a warm unthrottled forward + backward pass, and how much more the throttled
+            # ones cost (median); the throttle divides charged CPU time by the latter.
+            "throttle_reference_pass_s": throttle.reference_cpu if throttle else None,
+            "throttle_inflation": statistics.median(throttle.inflations) if throttle and throttle.inflations else None}
 
 
 def _write_outputs(cfg, run_dir: Path, model, optimizer, gathered, train_totals, evals, params, data, world,

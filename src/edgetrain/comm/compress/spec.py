@@ -8,7 +8,8 @@
 ``topk:RATIO``                     top-k with error feedback; options ``dgc`` (momentum
                                    correction, ``momentum=0.9``), ``warmup=STEPS`` (DGC's
                                    sparsity ramp), ``layerwise`` (a budget per layer, as
-                                   DGC), ``noef``
+                                   DGC), ``compact`` (fp16 value + 16-bit index
+                                   gap: 4 bytes per entry, not 8), ``noef``
 ``randk:RATIO``                    random-k (shared seed) with error feedback; ``noef``
 ``sign``                           EF-signSGD (scaled sign, error feedback); ``sign:vote``
                                    for signSGD majority vote
@@ -40,7 +41,7 @@ from edgetrain.errors import EdgetrainError
 METHODS = ("none", "fp16", "bf16", "int8", "qsgd", "topk", "randk", "sign", "powersgd", "threshold")
 _OPTIONS = {
     "none": set(), "fp16": set(), "bf16": set(), "int8": set(), "qsgd": set(),
-    "topk": {"dgc", "momentum", "warmup", "noef", "layerwise"},
+    "topk": {"dgc", "momentum", "warmup", "noef", "layerwise", "compact"},
     "randk": {"noef"},
     "sign": {"vote", "noef"},
     "powersgd": {"start"},
@@ -134,7 +135,8 @@ def build_compressor(spec: CompressSpec, link: Link | None = None, seed: int = 0
         return QSGD(int(arg or 127), seed=seed * 1_000_003 + rank), NoMemory()
     if name == "topk":
         memory = DGCMemory(opts.get("momentum", 0.9)) if "dgc" in opts else (ResidualMemory() if ef else NoMemory())
-        return TopK(arg, warmup_steps=int(opts.get("warmup", 0)), layerwise="layerwise" in opts), memory
+        return TopK(arg, warmup_steps=int(opts.get("warmup", 0)), layerwise="layerwise" in opts,
+                    compact="compact" in opts), memory
     if name == "randk":
         return RandomK(arg, seed=seed), ResidualMemory() if ef else NoMemory()
     if name == "sign":

@@ -14,9 +14,19 @@ falls exponentially, 25%, 6.25%, 1.5625%, 0.39% (a quarter at each of four
 equal stages, as the paper's 75% ... 99.9% sparsity over four epochs), never
 below ``ratio``.
 
+With ``compact``, an entry costs 4 bytes instead of 8: its value in fp16 and
+its position as the 16-bit gap to the previous kept entry (indices sorted).
+A gap too long for 16 bits is bridged by filler entries, each a code that
+only advances the position by ``GAP_FILL``; at most ``(n - 1) // GAP_FILL``
+fillers can ever be needed, so the payload has a fixed size of ``k`` plus that
+many entries, unused fillers padding the end. fp16 rounding (and values
+beyond fp16's range, clamped) is part of what was not sent, so error feedback
+keeps it.
+
 Error bound of ``decode(encode(x))``: equal to ``x`` on the kept entries, zero
 elsewhere, and within each selection every dropped entry is at most the
-smallest kept magnitude, so ``||x - d||^2 <= (1 - k/n) ||x||^2``.
+smallest kept magnitude, so ``||x - d||^2 <= (1 - k/n) ||x||^2``; with
+``compact``, kept entries carry fp16's relative rounding error (2**-11) too.
 """
 from __future__ import annotations
 
@@ -27,17 +37,22 @@ import torch
 from edgetrain.comm.compress.base import Compressor, Payload
 
 
+GAP_FILL = 65535  # the code of a filler; codes below it mean "next entry is code + 1 positions on"
+FP16_MAX = 65504.0
+
+
 class TopK(Compressor):
     error_bound = "d == x on the k largest |x| (per tensor if layerwise), 0 elsewhere; ||x-d||^2 <= (1-k/n)||x||^2"
 
-    def __init__(self, ratio: float, warmup_steps: int = 0, layerwise: bool = False):
+    def __init__(self, ratio: float, warmup_steps: int = 0, layerwise: bool = False, compact: bool = False):
         if not 0 < ratio <= 1:
             raise ValueError(f"top-k ratio must be in (0, 1], got {ratio}")
         self.ratio = ratio
         self.warmup_steps = warmup_steps
         self.layerwise = layerwise
+        self.compact = compact
         self.calls: dict[object, int] = {}
-        self.name = f"topk:{ratio:g}"
+        self.name = f"topk:{ratio:g}" + (":compact" if compact else "")
 
     def density(self, key: object = 0) -> float:
         """The fraction kept at this call for ``key`` (DGC warm-up, then ``ratio``)."""
@@ -59,14 +74,40 @@ class TopK(Compressor):
             chosen.append(idx + offset)
             offset += n
         indices = torch.cat(chosen) if len(chosen) > 1 else chosen[0]
+        if self.compact:
+            return Payload(_gap_encode(x, indices), x.numel(), segments)
         return Payload((x[indices], indices.to(torch.int32)), x.numel(), segments)
 
     def decode(self, payload: Payload) -> torch.Tensor:
-        values, indices = payload.tensors
         out = torch.zeros(payload.numel, dtype=torch.float32)
+        if self.compact:
+            values, codes = payload.tensors
+            codes = codes.to(torch.int64) + 32768  # stored shifted into int16's range
+            real = codes != GAP_FILL
+            positions = torch.cumsum(torch.where(real, codes + 1, GAP_FILL), 0) - 1
+            out[positions[real]] = values[real].float()
+            return out
+        values, indices = payload.tensors
         out[indices.long()] = values
         return out
 
     def layout(self, numel: int, nbytes: int, segments=None) -> list[tuple[torch.dtype, int]]:
+        if self.compact:
+            return [(torch.float16, nbytes // 4), (torch.int16, nbytes // 4)]
         k = nbytes // 8
         return [(torch.float32, k), (torch.int32, k)]
+
+
+def _gap_encode(x: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp16 values and 16-bit gap codes of the entries at ``indices``, padded to a fixed length."""
+    indices = torch.sort(indices).values
+    gaps = torch.diff(indices, prepend=indices.new_tensor([-1])) - 1  # >= 0
+    fillers = gaps // GAP_FILL
+    counts = fillers + 1
+    slots = len(indices) + (x.numel() - 1) // GAP_FILL
+    own = torch.cumsum(counts, 0) - 1  # each entry's slot, after its fillers
+    codes = torch.full((slots,), GAP_FILL, dtype=torch.int64)
+    codes[own] = gaps - fillers * GAP_FILL
+    values = torch.zeros(slots, dtype=torch.float16)
+    values[own] = x[indices].clamp(-FP16_MAX, FP16_MAX).half()
+    return values, (codes - 32768).to(torch.int16)
