@@ -77,7 +77,7 @@ METHODS: dict[str, tuple[str, str, dict]] = {
     "threshold": ("threshold:0.003", "sync", {}),
     "local8": ("none", "local:8", {}),
     # Averaging every 2 steps with 0.98% of the model delta beat every 4 with 1.95% (same bytes) in
-    # pilots: local:4 loses about 1.4 pp to fp32 here even uncompressed, local:2 about 0.5 pp.
+    # pilots: local:4 loses about 1.4 pp to fp32 here even uncompressed, local:2 about 0.2 pp.
     "local2+topk": ("topk:0.0098:compact", "local:2", {}),
     "local8+topk": ("topk:0.01", "local:8", {}),
     "async2": ("none", "async:2", {}),
