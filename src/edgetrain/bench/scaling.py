@@ -106,7 +106,7 @@ def run(config: dict[str, Any], devices: list[int], *, mode: str = "weak", outpu
                 ["devices", "samples/s", "median step ms", "spread", "speedup", "efficiency", "data ms", "compute ms",
                  "comm ms", "wait ms"],
                 [(r["devices"], r["throughput_samples_per_s"], 1000 * r["step_s_median"],
-                  spread_cell(r["spread"], bool({"noisy", "noisy baseline"} & set(r["flags"]))), r["speedup"],
+                  spread_cell(r["spread"], r["noisy"]), r["speedup"],
                   efficiency_cell(r), *(1000 * r["split_s_per_step"][k] for k in ("data", "compute", "comm", "wait")))
                  for r in rows],
                 ["samples/s = global batch / median step (the slowest device's step, after the first); split = "
