@@ -17,10 +17,14 @@ def test_batch_sweep_numbers_are_consistent(tmp_path):
     assert [r["batch_size"] for r in rows] == [4, 8]
     per_sample = result["flops_per_sample"]["total_flops"]
     for r in rows:
-        assert r["status"] == "ok" and len(r["step_s"]) == 3
-        assert r["samples_per_s"] == pytest.approx(r["batch_size"] * 3 / sum(r["step_s"]))
-        assert r["samples_per_s_median_step"] == pytest.approx(r["batch_size"] / statistics.median(r["step_s"]))
-        assert r["achieved_gflops"] == pytest.approx(per_sample * r["samples_per_s_median_step"] / 1e9)
+        # at least --steps steps, and at least a second of them by default
+        assert r["status"] == "ok" and len(r["step_s"]) >= 3 and sum(r["step_s"]) >= 0.9  # loop overhead is untimed
+        # the samples/s column is the batch over the median step column beside it
+        assert r["step_s_median"] == statistics.median(r["step_s"])
+        assert r["samples_per_s"] == pytest.approx(r["batch_size"] / r["step_s_median"])
+        assert r["noisy"] == (r["spread"] > 0.25)
+        assert r["achieved_gflops"] == pytest.approx(per_sample * r["samples_per_s"] / 1e9)
+        assert r["above_peak"] == (r["fraction_of_peak"] > 1)
         assert r["peak_gflops_best"] >= r["peak_gflops_median"] > 0
         assert r["fraction_of_peak"] == pytest.approx(r["achieved_gflops"] / r["peak_gflops_median"])
         assert r["peak_rss_mb"] >= r["baseline_rss_mb"] > 0

@@ -35,10 +35,39 @@ def test_scaling_runs_the_trainer(tmp_path):
     for n, r in rows.items():
         summary = __import__("json").loads((tmp_path / "s" / "runs" / f"devices-{n}" / "summary.json").read_text())
         assert summary["devices"] == n and summary["global_batch"] == 16 * n  # weak scaling
-        assert r["throughput_samples_per_s"] == summary["throughput_samples_per_s"]
+        timing = trainer_runs.cluster_timing(trainer_runs.read_metrics(summary["run_dir"]))
+        assert r["throughput_samples_per_s"] == pytest.approx(16 * n / r["step_s_median"])  # same median
+        assert r["step_s_median"] == timing["step_s_median"] and isinstance(r["flags"], list)
         assert r["speedup"] == pytest.approx(r["throughput_samples_per_s"] / rows[1]["throughput_samples_per_s"])
         assert r["efficiency"] == pytest.approx(r["speedup"] / n)
         split = r["split_s_per_step"]
         assert all(split[k] >= 0 for k in ("data", "compute", "comm", "wait"))
     assert rows[1]["split_s_per_step"]["wait"] == 0
     assert_png(tmp_path / "s" / "scaling.png")
+
+
+def _records(devices: int, step_s: list[float], local_batch: int = 8) -> list[dict]:
+    """metrics.jsonl records of a run whose devices all take ``step_s[i]`` at step ``i``."""
+    return [{"step": i, "rank": r, "samples": local_batch, "step_s": s, "data_s": 0.0, "compute_s": s, "comm_s": 0.0}
+            for i, s in enumerate(step_s) for r in range(devices)]
+
+
+def test_a_noisy_baseline_and_a_superlinear_efficiency_are_flagged():
+    # The 1-device baseline's steps spread widely (a shared machine's bursts); 2 devices look 4x faster.
+    noisy = _records(1, [1.0, 0.4, 1.2, 0.4, 1.2, 0.8])
+    steady = _records(2, [1.0, 0.2, 0.2, 0.21, 0.2, 0.2])
+    rows = {r["devices"]: r for r in scaling.scaling_rows({1: noisy, 2: steady})}
+    assert rows[1]["noisy"] and rows[1]["flags"] == ["noisy"]
+    assert rows[2]["efficiency"] > 1 and rows[2]["flags"] == ["noisy baseline", "superlinear"]
+    # samples/s is the global batch over the median step shown beside it, on both rows
+    assert rows[1]["throughput_samples_per_s"] == pytest.approx(8 / 0.8)
+    assert rows[2]["throughput_samples_per_s"] == pytest.approx(16 / 0.2)
+    assert scaling.efficiency_cell(rows[2]).endswith("% !")
+    notes = " ".join(scaling.flag_notes(list(rows.values())))
+    assert "baseline is noisy" in notes and "more than 100%" in notes
+
+
+def test_steady_runs_carry_no_flags():
+    rows = scaling.scaling_rows({1: _records(1, [1.0] + [0.2] * 5), 2: _records(2, [1.0] + [0.25] * 5)})
+    assert all(r["flags"] == [] for r in rows) and rows[1]["efficiency"] == pytest.approx(0.8)
+    assert scaling.flag_notes(rows) == [] and scaling.efficiency_cell(rows[1]) == "80.0%"

@@ -26,11 +26,48 @@ def runs(tmp_path_factory) -> list[Path]:
     train.mkdir()
     (train / "summary.json").write_text(json.dumps({
         "run_dir": str(train), "model": "small_cnn", "dataset": "digits", "devices": 2, "throughput_samples_per_s": 900.0,
+        "flops_per_sample": _small_cnn_flops(),
         "test_accuracy": 0.61, "per_device": [
             {"rank": r, "profile": "host", "local_batch": 16, "samples_per_s": 450.0, "peak_rss_mb": 400.0 + r,
              "data_s": 1.0, "compute_s": 6.0, "comm_s": 3.0, "bytes_sent": 2 ** 20, "bytes_recv": 2 ** 20}
             for r in range(2)]}))
     return [root / "peak", root / "power", train]
+
+
+def _small_cnn_flops() -> dict:
+    from edgetrain.bench import flops, workload
+
+    return flops.training_flops_per_sample(workload.build_model("small_cnn", "digits"), "digits")
+
+
+def _train_run(root: Path, name: str, **summary) -> Path:
+    run = root / name
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps({"run_dir": str(run), "devices": 1, **summary}))
+    return run
+
+
+def test_devices_are_rated_against_their_own_profile_and_a_rate_above_it_is_flagged(tmp_path):
+    from edgetrain.report.html import render
+
+    device = {"rank": 0, "profile": "rpi4", "local_batch": 8, "samples_per_s": 100.0, "achieved_gflops": 18.6,
+              "peak_gflops": 15.5, "peak_modelled": True, "fraction_of_peak": 1.2, "above_peak": True,
+              "peak_source": "profile rpi4: 15.5 GFLOPS as the profile declares it (nominal, not measured here)"}
+    run = _train_run(tmp_path, "rpi4", model="small_cnn", dataset="synthetic", throughput_samples_per_s=100.0,
+                     flops_per_sample={"total_flops": 1.86e8, "input_shape": [3, 64, 64]}, per_device=[device])
+    page = render([run])
+    assert "120.0% !" in page and "which a correct count cannot reach" in page  # flagged, not bare
+    assert "at 3x64x64" in page and "of the 15.5 GFLOPS its devices are rated at (modelled" in page
+    assert "rated GFLOPS of rpi4: profile rpi4: 15.5 GFLOPS" in page
+
+
+def test_a_summary_without_its_own_flop_count_shows_no_guessed_gflops(tmp_path):
+    from edgetrain.report.html import render
+
+    # Before, the report recounted small_cnn at 32x32 for any run, whatever it had trained.
+    run = _train_run(tmp_path, "old", model="small_cnn", dataset="synthetic", throughput_samples_per_s=100.0,
+                     per_device=[])
+    assert "achieved" not in render([run])
 
 
 def _images(page: str) -> list[bytes]:
@@ -61,10 +98,9 @@ def test_report_is_self_contained_with_decodable_pngs(runs, tmp_path, capsys):
     # the training run's achieved GFLOPS, set against the peak run shown beside it
     peak = max(r["gflops_best"] for r in json.loads((runs[0] / "result.json").read_text())["rows"]
                if r["kind"] == "gemm")
-    from edgetrain.bench import flops, workload
-
-    per_sample = flops.training_flops_per_sample(workload.build_model("small_cnn", "digits"), "digits")["total_flops"]
+    per_sample = _small_cnn_flops()["total_flops"]
     gflops = per_sample * 900.0 / 1e9
+    assert "GFLOP per training sample of small_cnn at 1x8x8" in page
     assert f"achieved {gflops:.2f} GFLOPS" in page
     assert f"= {100 * gflops / peak:.1f}% of the {peak:.1f} GFLOPS peak" in page
 

@@ -11,7 +11,12 @@ The achieved GFLOPS of each batch (model FLOPs per sample x samples/s, see
 ``flops.py``) are set against a GEMM peak measured in the same process right
 after the steps, with the same thread count, so the fraction of peak is a
 ratio of two numbers taken side by side; both use medians (of step times, of
-GEMM repeats), which a shared machine's bursts of load disturb least.
+GEMM repeats), which a shared machine's bursts of load disturb least. The
+samples/s column is batch / the median step shown beside it; each batch's
+steps are timed for at least ``min_time_s`` (1 s by default) as well as
+``steps``, and a batch whose step times spread too much, or whose rate comes
+out above the peak, is flagged in the table and the JSON (``noisy``,
+``above_peak``), not printed bare.
 
 A profile with a compute rate (``rpi4``: 15.5 GFLOPS) is emulated as the
 trainer does it: the process is throttled to ``speed`` host cores
@@ -25,7 +30,8 @@ import os
 from typing import Any
 
 from edgetrain.bench import flops, workload
-from edgetrain.bench.common import print_table, save_result, say, start_run
+from edgetrain.bench.common import (ABOVE_PEAK_NOTE, NOISY_NOTE, percent_of_peak, print_table, save_result, say,
+                                    spread_cell, start_run)
 from edgetrain.errors import EdgetrainError
 
 
@@ -41,7 +47,7 @@ def run(model: str = "resnet18", dataset: str = "cifar10", profile: str = "host"
         start_batch: int = 1, max_batch: int = 512, steps: int = 3, warmup: int = 1,
         threads: int | None = None, memory_limit_mb: float | None = None, throttle: bool = True,
         peak_size: int = 1024, output: str = "runs", name: str | None = None,
-        timeout_s: float = 600) -> dict[str, Any]:
+        timeout_s: float = 600, min_time_s: float = 1.0) -> dict[str, Any]:
     from edgetrain.cluster.profiles import device_speed, get_profile
 
     if start_batch < 1 or max_batch < start_batch:
@@ -80,11 +86,10 @@ def run(model: str = "resnet18", dataset: str = "cifar10", profile: str = "host"
     for b in batch_sizes(start_batch, max_batch):
         r = workload.measure_steps_isolated(model, b, dataset=dataset, steps=steps, warmup=warmup,
                                             threads=threads, memory_limit_mb=limit, timeout_s=timeout_s,
-                                            speed=speed, peak_n=peak_size)
+                                            speed=speed, peak_n=peak_size, min_time_s=min_time_s)
         if r["status"] == "ok":
             # Typical step against typical GEMM (medians): robust to a shared machine's bursts of load.
-            r.update(flops.achieved(counted["total_flops"], r["samples_per_s_median_step"], r["peak_gflops_median"]))
-            r["step_s_median"] = sorted(r["step_s"])[len(r["step_s"]) // 2]
+            r.update(flops.achieved(counted["total_flops"], r["samples_per_s"], r["peak_gflops_median"]))
         rows.append(r)
         say(f"  batch {b}: " + (f"{r['samples_per_s']:.1f} samples/s, peak {r['peak_rss_mb']:.0f} MB"
                                  if r["status"] == "ok" else r["status"]), style="dim")
@@ -97,7 +102,7 @@ def run(model: str = "resnet18", dataset: str = "cifar10", profile: str = "host"
                              f"({rows[0]['status']}); try a smaller model or a larger limit")
     best = max(ok, key=lambda r: r["samples_per_s"])
     params = dict(model=model, dataset=dataset, profile=prof.name, threads=threads, steps=steps,
-                  warmup=warmup, start_batch=start_batch, max_batch=max_batch,
+                  min_time_s=min_time_s, warmup=warmup, start_batch=start_batch, max_batch=max_batch,
                   data="synthetic tensors in memory (no loader; see bench stalls)")
     run_dir = start_run(output, name, "batch")
     result = save_result(
@@ -111,20 +116,25 @@ def run(model: str = "resnet18", dataset: str = "cifar10", profile: str = "host"
 
     plots.plot_batch(result, run_dir / "batch.png")
     table = [(r["batch_size"], r["status"], r.get("samples_per_s"), r.get("step_s_median"),
-              r.get("peak_rss_mb") or r.get("rss_mb"), r.get("achieved_gflops"), r.get("peak_gflops_median"),
-              None if r.get("fraction_of_peak") is None else 100 * r["fraction_of_peak"]) for r in rows]
+              spread_cell(r.get("spread"), r.get("noisy", False)), r.get("peak_rss_mb") or r.get("rss_mb"),
+              r.get("achieved_gflops"), r.get("peak_gflops_median"), percent_of_peak(r.get("fraction_of_peak")))
+             for r in rows]
     if limit_hit:
         notes.append(f"memory limit {limit:.0f} MB ({limit_source}) hit at batch {limit_hit['batch_size']}: "
                      f"{limit_hit['status']}; largest batch that fits: {ok[-1]['batch_size']}")
     else:
         notes.append(f"no batch up to {max_batch} reached the {limit:.0f} MB limit ({limit_source})")
     notes.append(f"best batch {best['batch_size']}: {best['samples_per_s']:.1f} samples/s, "
-                 f"{100 * best['fraction_of_peak']:.0f}% of the {best['peak_gflops_median']:.1f} GFLOPS peak; "
-                 f"{counted['total_flops'] / 1e9:.3f} GFLOP per training sample (FlopCounterMode)")
-    notes.append(f"% of peak = FLOPs/sample x batch / median step time, over the median GEMM rate; peak: {peak_source}")
+                 f"{percent_of_peak(best['fraction_of_peak'])} of the {best['peak_gflops_median']:.1f} GFLOPS "
+                 f"peak; {counted['total_flops'] / 1e9:.3f} GFLOP per training sample (FlopCounterMode)")
+    notes.append("samples/s = batch / median step s; spread = interquartile range / median of the step times; "
+                 f"% of peak = FLOPs/sample x samples/s over the median GEMM rate; peak: {peak_source}")
+    printed_notes = list(notes)
+    printed_notes += [NOISY_NOTE] if any(r.get("noisy") for r in ok) else []
+    printed_notes += [ABOVE_PEAK_NOTE] if any(r.get("above_peak") for r in ok) else []
     print_table(f"bench batch: {model} on {prof.name} ({threads} threads) -> {run_dir}",
-                ["batch", "status", "samples/s", "median step s", "peak RSS MB", "GFLOPS", "peak GFLOPS", "% of peak"],
-                table, notes)
+                ["batch", "status", "samples/s", "median step s", "spread", "peak RSS MB", "GFLOPS", "peak GFLOPS",
+                 "% of peak"], table, printed_notes)
     result["run_dir"] = str(run_dir)
     return result
 

@@ -4,6 +4,14 @@ Each bench writes ``RUN_DIR/result.json`` (``{"bench": NAME, "environment":
 ..., "params": ..., ...}``) and one or more PNGs beside it, then prints a short
 table. ``edgetrain report`` reads those files back, so the layout is the
 contract between the two.
+
+One statistic throughout: a timing is summarised by its median, and every
+rate printed beside it is derived from that same median (samples/s = batch /
+median step s), so two columns of a table never disagree. Its spread is the
+interquartile range over the median (``relative_spread``), which outliers
+disturb as little as they disturb the median; a spread above ``NOISY_SPREAD``
+makes the number too noisy to compare with another, and the table says so
+with a ``!`` and a note, and the JSON with ``noisy: true``.
 """
 from __future__ import annotations
 
@@ -11,12 +19,40 @@ import datetime as _dt
 import os
 import platform
 import socket
+import statistics
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from edgetrain.report.files import new_run_dir, write_json
 
 RESULT_FILE = "result.json"
+# IQR / median above which a timing is flagged as noise: the middle half of the steps then spans more than
+# a quarter of the typical step, more than most of the differences a bench is run to see.
+NOISY_SPREAD = 0.25
+NOISY_NOTE = (f"a '!' on a spread marks a timing whose interquartile range is above {NOISY_SPREAD:.0%} of its "
+              "median: too noisy to compare; run more steps (or --min-time where the bench has it) on a quieter machine")
+
+
+def relative_spread(values: Sequence[float]) -> float | None:
+    """Interquartile range over the median; None for fewer than two values."""
+    if len(values) < 2:
+        return None
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    median = statistics.median(values)
+    return (q3 - q1) / median if median else None
+
+
+def timing_summary(step_s: Sequence[float], samples_per_step: float) -> dict[str, Any]:
+    """The median step, the rate derived from it, its spread and whether that spread makes it noise."""
+    median = statistics.median(step_s)
+    spread = relative_spread(step_s)
+    return {"step_s_median": median, "samples_per_s": samples_per_step / median, "spread": spread,
+            "noisy": spread is not None and spread > NOISY_SPREAD}
+
+
+def spread_cell(spread: float | None, noisy: bool) -> str:
+    """A spread for a table: a percentage, ``!`` when noisy (see ``NOISY_NOTE``)."""
+    return "-" if spread is None else f"{100 * spread:.0f}%" + (" !" if noisy else "")
 
 
 def cpu_model() -> str:
@@ -52,6 +88,18 @@ def save_result(run_dir: Path, bench: str, params: dict, **sections: Any) -> dic
     result = {"bench": bench, "environment": environment(), "params": params, **sections}
     write_json(run_dir / RESULT_FILE, result)
     return result
+
+
+ABOVE_PEAK_NOTE = ("a '!' marks a rate above the peak it is set against, which a correct count cannot reach: "
+                   "the peak measurement came out below the achieved rate (noise, load, or a throttled peak); "
+                   "re-measure the peak with more time or on a quiet machine")
+
+
+def percent_of_peak(fraction: float | None) -> str:
+    """``fraction`` as a percentage for a table, with ``!`` where it is above the peak (see ``ABOVE_PEAK_NOTE``)."""
+    if fraction is None:
+        return "-"
+    return f"{100 * fraction:.1f}%" + (" !" if fraction > 1 else "")
 
 
 def fmt(value: Any, digits: int = 3) -> str:

@@ -160,7 +160,7 @@ def run(model: str = "resnet18", dataset: str = "cifar10", *, batch_size: int = 
         say(f"bench counters: {message}")
     print_table(f"bench counters: {model}, batch {batch_size}, {steps} steps -> {run_dir}",
                 ["event", "count", "per sample"], rows,
-                [f"step time measured: {timing['samples_per_s']:.1f} samples/s"])
+                [f"step time measured: {timing['samples_per_s']:.1f} samples/s (batch / median step)"])
     result["run_dir"] = str(run_dir)
     return result
 

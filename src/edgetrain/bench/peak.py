@@ -15,6 +15,11 @@ For a cluster, every device runs the same measurement at the same moment
 heat and power limits show up there and not in N times one device. Under
 ``torchrun`` the devices are the ranks; ``--devices N`` emulates N devices as
 processes on this host.
+
+Each row also carries the spread of its repeats (interquartile range over
+the median, ``common.relative_spread``) and ``noisy`` when that is above
+``common.NOISY_SPREAD``: a peak measured on a busy machine comes out low, and
+every "% of peak" set against it comes out high.
 """
 from __future__ import annotations
 
@@ -56,12 +61,17 @@ def _repeat(fn: Callable[[], Any], min_time_s: float, min_repeats: int) -> list[
 
 
 def _rates(flops: float, times: list[float]) -> dict[str, Any]:
+    from edgetrain.bench.common import NOISY_SPREAD, relative_spread
+
+    spread = relative_spread(times)
     return {
         "repeats": len(times),
         "best_s": min(times),
         "median_s": statistics.median(times),
         "gflops_best": flops / min(times) / 1e9,
         "gflops_median": flops / statistics.median(times) / 1e9,
+        "spread": spread,
+        "noisy": spread is not None and spread > NOISY_SPREAD,
     }
 
 
@@ -235,7 +245,7 @@ def _ints(text: str) -> list[int]:
 
 def run(gemm_sizes: list[int], linpack_sizes: list[int], threads: list[int], devices: int = 1,
         min_time_s: float = 0.3, output: str = "runs", name: str | None = None) -> dict[str, Any] | None:
-    from edgetrain.bench.common import print_table, save_result, start_run
+    from edgetrain.bench.common import NOISY_NOTE, print_table, save_result, spread_cell, start_run
 
     kwargs = dict(gemm_sizes=gemm_sizes, linpack_sizes=linpack_sizes, threads=threads, min_time_s=min_time_s)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -260,14 +270,16 @@ def run(gemm_sizes: list[int], linpack_sizes: list[int], threads: list[int], dev
     plots.plot_peak(result, run_dir / "peak.png")
     note = ("rows are device 0's, measured while every device ran the same; "
             "'all devices' sums their medians") if agg else "best = fastest repeat, median over repeats"
+    notes = [note, "spread = interquartile range / median of the repeats' times"]
+    notes += [NOISY_NOTE] if any(r["noisy"] for r in rows) else []
     print_table(
         f"bench peak -> {run_dir}",
-        ["kind", "n", "threads", "GFLOPS best", "GFLOPS median", "repeats", "scaled residual"]
+        ["kind", "n", "threads", "GFLOPS best", "GFLOPS median", "repeats", "spread", "scaled residual"]
         + (["all devices GFLOPS"] if agg else []),
         [(r["kind"], r["n"], r["threads"], r["gflops_best"], r["gflops_median"], r["repeats"],
-          r.get("max_scaled_residual"))
+          spread_cell(r["spread"], r["noisy"]), r.get("max_scaled_residual"))
          + ((a["gflops_median_sum"],) if agg else ()) for r, a in zip(rows, agg or [{}] * len(rows))],
-        [note])
+        notes)
     result["run_dir"] = str(run_dir)
     return result
 

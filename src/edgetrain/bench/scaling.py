@@ -14,28 +14,63 @@ runs the real trainer on 1, 2, 4, ... devices and reports
 grows with N, as data-parallel training on more boards usually does; *strong*
 scaling keeps the global batch fixed and splits it. Emulated devices share
 this host's cores, so their speedup is bounded by the cores there are.
+
+Throughput is global samples per step over the median cluster step (the
+slowest device's, ``trainer_runs.cluster_timing``), so a few stalled steps of
+a short run do not make the baseline slow and the speedup huge. A row whose
+step times spread more than ``common.NOISY_SPREAD`` (IQR / median) is flagged
+``noisy``; every row is flagged when the one-device baseline is, as all
+speedups are divided by it; and an efficiency above 100% (more than N times
+one device, which N devices sharing one host cannot do) is flagged
+``superlinear``. Flags are in each row's ``flags`` and marked ``!`` in the table.
 """
 from __future__ import annotations
 
 from typing import Any
 
 from edgetrain.bench import trainer_runs
-from edgetrain.bench.common import print_table, save_result, start_run
+from edgetrain.bench.common import NOISY_NOTE, print_table, save_result, spread_cell, start_run
 from edgetrain.errors import EdgetrainError
 
 
-def scaling_rows(summaries: dict[int, dict], splits: dict[int, dict]) -> list[dict[str, Any]]:
-    """One row per device count, ``speedup = throughput_N / throughput_1``."""
-    base = summaries[1]["throughput_samples_per_s"]
+def scaling_rows(metrics: dict[int, list[dict]], summaries: dict[int, dict] | None = None) -> list[dict[str, Any]]:
+    """One row per device count from each run's metrics.jsonl records, ``speedup = throughput_N / throughput_1``."""
+    summaries = summaries or {}
+    timings = {n: trainer_runs.cluster_timing(records) for n, records in metrics.items()}
+    base = timings[1]
     rows = []
-    for n in sorted(summaries):
-        thr = summaries[n]["throughput_samples_per_s"]
-        speedup = thr / base
-        rows.append({"devices": n, "throughput_samples_per_s": thr, "speedup": speedup,
-                     "efficiency": speedup / n, "split_s_per_step": splits[n],
-                     "bytes_sent_per_device": _mean([d.get("bytes_sent") for d in summaries[n].get("per_device", [])]),
-                     "run_dir": summaries[n].get("run_dir")})
+    for n in sorted(metrics):
+        timing = timings[n]
+        speedup = timing["samples_per_s"] / base["samples_per_s"]
+        flags = [f for f, on in (("noisy", timing["noisy"]), ("noisy baseline", n != 1 and base["noisy"]),
+                                 ("superlinear", speedup / n > 1)) if on]
+        rows.append({"devices": n, "throughput_samples_per_s": timing["samples_per_s"],
+                     "step_s_median": timing["step_s_median"], "spread": timing["spread"], "noisy": timing["noisy"],
+                     "speedup": speedup, "efficiency": speedup / n, "flags": flags,
+                     "split_s_per_step": trainer_runs.split_per_step(metrics[n]),
+                     "bytes_sent_per_device": _mean([d.get("bytes_sent")
+                                                     for d in summaries.get(n, {}).get("per_device", [])]),
+                     "run_dir": summaries.get(n, {}).get("run_dir")})
     return rows
+
+
+def flag_notes(rows: list[dict[str, Any]]) -> list[str]:
+    """One line for each kind of flag the rows carry, saying what it means for the numbers."""
+    flags = {f for r in rows for f in r["flags"]}
+    notes = [NOISY_NOTE] if flags & {"noisy", "noisy baseline"} else []
+    if "noisy baseline" in flags:
+        notes.append("the 1-device baseline is noisy: every speedup and efficiency is divided by it and is unreliable")
+    if "superlinear" in flags:
+        notes.append("a '!' on an efficiency marks more than 100%: more than N times one device, which devices "
+                     "sharing this host cannot reach; the baseline was slow (noise, a cold start); re-run with "
+                     "more --steps")
+    return notes
+
+
+def efficiency_cell(row: dict[str, Any]) -> str:
+    """Efficiency as a percentage, ``!`` where it is flagged (superlinear, or divided by a noisy baseline)."""
+    flagged = {"superlinear", "noisy baseline"} & set(row["flags"])
+    return f"{100 * row['efficiency']:.1f}%" + (" !" if flagged else "")
 
 
 def _mean(values: list) -> float | None:
@@ -53,14 +88,14 @@ def run(config: dict[str, Any], devices: list[int], *, mode: str = "weak", outpu
     train_fn = train_fn or trainer_runs.default_train_fn()
     run_dir = start_run(output, name, "scaling")
     local_batch = int(config.get("batch_size", 32))
-    summaries, splits = {}, {}
+    summaries, metrics = {}, {}
     for n in sorted(set(devices)):
         cfg = dict(config, devices=n, output=str(run_dir / "runs"), run_name=f"devices-{n}", progress=False,
                    eval=False, batch_size=local_batch * n if mode == "weak" else local_batch)
         summary = train_fn(cfg)
         summaries[n] = summary
-        splits[n] = trainer_runs.split_per_step(trainer_runs.read_metrics(summary["run_dir"]))
-    rows = scaling_rows(summaries, splits)
+        metrics[n] = trainer_runs.read_metrics(summary["run_dir"])
+    rows = scaling_rows(metrics, summaries)
     params = dict(config, devices=sorted(set(devices)), mode=mode,
                   batch_size_note="per device" if mode == "weak" else "global")
     result = save_result(run_dir, "scaling", params, rows=rows)
@@ -68,12 +103,17 @@ def run(config: dict[str, Any], devices: list[int], *, mode: str = "weak", outpu
 
     plots.plot_scaling(result, run_dir / "scaling.png")
     print_table(f"bench scaling ({mode}): {config.get('model')} -> {run_dir}",
-                ["devices", "samples/s", "speedup", "efficiency %", "data ms", "compute ms", "comm ms", "wait ms"],
-                [(r["devices"], r["throughput_samples_per_s"], r["speedup"], 100 * r["efficiency"],
-                  *(1000 * r["split_s_per_step"][k] for k in ("data", "compute", "comm", "wait"))) for r in rows],
-                ["split = mean ms per step over devices, after the first step; comm = the transfer (the least "
-                 "blocked device's comm time), wait = the rest of a device's comm time, spent waiting for peers",
-                 "emulated devices share this host's cores: speedup is bounded by the cores there are"])
+                ["devices", "samples/s", "median step ms", "spread", "speedup", "efficiency", "data ms", "compute ms",
+                 "comm ms", "wait ms"],
+                [(r["devices"], r["throughput_samples_per_s"], 1000 * r["step_s_median"],
+                  spread_cell(r["spread"], r["noisy"]), r["speedup"],
+                  efficiency_cell(r), *(1000 * r["split_s_per_step"][k] for k in ("data", "compute", "comm", "wait")))
+                 for r in rows],
+                ["samples/s = global batch / median step (the slowest device's step, after the first); split = "
+                 "mean ms per step over devices; comm = the transfer (the least blocked device's comm time), wait = "
+                 "the rest of a device's comm time, spent waiting for peers",
+                 "emulated devices share this host's cores: speedup is bounded by the cores there are",
+                 *flag_notes(rows)])
     result["run_dir"] = str(run_dir)
     return result
 

@@ -4,6 +4,11 @@
 data loading, all-reduce and waiting included), not a stand-in. A run's
 ``metrics.jsonl`` has one line per step and device with ``data_s``,
 ``compute_s``, ``comm_s`` and ``step_s``.
+
+The cluster's step time is the slowest device's (synchronous training moves
+on when the last device finishes), and a run's throughput is its samples per
+step over the median of those step times (``cluster_timing``), with the
+spread beside it, as ``common.timing_summary`` defines them.
 """
 from __future__ import annotations
 
@@ -41,6 +46,27 @@ def step_times_by_rank(records: list[dict[str, Any]], skip: int = 1) -> dict[int
     return {rank: [s for _, s in sorted(steps)[skip:]] for rank, steps in sorted(by_rank.items())}
 
 
+def records_by_step(records: list[dict[str, Any]], skip: int = 1) -> list[list[dict[str, Any]]]:
+    """The devices' records of each step in step order, the first ``skip`` steps dropped (if any are left)."""
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for r in records:
+        if "step_s" in r:
+            by_step.setdefault(int(r["step"]), []).append(r)
+    steps = sorted(by_step)[skip:] or sorted(by_step)
+    if not steps:
+        raise EdgetrainError("metrics.jsonl has no step records")
+    return [by_step[s] for s in steps]
+
+
+def cluster_timing(records: list[dict[str, Any]], skip: int = 1) -> dict[str, Any]:
+    """Median cluster step (slowest device per step), samples/s from it, and its spread; first ``skip`` steps dropped."""
+    from edgetrain.bench.common import timing_summary
+
+    steps = records_by_step(records, skip)
+    samples = statistics.median(sum(int(r.get("samples", 0)) for r in recs) for recs in steps)
+    return {"steps": len(steps), **timing_summary([max(float(r["step_s"]) for r in recs) for recs in steps], samples)}
+
+
 def split_per_step(records: list[dict[str, Any]], skip: int = 1) -> dict[str, float]:
     """Mean seconds per step over devices: data, compute, comm (transfer) and wait.
 
@@ -50,17 +76,10 @@ def split_per_step(records: list[dict[str, Any]], skip: int = 1) -> dict[str, fl
     ``comm_s`` over devices is the transfer itself and each device's excess
     over it is waiting (for one device, nothing is waiting).
     """
-    by_step: dict[int, list[dict[str, Any]]] = {}
-    for r in records:
-        if "step_s" in r:
-            by_step.setdefault(int(r["step"]), []).append(r)
-    steps = sorted(by_step)[skip:] or sorted(by_step)
-    if not steps:
-        raise EdgetrainError("metrics.jsonl has no step records")
     rows = []
-    for s in steps:
-        transfer = min(float(r.get("comm_s", 0.0)) for r in by_step[s])
-        for r in by_step[s]:
+    for recs in records_by_step(records, skip):
+        transfer = min(float(r.get("comm_s", 0.0)) for r in recs)
+        for r in recs:
             rows.append({"data": float(r.get("data_s", 0.0)), "compute": float(r.get("compute_s", 0.0)),
                          "comm": transfer, "wait": float(r.get("comm_s", 0.0)) - transfer,
                          "step": float(r["step_s"])})

@@ -7,13 +7,18 @@ its peak resident memory (``ru_maxrss``) belongs to that batch size alone,
 and a watchdog thread in that process stops it the moment its resident memory
 passes the device profile's limit: the limit hit comes back as a result
 instead of taking the machine down.
+
+Steps are timed until both ``steps`` of them and ``min_time_s`` seconds have
+passed, so a fast step is not judged on a handful of timer readings. The
+result's ``samples_per_s`` is batch / median step (``common.timing_summary``);
+``samples_per_s_mean`` (all samples over all timed seconds) is kept for what
+is metered over the whole loop, such as energy.
 """
 from __future__ import annotations
 
 import json
 import os
 import resource
-import statistics
 import subprocess
 import sys
 import threading
@@ -57,8 +62,11 @@ def build_model(name: str, dataset: str = "cifar10"):
 
 
 def time_steps(model, batch_size: int, steps: int, warmup: int, dataset: str = "cifar10",
-               threads: int | None = None, seed: int = 0) -> dict[str, Any]:
-    """Time ``steps`` training steps after ``warmup`` untimed ones; return per-step seconds."""
+               threads: int | None = None, seed: int = 0, min_time_s: float = 0.0) -> dict[str, Any]:
+    """Time at least ``steps`` training steps (and ``min_time_s`` seconds of them, if ``steps``) after
+    ``warmup`` untimed ones; return per-step seconds and the median-based rate."""
+    from edgetrain.bench.common import timing_summary
+
     import torch
 
     if threads:
@@ -81,16 +89,18 @@ def time_steps(model, batch_size: int, steps: int, warmup: int, dataset: str = "
 
     for _ in range(warmup):
         step()
-    step_s = [step() for _ in range(steps)]
-    total = sum(step_s)
+    step_s: list[float] = []
+    start = time.perf_counter()
+    while len(step_s) < steps or (steps and time.perf_counter() - start < min_time_s):
+        step_s.append(step())
     return {
         "batch_size": batch_size,
-        "steps": steps,
+        "steps": len(step_s),
         "warmup": warmup,
         "threads": torch.get_num_threads(),
         "step_s": step_s,
-        "samples_per_s": batch_size * steps / total if steps else None,
-        "samples_per_s_median_step": batch_size / statistics.median(step_s) if steps else None,
+        **(timing_summary(step_s, batch_size) if step_s else {"samples_per_s": None}),
+        "samples_per_s_mean": batch_size * len(step_s) / sum(step_s) if step_s else None,
     }
 
 
@@ -134,7 +144,7 @@ def _child_main(spec: dict) -> dict:
         Throttle(spec["speed"]).attach(model)
     baseline = rss_mb()
     out = time_steps(model, spec["batch_size"], spec["steps"], spec["warmup"], spec["dataset"],
-                     threads=spec["threads"], seed=spec.get("seed", 0))
+                     threads=spec["threads"], seed=spec.get("seed", 0), min_time_s=spec.get("min_time_s", 0.0))
     out.update(status="ok", baseline_rss_mb=baseline, peak_rss_mb=peak_rss_mb())
     if spec.get("peak_n"):
         # The GEMM peak the steps are set against, measured in the same process right after them, so that
@@ -162,14 +172,15 @@ def child_env(threads: int) -> dict[str, str]:
 def measure_steps_isolated(model: str, batch_size: int, *, dataset: str = "cifar10", steps: int = 5,
                            warmup: int = 2, threads: int = 1, memory_limit_mb: float | None = None,
                            timeout_s: float = 600, seed: int = 0, speed: float | None = None,
-                           peak_n: int | None = None) -> dict[str, Any]:
+                           peak_n: int | None = None, min_time_s: float = 0.0) -> dict[str, Any]:
     """``time_steps`` in a fresh process; ``status`` is ``ok``, ``memory_limit``, ``killed`` or ``timeout``.
 
     ``speed`` (relative to one host core) throttles the process as ``edgetrain.cluster.throttle`` does;
     ``peak_n`` also measures the GEMM peak (of that size) in the same process, after the steps.
     """
     spec = dict(model=model, batch_size=batch_size, dataset=dataset, steps=steps, warmup=warmup,
-                threads=threads, memory_limit_mb=memory_limit_mb, seed=seed, speed=speed, peak_n=peak_n)
+                threads=threads, memory_limit_mb=memory_limit_mb, seed=seed, speed=speed, peak_n=peak_n,
+                min_time_s=min_time_s)
     cmd = [sys.executable, "-m", "edgetrain.bench.workload", json.dumps(spec)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,

@@ -2,6 +2,12 @@
 
 Register your own with ``register_model("mynet", MyNet)``, or pass a built
 ``nn.Module`` straight to ``edgetrain.train(config, model=...)``.
+
+A run of a passed ``nn.Module`` records its class as ``module:QualName``
+(``model_reference``) in config.yaml and summary.json. That names the model
+truthfully, but a config cannot rebuild it (its constructor arguments and
+weights are not in the file), so ``check_model`` refuses such a name, before
+any device starts, with the two ways to run it again.
 """
 from __future__ import annotations
 
@@ -31,10 +37,28 @@ def user_models() -> dict[str, ModelFactory]:
     return {k: v for k, v in MODELS.items() if k not in _BUILTIN}
 
 
+def model_reference(model: nn.Module) -> str:
+    """What a run of a passed ``nn.Module`` records as its ``model``: the class as ``module:QualName``."""
+    cls = type(model)
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def check_model(name: str) -> None:
+    """Raise ``EdgetrainError`` unless ``name`` can be built from the registry."""
+    if name in MODELS:
+        return
+    if ":" in name:
+        cls = name.rsplit(":", 1)[1].rsplit(".", 1)[-1]
+        raise EdgetrainError(f"model '{name}' is your own nn.Module from an earlier run and a config cannot rebuild "
+                             f"it; pass it again with edgetrain.train(config, model={cls}(...)), or register it "
+                             f"with edgetrain.models.register_model('{cls.lower()}', {cls}) and set model: "
+                             f"{cls.lower()}")
+    raise EdgetrainError(f"unknown model '{name}'; known models: {', '.join(sorted(MODELS))} "
+                         f"(register your own with edgetrain.models.register_model)")
+
+
 def build_model(name: str, in_channels: int = 3, num_classes: int = 10, **kwargs) -> nn.Module:
-    if name not in MODELS:
-        raise EdgetrainError(f"unknown model '{name}'; known models: {', '.join(sorted(MODELS))} "
-                             f"(register your own with edgetrain.models.register_model)")
+    check_model(name)
     return MODELS[name](in_channels=in_channels, num_classes=num_classes, **kwargs)
 
 

@@ -21,6 +21,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from edgetrain.bench.common import ABOVE_PEAK_NOTE, NOISY_NOTE, percent_of_peak, spread_cell
 from edgetrain.errors import EdgetrainError
 
 AXES = [  # (key, label, unit, higher is better)
@@ -106,18 +107,23 @@ def peak_reference(runs: list[dict[str, Any]]) -> tuple[float, str] | None:
 
 
 def achieved_note(d: dict[str, Any], peak: tuple[float, str] | None) -> str | None:
-    """Achieved GFLOPS of a training run: the model's training FLOPs per sample x its throughput."""
-    try:
-        from edgetrain.bench import flops, workload
-
-        model = workload.build_model(d["model"], d.get("dataset", "cifar10"))
-        per_sample = flops.training_flops_per_sample(model, d.get("dataset", "cifar10"))["total_flops"]
-    except Exception:  # a model or dataset the registry does not know: no FLOP count, say nothing
-        return None
+    """Achieved GFLOPS of a training run: the FLOPs per sample it counted (its own model, at its own input
+    shape) x its throughput, against its devices' profile ratings or else the host ``peak`` shown."""
+    counted = d.get("flops_per_sample")
+    if not counted or not d.get("throughput_samples_per_s"):
+        return None  # a summary without its own count: recounting a guessed model and shape would be wrong
+    per_sample = counted["total_flops"]
     gflops = per_sample * d["throughput_samples_per_s"] / 1e9
-    text = f"achieved {gflops:.2f} GFLOPS ({per_sample / 1e9:.3f} GFLOP per training sample, FlopCounterMode)"
-    if peak:
-        text += f" = {100 * gflops / peak[0]:.1f}% of the {peak[0]:.1f} GFLOPS peak ({peak[1]})"
+    shape = "x".join(str(v) for v in counted.get("input_shape", []))
+    text = (f"achieved {gflops:.2f} GFLOPS ({per_sample / 1e9:.3f} GFLOP per training sample of {d.get('model')} "
+            f"at {shape}, FlopCounterMode)")
+    devices = d.get("per_device", [])
+    rated = [p["peak_gflops"] for p in devices if p.get("peak_gflops")]
+    if devices and len(rated) == len(devices):
+        text += (f" = {percent_of_peak(gflops / sum(rated))} of the {sum(rated):.1f} GFLOPS its devices are rated "
+                 f"at (modelled: each device against its own profile's peak, see the table)")
+    elif peak and not rated:
+        text += f" = {percent_of_peak(gflops / peak[0])} of the {peak[0]:.1f} GFLOPS peak ({peak[1]})"
     return text
 
 
@@ -125,15 +131,20 @@ def headline(run: dict[str, Any], peak: tuple[float, str] | None = None) -> tupl
     """(columns, rows, notes) summarising a run; ``peak`` is what training runs' GFLOPS are set against."""
     d = run["data"]
     if run["kind"] == "train":
-        cols = ["rank", "profile", "local batch", "samples/s", "peak RSS MB", "data s", "compute s", "comm s",
-                "MB sent", "MB recv"]
+        cols = ["rank", "profile", "local batch", "samples/s", "GFLOPS", "rated GFLOPS", "% of rated", "peak RSS MB",
+                "data s", "compute s", "comm s", "MB sent", "MB recv"]
+        per_device = d.get("per_device", [])
         rows = [[p.get("rank"), p.get("profile"), p.get("local_batch"), p.get("samples_per_s"),
+                 p.get("achieved_gflops"), p.get("peak_gflops"), percent_of_peak(p.get("fraction_of_peak")),
                  p.get("peak_rss_mb"), p.get("data_s"), p.get("compute_s"), p.get("comm_s"),
-                 _mb(p.get("bytes_sent")), _mb(p.get("bytes_recv"))] for p in d.get("per_device", [])]
+                 _mb(p.get("bytes_sent")), _mb(p.get("bytes_recv"))] for p in per_device]
         notes = [f"throughput {d.get('throughput_samples_per_s', 0):.1f} samples/s; "
                  f"test accuracy {_pct(d.get('test_accuracy'))}"]
-        achieved = achieved_note(d, peak) if d.get("model") and d.get("throughput_samples_per_s") else None
+        achieved = achieved_note(d, peak)
         notes += [achieved] if achieved else []
+        notes += sorted({f"rated GFLOPS of {p['profile']}: {p['peak_source']}" for p in per_device
+                         if p.get("peak_source")})
+        notes += [ABOVE_PEAK_NOTE] if any(p.get("above_peak") for p in per_device) else []
         return cols, rows, notes
     bench = d["bench"]
     notes = list(d.get("notes", []))
@@ -144,18 +155,26 @@ def headline(run: dict[str, Any], peak: tuple[float, str] | None = None) -> tupl
         notes += [f"{a['devices']} devices at once, {a['kind']} n={a['n']}: {a['gflops_median_sum']:.1f} GFLOPS"
                   for a in d.get("aggregate") or []]
     elif bench == "batch":
-        cols = ["batch", "status", "samples/s", "peak RSS MB", "GFLOPS", "peak GFLOPS", "% of peak"]
-        rows = [[r["batch_size"], r["status"], r.get("samples_per_s"), r.get("peak_rss_mb") or r.get("rss_mb"),
-                 r.get("achieved_gflops"), r.get("peak_gflops_median"), _pct(r.get("fraction_of_peak"))]
+        cols = ["batch", "status", "samples/s", "median step s", "spread", "peak RSS MB", "GFLOPS", "peak GFLOPS",
+                "% of peak"]
+        rows = [[r["batch_size"], r["status"], r.get("samples_per_s"), r.get("step_s_median"),
+                 spread_cell(r.get("spread"), r.get("noisy", False)), r.get("peak_rss_mb") or r.get("rss_mb"),
+                 r.get("achieved_gflops"), r.get("peak_gflops_median"), percent_of_peak(r.get("fraction_of_peak"))]
                 for r in d["rows"]]
+        notes += [ABOVE_PEAK_NOTE] if any(r.get("above_peak") for r in d["rows"]) else []
+        notes += [NOISY_NOTE] if any(r.get("noisy") for r in d["rows"]) else []
         notes.append(f"best batch {d['best']}; largest that fits {d['largest_fitting_batch']}; memory limit "
                      f"{d['profile']['memory_limit_mb']:.0f} MB ({d['profile']['limit_source']}); "
                      f"{d['flops_per_sample']['total_flops'] / 1e9:.3f} GFLOP per training sample; peak: "
                      f"{d['peak_source']}")
     elif bench == "scaling":
+        from edgetrain.bench.scaling import efficiency_cell, flag_notes
+
         cols = ["devices", "samples/s", "speedup", "efficiency", "data ms", "compute ms", "comm ms", "wait ms"]
-        rows = [[r["devices"], r["throughput_samples_per_s"], r["speedup"], _pct(r["efficiency"]),
+        rows = [[r["devices"], r["throughput_samples_per_s"], r["speedup"],
+                 efficiency_cell(r) if "flags" in r else _pct(r["efficiency"]),
                  *(1000 * r["split_s_per_step"][k] for k in ("data", "compute", "comm", "wait"))] for r in d["rows"]]
+        notes += flag_notes(d["rows"]) if all("flags" in r for r in d["rows"]) else []
     elif bench == "stalls":
         cols = ["workers", "loader cached/s", "loader cold/s", "train cached/s", "train cold/s", "prep stall s",
                 "fetch stall s", "limiting"]

@@ -105,6 +105,10 @@ def plot_scaling(result: dict[str, Any], path) -> None:
     ax = axes[0]
     ax.plot(n, [r["speedup"] for r in rows], "o-", label="measured speedup")
     ax.plot(n, n, ":", color="gray", label="linear")
+    flagged = [r for r in rows if r.get("flags")]  # noisy, a noisy baseline, or above 100% efficiency
+    if flagged:
+        ax.scatter([r["devices"] for r in flagged], [r["speedup"] for r in flagged], marker="x", s=90, color="red",
+                   zorder=3, label="flagged: " + ", ".join(sorted({f for r in flagged for f in r["flags"]})))
     ax.set_xlabel("devices")
     ax.set_ylabel("speedup over 1 device")
     ax.set_xticks(n)

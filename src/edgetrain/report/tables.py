@@ -5,6 +5,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from edgetrain.bench.common import ABOVE_PEAK_NOTE, fmt, percent_of_peak
+
 
 def _mb(n: float) -> str:
     return f"{n / 1e6:,.1f}"
@@ -20,14 +22,21 @@ def print_train_summary(summary: dict, console: Console | None = None) -> None:
     console = console or _console()
     table = Table(title="per device, measured (means per step after the first)", title_justify="left",
                   box=box.SIMPLE_HEAD, pad_edge=False)
-    for col in ("rank", "profile", "batch", "samples/s", "step ms", "data%", "comp%", "comm%", "RSS MiB", "MB sent"):
+    for col in ("rank", "profile", "batch", "samples/s", "step ms", "GFLOPS", "% rated", "data%", "comp%", "comm%",
+                "RSS MiB", "MB sent"):
         table.add_column(col, justify="left" if col == "profile" else "right", no_wrap=True)
     for d in summary["per_device"]:
         step = d["step_s"] or float("nan")
         table.add_row(str(d["rank"]), d["profile"], str(d["local_batch"]), f"{d['samples_per_s']:,.1f}",
-                      f"{1000 * step:,.1f}", f"{100 * d['data_s'] / step:.0f}", f"{100 * d['compute_s'] / step:.0f}",
+                      f"{1000 * step:,.1f}", fmt(d.get("achieved_gflops")), percent_of_peak(d.get("fraction_of_peak")),
+                      f"{100 * d['data_s'] / step:.0f}", f"{100 * d['compute_s'] / step:.0f}",
                       f"{100 * d['comm_s'] / step:.0f}", f"{d['peak_rss_mb']:,.0f}", _mb(d["bytes_sent"]))
     console.print(table)
+    # "% rated" is against each device's profile rating (modelled, not measured): say which, and flag > 100%.
+    for source in sorted({f"{d['profile']}: {d['peak_source']}" for d in summary["per_device"] if d.get("peak_source")}):
+        console.print(f"rated GFLOPS of {source}", highlight=False)
+    if any(d.get("above_peak") for d in summary["per_device"]):
+        console.print(ABOVE_PEAK_NOTE, highlight=False)
     acc = summary.get("test_accuracy")
     acc_text = f"{acc:.2%}" if acc is not None else "not evaluated"
     console.print(f"[bold]test accuracy {acc_text}[/]  train loss {summary['train_loss']:.4f}  "

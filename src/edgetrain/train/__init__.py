@@ -1,6 +1,7 @@
 """Data-parallel training on emulated or real edge devices: ``train(config)``."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -20,11 +21,19 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     run summary (also written to ``<run_dir>/summary.json``). Under torchrun it
     trains this process's device; rank 0 returns the summary, the others None.
     ``model`` is either the name of a registered model (the config key) or
-    your own ``nn.Module`` to train instead of a registered one.
+    your own ``nn.Module`` to train instead of a registered one; the run then
+    records it as ``module:QualName`` (config.yaml, summary.json), which a
+    later run from that config refuses until the model is passed again.
     """
+    from edgetrain.models import check_model, model_reference, user_models
+
     if isinstance(model, str):
         overrides["model"], model = model, None
     cfg = load_config(config, **overrides)
+    if model is None:
+        check_model(cfg.model)  # before any device starts or any file is written
+    else:
+        cfg = dataclasses.replace(cfg, model=model_reference(model))
     torchrun = under_torchrun()
     world = int(os.environ["WORLD_SIZE"]) if torchrun else None
     devices = plan_devices(cfg, world)
@@ -37,7 +46,6 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     if rank == 0:
         run_dir = new_run_dir(cfg.output, cfg.run_name)
         write_yaml(run_dir / "config.yaml", cfg.to_dict())
-    from edgetrain.models import user_models
 
     args = (cfg, devices, local_batches, speeds, str(run_dir) if run_dir else None, model, user_models())
     if torchrun:

@@ -16,6 +16,12 @@ Loss scaling: device ``r`` with local batch ``b_r`` back-propagates
 ``sum(losses_r) * world / B``; DDP averages over devices, so every device ends
 up with the gradient of the mean loss over the global batch ``B``, whatever
 the split. That is why N devices reproduce one device step for step.
+
+The summary's FLOPs are counted once on rank 0 (``bench.flops``) on the model
+actually trained at the input shape actually fed, before training, on a copy
+and with the RNG restored, so counting changes nothing in the run. Each
+device's achieved GFLOPS is that count x its samples/s, and where it emulated
+a profile it is also rated against that profile's peak (``device_peak``).
 """
 from __future__ import annotations
 
@@ -34,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 
+from edgetrain.bench.flops import achieved, device_peak, training_flops_per_sample
 from edgetrain.cluster.profiles import DeviceSpec
 from edgetrain.cluster.throttle import Throttle, assign_cores, peak_rss_mb, pin
 from edgetrain.comm import build_sync
@@ -118,6 +125,9 @@ def run_worker(cfg: TrainConfig, devices: list[DeviceSpec], local_batches: list[
     data = build_data(cfg)
     model = user_model if user_model is not None else build_model(cfg.model, data.input_shape[0], data.num_classes)
     params = count_parameters(model)
+    # The model actually trained at the input shape actually fed (counted on a copy, RNG untouched).
+    flops_per_sample = training_flops_per_sample(model, input_shape=data.input_shape,
+                                                 num_classes=data.num_classes) if rank == 0 else None
     tiled = None
     if cfg.strategy == "tiled":
         # Spatial tiles of the first layers, data parallel after them; every BatchNorm gets
@@ -242,7 +252,8 @@ def run_worker(cfg: TrainConfig, devices: list[DeviceSpec], local_batches: list[
     summary = None
     if rank == 0:
         summary = _write_outputs(cfg, Path(run_dir), unwrap(sync.model), optimizer, gathered, train_totals, evals,
-                                 params, data, world, local_batches, step, sync, time.perf_counter() - started)
+                                 params, data, world, local_batches, step, sync, time.perf_counter() - started,
+                                 flops_per_sample)
     dist.barrier()
     dist.destroy_process_group()
     return summary
@@ -262,16 +273,20 @@ def _device_summary(records, rank, me: DeviceSpec, local_batch, speed, cores, th
             # Measured: CPU time of a warm unthrottled forward + backward pass, and how much more the throttled
             # ones cost (median); the throttle divides charged CPU time by the latter.
             "throttle_reference_pass_s": throttle.reference_cpu if throttle else None,
-            "throttle_inflation": statistics.median(throttle.inflations) if throttle and throttle.inflations else None}
+            "throttle_inflation": statistics.median(throttle.inflations) if throttle and throttle.inflations else None,
+            # The peak this device is rated against: its profile's where it emulated one (see bench.flops).
+            **(device_peak(me.profile, speed) or {})}
 
 
 def _write_outputs(cfg, run_dir: Path, model, optimizer, gathered, train_totals, evals, params, data, world,
-                   local_batches, steps, sync, wall_s) -> dict:
+                   local_batches, steps, sync, wall_s, flops_per_sample) -> dict:
     records = sorted((r for recs, _ in gathered for r in recs), key=lambda r: (r["step"], r["rank"]))
     with atomic_write(run_dir / "metrics.jsonl") as f:
         for r in records:
             f.write(json.dumps(r) + "\n")
     per_device = [d for _, d in gathered]
+    for d in per_device:
+        d.update(achieved(flops_per_sample["total_flops"], d["samples_per_s"], d.get("peak_gflops")))
     save_torch(run_dir / "checkpoint.pt", {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                                            "step": steps, "config": cfg.to_dict()})
     step_s = sum(d["step_s"] for d in per_device) / world
@@ -280,12 +295,14 @@ def _write_outputs(cfg, run_dir: Path, model, optimizer, gathered, train_totals,
     bytes_sent = sum(d["bytes_sent"] for d in per_device)
     summary = {
         "run_dir": str(run_dir), "model": cfg.model, "params": params, "dataset": data.name,
+        "input_shape": list(data.input_shape), "flops_per_sample": flops_per_sample,
         "devices": world, "profiles": [d["profile"] for d in per_device],
         "global_batch": cfg.batch_size, "local_batches": local_batches, "steps": steps,
         "train_loss": (train_totals[0] / train_totals[2]).item(),
         "train_accuracy": (train_totals[1] / train_totals[2]).item(),
         "test_loss": last.get("test_loss"), "test_accuracy": last.get("test_accuracy"), "evals": evals,
         "throughput_samples_per_s": sum(d["samples_per_s"] for d in per_device),
+        "achieved_gflops": sum(d["achieved_gflops"] for d in per_device),
         "step_s": step_s, "time_split_s": split,
         "time_split_fraction": {k: v / step_s for k, v in split.items()} if step_s else {},
         "bytes_sent_total": bytes_sent, "bytes_recv_total": sum(d["bytes_recv"] for d in per_device),
