@@ -274,3 +274,26 @@ def test_error_feedback_loses_nothing_with_layers(make):
         memory.update(compensated, d)
         sent += d
     assert torch.allclose(sent + memory.residuals[0].double(), inputs, atol=1e-4)
+
+
+@pytest.mark.parametrize("make_memory", [ResidualMemory, lambda: DGCMemory(momentum=0.9)])
+def test_memory_follows_named_parts_whatever_their_order(make_memory):
+    """A memory fed the same tensors in a new order at every step sends each tensor what one fed them in a fixed order does."""
+    sizes = {"head": 40, "bias": 3, "conv": 57}
+    orders = [("head", "bias", "conv"), ("conv", "bias", "head"), ("bias", "head", "conv"), ("conv", "head", "bias")]
+    fixed, moving, c = make_memory(), make_memory(), TopK(0.05)
+
+    def step(memory, order, grads):
+        parts = tuple((name, sizes[name]) for name in order)
+        x = torch.cat([grads[name] for name in order])
+        compensated = memory.compensate(x, parts=parts)
+        d = c.decode(c.encode(compensated))
+        memory.update(compensated, d, parts=parts)
+        return dict(zip(order, d.split([sizes[name] for name in order])))
+
+    for i in range(12):
+        grads = {name: sample(n, seed=10 * i + j) for j, (name, n) in enumerate(sizes.items())}
+        want = step(fixed, orders[0], grads)
+        got = step(moving, orders[i % len(orders)], grads)
+        for name in sizes:
+            assert torch.equal(got[name], want[name]), f"step {i}: {name} differs"
