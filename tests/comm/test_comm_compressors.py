@@ -297,3 +297,16 @@ def test_memory_follows_named_parts_whatever_their_order(make_memory):
         got = step(moving, orders[i % len(orders)], grads)
         for name in sizes:
             assert torch.equal(got[name], want[name]), f"step {i}: {name} differs"
+
+
+def test_compression_benchmark_help_lists_methods():
+    """``benchmarks/compression.py --help`` once crashed: a method is named "randk-1%", and argparse formats help with %."""
+    import subprocess
+    import sys
+
+    from edgetrain_testing import REPO
+
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "compression.py"), "--help"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-500:]
+    assert "randk-1%" in done.stdout
