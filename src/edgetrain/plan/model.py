@@ -240,14 +240,18 @@ def predict(costs: ModelCosts, devices: list[DeviceSpec], batches: list[int], tr
         steps = [c_max + comm[0]] * p
     memory = _memory(costs, traffic, optimizer, momentum, runtime_mb, batches)
 
+    # Totals and link names once per distinct memory dict and link object (shared by many devices).
+    totals = {key: sum(mem.values()) for key, mem in {id(mem): mem for mem in memory}.items()}
+    link_names = {key: link.name or link.describe() if link else "none"
+                  for key, link in {id(link): link for link in links}.items()}
     rows = []
     for d, b, c, t, s, link, mem in zip(devices, batches, compute, comm, steps, links, memory):
-        total = sum(mem.values())
+        total = totals[id(mem)]
         limit = d.profile.memory_mb
         g, source = gflops_cache[d.profile]
         rows.append(DevicePrediction(
             rank=d.rank, profile=d.profile.name, gflops=g, gflops_source=source, batch=b,
-            link=link.name or link.describe() if link else "none", compute_s=c, comm_s=t, wait_s=max(0.0, s - c - t),
+            link=link_names[id(link)], compute_s=c, comm_s=t, wait_s=max(0.0, s - c - t),
             step_s=s, samples_per_s=b / s, memory_mb=mem, memory_total_mb=total, memory_limit_mb=limit,
             over_limit=limit is not None and total > limit))
     step_mean = sum(steps) / p
