@@ -111,7 +111,7 @@ def device_links(devices: list[DeviceSpec]) -> list[Link | None]:
 def exchange_seconds(traffic: Traffic, links: list[Link]) -> float:
     """Modelled seconds of one exchange among all ``links`` (not gossip), mean latency."""
     p = len(links)
-    distinct = list(dict.fromkeys(links))
+    distinct = list(dict.fromkeys({id(link): link for link in links}.values()))  # by identity first: cheap
     total = 0.0
     for kind, sent in traffic.collectives:
         rounds = ROUNDS[kind](p)
@@ -224,7 +224,13 @@ def predict(costs: ModelCosts, devices: list[DeviceSpec], batches: list[int], tr
     if not traffic.collectives:
         exchange, per_device_exchange = 0.0, [0.0] * p
     elif traffic.neighbours_only:
-        per_device_exchange = [gossip_seconds(traffic, links, r) for r in range(p)]  # type: ignore[arg-type]
+        by_neighbours: dict[tuple[int, ...], float] = {}  # devices with the same three links: one computation
+        per_device_exchange = []
+        for r in range(p):
+            key = tuple(id(links[j % p]) for j in (r - 1, r, r + 1))
+            if key not in by_neighbours:
+                by_neighbours[key] = gossip_seconds(traffic, links, r)  # type: ignore[arg-type]
+            per_device_exchange.append(by_neighbours[key])
         exchange = max(per_device_exchange)
     else:
         exchange = exchange_seconds(traffic, links)  # type: ignore[arg-type]

@@ -172,12 +172,13 @@ def _compute_times(rng: np.random.Generator, mean: np.ndarray, steps: int, cv: f
     """(devices, steps) compute seconds: gamma with the given mean and CV, some steps slowed by stragglers."""
     if cv > 0:
         shape = 1.0 / cv**2
-        times = rng.gamma(shape, 1.0, size=(len(mean), steps)) * (mean / shape)[:, None]
+        times = rng.gamma(shape, 1.0, size=(len(mean), steps))
+        times *= (mean / shape)[:, None]  # in place: with a million devices the array is 800 MB
     else:
         times = np.repeat(mean[:, None], steps, axis=1)
     if straggler_prob > 0:
         slow = rng.random(times.shape) < straggler_prob
-        times = np.where(slow, times * straggler_factor, times)
+        np.multiply(times, straggler_factor, out=times, where=slow)
     return times
 
 
@@ -217,7 +218,10 @@ def _max_of_normals(rng: np.random.Generator, n: int, size: tuple[int, ...]) -> 
     return -torch.special.ndtri(torch.from_numpy(upper_tail)).numpy()
 
 
-ROUNDS_DRAWN_AT_ONCE = 1 << 22  # bounds memory when a ring of a million devices has two million rounds
+# A ring of a million devices has two million rounds: exchanges are simulated a block of rows at
+# a time (bounds memory) and rounds drawn a piece at a time (small temporaries the allocator reuses).
+ROUNDS_PER_BLOCK = 1 << 22
+ROUNDS_PER_PIECE = 1 << 16
 
 
 def _exchange_times(rng: np.random.Generator, pred: Prediction, count: int, jitter: bool,
@@ -243,15 +247,19 @@ def _exchange_times(rng: np.random.Generator, pred: Prediction, count: int, jitt
         if not jittered:
             out += rounds * steady_s
             continue
-        # Some exchanges at a time. With one jittered group the random stream is the one drawing
-        # all at once gives; with several, every group draws all its exchanges before the next.
-        block = max(1, ROUNDS_DRAWN_AT_ONCE // rounds) if len(jittered) == 1 else count
+        # Draws in the order one (exchanges, rounds) array per group would take them: with one
+        # jittered group blocks of exchanges follow each other in the random stream; with several,
+        # every group draws all its exchanges before the next (one block).
+        block = max(1, ROUNDS_PER_BLOCK // rounds) if len(jittered) == 1 else count
         for start in range(0, count, block):
             rows = min(block, count - start)
             slowest = np.full((rows, rounds), steady_s)
+            flat = slowest.reshape(-1)
             for (lat, sigma, gp), n in jittered:
-                round_lat = np.maximum(0.0, lat + sigma * _max_of_normals(rng, n, (rows, rounds)))
-                np.maximum(slowest, round_lat + chunk / gp, out=slowest)
+                for at in range(0, flat.size, ROUNDS_PER_PIECE):
+                    piece = flat[at:at + ROUNDS_PER_PIECE]
+                    round_lat = np.maximum(0.0, lat + sigma * _max_of_normals(rng, n, piece.shape))
+                    np.maximum(piece, round_lat + chunk / gp, out=piece)
             out[start:start + rows] += slowest.sum(axis=1)
     return out
 
