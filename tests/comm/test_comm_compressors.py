@@ -310,3 +310,14 @@ def test_compression_benchmark_help_lists_methods():
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-500:]
     assert "randk-1%" in done.stdout
+
+
+def test_topk_warmup_of_buckets_made_after_step_0_follows_the_same_schedule():
+    """Step 0 in one bucket, then three (as DDP rebuilds them): every bucket at the density of the step."""
+    c, reference = TopK(0.001, warmup_steps=8), TopK(0.001, warmup_steps=8)
+    for step in range(10):
+        want = reference.density()
+        reference.encode(sample())
+        for key in ([0] if step == 0 else [0, 1, 2]):
+            kept = c.encode(sample(), key).tensors[0].numel()
+            assert kept == math.ceil(want * 1000), f"step {step}, bucket {key}: kept {kept}"
