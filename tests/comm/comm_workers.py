@@ -223,8 +223,8 @@ class HeadFirst(nn.Module):
         return self.head(nn.functional.relu(self.conv2(x)).flatten(1))
 
 
-def memory_over_reordered_bucket(rank: int, world: int, spec: str, steps: int = 6) -> dict:
-    """Per parameter, the sums over steps of this device's local gradients and of the averaged ones.
+def memory_over_reordered_bucket(rank: int, world: int, specs: list[str], steps: int = 6) -> dict:
+    """Per spec and parameter, the sums over steps of this device's local gradients and of the averaged ones.
 
     After ``steps`` steps one more step sends what the memory still holds: zero
     gradients through an uncompressed exchange. With error feedback nothing is
@@ -235,32 +235,35 @@ def memory_over_reordered_bucket(rank: int, world: int, spec: str, steps: int = 
     from edgetrain.comm import make_hook
     from edgetrain.comm.compress import NoCompression
 
-    model = DDP(HeadFirst(), bucket_cap_mb=100)  # one bucket
-    state, hook = make_hook(spec)
-    names = {id(p): n for n, p in model.module.named_parameters()}
-    local = {n: torch.zeros_like(p) for n, p in model.module.named_parameters()}
-    averaged = {n: torch.zeros_like(p) for n, p in model.module.named_parameters()}
-    layouts = []
+    results = {}
+    for spec in specs:
+        model = DDP(HeadFirst(), bucket_cap_mb=100)  # one bucket
+        state, hook = make_hook(spec)
+        names = {id(p): n for n, p in model.module.named_parameters()}
+        local = {n: torch.zeros_like(p) for n, p in model.module.named_parameters()}
+        averaged = {n: torch.zeros_like(p) for n, p in model.module.named_parameters()}
+        layouts = []
 
-    def recording_hook(state, bucket):
-        layouts.append(tuple(names[id(p)] for p in bucket.parameters()))
-        for p, g in zip(bucket.parameters(), bucket.gradients()):
-            local[names[id(p)]] += g.detach().reshape(p.shape)
-        return hook(state, bucket)
+        def recording_hook(state, bucket, hook=hook, names=names, local=local, layouts=layouts):
+            layouts.append(tuple(names[id(p)] for p in bucket.parameters()))
+            for p, g in zip(bucket.parameters(), bucket.gradients()):
+                local[names[id(p)]] += g.detach().reshape(p.shape)
+            return hook(state, bucket)
 
-    model.register_comm_hook(state, recording_hook)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    g = torch.Generator().manual_seed(rank + 1)
-    for step in range(steps + 1):
-        x, y = torch.randn(16, 3, 8, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
-        if step == steps:  # the flush: zero gradients, sent uncompressed
-            state.compressor = NoCompression()
-            loss = model(x).sum() * 0.0
-        else:
-            loss = nn.functional.cross_entropy(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        for n, p in model.module.named_parameters():
-            averaged[n] += p.grad
-        opt.step()
-    return {"local": local, "averaged": averaged, "layouts": layouts}
+        model.register_comm_hook(state, recording_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        g = torch.Generator().manual_seed(rank + 1)
+        for step in range(steps + 1):
+            x, y = torch.randn(16, 3, 8, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
+            if step == steps:  # the flush: zero gradients, sent uncompressed
+                state.compressor = NoCompression()
+                loss = model(x).sum() * 0.0
+            else:
+                loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            for n, p in model.module.named_parameters():
+                averaged[n] += p.grad
+            opt.step()
+        results[spec] = {"local": local, "averaged": averaged, "layouts": layouts}
+    return results
