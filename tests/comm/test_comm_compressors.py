@@ -278,7 +278,7 @@ def test_error_feedback_loses_nothing_with_layers(make):
 
 @pytest.mark.parametrize("make_memory", [ResidualMemory, lambda: DGCMemory(momentum=0.9)])
 def test_memory_follows_named_parts_whatever_their_order(make_memory):
-    """A memory fed the same tensors in a new order at every step sends each tensor what one fed them in a fixed order does."""
+    """Fed the same tensors in a new order at every step, a memory sends each tensor what it sends in a fixed order."""
     sizes = {"head": 40, "bias": 3, "conv": 57}
     orders = [("head", "bias", "conv"), ("conv", "bias", "head"), ("bias", "head", "conv"), ("conv", "head", "bias")]
     fixed, moving, c = make_memory(), make_memory(), TopK(0.05)
@@ -300,7 +300,7 @@ def test_memory_follows_named_parts_whatever_their_order(make_memory):
 
 
 def test_compression_benchmark_help_lists_methods():
-    """``benchmarks/compression.py --help`` once crashed: a method is named "randk-1%", and argparse formats help with %."""
+    """``benchmarks/compression.py --help`` crashed: argparse formats help with %, and one method is "randk-1%"."""
     import subprocess
     import sys
 

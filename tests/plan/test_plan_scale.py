@@ -94,7 +94,7 @@ def test_small_cluster_plans_as_before(tmp_path):
 
 @pytest.mark.parametrize("sync", ["sync", "local:4"])
 def test_100k_devices_plan_in_seconds(sync):
-    """Once quadratic (39 s for --devices 100000); now linear. CPU time, so that other load on the host does not count."""
+    """Once quadratic (39 s for --devices 100000), now linear. CPU time: other load on the host does not count."""
     cfg = load_config(devices=100_000, profile="rpi4", link="lte-10m", batch_size=1_600_000, sync=sync)
     started = time.process_time()
     pred = predict_inputs(plan_inputs(cfg, costs=COSTS), runtime_mb=100)
