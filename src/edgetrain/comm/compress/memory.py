@@ -44,12 +44,12 @@ def _parts(x: torch.Tensor, key: object, parts: Parts | None) -> Parts:
     return parts or ((key, x.numel()),)
 
 
-def _assemble(store: dict, parts: Parts) -> torch.Tensor:
+def _assemble(store: dict, parts: Parts, like: torch.Tensor) -> torch.Tensor:
     """The stored pieces of ``parts``, end to end in their order; zeros for a part not (or no longer) known."""
     pieces = []
     for name, n in parts:
         piece = store.get(name)
-        pieces.append(piece if piece is not None and piece.numel() == n else torch.zeros(n))
+        pieces.append(piece if piece is not None and piece.numel() == n else like.new_zeros(n))
     return torch.cat(pieces)
 
 
@@ -77,7 +77,7 @@ class ResidualMemory:
         self.residuals: dict[object, torch.Tensor] = {}
 
     def compensate(self, x: torch.Tensor, key: object = 0, parts: Parts | None = None) -> torch.Tensor:
-        return x + _assemble(self.residuals, _parts(x, key, parts))
+        return x + _assemble(self.residuals, _parts(x, key, parts), x)
 
     def update(self, compensated: torch.Tensor, sent: torch.Tensor, key: object = 0,
                parts: Parts | None = None) -> None:
@@ -96,13 +96,13 @@ class DGCMemory:
 
     def compensate(self, x: torch.Tensor, key: object = 0, parts: Parts | None = None) -> torch.Tensor:
         parts = _parts(x, key, parts)
-        u = _assemble(self.velocity, parts).mul_(self.momentum).add_(x)
+        u = _assemble(self.velocity, parts, x).mul_(self.momentum).add_(x)
         _store(self.velocity, parts, u)
-        return _assemble(self.accumulated, parts) + u
+        return _assemble(self.accumulated, parts, x) + u
 
     def update(self, compensated: torch.Tensor, sent: torch.Tensor, key: object = 0,
                parts: Parts | None = None) -> None:
         parts = _parts(compensated, key, parts)
         mask = sent != 0
         _store(self.accumulated, parts, compensated.masked_fill(mask, 0.0))
-        _store(self.velocity, parts, _assemble(self.velocity, parts).masked_fill_(mask, 0.0))
+        _store(self.velocity, parts, _assemble(self.velocity, parts, sent).masked_fill_(mask, 0.0))
