@@ -179,7 +179,8 @@ def plot(results: list[dict], target: float, path: Path, title: str) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from: {', '.join(METHODS)}")
+    choices = ", ".join(METHODS).replace("%", "%%")  # argparse formats help with %: "randk-1%" must be escaped
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from: {choices}")
     p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--devices", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=128, help="global batch")

@@ -136,3 +136,15 @@ def test_throttle_inflation_ignores_eval_and_other_batch_sizes():
     model.train()
     model(torch.randn(8, 4)).sum().backward()
     assert len(throttle.inflations) == 1
+
+
+def test_balanced_split_never_leaves_a_device_without_samples(tmp_path):
+    """Shares rounded up to 1 are paid back by devices with more, not by the slow device itself.
+
+    raw shares 0.04, 0.04, 3.92 round to 1, 1, 3 = 5 > 4; the rounding once took the sample back
+    from the first slow device, leaving it a batch of 0.
+    """
+    path = write(tmp_path, "profiles: {slow: {speed: 0.01}, fast: {speed: 1.0}}\ndevices: [slow, slow, fast]\n")
+    cfg = load_config(cluster=str(path), batch_size=4, local_batch="balanced")
+    assert split_batch(cfg, plan_devices(cfg)) == [1, 1, 2]
+

@@ -201,3 +201,69 @@ def sync_modes(rank: int, world: int, cases: list[tuple]) -> dict:
                          "params": flat_params(sync.model.module if hasattr(sync.model, "module") else sync.model),
                          "summary": sync.summary(), "metrics": metrics}
     return results
+
+
+class HeadFirst(nn.Module):
+    """A small CNN whose head is registered before its convolutions.
+
+    DDP lays its first buckets out in reverse registration order and rebuilds
+    them after step 0 in the order gradients become ready (head first), so the
+    parameters of its one bucket change places after the first step.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.head = nn.Linear(8 * 4 * 4, 4)
+        self.conv1 = nn.Conv2d(3, 4, 3, padding=1)
+        self.conv2 = nn.Conv2d(4, 8, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = nn.functional.max_pool2d(nn.functional.relu(self.conv1(x)), 2)
+        return self.head(nn.functional.relu(self.conv2(x)).flatten(1))
+
+
+def memory_over_reordered_bucket(rank: int, world: int, specs: list[str], steps: int = 6) -> dict:
+    """Per spec and parameter, the sums over steps of this device's local gradients and of the averaged ones.
+
+    After ``steps`` steps one more step sends what the memory still holds: zero
+    gradients through an uncompressed exchange. With error feedback nothing is
+    then lost, so the averaged sum must equal the mean over devices of the local sums.
+    """
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from edgetrain.comm import make_hook
+    from edgetrain.comm.compress import NoCompression
+
+    results = {}
+    for spec in specs:
+        model = DDP(HeadFirst(), bucket_cap_mb=100)  # one bucket
+        state, hook = make_hook(spec)
+        names = {id(p): n for n, p in model.module.named_parameters()}
+        local = {n: torch.zeros_like(p) for n, p in model.module.named_parameters()}
+        averaged = {n: torch.zeros_like(p) for n, p in model.module.named_parameters()}
+        layouts = []
+
+        def recording_hook(state, bucket, hook=hook, names=names, local=local, layouts=layouts):
+            layouts.append(tuple(names[id(p)] for p in bucket.parameters()))
+            for p, g in zip(bucket.parameters(), bucket.gradients()):
+                local[names[id(p)]] += g.detach().reshape(p.shape)
+            return hook(state, bucket)
+
+        model.register_comm_hook(state, recording_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        g = torch.Generator().manual_seed(rank + 1)
+        for step in range(steps + 1):
+            x, y = torch.randn(16, 3, 8, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
+            if step == steps:  # the flush: zero gradients, sent uncompressed
+                state.compressor = NoCompression()
+                loss = model(x).sum() * 0.0
+            else:
+                loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            for n, p in model.module.named_parameters():
+                averaged[n] += p.grad
+            opt.step()
+        results[spec] = {"local": local, "averaged": averaged, "layouts": layouts}
+    return results

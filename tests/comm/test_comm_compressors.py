@@ -274,3 +274,50 @@ def test_error_feedback_loses_nothing_with_layers(make):
         memory.update(compensated, d)
         sent += d
     assert torch.allclose(sent + memory.residuals[0].double(), inputs, atol=1e-4)
+
+
+@pytest.mark.parametrize("make_memory", [ResidualMemory, lambda: DGCMemory(momentum=0.9)])
+def test_memory_follows_named_parts_whatever_their_order(make_memory):
+    """Fed the same tensors in a new order at every step, a memory sends each tensor what it sends in a fixed order."""
+    sizes = {"head": 40, "bias": 3, "conv": 57}
+    orders = [("head", "bias", "conv"), ("conv", "bias", "head"), ("bias", "head", "conv"), ("conv", "head", "bias")]
+    fixed, moving, c = make_memory(), make_memory(), TopK(0.05)
+
+    def step(memory, order, grads):
+        parts = tuple((name, sizes[name]) for name in order)
+        x = torch.cat([grads[name] for name in order])
+        compensated = memory.compensate(x, parts=parts)
+        d = c.decode(c.encode(compensated))
+        memory.update(compensated, d, parts=parts)
+        return dict(zip(order, d.split([sizes[name] for name in order])))
+
+    for i in range(12):
+        grads = {name: sample(n, seed=10 * i + j) for j, (name, n) in enumerate(sizes.items())}
+        want = step(fixed, orders[0], grads)
+        got = step(moving, orders[i % len(orders)], grads)
+        for name in sizes:
+            assert torch.equal(got[name], want[name]), f"step {i}: {name} differs"
+
+
+def test_compression_benchmark_help_lists_methods():
+    """``benchmarks/compression.py --help`` crashed: argparse formats help with %, and one method is "randk-1%"."""
+    import subprocess
+    import sys
+
+    from edgetrain_testing import REPO
+
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "compression.py"), "--help"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-500:]
+    assert "randk-1%" in done.stdout
+
+
+def test_topk_warmup_of_buckets_made_after_step_0_follows_the_same_schedule():
+    """Step 0 in one bucket, then three (as DDP rebuilds them): every bucket at the density of the step."""
+    c, reference = TopK(0.001, warmup_steps=8), TopK(0.001, warmup_steps=8)
+    for step in range(10):
+        want = reference.density()
+        reference.encode(sample())
+        for key in ([0] if step == 0 else [0, 1, 2]):
+            kept = c.encode(sample(), key).tensors[0].numel()
+            assert kept == math.ceil(want * 1000), f"step {step}, bucket {key}: kept {kept}"

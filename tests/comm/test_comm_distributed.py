@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from comm_workers import exchange_exactness, link_time_checks, plain_ddp_training, spawn, sync_modes
+from comm_workers import (exchange_exactness, link_time_checks, memory_over_reordered_bucket, plain_ddp_training,
+                          spawn, sync_modes)
 
 from edgetrain.comm.accounting import ring_allreduce_bytes
 
@@ -75,3 +76,23 @@ def test_sync_modes_train_and_agree():
             bound = int(case[0].split(":")[1])
             assert s["staleness_max"] <= bound and s["rounds"] >= 32 // bound, s
     assert ranks[0][SYNC_CASES[0]]["summary"]["averages"] == 8
+
+
+EF_SPECS = ["topk:0.01", "topk:0.01:dgc:momentum=0"]
+
+
+def test_error_feedback_follows_parameters_when_ddp_reorders_its_bucket():
+    """sum of averaged gradients + what the memories still held == mean of the local sums, per parameter.
+
+    DGC runs at momentum 0, where its accumulation is plain error feedback; its
+    momentum is checked under reordering in test_comm_compressors.py.
+    """
+    ranks = spawn(memory_over_reordered_bucket, 2, EF_SPECS)
+    for spec in EF_SPECS:
+        layouts = ranks[0][spec]["layouts"]
+        assert len(set(layouts[0])) == len(layouts[0]) == 6 and len(layouts) == 7, "expected one bucket per step"
+        assert layouts[1] != layouts[0], "DDP did not reorder its bucket: the test would prove nothing"
+        for name, averaged in ranks[0][spec]["averaged"].items():
+            want = sum(r[spec]["local"][name] for r in ranks) / len(ranks)
+            assert torch.allclose(averaged, want, rtol=1e-4, atol=1e-6), \
+                f"{spec}, {name}: off by {(averaged - want).abs().max():.3g}"

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from edgetrain.errors import EdgetrainError
 
 
@@ -177,21 +179,27 @@ def plan_devices(cfg: Any, world_size: int | None = None) -> list[DeviceSpec]:
         if world_size is not None and world_size != len(devices):
             raise EdgetrainError(f"cluster file {cfg.cluster} lists {len(devices)} devices but "
                                  f"WORLD_SIZE is {world_size}; launch one process per listed device")
+        if cfg.link:
+            devices = [DeviceSpec(d.rank, d.profile, d.batch, cfg.link) for d in devices]
     else:
         profile = get_profile(cfg.profile)
         n = world_size if world_size is not None else cfg.devices
-        devices = [DeviceSpec(r, profile, None, profile.link) for r in range(n)]
-    if cfg.link:
-        devices = [dataclasses.replace(d, link=cfg.link) for d in devices]
+        link = cfg.link or profile.link
+        devices = [DeviceSpec(r, profile, None, link) for r in range(n)]
     from edgetrain.cluster.links import get_link
 
-    for d in devices:  # a bad link in the cluster file fails here, before any device starts
-        get_link(d.link)
+    # A bad link in the cluster file fails here, before any device starts; each distinct link is
+    # checked once, as a million devices share a handful of links.
+    for link in {repr(d.link): d.link for d in devices}.values():
+        get_link(link)
     return devices
 
 
 def split_batch(cfg: Any, devices: list[DeviceSpec]) -> list[int]:
-    """Local batch of every device; they sum to the global batch."""
+    """Local batch of every device; they sum to the global batch and every one is at least 1.
+
+    O(devices log devices): the planner splits batches over up to a million devices.
+    """
     n, total = len(devices), cfg.batch_size
     if cfg.local_batch not in ("even", "balanced"):
         sizes = [int(s) for s in cfg.local_batch.split(",")]
@@ -209,18 +217,27 @@ def split_batch(cfg: Any, devices: list[DeviceSpec]) -> list[int]:
     if total < n:
         raise EdgetrainError(f"batch_size {total} is smaller than the {n} devices: every device needs at least one sample")
     if cfg.local_batch == "balanced":
-        weights = [device_speed(d.profile) or float(d.profile.cores or os.cpu_count() or 1) for d in devices]
+        speeds: dict[DeviceProfile, float] = {}  # one per profile, not per device
+        for d in devices:
+            if d.profile not in speeds:
+                speeds[d.profile] = device_speed(d.profile) or float(d.profile.cores or os.cpu_count() or 1)
+        weights = [speeds[d.profile] for d in devices]
     else:
         weights = [1.0] * n
-    # Largest-remainder rounding keeps the sum exact and every share >= 1.
-    raw = [total * w / sum(weights) for w in weights]
-    sizes = [max(1, int(r)) for r in raw]
-    order = sorted(range(n), key=lambda i: raw[i] - int(raw[i]), reverse=True)
-    i = 0
-    while sum(sizes) < total:
-        sizes[order[i % n]] += 1
-        i += 1
-    while sum(sizes) > total:
-        j = max(range(n), key=lambda k: sizes[k] - raw[k])
-        sizes[j] -= 1
-    return sizes
+    # Largest-remainder rounding keeps the sum exact and every share >= 1. sum() of the list, left
+    # to right, keeps the shares bit for bit what they were when this was a per-device Python loop.
+    raw = total * np.array(weights) / sum(weights)
+    sizes = np.maximum(1, raw.astype(np.int64))
+    missing = total - int(sizes.sum())
+    if missing > 0:  # one more sample each, largest remainders first (ties: lower rank first)
+        order = np.argsort(-(raw - np.trunc(raw)), kind="stable")
+        rounds, rest = divmod(missing, n)
+        sizes += rounds
+        sizes[order[:rest]] += 1
+    excess = int(sizes.sum()) - total
+    while excess > 0:  # from shares raised to 1: take one back where rounding gave most, never below 1
+        spare = np.flatnonzero(sizes > 1)
+        take = spare[np.argsort(-(sizes[spare] - raw[spare]), kind="stable")[:excess]]
+        sizes[take] -= 1
+        excess -= len(take)
+    return sizes.tolist()

@@ -4,7 +4,7 @@
 
     compensated = memory.compensate(x)        # add what was not sent before
     payload     = compressor.encode(compensated)
-    memory.update(compensated, decode(payload))
+    memory.update(compensated, decode(payload))   # keep what was not sent now
     all-reduce (summable) or all-gather the payloads, decode, combine
 
 and charges every collective to the device's ``LinkEmulator``: bytes from the
@@ -39,16 +39,21 @@ def wait(work: dist.Work, timeout_s: float, what: str) -> None:
 
 
 def average(x: torch.Tensor, compressor: Compressor, memory, emulator: LinkEmulator, key: object = 0,
-            group=None, segments: tuple[int, ...] | None = None) -> torch.Tensor:
+            group=None, segments: tuple[int, ...] | None = None,
+            names: tuple[object, ...] | None = None) -> torch.Tensor:
     """The mean over the group of every device's decoded ``x`` (flat fp32).
 
     ``segments``: lengths of the tensors laid end to end in ``x`` (see ``compress/base.py``).
+    ``names``: a stable name for each segment (one for the whole ``x`` without segments), e.g.
+    its parameter, under which the memory keeps that segment's state whatever its place in
+    ``x`` (see ``compress/memory.py``); without names the memory keeps ``x`` whole under ``key``.
     """
     x = x.detach().reshape(-1).float()
-    compensated = memory.compensate(x, key)
+    parts = tuple(zip(names, segments or (x.numel(),), strict=True)) if names else None
+    compensated = memory.compensate(x, key, parts)
     payload = compressor.encode(compensated, key, segments)
     own = compressor.decode(payload)
-    memory.update(compensated, own, key)
+    memory.update(compensated, own, key, parts)
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     if world == 1:
         return own

@@ -13,6 +13,10 @@ trainer::
 
 or from a spec string: ``state, hook = make_hook("topk:0.01")``.
 
+Error-feedback memory is kept per parameter (named by its identity), not per
+bucket: DDP reorders a bucket's parameters when it rebuilds its buckets after
+the first step (see ``compress/memory.py``).
+
 The hook averages the bucket through ``exchange.average`` and returns an
 already completed future: the collective does not overlap the rest of the
 backward pass (the link model assumes no overlap; see ``emulation.py``).
@@ -57,10 +61,14 @@ class CompressionState:
 def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     buffer = bucket.buffer()
     segments = tuple(g.numel() for g in bucket.gradients())  # the bucket's parameters, end to end
+    # Memory is kept per parameter: DDP reorders a bucket's parameters when it rebuilds its buckets.
+    names = tuple(id(p) for p in bucket.parameters())
     if sum(segments) != buffer.numel():
-        segments = None
+        # No per-parameter layout: name the whole bucket by its parameters, so that a bucket
+        # that changes starts afresh instead of inheriting another layout's memory.
+        segments, names = None, (names,)
     mean = average(buffer, state.compressor, state.memory, state.emulator, key=bucket.index(), group=state.group,
-                   segments=segments)
+                   segments=segments, names=names)
     buffer.copy_(mean.view_as(buffer))
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(buffer)

@@ -111,7 +111,7 @@ def device_links(devices: list[DeviceSpec]) -> list[Link | None]:
 def exchange_seconds(traffic: Traffic, links: list[Link]) -> float:
     """Modelled seconds of one exchange among all ``links`` (not gossip), mean latency."""
     p = len(links)
-    distinct = list(dict.fromkeys(links))
+    distinct = list(dict.fromkeys({id(link): link for link in links}.values()))  # by identity first: cheap
     total = 0.0
     for kind, sent in traffic.collectives:
         rounds = ROUNDS[kind](p)
@@ -224,7 +224,13 @@ def predict(costs: ModelCosts, devices: list[DeviceSpec], batches: list[int], tr
     if not traffic.collectives:
         exchange, per_device_exchange = 0.0, [0.0] * p
     elif traffic.neighbours_only:
-        per_device_exchange = [gossip_seconds(traffic, links, r) for r in range(p)]  # type: ignore[arg-type]
+        by_neighbours: dict[tuple[int, ...], float] = {}  # devices with the same three links: one computation
+        per_device_exchange = []
+        for r in range(p):
+            key = tuple(id(links[j % p]) for j in (r - 1, r, r + 1))
+            if key not in by_neighbours:
+                by_neighbours[key] = gossip_seconds(traffic, links, r)  # type: ignore[arg-type]
+            per_device_exchange.append(by_neighbours[key])
         exchange = max(per_device_exchange)
     else:
         exchange = exchange_seconds(traffic, links)  # type: ignore[arg-type]
@@ -240,14 +246,18 @@ def predict(costs: ModelCosts, devices: list[DeviceSpec], batches: list[int], tr
         steps = [c_max + comm[0]] * p
     memory = _memory(costs, traffic, optimizer, momentum, runtime_mb, batches)
 
+    # Totals and link names once per distinct memory dict and link object (shared by many devices).
+    totals = {key: sum(mem.values()) for key, mem in {id(mem): mem for mem in memory}.items()}
+    link_names = {key: link.name or link.describe() if link else "none"
+                  for key, link in {id(link): link for link in links}.items()}
     rows = []
     for d, b, c, t, s, link, mem in zip(devices, batches, compute, comm, steps, links, memory):
-        total = sum(mem.values())
+        total = totals[id(mem)]
         limit = d.profile.memory_mb
         g, source = gflops_cache[d.profile]
         rows.append(DevicePrediction(
             rank=d.rank, profile=d.profile.name, gflops=g, gflops_source=source, batch=b,
-            link=link.name or link.describe() if link else "none", compute_s=c, comm_s=t, wait_s=max(0.0, s - c - t),
+            link=link_names[id(link)], compute_s=c, comm_s=t, wait_s=max(0.0, s - c - t),
             step_s=s, samples_per_s=b / s, memory_mb=mem, memory_total_mb=total, memory_limit_mb=limit,
             over_limit=limit is not None and total > limit))
     step_mean = sum(steps) / p

@@ -29,12 +29,19 @@ def _ranks(ranks: list[int]) -> str:
 
 def device_groups(pred: Prediction) -> list[dict]:
     """Devices with identical predictions, merged (a cluster of 4096 identical devices is one row)."""
-    groups: dict[tuple, dict] = {}
+    exact: dict[tuple, dict] = {}  # first by exact values: rounding once per distinct row, not per device
     for d in pred.devices:
-        key = (d.profile, d.batch, d.link, round(d.compute_s, 9), round(d.step_s, 9), round(d.memory_total_mb, 6))
-        if key not in groups:
-            groups[key] = {"ranks": [], "device": d}
-        groups[key]["ranks"].append(d.rank)
+        key = (d.profile, d.batch, d.link, d.compute_s, d.step_s, d.memory_total_mb)
+        if key not in exact:
+            exact[key] = {"ranks": [], "device": d}
+        exact[key]["ranks"].append(d.rank)
+    groups: dict[tuple, dict] = {}
+    for (profile, batch, link, compute_s, step_s, memory_mb), group in exact.items():
+        key = (profile, batch, link, round(compute_s, 9), round(step_s, 9), round(memory_mb, 6))
+        if key in groups:
+            groups[key]["ranks"] = sorted(groups[key]["ranks"] + group["ranks"])
+        else:
+            groups[key] = group
     return [{"ranks": _ranks(g["ranks"]), "count": len(g["ranks"]), **_row(g["device"])} for g in groups.values()]
 
 

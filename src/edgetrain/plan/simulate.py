@@ -1,4 +1,4 @@
-"""A step simulator for clusters of up to thousands of devices (numpy, vectorised over devices).
+"""A step simulator for clusters of up to a million devices (numpy, vectorised over devices).
 
 It replays ``S`` training steps of the cluster a ``Prediction`` describes,
 with the same clock rules as edgetrain's virtual link emulation
@@ -25,6 +25,12 @@ Clock rules per mode (``arrive_i`` = device ``i``'s clock after its compute):
   ``max_i a_i + Tc``; a device keeps stepping, applies the round at its first
   step end past completion and launches the next, or, ``S`` steps after the
   launch, waits for it (``edgetrain.comm.asynchronous``).
+
+Cost: O(devices x steps) for the clocks (a million devices, 100 steps: 800 MB
+per array, seconds of gamma draws), plus O(link groups x ring rounds x
+exchanges) for the exchanges: a ring of ``p`` devices has ``2(p-1)`` rounds, each
+drawn when its links jitter, in blocks to bound memory; without jitter a round
+lasts a constant and nothing is drawn.
 
 With ``compute_cv = 0``, no stragglers and no jitter the simulator reproduces
 the analytic model's step time (exactly for sync, local SGD and gossip on
@@ -122,11 +128,15 @@ def simulate(pred: Prediction, steps: int = 100, compute_cv: float = 0.05, strag
     batches = np.array([d.batch for d in pred.devices], dtype=float)
     mean = np.array([d.compute_s for d in pred.devices])
     compute = _compute_times(rng, mean, steps, compute_cv, straggler_prob, straggler_factor)
+    compute_total = compute.sum(axis=1)
     comm_s = np.zeros(p)
     if traffic.mode == "async":
         ends = _async(rng, pred, compute, jitter)
     else:
-        ends = np.empty((p, steps))
+        # step by step over the rows of (steps, devices) arrays: one step's clocks lie together in memory
+        by_step = np.ascontiguousarray(compute.T)
+        del compute
+        ends_by_step = np.empty((steps, p))
         period = traffic.period
         exchanges = [s for s in range(steps) if (s + 1) % period == 0] if traffic.collectives else []
         if traffic.neighbours_only:
@@ -136,23 +146,24 @@ def simulate(pred: Prediction, steps: int = 100, compute_cv: float = 0.05, strag
         t = np.zeros(p)
         x = 0
         for s in range(steps):
-            arrive = t + compute[:, s]
+            arrive = t + by_step[s]
             if x < len(exchanges) and exchanges[x] == s:
                 if traffic.neighbours_only:
                     ready = np.maximum(arrive, np.maximum(np.roll(arrive, 1), np.roll(arrive, -1)))
                     spent = tc[x]
                 else:
-                    ready = np.full(p, arrive.max())
+                    ready = arrive.max()  # all devices leave together: one clock, broadcast below
                     spent = tc[x]
                     if traffic.mode == "sync":
-                        spent = spent - min(pred.overlap * spent, compute[:, s].max())
+                        spent = spent - min(pred.overlap * spent, by_step[s].max())
                 t = ready + spent
                 comm_s += spent
                 x += 1
             else:
                 t = arrive
-            ends[:, s] = t
-    return SimResult(steps, traffic.mode, batches, ends, compute.sum(axis=1), comm_s, seed, compute_cv,
+            ends_by_step[s] = t
+        ends = ends_by_step.T
+    return SimResult(steps, traffic.mode, batches, ends, compute_total, comm_s, seed, compute_cv,
                      straggler_prob, straggler_factor, jitter)
 
 
@@ -161,19 +172,43 @@ def _compute_times(rng: np.random.Generator, mean: np.ndarray, steps: int, cv: f
     """(devices, steps) compute seconds: gamma with the given mean and CV, some steps slowed by stragglers."""
     if cv > 0:
         shape = 1.0 / cv**2
-        times = rng.gamma(shape, 1.0, size=(len(mean), steps)) * (mean / shape)[:, None]
+        times = rng.gamma(shape, 1.0, size=(len(mean), steps))
+        times *= (mean / shape)[:, None]  # in place: with a million devices the array is 800 MB
     else:
         times = np.repeat(mean[:, None], steps, axis=1)
     if straggler_prob > 0:
         slow = rng.random(times.shape) < straggler_prob
-        times = np.where(slow, times * straggler_factor, times)
+        np.multiply(times, straggler_factor, out=times, where=slow)
     return times
 
 
+def _distinct_links(pred: Prediction) -> tuple[list, np.ndarray]:
+    """The devices' distinct link objects (in order of first appearance) and each device's index into them."""
+    slot: dict[int, int] = {}
+    distinct = []
+    for link in pred.links:  # by identity: devices on one link share one object (model.device_links)
+        if id(link) not in slot:
+            slot[id(link)] = len(distinct)
+            distinct.append(link)
+    index = np.fromiter((slot[id(link)] for link in pred.links), dtype=np.int64, count=len(pred.links))
+    return distinct, index
+
+
 def _link_arrays(pred: Prediction) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    links = pred.links
-    return (np.array([link.latency_s for link in links]), np.array([link.jitter_s for link in links]),
-            np.array([link.goodput_Bps for link in links]))
+    distinct, index = _distinct_links(pred)
+    latency, jitter, goodput = (np.array([getattr(link, name) for link in distinct])[index]
+                                for name in ("latency_s", "jitter_s", "goodput_Bps"))
+    return latency, jitter, goodput
+
+
+def _link_groups(pred: Prediction) -> list[tuple[tuple[float, float, float], int]]:
+    """((latency, jitter, goodput), devices) per group of identical links, in order of first appearance."""
+    distinct, index = _distinct_links(pred)
+    groups: dict[tuple[float, float, float], int] = {}
+    for link, n in zip(distinct, np.bincount(index, minlength=len(distinct)).tolist()):
+        key = (link.latency_s, link.jitter_s, link.goodput_Bps)
+        groups[key] = groups.get(key, 0) + n
+    return list(groups.items())
 
 
 def _max_of_normals(rng: np.random.Generator, n: int, size: tuple[int, ...]) -> np.ndarray:
@@ -183,28 +218,49 @@ def _max_of_normals(rng: np.random.Generator, n: int, size: tuple[int, ...]) -> 
     return -torch.special.ndtri(torch.from_numpy(upper_tail)).numpy()
 
 
-def _exchange_times(rng: np.random.Generator, pred: Prediction, count: int, jitter: bool) -> np.ndarray:
-    """Seconds of ``count`` exchanges among all devices (every collective of one exchange summed)."""
+# A ring of a million devices has two million rounds: exchanges are simulated a block of rows at
+# a time (bounds memory) and rounds drawn a piece at a time (small temporaries the allocator reuses).
+ROUNDS_PER_BLOCK = 1 << 22
+ROUNDS_PER_PIECE = 1 << 16
+
+
+def _exchange_times(rng: np.random.Generator, pred: Prediction, count: int, jitter: bool,
+                    groups: list | None = None) -> np.ndarray:
+    """Seconds of ``count`` exchanges among all devices (every collective of one exchange summed).
+
+    O(link groups x rounds x count), nothing per device; without jitter a round lasts a
+    constant and no round is drawn. ``groups``: ``_link_groups(pred)``, if already known.
+    """
     out = np.zeros(count)
     if count == 0:
         return out
-    latency, jit, goodput = _link_arrays(pred)
-    groups: dict[tuple[float, float, float], int] = {}
-    for key in zip(latency, jit, goodput):
-        groups[key] = groups.get(key, 0) + 1
-    p = len(latency)
+    groups = _link_groups(pred) if groups is None else groups
+    jittered = [g for g in groups if jitter and g[0][1] > 0]
+    steady = [g for g in groups if g not in jittered]
+    p = len(pred.links)
     for kind, sent in pred.traffic.collectives:
         rounds = ROUNDS[kind](p)
         if rounds == 0:
             continue
         chunk = sent / rounds
-        slowest = np.zeros((count, rounds))
-        for (lat, sigma, gp), n in groups.items():
-            round_lat = np.full((count, rounds), lat)
-            if jitter and sigma > 0:
-                round_lat = np.maximum(0.0, lat + sigma * _max_of_normals(rng, n, (count, rounds)))
-            slowest = np.maximum(slowest, round_lat + chunk / gp)
-        out += slowest.sum(axis=1)
+        steady_s = max((lat + chunk / gp for (lat, _, gp), _ in steady), default=0.0)
+        if not jittered:
+            out += rounds * steady_s
+            continue
+        # Draws in the order one (exchanges, rounds) array per group would take them: with one
+        # jittered group blocks of exchanges follow each other in the random stream; with several,
+        # every group draws all its exchanges before the next (one block).
+        block = max(1, ROUNDS_PER_BLOCK // rounds) if len(jittered) == 1 else count
+        for start in range(0, count, block):
+            rows = min(block, count - start)
+            slowest = np.full((rows, rounds), steady_s)
+            flat = slowest.reshape(-1)
+            for (lat, sigma, gp), n in jittered:
+                for at in range(0, flat.size, ROUNDS_PER_PIECE):
+                    piece = flat[at:at + ROUNDS_PER_PIECE]
+                    round_lat = np.maximum(0.0, lat + sigma * _max_of_normals(rng, n, piece.shape))
+                    np.maximum(piece, round_lat + chunk / gp, out=piece)
+            out[start:start + rows] += slowest.sum(axis=1)
     return out
 
 
@@ -241,11 +297,12 @@ def _async(rng: np.random.Generator, pred: Prediction, compute: np.ndarray, jitt
     if not pred.traffic.collectives:
         return np.cumsum(compute, axis=1)
     rows = np.arange(p)
+    groups = _link_groups(pred)  # once, not per round
     ends[:, 0] = compute[:, 0]
     done = np.ones(p, dtype=int)          # steps finished; every device launches its first round after step 1
     launch = ends[:, 0].copy()
     while done.min() < steps:
-        complete = launch.max() + _exchange_times(rng, pred, 1, jitter)[0]
+        complete = launch.max() + _exchange_times(rng, pred, 1, jitter, groups)[0]
         index = done[:, None] + np.arange(bound)[None, :]
         inside = index < steps
         step = np.where(inside, compute[rows[:, None], np.minimum(index, steps - 1)], 0.0)

@@ -18,22 +18,55 @@ our short CIFAR runs (``benchmarks/compression.py``) EF-signSGD reached 31%
 that way and 51% with plain SGD at a higher learning rate; top-k was less
 sensitive. DGC's answer is ``DGCMemory``: momentum before compression.
 
-All memories are keyed, like compressors, by the name of the tensor (a DDP
-bucket index). A memory whose tensor changes length (DDP rebuilds its buckets
-after the first iteration) starts that key afresh.
+Keying: state follows the parameter, not its place in a flat tensor. A
+DDP bucket is a flat tensor of several parameters' gradients, and DDP
+rebuilds its buckets after the first iteration in the order the gradients
+became ready, usually the reverse of registration: the same bucket index (even
+the same length) then holds the parameters in another order. State keyed by
+the bucket index would add one parameter's residual to another parameter's
+gradient (at 1% top-k the step-0 residual is ~99% of the step-0 gradient).
+So every method takes ``parts``, the ``(name, length)`` of each tensor laid
+end to end in ``x`` (the hook names each parameter by its identity), and keeps
+one piece of state per name, assembled into the layout of the call at hand.
+Without ``parts`` the whole tensor is one part named ``key`` (local SGD and
+async, whose flat vector of all parameters never changes order). A part whose
+length changes starts afresh.
 """
 from __future__ import annotations
 
 import torch
 
 
+Parts = tuple[tuple[object, int], ...]
+
+
+def _parts(x: torch.Tensor, key: object, parts: Parts | None) -> Parts:
+    return parts or ((key, x.numel()),)
+
+
+def _assemble(store: dict, parts: Parts, like: torch.Tensor) -> torch.Tensor:
+    """The stored pieces of ``parts``, end to end in their order; zeros for a part not (or no longer) known."""
+    pieces = []
+    for name, n in parts:
+        piece = store.get(name)
+        pieces.append(piece if piece is not None and piece.numel() == n else like.new_zeros(n))
+    return torch.cat(pieces)
+
+
+def _store(store: dict, parts: Parts, flat: torch.Tensor) -> None:
+    """Keep each part's piece of ``flat`` under its name."""
+    for (name, _), piece in zip(parts, flat.split([n for _, n in parts])):
+        store[name] = piece
+
+
 class NoMemory:
     name = "none"
 
-    def compensate(self, x: torch.Tensor, key: object = 0) -> torch.Tensor:
+    def compensate(self, x: torch.Tensor, key: object = 0, parts: Parts | None = None) -> torch.Tensor:
         return x
 
-    def update(self, compensated: torch.Tensor, sent: torch.Tensor, key: object = 0) -> None:
+    def update(self, compensated: torch.Tensor, sent: torch.Tensor, key: object = 0,
+               parts: Parts | None = None) -> None:
         pass
 
 
@@ -43,14 +76,12 @@ class ResidualMemory:
     def __init__(self) -> None:
         self.residuals: dict[object, torch.Tensor] = {}
 
-    def compensate(self, x: torch.Tensor, key: object = 0) -> torch.Tensor:
-        e = self.residuals.get(key)
-        if e is None or e.numel() != x.numel():
-            return x.clone()
-        return x + e
+    def compensate(self, x: torch.Tensor, key: object = 0, parts: Parts | None = None) -> torch.Tensor:
+        return x + _assemble(self.residuals, _parts(x, key, parts), x)
 
-    def update(self, compensated: torch.Tensor, sent: torch.Tensor, key: object = 0) -> None:
-        self.residuals[key] = compensated - sent
+    def update(self, compensated: torch.Tensor, sent: torch.Tensor, key: object = 0,
+               parts: Parts | None = None) -> None:
+        _store(self.residuals, _parts(compensated, key, parts), compensated - sent)
 
 
 class DGCMemory:
@@ -63,16 +94,15 @@ class DGCMemory:
         self.velocity: dict[object, torch.Tensor] = {}      # u
         self.accumulated: dict[object, torch.Tensor] = {}   # v
 
-    def compensate(self, x: torch.Tensor, key: object = 0) -> torch.Tensor:
-        u = self.velocity.get(key)
-        if u is None or u.numel() != x.numel():
-            u = torch.zeros_like(x)
-            self.accumulated[key] = torch.zeros_like(x)
-        u = u.mul(self.momentum).add_(x)
-        self.velocity[key] = u
-        return self.accumulated[key] + u
+    def compensate(self, x: torch.Tensor, key: object = 0, parts: Parts | None = None) -> torch.Tensor:
+        parts = _parts(x, key, parts)
+        u = _assemble(self.velocity, parts, x).mul_(self.momentum).add_(x)
+        _store(self.velocity, parts, u)
+        return _assemble(self.accumulated, parts, x) + u
 
-    def update(self, compensated: torch.Tensor, sent: torch.Tensor, key: object = 0) -> None:
+    def update(self, compensated: torch.Tensor, sent: torch.Tensor, key: object = 0,
+               parts: Parts | None = None) -> None:
+        parts = _parts(compensated, key, parts)
         mask = sent != 0
-        self.accumulated[key] = compensated.masked_fill(mask, 0.0)
-        self.velocity[key].masked_fill_(mask, 0.0)
+        _store(self.accumulated, parts, compensated.masked_fill(mask, 0.0))
+        _store(self.velocity, parts, _assemble(self.velocity, parts, sent).masked_fill_(mask, 0.0))

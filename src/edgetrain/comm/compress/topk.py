@@ -12,7 +12,10 @@ error feedback (``ResidualMemory``) or DGC's momentum correction
 DGC's warm-up is available: over the first ``warmup_steps`` calls the density
 falls exponentially, 25%, 6.25%, 1.5625%, 0.39% (a quarter at each of four
 equal stages, as the paper's 75% ... 99.9% sparsity over four epochs), never
-below ``ratio``.
+below ``ratio``. The ramp counts calls per key (DDP bucket index); a key first
+seen after others (DDP makes more buckets when it rebuilds them after step 0:
+in PyTorch 2.13 step 0 runs in one bucket) joins at the step the others are
+in, so that every bucket follows the same schedule.
 
 With ``compact``, an entry costs 4 bytes instead of 8: its value in fp16 and
 its position as the 16-bit gap to the previous kept entry (indices sorted).
@@ -64,8 +67,10 @@ class TopK(Compressor):
 
     def encode(self, x: torch.Tensor, key: object = 0, segments: tuple[int, ...] | None = None) -> Payload:
         x = x.detach().reshape(-1).float()
+        if key not in self.calls:  # the step the other keys are in (this step's first key: step 0)
+            self.calls[key] = max(self.calls.values(), default=1) - 1
         density = self.density(key)
-        self.calls[key] = self.calls.get(key, 0) + 1
+        self.calls[key] += 1
         parts = segments if (segments and self.layerwise) else (x.numel(),)
         chosen, offset = [], 0
         for n in parts:
