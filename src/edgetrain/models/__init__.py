@@ -5,6 +5,7 @@ Register your own with ``register_model("mynet", MyNet)``, or pass a built
 """
 from __future__ import annotations
 
+import difflib
 from typing import Callable
 
 from torch import nn
@@ -31,10 +32,17 @@ def user_models() -> dict[str, ModelFactory]:
     return {k: v for k, v in MODELS.items() if k not in _BUILTIN}
 
 
-def build_model(name: str, in_channels: int = 3, num_classes: int = 10, **kwargs) -> nn.Module:
+def check_model_name(name: str) -> None:
+    """Fail in one line unless ``name`` is registered."""
     if name not in MODELS:
-        raise EdgetrainError(f"unknown model '{name}'; known models: {', '.join(sorted(MODELS))} "
+        close = difflib.get_close_matches(name, MODELS, n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        raise EdgetrainError(f"unknown model '{name}'; {hint}known models: {', '.join(sorted(MODELS))} "
                              f"(register your own with edgetrain.models.register_model)")
+
+
+def build_model(name: str, in_channels: int = 3, num_classes: int = 10, **kwargs) -> nn.Module:
+    check_model_name(name)
     return MODELS[name](in_channels=in_channels, num_classes=num_classes, **kwargs)
 
 

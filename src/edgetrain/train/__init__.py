@@ -8,7 +8,7 @@ from torch import nn
 
 from edgetrain.cluster.launch import launch_local, under_torchrun
 from edgetrain.cluster.profiles import device_speed, plan_devices, split_batch
-from edgetrain.config import TrainConfig, load_config
+from edgetrain.config import TrainConfig, check_before_launch, load_config
 from edgetrain.report.files import new_run_dir, write_yaml
 
 
@@ -25,6 +25,7 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     if isinstance(model, str):
         overrides["model"], model = model, None
     cfg = load_config(config, **overrides)
+    check_before_launch(cfg, model)  # before the run directory and the devices: bad input leaves nothing behind
     torchrun = under_torchrun()
     world = int(os.environ["WORLD_SIZE"]) if torchrun else None
     devices = plan_devices(cfg, world)
