@@ -121,7 +121,8 @@ def _coerce(key: str, value: Any, source: str) -> Any:
         raise EdgetrainError(f"config key '{key}'{where} must be true or false, not {value!r}")
     if typ is int:
         if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, str) and value.strip().lstrip("-").isdigit())):
-            raise EdgetrainError(f"config key '{key}'{where} must be an integer, not {value!r}")
+            raise EdgetrainError(f"config key '{key}'{where} must be an integer, not {value!r}; "
+                                 f"give a whole number such as its default {FIELDS[key].default}")
         value = int(value)
     elif typ is float:
         try:
@@ -129,9 +130,11 @@ def _coerce(key: str, value: Any, source: str) -> Any:
                 raise ValueError
             value = float(value)
         except (TypeError, ValueError):
-            raise EdgetrainError(f"config key '{key}'{where} must be a number, not {value!r}") from None
+            raise EdgetrainError(f"config key '{key}'{where} must be a number, not {value!r}; "
+                                 f"give one such as its default {FIELDS[key].default}") from None
         if not math.isfinite(value):
-            raise EdgetrainError(f"config key '{key}'{where} must be a finite number, not {value!r}")
+            raise EdgetrainError(f"config key '{key}'{where} must be a finite number, not {value!r}; "
+                                 f"give one such as its default {FIELDS[key].default}")
     elif typ is str:
         if isinstance(value, (dict, list)):
             raise EdgetrainError(f"config key '{key}'{where} must be a string, not a {type(value).__name__}")
@@ -190,7 +193,8 @@ def read_yaml_mapping(path: str | os.PathLike, what: str) -> dict:
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark else ""
-        raise EdgetrainError(f"{what} {path} is not valid YAML{at}: {getattr(e, 'problem', e)}") from None
+        raise EdgetrainError(f"{what} {path} is not valid YAML{at}: {getattr(e, 'problem', e)}; "
+                             f"fix the syntax there") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -239,7 +243,8 @@ def check_before_launch(cfg: TrainConfig, model: Any = None) -> None:
         from edgetrain.data.cifar import check_cifar10_dir
 
         if not cfg.data_dir:
-            raise EdgetrainError("config key 'data_dir' is required with dataset cifar10: point it at cifar-10-batches-py")
+            raise EdgetrainError("config key 'data_dir' is required with dataset cifar10; "
+                                 "point it at cifar-10-batches-py")
         check_cifar10_dir(cfg.data_dir)
     if cfg.strategy == "tiled":
         from edgetrain.bench.workload import dataset_shape
