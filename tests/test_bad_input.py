@@ -116,7 +116,7 @@ OTHERS = [
     (["plan", "--runtime-mb", "-5"], "argument --runtime-mb: must be >= 0"),
     (["plan", "--compute-cv", "nan"], "argument --compute-cv: must be a finite number"),
     (["plan", "--overlap", "2"], "argument --overlap: must be between 0 and 1"),
-    (["plan", "--stragglers", "0.1:nan"], "the slowdown a finite number >= 1"),
+    (["plan", "--stragglers", "0.1:nan"], "the slowdown >= 1 (finite)"),
     (["plan", "--output", "{file}"], "is a file"),
     (["plan", "--lr", "0.1"], "unrecognized arguments: --lr 0.1"),
     (["report"], "the following arguments are required: RUN_DIR"),

@@ -91,8 +91,8 @@ def parse_stragglers(text: str) -> tuple[float, float]:
     except ValueError:
         raise EdgetrainError(f"bad --stragglers {text!r}; write P or P:SLOWDOWN, e.g. 0.01:3") from None
     if not 0 <= p <= 1 or not 1 <= f < math.inf:  # written so that nan fails too
-        raise EdgetrainError(f"--stragglers {text!r}: probability must be in [0, 1] and the slowdown a finite "
-                             f"number >= 1; write P or P:SLOWDOWN, e.g. 0.01:3")
+        raise EdgetrainError(f"--stragglers {text!r}: probability must be in [0, 1] and the slowdown >= 1 "
+                             f"(finite); write P or P:SLOWDOWN, e.g. 0.01:3")
     return p, f
 
 
