@@ -8,8 +8,8 @@ a loss of nan or overflow a timeout in a device.
 
 ``check_before_launch`` adds what needs more than the values: the output
 directory can be written, the model is registered, the CIFAR-10 files are
-there, a tiling grid fits the feature maps (counted on a model built on the
-meta device). ``train`` calls it before it makes the run directory and
+there, a tiling grid fits the feature maps (``tiling.strategy.plan_section`` on the
+model, built here once). ``train`` calls it before it makes the run directory and
 before any device starts, so bad input leaves nothing behind.
 """
 from __future__ import annotations
@@ -232,8 +232,6 @@ def check_before_launch(cfg: TrainConfig, model: Any = None) -> None:
 
     ``model`` is the ``nn.Module`` given to ``train`` instead of ``cfg.model``, if any.
     """
-    import torch
-
     from edgetrain.models import build_model, check_model_name
 
     check_output_dir(cfg.output, "config key 'output'")
@@ -253,10 +251,8 @@ def check_before_launch(cfg: TrainConfig, model: Any = None) -> None:
         (channels, height, width), classes = dataset_shape(cfg.dataset)
         if cfg.dataset == "synthetic":
             height = width = cfg.image_size
-        if model is None:
-            with torch.device("meta"):  # shapes only: no memory, no initialisation
-                model = build_model(cfg.model, channels, classes)
-        plan_section(model, parse_grid(cfg.grid), cfg.groups, (channels, height, width), check_forward=False)
+        plan_section(model if model is not None else build_model(cfg.model, channels, classes),
+                     parse_grid(cfg.grid), cfg.groups, (channels, height, width))
 
 
 # Kernel pseudo-filesystems: writes there fail half-way or change the system, never make a run directory.

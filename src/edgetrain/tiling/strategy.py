@@ -263,18 +263,17 @@ class TiledTraining:
         }
 
 
-def plan_section(model: nn.Module, grid: tuple[int, int], groups: str | list[int], input_shape: tuple[int, int, int],
-                 check_forward: bool = True) -> tuple[list[tuple[str, nn.Module]], str | list[int], int, SectionPlan]:
+def plan_section(model: nn.Module, grid: tuple[int, int], groups: str | list[int], input_shape: tuple[int, int, int]
+                 ) -> tuple[list[tuple[str, nn.Module]], str | list[int], int, SectionPlan]:
     """(layers, group spec, end of the tiled section, its ``SectionPlan``) of ``model`` on ``grid``.
 
-    Counted from layer shapes alone: an ``EdgetrainError`` if the grid is finer
-    than a feature map. ``check_forward=False`` skips ``check_sequence`` (which
-    runs the model), so a model built on the meta device can be checked before
-    any device starts.
+    Needs no process group: ``train`` calls it before any device starts. An
+    ``EdgetrainError`` if the layers cannot be tiled or the grid is finer
+    than a feature map (counted from layer shapes; the model runs once on one
+    sample, in ``check_sequence``).
     """
     layers, default_end = model_layers(model)
-    if check_forward:
-        check_sequence(model, layers, input_shape)
+    check_sequence(model, layers, input_shape)
     spec = parse_groups(groups)
     end = spec[-1] if spec != "auto" else (default_end or _tileable_prefix(layers, input_shape[0]))
     if end > len(layers):
