@@ -256,7 +256,7 @@ def check_before_launch(cfg: TrainConfig, model: Any = None) -> None:
 
 
 # Kernel pseudo-filesystems: writes there fail half-way or change the system, never make a run directory.
-PSEUDO_FILESYSTEMS = (Path("/proc"), Path("/sys"), Path("/dev"))
+PSEUDO_FILESYSTEMS = (Path("/proc"), Path("/sys"))
 
 
 def check_output_dir(path: str | os.PathLike, what: str) -> None:
@@ -270,7 +270,8 @@ def check_output_dir(path: str | os.PathLike, what: str) -> None:
     while not existing.exists():
         existing = existing.parent
     if not existing.is_dir():
-        raise EdgetrainError(f"{what} {path} is not a directory ({existing} is a file); choose a directory")
+        raise EdgetrainError(f"{what} {path} is not a directory ({existing} exists and is not one); "
+                             f"choose a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise EdgetrainError(f"{what} {path} is not writable ({existing} does not let this user write); "
                              f"choose a directory you can write to")
