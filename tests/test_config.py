@@ -25,7 +25,6 @@ def test_yaml_and_overrides(tmp_path):
     ({"lr": "fast"}, "config key 'lr' in config must be a number"),
     ({"dataset": "imagenet"}, "config key 'dataset' in config must be one of digits, cifar10, synthetic"),
     ({"augment": "maybe"}, "config key 'augment' in config must be true or false"),
-    ({"dataset": "cifar10"}, "config key 'data_dir' is required with dataset cifar10"),
     ({"local_batch": "8,8", "batch_size": 20}, "sums to 16, but batch_size is 20"),
     ({"grid": "2x2"}, "needs strategy tiled"),
 ])

@@ -2,6 +2,8 @@
 
 Each subcommand lives beside the code it drives and adds itself here through a
 ``register(subparsers)`` function, so this file stays a table of contents.
+Every parser is an ``edgetrain.arguments.OneLineParser``: bad flags are one
+line with a fix and exit status 2, like every other bad input.
 """
 from __future__ import annotations
 
@@ -9,17 +11,19 @@ import argparse
 import importlib
 import sys
 
+from edgetrain.arguments import OneLineParser
 from edgetrain.errors import EdgetrainError
 
 SUBCOMMANDS = ("edgetrain.train.cli", "edgetrain.bench.cli", "edgetrain.report.cli", "edgetrain.plan.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="edgetrain",
         description="Train deep networks across clusters of edge devices, and measure them.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
+                                parser_class=OneLineParser)
     for name in SUBCOMMANDS:
         try:
             module = importlib.import_module(name)

@@ -3,11 +3,20 @@
 Every field is an option of ``edgetrain train`` (``--batch-size`` for
 ``batch_size``) and a key of the YAML file given with ``--config``. Values are
 checked on load; a wrong key, type or value is one line naming the key.
+Floats must be finite: ``nan`` and ``inf`` parse as floats but would train to
+a loss of nan or overflow a timeout in a device.
+
+``check_before_launch`` adds what needs more than the values: the output
+directory can be written, the model is registered, the CIFAR-10 files are
+there, a tiling grid fits the feature maps (``tiling.strategy.plan_section`` on the
+model, built here once). ``train`` calls it before it makes the run directory and
+before any device starts, so bad input leaves nothing behind.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import types
 import typing
@@ -112,7 +121,8 @@ def _coerce(key: str, value: Any, source: str) -> Any:
         raise EdgetrainError(f"config key '{key}'{where} must be true or false, not {value!r}")
     if typ is int:
         if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, str) and value.strip().lstrip("-").isdigit())):
-            raise EdgetrainError(f"config key '{key}'{where} must be an integer, not {value!r}")
+            raise EdgetrainError(f"config key '{key}'{where} must be an integer, not {value!r}; "
+                                 f"give a whole number such as its default {FIELDS[key].default}")
         value = int(value)
     elif typ is float:
         try:
@@ -120,7 +130,11 @@ def _coerce(key: str, value: Any, source: str) -> Any:
                 raise ValueError
             value = float(value)
         except (TypeError, ValueError):
-            raise EdgetrainError(f"config key '{key}'{where} must be a number, not {value!r}") from None
+            raise EdgetrainError(f"config key '{key}'{where} must be a number, not {value!r}; "
+                                 f"give one such as its default {FIELDS[key].default}") from None
+        if not math.isfinite(value):
+            raise EdgetrainError(f"config key '{key}'{where} must be a finite number, not {value!r}; "
+                                 f"give one such as its default {FIELDS[key].default}")
     elif typ is str:
         if isinstance(value, (dict, list)):
             raise EdgetrainError(f"config key '{key}'{where} must be a string, not a {type(value).__name__}")
@@ -166,14 +180,21 @@ def load_config(source: TrainConfig | dict | str | os.PathLike | None = None, **
 
 def read_yaml_mapping(path: str | os.PathLike, what: str) -> dict:
     path = Path(path)
+    if path.is_dir():
+        raise EdgetrainError(f"{what} {path} is a directory; give the YAML file in it")
     if not path.is_file():
         raise EdgetrainError(f"{what} {path} does not exist")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise EdgetrainError(f"{what} {path} is not a text file (not UTF-8); give a YAML file") from None
+    except OSError as e:
+        raise EdgetrainError(f"cannot read {what} {path}: {e.strerror}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark else ""
-        raise EdgetrainError(f"{what} {path} is not valid YAML{at}: {getattr(e, 'problem', e)}") from None
+        raise EdgetrainError(f"{what} {path} is not valid YAML{at}: {getattr(e, 'problem', e)}; "
+                             f"fix the syntax there") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -183,8 +204,6 @@ def read_yaml_mapping(path: str | os.PathLike, what: str) -> dict:
 
 def validate(cfg: TrainConfig) -> None:
     """Checks that span several keys or need other modules; each failure names its key."""
-    if cfg.dataset == "cifar10" and not cfg.data_dir:
-        raise EdgetrainError("config key 'data_dir' is required with dataset cifar10: point it at cifar-10-batches-py")
     if cfg.local_batch not in ("even", "balanced"):
         try:
             sizes = [int(s) for s in cfg.local_batch.split(",")]
@@ -206,6 +225,56 @@ def validate(cfg: TrainConfig) -> None:
         if not cfg.cluster and "WORLD_SIZE" not in os.environ and cfg.devices != rows * cols:
             raise EdgetrainError(f"config key 'devices' is {cfg.devices} but grid {cfg.grid} needs {rows * cols} "
                                  f"devices, one per tile; set --devices {rows * cols}")
+
+
+def check_before_launch(cfg: TrainConfig, model: Any = None) -> None:
+    """What ``validate`` cannot see in the values: checked before the run directory and the devices.
+
+    ``model`` is the ``nn.Module`` given to ``train`` instead of ``cfg.model``, if any.
+    """
+    from edgetrain.models import build_model, check_model
+
+    check_output_dir(cfg.output, "config key 'output'")
+    if model is None:
+        check_model(cfg.model)
+    if cfg.dataset == "cifar10":
+        from edgetrain.data.cifar import check_cifar10_dir
+
+        if not cfg.data_dir:
+            raise EdgetrainError("config key 'data_dir' is required with dataset cifar10; "
+                                 "point it at cifar-10-batches-py")
+        check_cifar10_dir(cfg.data_dir)
+    if cfg.strategy == "tiled":
+        from edgetrain.bench.workload import dataset_shape
+        from edgetrain.tiling.strategy import parse_grid, plan_section
+
+        (channels, height, width), classes = dataset_shape(cfg.dataset)
+        if cfg.dataset == "synthetic":
+            height = width = cfg.image_size
+        plan_section(model if model is not None else build_model(cfg.model, channels, classes),
+                     parse_grid(cfg.grid), cfg.groups, (channels, height, width))
+
+
+# Kernel pseudo-filesystems: writes there fail half-way or change the system, never make a run directory.
+PSEUDO_FILESYSTEMS = (Path("/proc"), Path("/sys"))
+
+
+def check_output_dir(path: str | os.PathLike, what: str) -> None:
+    """Fail in one line unless a directory can be made (or exists) at ``path`` and be written; creates nothing."""
+    target = Path(path).expanduser().resolve()
+    for pseudo in PSEUDO_FILESYSTEMS:
+        if target == pseudo or pseudo in target.parents:
+            raise EdgetrainError(f"{what} {path} is under {pseudo}, a kernel pseudo-filesystem; "
+                                 f"choose a directory on disk")
+    existing = target
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise EdgetrainError(f"{what} {path} is not a directory ({existing} exists and is not one); "
+                             f"choose a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise EdgetrainError(f"{what} {path} is not writable ({existing} does not let this user write); "
+                             f"choose a directory you can write to")
 
 
 def add_config_arguments(parser, names=None) -> None:

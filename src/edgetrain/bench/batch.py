@@ -30,6 +30,7 @@ import os
 from typing import Any
 
 from edgetrain.bench import flops, workload
+from edgetrain.arguments import non_negative_int, positive_float, positive_int
 from edgetrain.bench.common import (ABOVE_PEAK_NOTE, NOISY_NOTE, percent_of_peak, print_table, save_result, say,
                                     spread_cell, start_run)
 from edgetrain.errors import EdgetrainError
@@ -142,17 +143,17 @@ def run(model: str = "resnet18", dataset: str = "cifar10", profile: str = "host"
 def add_parser(sub) -> None:
     p = sub.add_parser("batch", help="throughput and peak memory versus batch size, up to the memory limit")
     p.add_argument("--model", default="resnet18")
-    p.add_argument("--dataset", default="cifar10", help="input shape to feed (synthetic data)")
+    p.add_argument("--dataset", default="cifar10", choices=sorted(workload.DATASET_SHAPES), help="input shape to feed (synthetic data)")
     p.add_argument("--profile", default="host", help="device profile: host, rpi4, jetson-nano")
-    p.add_argument("--start-batch", type=int, default=1)
-    p.add_argument("--max-batch", type=int, default=512)
-    p.add_argument("--steps", type=int, default=3, help="timed steps per batch size")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--threads", type=int, default=None, help="default: the profile's cores, at most this host's")
-    p.add_argument("--memory-limit-mb", type=float, default=None, help="override the profile's limit")
+    p.add_argument("--start-batch", type=positive_int, default=1)
+    p.add_argument("--max-batch", type=positive_int, default=512)
+    p.add_argument("--steps", type=positive_int, default=3, help="timed steps per batch size")
+    p.add_argument("--warmup", type=non_negative_int, default=1)
+    p.add_argument("--threads", type=positive_int, default=None, help="default: the profile's cores, at most this host's")
+    p.add_argument("--memory-limit-mb", type=positive_float, default=None, help="override the profile's limit")
     p.add_argument("--no-throttle", dest="throttle", action="store_false",
                    help="run at host speed (keep the profile's memory limit)")
-    p.add_argument("--peak-size", type=int, default=1024, help="GEMM size for the peak the fraction refers to")
+    p.add_argument("--peak-size", type=positive_int, default=1024, help="GEMM size for the peak the fraction refers to")
     p.set_defaults(bench_func=lambda a: run(
         a.model, a.dataset, a.profile, start_batch=a.start_batch, max_batch=a.max_batch, steps=a.steps,
         warmup=a.warmup, threads=a.threads, memory_limit_mb=a.memory_limit_mb, throttle=a.throttle, peak_size=a.peak_size,

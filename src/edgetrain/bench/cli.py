@@ -2,12 +2,16 @@
 
 A bench module offers ``add_parser(subparsers)``, which sets ``bench_func``;
 this file adds the options every bench shares (where results go) and turns a
-bench into a command that exits 0.
+bench into a command that exits 0. Options are checked when parsed (the
+``edgetrain.arguments`` types) and the output directory, the model and the
+CIFAR-10 directory before the bench makes its run directory.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+
+from edgetrain.arguments import OneLineParser
 
 BENCHES = ("peak", "batch", "scaling", "stalls", "counters", "power", "variability")
 
@@ -16,7 +20,8 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser("bench", help="characterise training on a device or cluster",
                                    description="Measure a device: each bench writes result.json and "
                                                "PNG plots into a new run directory.")
-    sub = parser.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    sub = parser.add_subparsers(dest="bench", metavar="BENCH", required=True,
+                                parser_class=OneLineParser)
     for name in BENCHES:
         module = importlib.import_module(f"edgetrain.bench.{name}")
         before = set(sub.choices)
@@ -32,5 +37,14 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from edgetrain.config import check_output_dir
+    from edgetrain.data.cifar import check_cifar10_dir
+    from edgetrain.models import check_model
+
+    check_output_dir(args.output, "--output")
+    if getattr(args, "model", None) is not None:
+        check_model(args.model)
+    if getattr(args, "data_dir", None) is not None:
+        check_cifar10_dir(args.data_dir)
     args.bench_func(args)
     return 0

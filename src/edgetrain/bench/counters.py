@@ -24,6 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from edgetrain.arguments import non_negative_int, positive_int
 from edgetrain.bench import workload
 from edgetrain.bench.common import print_table, save_result, say, start_run
 
@@ -168,11 +169,11 @@ def run(model: str = "resnet18", dataset: str = "cifar10", *, batch_size: int = 
 def add_parser(sub) -> None:
     p = sub.add_parser("counters", help="instructions, cycles, IPC, cache and branch misses via Linux perf")
     p.add_argument("--model", default="resnet18")
-    p.add_argument("--dataset", default="cifar10")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--dataset", default="cifar10", choices=sorted(workload.DATASET_SHAPES))
+    p.add_argument("--batch-size", type=positive_int, default=32)
+    p.add_argument("--steps", type=positive_int, default=3)
+    p.add_argument("--warmup", type=non_negative_int, default=1)
+    p.add_argument("--threads", type=positive_int, default=None)
     p.set_defaults(bench_func=lambda a: run(
         a.model, a.dataset, batch_size=a.batch_size, steps=a.steps, warmup=a.warmup, threads=a.threads,
         output=a.output, name=a.name))

@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 import torch
 
+from edgetrain.arguments import non_negative_float, positive_int
 from edgetrain.errors import EdgetrainError
 
 RESIDUAL_THRESHOLD = 16.0  # HPL's acceptance bound on the scaled residual
@@ -290,9 +291,9 @@ def add_parser(sub) -> None:
     p.add_argument("--linpack-sizes", type=_ints, default=[500, 1000, 2000], metavar="N,N,...")
     p.add_argument("--threads", type=_ints, default=None, metavar="T,T,...",
                    help="thread counts (default: 1 and all cores)")
-    p.add_argument("--devices", type=int, default=1,
+    p.add_argument("--devices", type=positive_int, default=1,
                    help="emulate N devices as processes running at once (under torchrun: the ranks)")
-    p.add_argument("--min-time", type=float, default=0.3, help="seconds to repeat each measurement")
+    p.add_argument("--min-time", type=non_negative_float, default=0.3, help="seconds to repeat each measurement")
     p.set_defaults(bench_func=lambda a: run(
         a.gemm_sizes, a.linpack_sizes, a.threads or sorted({1, os.cpu_count() or 1}), a.devices,
         a.min_time, a.output, a.name))

@@ -31,6 +31,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from edgetrain.arguments import non_negative_int, positive_int
 from edgetrain.bench import workload
 from edgetrain.bench.common import print_table, save_result, say, start_run
 from edgetrain.errors import EdgetrainError
@@ -326,12 +327,12 @@ def add_parser(sub) -> None:
 
     p = sub.add_parser("power", help="time and energy per epoch over threads, frequencies, power modes")
     p.add_argument("--model", default="resnet18")
-    p.add_argument("--dataset", default="cifar10")
+    p.add_argument("--dataset", default="cifar10", choices=sorted(workload.DATASET_SHAPES))
     p.add_argument("--threads", type=_ints, default=None, metavar="T,T,...", help="default: 1..all cores")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--epoch-samples", type=int, default=50000, help="samples in one epoch (CIFAR-10: 50000)")
+    p.add_argument("--batch-size", type=positive_int, default=32)
+    p.add_argument("--steps", type=positive_int, default=5)
+    p.add_argument("--warmup", type=non_negative_int, default=1)
+    p.add_argument("--epoch-samples", type=positive_int, default=50000, help="samples in one epoch (CIFAR-10: 50000)")
     p.add_argument("--power-model", default=None, metavar="IDLE_W,PER_CORE_W",
                    help="model energy when no sensor exists (labelled modelled)")
     p.add_argument("--rapl-root", default=RAPL_ROOT, help=argparse.SUPPRESS)

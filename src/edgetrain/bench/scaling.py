@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from edgetrain.arguments import non_negative_int, positive_int
 from edgetrain.bench import trainer_runs
 from edgetrain.bench.common import NOISY_NOTE, print_table, save_result, spread_cell, start_run
 from edgetrain.errors import EdgetrainError
@@ -129,10 +130,10 @@ def add_parser(sub) -> None:
     p.add_argument("--dataset", default=None)
     p.add_argument("--data-dir", default=None)
     p.add_argument("--profile", default=None)
-    p.add_argument("--batch-size", type=int, default=None, help="per device (weak) or global (strong)")
-    p.add_argument("--steps", type=int, default=None, help="training steps per run (default 20)")
-    p.add_argument("--workers", type=int, default=None, help="loader workers per device")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--batch-size", type=positive_int, default=None, help="per device (weak) or global (strong)")
+    p.add_argument("--steps", type=positive_int, default=None, help="training steps per run (default 20)")
+    p.add_argument("--workers", type=non_negative_int, default=None, help="loader workers per device")
+    p.add_argument("--threads", type=positive_int, default=None,
                    help="torch threads per device (default: the cores each device gets; 1 keeps the work per "
                         "device the same at every count)")
     p.add_argument("--no-throttle", dest="throttle", action="store_false", default=None,
@@ -141,15 +142,9 @@ def add_parser(sub) -> None:
 
 
 def _config(a) -> dict[str, Any]:
-    config: dict[str, Any] = {}
-    if a.config:
-        import yaml
+    from edgetrain.config import check_before_launch, load_config, read_yaml_mapping
 
-        try:
-            with open(a.config) as f:
-                config = dict(yaml.safe_load(f) or {})
-        except OSError as e:
-            raise EdgetrainError(f"cannot read --config {a.config}: {e.strerror}") from None
+    config = read_yaml_mapping(a.config, "--config") if a.config else {}
     config.setdefault("model", "small_cnn")
     config.setdefault("dataset", "synthetic")
     config.setdefault("steps", 20)
@@ -157,4 +152,6 @@ def _config(a) -> dict[str, Any]:
         value = getattr(a, key)
         if value is not None:
             config[key] = value
+    # Every key and value, the model and the data checked before the bench makes its run directory.
+    check_before_launch(load_config(config, output=a.output))
     return config

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from edgetrain.arguments import non_negative_float, non_negative_int, positive_int
 from edgetrain.bench import workload
 from edgetrain.bench.common import print_table, save_result, start_run
 from edgetrain.data import cifar
@@ -251,12 +252,12 @@ def add_parser(sub) -> None:
     p = sub.add_parser("stalls", help="data stalls (DS-Analyzer): ingestion, prep and fetch, for 0..k workers")
     p.add_argument("--data-dir", required=True, help="CIFAR-10 python-format directory (cifar-10-batches-py)")
     p.add_argument("--model", default="resnet18")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--epoch-samples", type=int, default=1024, help="samples per measured pass")
-    p.add_argument("--max-workers", type=int, default=2, help="measure 0..k loader workers")
-    p.add_argument("--threads", type=int, default=None, help="training threads (default: all cores)")
-    p.add_argument("--threshold", type=float, default=0.05, help="stall fraction counted as no stall")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=positive_int, default=64)
+    p.add_argument("--epoch-samples", type=positive_int, default=1024, help="samples per measured pass")
+    p.add_argument("--max-workers", type=non_negative_int, default=2, help="measure 0..k loader workers")
+    p.add_argument("--threads", type=positive_int, default=None, help="training threads (default: all cores)")
+    p.add_argument("--threshold", type=non_negative_float, default=0.05, help="stall fraction counted as no stall")
+    p.add_argument("--seed", type=non_negative_int, default=0)
     p.set_defaults(bench_func=lambda a: run(
         a.data_dir, a.model, batch_size=a.batch_size, epoch_samples=a.epoch_samples,
         max_workers=a.max_workers, threads=a.threads, threshold=a.threshold, seed=a.seed,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from edgetrain.arguments import non_negative_int, positive_int
 from edgetrain.bench import trainer_runs, workload
 from edgetrain.bench.common import print_table, save_result, start_run
 from edgetrain.errors import EdgetrainError
@@ -110,13 +111,13 @@ def run(model: str = "resnet18", dataset: str = "cifar10", *, repeats: int = 3, 
 def add_parser(sub) -> None:
     p = sub.add_parser("variability", help="coefficient of variation of step time, per device and across")
     p.add_argument("--model", default="resnet18")
-    p.add_argument("--dataset", default="cifar10")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--devices", type=int, default=1, help="more than 1 runs the trainer on emulated devices")
-    p.add_argument("--batch-size", type=int, default=32, help="per device")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per run")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--dataset", default="cifar10", choices=sorted(workload.DATASET_SHAPES))
+    p.add_argument("--repeats", type=positive_int, default=3)
+    p.add_argument("--devices", type=positive_int, default=1, help="more than 1 runs the trainer on emulated devices")
+    p.add_argument("--batch-size", type=positive_int, default=32, help="per device")
+    p.add_argument("--steps", type=positive_int, default=10, help="timed steps per run")
+    p.add_argument("--warmup", type=non_negative_int, default=2)
+    p.add_argument("--threads", type=positive_int, default=None)
     p.set_defaults(bench_func=lambda a: run(
         a.model, a.dataset, repeats=a.repeats, devices=a.devices, batch_size=a.batch_size, steps=a.steps,
         warmup=a.warmup, threads=a.threads, output=a.output, name=a.name))

@@ -28,13 +28,18 @@ class _NumpyOnlyUnpickler(pickle.Unpickler):
     ALLOWED = {("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "_reconstruct"),
                ("numpy._core.multiarray", "_reconstruct"), ("numpy.core.multiarray", "scalar"),
                ("numpy._core.multiarray", "scalar"), ("copy_reg", "_reconstructor"), ("copyreg", "_reconstructor"),
-               ("__builtin__", "object"), ("builtins", "object")}
+               ("__builtin__", "object"), ("builtins", "object"),
+               # protocol 5 pickles an array as frombuffer(bytes, dtype).reshape(shape): it copies no code
+               # and refuses object dtypes, so it builds only plain numpy arrays too.
+               ("numpy.core.numeric", "_frombuffer"), ("numpy._core.numeric", "_frombuffer")}
+    # numpy 2 moved numpy.core to numpy._core (the old name still imports, with a DeprecationWarning).
+    MOVED = {"numpy.core.multiarray": "numpy._core.multiarray", "numpy.core.numeric": "numpy._core.numeric"}
 
     def find_class(self, module: str, name: str):
         if (module, name) not in self.ALLOWED:
             raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
-        if module == "numpy.core.multiarray":  # numpy 2 moved it
-            module = "numpy._core.multiarray"
+        if np.lib.NumpyVersion(np.__version__) >= "2.0.0":
+            module = self.MOVED.get(module, module)
         return super().find_class(module, name)
 
 
@@ -63,12 +68,22 @@ def read_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
     return data.reshape(-1, 3, 32, 32), labels
 
 
+def check_cifar10_dir(root: str | Path) -> Path:
+    """``root`` if it is a directory holding every batch file (not read here: ``read_batch`` checks contents)."""
+    root = Path(root)
+    fix = "set data_dir to the folder holding data_batch_1..5 and test_batch (cifar-10-batches-py)"
+    if not root.is_dir():
+        raise EdgetrainError(f"CIFAR-10 directory {root} does not exist; {fix}")
+    missing = [name for name in (*TRAIN_FILES, TEST_FILE) if not (root / name).is_file()]
+    if missing:
+        verb = "is" if len(missing) == 1 else "are"
+        raise EdgetrainError(f"CIFAR-10 directory {root}: {', '.join(missing)} {verb} missing; {fix}")
+    return root
+
+
 def load_cifar10(root: str | Path) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """((train images, labels), (test images, labels)) as uint8 / int64 tensors."""
-    root = Path(root)
-    if not root.is_dir():
-        raise EdgetrainError(f"CIFAR-10 directory {root} does not exist; set data_dir to the folder holding "
-                             f"data_batch_1..5 and test_batch (cifar-10-batches-py)")
+    root = check_cifar10_dir(root)
     train = [read_batch(root / name) for name in TRAIN_FILES]
     test = read_batch(root / TEST_FILE)
     x = np.concatenate([b[0] for b in train])

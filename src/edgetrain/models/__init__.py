@@ -11,6 +11,7 @@ any device starts, with the two ways to run it again.
 """
 from __future__ import annotations
 
+import difflib
 from typing import Callable
 
 from torch import nn
@@ -44,7 +45,7 @@ def model_reference(model: nn.Module) -> str:
 
 
 def check_model(name: str) -> None:
-    """Raise ``EdgetrainError`` unless ``name`` can be built from the registry."""
+    """Raise ``EdgetrainError`` in one line unless ``name`` can be built from the registry."""
     if name in MODELS:
         return
     if ":" in name:
@@ -53,7 +54,9 @@ def check_model(name: str) -> None:
                              f"it; pass it again with edgetrain.train(config, model={cls}(...)), or register it "
                              f"with edgetrain.models.register_model('{cls.lower()}', {cls}) and set model: "
                              f"{cls.lower()}")
-    raise EdgetrainError(f"unknown model '{name}'; known models: {', '.join(sorted(MODELS))} "
+    close = difflib.get_close_matches(name, MODELS, n=1)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    raise EdgetrainError(f"unknown model '{name}'; {hint}known models: {', '.join(sorted(MODELS))} "
                          f"(register your own with edgetrain.models.register_model)")
 
 

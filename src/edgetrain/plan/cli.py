@@ -9,6 +9,10 @@ cluster (same names, same validation), plus the model's knobs::
 Prints the per-device prediction, the simulation and (``--scale``) the
 scaling table; writes ``plan.json`` and ``scaling.png`` into a new run
 directory. Every number is modelled except the counted model costs.
+Options are checked when parsed (finite numbers, fractions in [0, 1],
+positive counts) and the output directory before anything is computed.
+``--dataset cifar10`` needs no ``--data-dir``: without one, the data set's
+memory is counted from CIFAR-10's published size (``plan.config``).
 """
 from __future__ import annotations
 
@@ -16,7 +20,8 @@ import argparse
 import math
 import sys
 
-from edgetrain.config import add_config_arguments, load_config
+from edgetrain.arguments import fraction, non_negative_float, positive_float, positive_int
+from edgetrain.config import add_config_arguments, check_output_dir, load_config
 from edgetrain.errors import EdgetrainError
 
 # The TrainConfig options that describe what is planned (the rest only matter to a real run).
@@ -35,16 +40,16 @@ def register(sub) -> None:
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--config", metavar="FILE", help="YAML file of edgetrain train config keys (plan reads the ones it needs)")
     add_config_arguments(p, PLAN_FIELDS)
-    p.add_argument("--efficiency", type=float, default=DEFAULT_EFFICIENCY,
+    p.add_argument("--efficiency", type=positive_float, default=DEFAULT_EFFICIENCY,
                    help="fraction of the profile's GFLOPS a training step achieves (0.6: the middle of 0.4-0.9 "
                         "measured for small CNNs and ResNet-18 on the development host; see edgetrain.plan.model)")
-    p.add_argument("--overlap", type=float, default=0.0,
+    p.add_argument("--overlap", type=fraction, default=0.0,
                    help="fraction of synchronous communication hidden behind backward (edgetrain's hooks: 0)")
-    p.add_argument("--runtime-mb", type=float, default=None,
+    p.add_argument("--runtime-mb", type=non_negative_float, default=None,
                    help="memory baseline per device in MiB (default: RSS of an idle edgetrain process, measured now)")
-    p.add_argument("--sim-steps", type=int, default=100,
+    p.add_argument("--sim-steps", type=positive_int, default=100,
                    help="steps to simulate (local:H and gossip:H round up to whole periods)")
-    p.add_argument("--compute-cv", type=float, default=0.05,
+    p.add_argument("--compute-cv", type=non_negative_float, default=0.05,
                    help="coefficient of variation of a device's step compute time in the simulation (0.05: "
                         "CPU time of one-thread training steps on the shared development host varied by 5-9%%)")
     p.add_argument("--stragglers", default="0", metavar="P[:SLOWDOWN]",
@@ -85,8 +90,9 @@ def parse_stragglers(text: str) -> tuple[float, float]:
         p, f = float(prob), float(factor) if factor else 3.0
     except ValueError:
         raise EdgetrainError(f"bad --stragglers {text!r}; write P or P:SLOWDOWN, e.g. 0.01:3") from None
-    if not 0 <= p <= 1 or f < 1:
-        raise EdgetrainError(f"--stragglers {text!r}: probability must be in [0, 1] and the slowdown >= 1")
+    if not 0 <= p <= 1 or not 1 <= f < math.inf:  # written so that nan fails too
+        raise EdgetrainError(f"--stragglers {text!r}: probability must be in [0, 1] and the slowdown >= 1 "
+                             f"(finite); write P or P:SLOWDOWN, e.g. 0.01:3")
     return p, f
 
 
@@ -98,10 +104,7 @@ def run(args: argparse.Namespace) -> int:
 
     overrides = {k: v for k, v in vars(args).items() if k in PLAN_FIELDS}
     cfg = load_config(args.config, **overrides)
-    if args.sim_steps < 1:
-        raise EdgetrainError(f"--sim-steps must be >= 1, got {args.sim_steps}")
-    if args.compute_cv < 0:
-        raise EdgetrainError(f"--compute-cv must be >= 0, got {args.compute_cv:g}")
+    check_output_dir(cfg.output, "config key 'output'")
     straggler_prob, straggler_factor = parse_stragglers(args.stragglers)
     counts = parse_scale(args.scale) if args.scale else None
     sim_options = dict(compute_cv=args.compute_cv, straggler_prob=straggler_prob, straggler_factor=straggler_factor,

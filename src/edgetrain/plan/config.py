@@ -6,6 +6,11 @@ give the input shape, ``devices`` x ``profile`` or ``cluster`` the devices
 local batches (``split_batch``), ``link`` / ``sync`` / ``compress`` the
 communication. Scaling to ``n`` devices repeats the cluster's devices in
 order with their local batches (weak scaling: every device keeps its batch).
+
+CIFAR-10 without ``data_dir`` is planned from its published size (50,000
+training and 10,000 test images of 3x32x32 bytes, an int64 label each: the
+tensors ``data.cifar`` loads), so planning needs no download; with
+``data_dir`` the loaded tensors are measured as for the other data sets.
 """
 from __future__ import annotations
 
@@ -32,9 +37,19 @@ def plan_inputs(cfg: TrainConfig, costs: ModelCosts | None = None) -> PlanInputs
     devices = plan_devices(cfg)
     batches = split_batch(cfg, devices)
     if costs is None:
-        shape, classes, dataset_bytes = data_footprint(cfg)
+        shape, classes, dataset_bytes = cifar10_footprint() if cfg.dataset == "cifar10" and not cfg.data_dir \
+            else data_footprint(cfg)
         costs = count_costs(cfg.model, shape, classes, dataset_bytes=dataset_bytes)
     return PlanInputs(cfg, costs, devices, batches)
+
+
+CIFAR10_IMAGES = 50_000 + 10_000  # training + test images of the official release
+
+
+def cifar10_footprint() -> tuple[tuple[int, int, int], int, int]:
+    """(input shape, classes, bytes in memory) of CIFAR-10 as ``data.cifar`` loads it: uint8 images, int64 labels."""
+    shape = (3, 32, 32)
+    return shape, 10, CIFAR10_IMAGES * (shape[0] * shape[1] * shape[2] + 8)
 
 
 def scaled(inputs: PlanInputs, n: int) -> tuple[list[DeviceSpec], list[int]]:

@@ -1,4 +1,8 @@
-"""``edgetrain report RUN_DIR [RUN_DIR ...] [-o report.html]``: one self-contained HTML page."""
+"""``edgetrain report RUN_DIR [RUN_DIR ...] [-o report.html]``: one self-contained HTML page.
+
+The output file's directory is checked before the runs are read, and every
+run's file before anything is drawn (``html.load_run``).
+"""
 from __future__ import annotations
 
 import argparse
@@ -16,11 +20,16 @@ def register(subparsers) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from edgetrain.config import check_output_dir
+    from edgetrain.errors import EdgetrainError
     from edgetrain.report.html import render
 
-    page = render(args.run_dirs)
     out = Path(args.output) if args.output else (
         Path(args.run_dirs[0]) / "report.html" if len(args.run_dirs) == 1 else Path("report.html"))
+    if out.is_dir():
+        raise EdgetrainError(f"--output {out} is a directory; give the HTML file to write, e.g. {out / 'report.html'}")
+    check_output_dir(out.parent, f"--output {out}: directory")
+    page = render(args.run_dirs)
     with atomic_write(out) as f:
         f.write(page)
     print(f"wrote {out} ({len(page) / 1024:.0f} KiB, {page.count('<img')} images)")

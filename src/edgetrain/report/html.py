@@ -11,6 +11,12 @@ memory, energy and communication (lower is better). Each axis is scored
 against the best configuration shown, so 1 is the best and outward is better;
 a configuration with no value on an axis sits at 0 and reads "n/a" in the
 table beside it.
+
+``load_run`` checks what it loads before anything is drawn: the file must
+hold a JSON object, a bench result must name a known bench, and the keys its
+section reads (``RUN_KEYS``) must be there with the right JSON types; any
+other content is one error naming the file and the key. Values inside the
+rows are shown as written.
 """
 from __future__ import annotations
 
@@ -58,16 +64,64 @@ document.body.setAttribute('data-broken-images',String(bad));});
 """
 
 
+_NUMBER = (int, float)
+_ROWS = (list, dict)  # a list of JSON objects (dict: what each element must be)
+# The keys each kind of run's section reads, with their JSON types; None: the key may hold null.
+RUN_KEYS: dict[str, dict[str, Any]] = {
+    "train": {"per_device": _ROWS, "throughput_samples_per_s": _NUMBER},
+    "peak": {"rows": _ROWS},
+    "batch": {"rows": _ROWS, "best": (int, type(None)), "largest_fitting_batch": (int, type(None)),
+              "profile": dict, "flops_per_sample": dict, "peak_source": str},
+    "scaling": {"rows": _ROWS},
+    "stalls": {"rows": _ROWS, "ingestion_samples_per_s": _NUMBER, "verdict": str},
+    "counters": {"counts": dict, "per_sample": dict, "ratios": dict},
+    "power": {"rows": _ROWS, "pareto": _ROWS, "energy_source": dict},
+    "variability": {"runs": _ROWS, "summary": dict},
+}
+_JSON_NAMES = {dict: "an object", list: "a list", str: "a string", int: "an integer", float: "a number",
+               bool: "true or false", type(None): "null"}
+
+
 def load_run(run_dir: str | Path) -> dict[str, Any]:
     d = Path(run_dir)
     for name, kind in (("result.json", "bench"), ("summary.json", "train")):
-        if (d / name).is_file():
+        path = d / name
+        if path.is_file():
             try:
-                data = json.loads((d / name).read_text())
-            except json.JSONDecodeError as e:
-                raise EdgetrainError(f"{d / name} is not valid JSON ({e}); was the run interrupted?") from None
+                data = json.loads(path.read_text(encoding="utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise EdgetrainError(f"{path} is not valid JSON ({e}); was the run interrupted?") from None
+            check_run_data(path, kind, data)
             return {"dir": d, "kind": kind, "data": data, "pngs": sorted(d.glob("*.png"))}
     raise EdgetrainError(f"{run_dir} is not an edgetrain run directory (no result.json or summary.json)")
+
+
+def check_run_data(path: Path, kind: str, data: Any) -> None:
+    """Fail in one line naming ``path`` and the key unless ``data`` holds what its section reads."""
+    from edgetrain.bench.cli import BENCHES
+
+    fix = "re-run it or give another run directory"
+    if not isinstance(data, dict):
+        raise EdgetrainError(f"{path} must hold a JSON object, not {_json_name(data)}; {fix}")
+    if kind == "bench":
+        if data.get("bench") not in BENCHES:
+            raise EdgetrainError(f"{path}: key 'bench' must name a bench ({', '.join(BENCHES)}), "
+                                 f"not {data.get('bench')!r}; {fix}")
+        kind = data["bench"]
+    for key, types in RUN_KEYS[kind].items():
+        value = data.get(key)
+        expected = (list,) if types is _ROWS else types if isinstance(types, tuple) else (types,)
+        want = " or ".join(_JSON_NAMES[t] for t in expected)
+        if key not in data:
+            raise EdgetrainError(f"{path} lacks key '{key}' ({want}); {fix}")
+        if isinstance(value, bool) or not isinstance(value, expected):
+            raise EdgetrainError(f"{path}: key '{key}' must be {want}, not {_json_name(value)}; {fix}")
+        if types is _ROWS and not all(isinstance(row, dict) for row in value):
+            raise EdgetrainError(f"{path}: key '{key}' must be a list of objects; {fix}")
+
+
+def _json_name(value: Any) -> str:
+    return _JSON_NAMES.get(type(value), type(value).__name__)
 
 
 def _img(png: bytes, alt: str) -> str:

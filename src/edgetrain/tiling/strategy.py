@@ -101,21 +101,9 @@ class TiledTraining:
         self.input_shape = tuple(int(v) for v in input_shape)
         if len(self.input_shape) != 3:
             raise EdgetrainError(f"input_shape {input_shape} must be (channels, height, width)")
-        layers, default_end = model_layers(model)
-        check_sequence(model, layers, self.input_shape)
-        spec = parse_groups(groups)
+        layers, spec, end, self.plan = plan_section(model, self.grid, groups, self.input_shape)
         self.groups_given = spec != "auto"
-        end = spec[-1] if spec != "auto" else (default_end or _tileable_prefix(layers, self.input_shape[0]))
-        if end > len(layers):
-            raise EdgetrainError(f"groups {spec} end past the model's {len(layers)} layers; layers are "
-                                 + ", ".join(f"{i}:{n}" for i, (n, _) in enumerate(layers)))
-        units: list[Unit] = []
-        channels = self.input_shape[0]
-        for name, module in layers[:end]:
-            units.append(describe(name, module, channels))
-            channels = units[-1].out_channels
         self.layer_names = [n for n, _ in layers]
-        self.plan = SectionPlan(units, self.input_shape[1:], self.grid, self.input_shape[0])
         rows, cols = self.grid
         if self.comm.world != rows * cols:
             raise EdgetrainError(f"grid {rows}x{cols} needs {rows * cols} devices but {self.comm.world} are running; "
@@ -273,6 +261,30 @@ class TiledTraining:
                 "latency_s": self.machine.latency_s, "source": self.machine.source},
             "modelled_grouping_cost": totals,
         }
+
+
+def plan_section(model: nn.Module, grid: tuple[int, int], groups: str | list[int], input_shape: tuple[int, int, int]
+                 ) -> tuple[list[tuple[str, nn.Module]], str | list[int], int, SectionPlan]:
+    """(layers, group spec, end of the tiled section, its ``SectionPlan``) of ``model`` on ``grid``.
+
+    Needs no process group: ``train`` calls it before any device starts. An
+    ``EdgetrainError`` if the layers cannot be tiled or the grid is finer
+    than a feature map (counted from layer shapes; the model runs once on one
+    sample, in ``check_sequence``).
+    """
+    layers, default_end = model_layers(model)
+    check_sequence(model, layers, input_shape)
+    spec = parse_groups(groups)
+    end = spec[-1] if spec != "auto" else (default_end or _tileable_prefix(layers, input_shape[0]))
+    if end > len(layers):
+        raise EdgetrainError(f"groups {spec} end past the model's {len(layers)} layers; layers are "
+                             + ", ".join(f"{i}:{n}" for i, (n, _) in enumerate(layers)))
+    units: list[Unit] = []
+    channels = input_shape[0]
+    for name, module in layers[:end]:
+        units.append(describe(name, module, channels))
+        channels = units[-1].out_channels
+    return layers, spec, end, SectionPlan(units, input_shape[1:], grid, input_shape[0])
 
 
 def _tileable_prefix(layers: list[tuple[str, nn.Module]], channels: int) -> int:

@@ -9,7 +9,7 @@ from torch import nn
 
 from edgetrain.cluster.launch import launch_local, under_torchrun
 from edgetrain.cluster.profiles import device_speed, plan_devices, split_batch
-from edgetrain.config import TrainConfig, load_config
+from edgetrain.config import TrainConfig, check_before_launch, load_config
 from edgetrain.report.files import new_run_dir, write_yaml
 
 
@@ -25,14 +25,13 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     records it as ``module:QualName`` (config.yaml, summary.json), which a
     later run from that config refuses until the model is passed again.
     """
-    from edgetrain.models import check_model, model_reference, user_models
+    from edgetrain.models import model_reference, user_models
 
     if isinstance(model, str):
         overrides["model"], model = model, None
     cfg = load_config(config, **overrides)
-    if model is None:
-        check_model(cfg.model)  # before any device starts or any file is written
-    else:
+    check_before_launch(cfg, model)  # before the run directory and the devices: bad input leaves nothing behind
+    if model is not None:
         cfg = dataclasses.replace(cfg, model=model_reference(model))
     torchrun = under_torchrun()
     world = int(os.environ["WORLD_SIZE"]) if torchrun else None
