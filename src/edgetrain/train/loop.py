@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 
+from edgetrain.cluster.peers import admit_peers, check_rank_environment, gather_json
 from edgetrain.cluster.profiles import DeviceSpec
 from edgetrain.cluster.throttle import Throttle, assign_cores, peak_rss_mb, pin
 from edgetrain.comm import build_sync
@@ -47,8 +48,9 @@ from edgetrain.report.files import atomic_write, save_torch, write_json
 from edgetrain.tiling import TiledSync, TiledTraining
 
 
-def init_distributed(cfg: TrainConfig) -> tuple[int, int]:
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+def init_distributed(cfg: TrainConfig, cluster_token: str = "") -> tuple[int, int]:
+    """Join the run's process group, then admit the peers (same cluster token, same config; see cluster/peers)."""
+    rank, world = check_rank_environment()
     if not dist.is_initialized():
         try:
             dist.init_process_group("gloo", rank=rank, world_size=world,
@@ -58,6 +60,7 @@ def init_distributed(cfg: TrainConfig) -> tuple[int, int]:
             raise EdgetrainError(f"rendezvous at {addr} failed for rank {rank} of {world} within {cfg.timeout:g} s "
                                  f"({str(e).splitlines()[0]}); start every device, check MASTER_ADDR/MASTER_PORT "
                                  f"and the firewall, or raise --timeout") from None
+        admit_peers(cfg.to_dict(), cluster_token, rank, world)
     return rank, world
 
 
@@ -96,12 +99,12 @@ def evaluate(model: nn.Module, dataset, rank: int, world: int, batch: int = 256)
 
 def run_worker(cfg: TrainConfig, devices: list[DeviceSpec], local_batches: list[int], speeds: list[float | None],
                run_dir: str | None, user_model: nn.Module | None = None,
-               registered: dict | None = None) -> dict | None:
+               registered: dict | None = None, cluster_token: str = "") -> dict | None:
     """Train on this device; rank 0 returns the run summary, the others None."""
     started = time.perf_counter()
     for name, factory in (registered or {}).items():
         register_model(name, factory)
-    rank, world = init_distributed(cfg)
+    rank, world = init_distributed(cfg, cluster_token)
     me = devices[rank]
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", rank)), int(os.environ.get("LOCAL_WORLD_SIZE", world))
     speed = speeds[rank] if cfg.throttle else None
@@ -235,8 +238,7 @@ def run_worker(cfg: TrainConfig, devices: list[DeviceSpec], local_batches: list[
     mine = _device_summary(records, rank, me, local_batches[rank], speed, cores, threads, throttle)
     if world > 1:
         dist.all_reduce(train_totals)
-        gathered: list[Any] = [None] * world if rank == 0 else None  # type: ignore[assignment]
-        dist.gather_object((records, mine), gathered, dst=0)
+        gathered = gather_json((records, mine), dst=0)  # JSON, not pickles: see cluster/peers
     else:
         gathered = [(records, mine)]
     summary = None
