@@ -7,23 +7,50 @@ same in both cases. It then watches them: the first device to fail stops the
 run, the others are stopped at once, and the error that caused it (not the
 "connection closed" its peers saw next) is raised as one clear message.
 
+The rendezvous store of an emulated run is hosted by the launcher on a socket
+bound to 127.0.0.1 (PyTorch's ``TCPStore(master_listen_fd=...)``), and the
+devices join it as clients (``TORCHELASTIC_USE_AGENT_STORE``, as under
+torchrun's agent); gloo itself is pinned to the loopback interface. Nothing of
+an emulated run listens on another interface.
+
+Stopping: each device runs in its own process group (its loader workers join
+it), so the launcher can stop a device with everything it started, and a
+terminal's Ctrl-C reaches only the launcher. A device turns SIGTERM into an
+exception, so its ``finally`` blocks and atexit hooks run (temporary files
+removed, loader workers joined, no leaked semaphores). The launcher stops the
+devices with SIGCONT + SIGTERM, waits ``_STOP_GRACE_S``, then SIGKILLs each
+device's process group. If the launcher itself dies (SIGKILL, OOM killer),
+Linux sends every device SIGTERM (``prctl(PR_SET_PDEATHSIG)``, set first thing
+in the device; it then checks that its parent is still the launcher, in case
+it died before the call).
+
+Blame: every device that waited on a hung one reports "timed out"; those are
+echoes. If all reports are echoes and a device said nothing, that silent one
+(stopped, e.g. by SIGSTOP, or hung) is the cause.
+
 *Real devices*: ``torchrun`` starts the worker on every node and
 ``edgetrain train`` sees ``RANK`` in its environment (``under_torchrun``).
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import multiprocessing as mp
 import os
 import pickle
 import queue
 import signal
 import socket
+import sys
 import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-from edgetrain.errors import EdgetrainError
+from edgetrain.errors import EdgetrainError, Terminated, raise_on_sigterm
+
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+_STOP_GRACE_S = 5.0  # how long a stopped device may take to clean up before SIGKILL
 
 # Messages that are the echo of another device's failure rather than a cause.
 _ECHOES = ("connection closed", "connection reset", "broken pipe", "peer", "timed out", "timeout",
@@ -40,12 +67,39 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank: int, world: int, port: int, target: Callable, args: tuple, results: Any, log_dir: str | None) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _die_with_parent(parent_pid: int) -> None:
+    """Get SIGTERM when the launcher dies, however it dies (Linux; elsewhere the launcher's cleanup only)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent_pid:  # it died before prctl took effect: no signal will come
+        os._exit(128 + signal.SIGTERM)
+
+
+def _loopback_interface() -> str | None:
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addresses):
+            return name
+    return None
+
+
+def _child(rank: int, world: int, port: int, parent_pid: int, target: Callable, args: tuple, results: Any,
+           log_dir: str | None) -> None:
+    _die_with_parent(parent_pid)
+    os.setpgrp()
+    signal.signal(signal.SIGTERM, raise_on_sigterm)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
+    loopback = _loopback_interface()
+    if loopback:
+        os.environ["GLOO_SOCKET_IFNAME"] = loopback
     try:
         value = target(*args)
+    except Terminated:
+        raise SystemExit(128 + signal.SIGTERM) from None  # the launcher stopped us; it reports why
     except EdgetrainError as e:
         results.put(("error", rank, str(e), True))
         raise SystemExit(2)
@@ -59,18 +113,72 @@ def _child(rank: int, world: int, port: int, target: Callable, args: tuple, resu
             traceback.print_exc()
         results.put(("error", rank, msg, False))
         raise SystemExit(1)
+    # From here the device only exits: a SIGTERM now just ends it, without a traceback from an atexit hook.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     results.put(("done", rank, value, True))
 
 
-def _root_cause(failures: list[tuple[int, str, bool]]) -> tuple[int, str]:
-    """The failure most likely to be the cause: a clean error or a death, before echoes of it."""
+def _is_echo(msg: str) -> bool:
+    return any(word in msg.lower() for word in _ECHOES)
+
+
+def _root_cause(failures: list[tuple[int, str, bool]], silent: dict[int, str] | None = None) -> tuple[int, str]:
+    """The failure most likely to be the cause: a clean error or a death, before echoes of it.
+
+    ``silent`` maps the devices still running without a word to their process status: when every
+    report is an echo (peers timing out), the lowest silent device is the one they waited for.
+    """
     def rank_key(f):
         rank, msg, clear = f
-        echo = any(word in msg.lower() for word in _ECHOES)
-        return (not clear, echo, rank)
+        return (not clear, _is_echo(msg), rank)
 
     rank, msg, _ = min(failures, key=rank_key)
+    if _is_echo(msg) and silent:
+        rank = min(silent)
+        how = "was stopped (SIGSTOP?)" if silent[rank] == "stopped" else "stopped answering (hung?)"
+        msg = f"its process {how} and its peers timed out waiting for it"
     return rank, msg
+
+
+def _stop(procs: list, finished: bool) -> None:
+    """Stop every device and what it started: SIGCONT + SIGTERM, a grace period, then SIGKILL to its group.
+
+    ``finished``: every device reported its result, so let them exit by themselves first."""
+    for p in procs:
+        p.join(timeout=_STOP_GRACE_S if finished else 0)
+    for p in procs:
+        if p.is_alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGCONT)  # a stopped process cannot act on SIGTERM
+            p.terminate()
+    deadline = time.monotonic() + _STOP_GRACE_S
+    for p in procs:
+        p.join(timeout=max(deadline - time.monotonic(), 0.0))
+    for p in procs:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(p.pid, signal.SIGKILL)  # the device if it is still there, and its loader workers
+        p.join(timeout=5)
+
+
+def _status(proc) -> str:
+    import psutil
+
+    try:
+        return psutil.Process(proc.pid).status()
+    except psutil.Error:
+        return "gone"
+
+
+def _loopback_store(world: int):
+    """A rendezvous store served by this process on 127.0.0.1 only; (store, port)."""
+    import torch.distributed as dist
+
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(world * 4)
+    store = dist.TCPStore("127.0.0.1", listener.getsockname()[1], is_master=True, wait_for_workers=False,
+                          master_listen_fd=listener.detach())
+    return store, store.port
 
 
 def launch_local(world: int, target: Callable, args: tuple, labels: list[str], log_dir: str | None = None,
@@ -79,22 +187,23 @@ def launch_local(world: int, target: Callable, args: tuple, labels: list[str], l
 
     A device that fails with an unexpected exception leaves its traceback in ``log_dir/device-<rank>.log``.
     """
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
     try:
         pickle.dumps(args)
     except Exception as e:  # noqa: BLE001
         raise EdgetrainError(f"the model or config cannot be sent to the device processes ({e}); "
                              f"define your model class at module level of an importable file") from None
-    procs = [ctx.Process(target=_child, args=(r, world, port, target, args, results, log_dir), name=f"edgetrain-device-{r}")
-             for r in range(world)]
-    for p in procs:
-        p.start()
+    store, port = _loopback_store(world)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_child, args=(r, world, port, os.getpid(), target, args, results, log_dir),
+                         name=f"edgetrain-device-{r}") for r in range(world)]
     done: dict[int, Any] = {}
     failures: list[tuple[int, str, bool]] = []
     first_failure: float | None = None
+    silent: dict[int, str] = {}
     try:
+        for p in procs:
+            p.start()
         while len(done) < world:
             try:
                 kind, rank, value, clear = results.get(timeout=0.2)
@@ -115,6 +224,8 @@ def launch_local(world: int, target: Callable, args: tuple, labels: list[str], l
             if failures and first_failure is None:
                 first_failure = time.monotonic()
             if first_failure is not None and time.monotonic() - first_failure > grace_s:
+                silent = {rank: _status(p) for rank, p in enumerate(procs)
+                          if rank not in done and p.is_alive() and not any(f[0] == rank for f in failures)}
                 break
             if all(p.exitcode is not None for p in procs) and len(done) < world and not failures:
                 # Everyone exited but a result went missing (e.g. the queue's feeder died).
@@ -122,17 +233,11 @@ def launch_local(world: int, target: Callable, args: tuple, labels: list[str], l
                 failures.append((missing[0], "exited without reporting a result", True))
                 first_failure = time.monotonic() - grace_s
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+        _stop([p for p in procs if p.pid is not None], finished=len(done) == world)
         results.close()
         results.join_thread()
+        del store  # closes the rendezvous port
     if failures:
-        rank, msg = _root_cause(failures)
+        rank, msg = _root_cause(failures, silent)
         raise EdgetrainError(f"{labels[rank]} failed: {msg}; the other devices were stopped")
     return [done[r] for r in range(world)]
