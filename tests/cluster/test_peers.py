@@ -15,11 +15,15 @@ from edgetrain_testing import REPO
 NODE_ARGS = ["train", "--steps", "2", "--batch-size", "8", "--no-progress", "--no-eval", "--no-throttle"]
 
 
-def start_nodes(tmp_path, per_rank: list[list[str]], world: int, timeout_s: float = 20, env_extra=None):
-    """Start ``edgetrain train`` as ranks 0..len(per_rank)-1 of ``world`` (the documented env-var recipe)."""
+def start_nodes(tmp_path, per_rank: list[list[str]], world: int, timeout_s: float = 20, env_extra=None,
+                only_rank: int | None = None):
+    """Start ``edgetrain train`` as ranks 0..len(per_rank)-1 of ``world`` (the documented env-var recipe),
+    or only ``only_rank`` of them; return (exit code, stderr) of each."""
     port = str(free_port())
     procs = []
     for rank, extra in enumerate(per_rank):
+        if only_rank is not None and rank != only_rank:
+            continue
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=port, **(env_extra or {}))
         procs.append(subprocess.Popen([sys.executable, "-m", "edgetrain", *NODE_ARGS, "--timeout", str(timeout_s),
@@ -59,12 +63,25 @@ def test_rank_out_of_range_fails_at_once_from_the_cli(tmp_path):
     assert not (tmp_path / "bad").exists()
 
 
-def test_lonely_node_ends_within_timeout_with_one_line(tmp_path):
+def test_node_whose_master_never_arrives_ends_within_timeout_with_one_line(tmp_path):
     started = time.monotonic()
-    [(code, err)] = start_nodes(tmp_path, [[]], world=2, timeout_s=5)
+    results = start_nodes(tmp_path, [[], []], world=2, timeout_s=5, only_rank=1)
+    [(code, err)] = results
     assert code == 2 and err.count("\n") == 1, err
     assert "rendezvous at 127.0.0.1" in err and "within 5 s" in err
     assert time.monotonic() - started < 5 + 30  # the timeout plus interpreter and torch start-up
+
+
+def test_torchrun_recipe_with_rdzv_timeout_ends_within_it(tmp_path):
+    """torchrun's agent meets its peers before edgetrain starts: ``--rdzv-conf timeout=`` bounds that wait
+    (its own output, not edgetrain's one line: the README says so)."""
+    started = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                        "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                        "--rdzv-conf", "timeout=5", "-m", "edgetrain", *NODE_ARGS, "--timeout", "5",
+                        "--output", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "1/2 clients joined" in r.stderr
+    assert time.monotonic() - started < 5 + 30
 
 
 def test_different_cluster_tokens_fail_on_every_node_with_one_line(tmp_path):
