@@ -28,6 +28,13 @@ Blame: every device that waited on a hung one reports "timed out"; those are
 echoes. If all reports are echoes and a device said nothing, that silent one
 (stopped, e.g. by SIGSTOP, or hung) is the cause.
 
+Scripts: a spawned device first re-imports the user's ``__main__`` (as
+``__mp_main__``); a script that calls ``edgetrain.train`` without an
+``if __name__ == "__main__":`` guard would start a run inside every device.
+``refuse_nested_launch`` (first thing in ``train``) catches that while the
+device is still importing, exits with ``_UNGUARDED_MAIN_EXIT`` and the
+launcher says what to do in one line.
+
 *Real devices*: ``torchrun`` starts the worker on every node and
 ``edgetrain train`` sees ``RANK`` in its environment (``under_torchrun``).
 """
@@ -51,10 +58,23 @@ from edgetrain.errors import EdgetrainError, Terminated, raise_on_sigterm
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _STOP_GRACE_S = 5.0  # how long a stopped device may take to clean up before SIGKILL
+_DEVICE_ENV = "EDGETRAIN_LAUNCHER_PID"  # set for the devices only, to the launcher's pid
+_UNGUARDED_MAIN_EXIT = 86
+_UNGUARDED_MAIN_FIX = ("edgetrain.train was called while a device process imported your script (devices are "
+                       "spawned and re-import it); put the call under an `if __name__ == \"__main__\":` guard")
 
 # Messages that are the echo of another device's failure rather than a cause.
 _ECHOES = ("connection closed", "connection reset", "broken pipe", "peer", "timed out", "timeout",
            "terminated", "gloo", "socket")
+
+
+def refuse_nested_launch() -> None:
+    """Stop a run from starting inside a device process that is still importing the user's script."""
+    if not getattr(mp.current_process(), "_inheriting", False):  # multiprocessing's own "bootstrapping" flag
+        return
+    if os.environ.get(_DEVICE_ENV) == str(os.getppid()):
+        os._exit(_UNGUARDED_MAIN_EXIT)  # one of our devices: its launcher reports it as one line
+    raise EdgetrainError(_UNGUARDED_MAIN_FIX)
 
 
 def under_torchrun() -> bool:
@@ -202,8 +222,12 @@ def launch_local(world: int, target: Callable, args: tuple, labels: list[str], l
     first_failure: float | None = None
     silent: dict[int, str] = {}
     try:
-        for p in procs:
-            p.start()
+        os.environ[_DEVICE_ENV] = str(os.getpid())  # the devices inherit the environment at start
+        try:
+            for p in procs:
+                p.start()
+        finally:
+            del os.environ[_DEVICE_ENV]
         while len(done) < world:
             try:
                 kind, rank, value, clear = results.get(timeout=0.2)
@@ -218,9 +242,10 @@ def launch_local(world: int, target: Callable, args: tuple, labels: list[str], l
                     continue
                 # Give a dying process a moment to deliver its message.
                 if first_failure is None or time.monotonic() - first_failure > 0.3:
-                    how = (f"was killed by signal {signal.Signals(-p.exitcode).name}" if p.exitcode < 0
-                           else f"exited with code {p.exitcode}")
-                    failures.append((rank, f"its process {how}", True))
+                    how = (f"its process was killed by signal {signal.Signals(-p.exitcode).name}" if p.exitcode < 0
+                           else _UNGUARDED_MAIN_FIX if p.exitcode == _UNGUARDED_MAIN_EXIT
+                           else f"its process exited with code {p.exitcode}")
+                    failures.append((rank, how, True))
             if failures and first_failure is None:
                 first_failure = time.monotonic()
             if first_failure is not None and time.monotonic() - first_failure > grace_s:

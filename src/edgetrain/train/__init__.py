@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import nn
 
-from edgetrain.cluster.launch import launch_local, under_torchrun
+from edgetrain.cluster.launch import launch_local, refuse_nested_launch, under_torchrun
 from edgetrain.cluster.peers import TOKEN_ENV, check_rank_environment
 from edgetrain.cluster.profiles import device_speed, plan_devices, split_batch
 from edgetrain.config import TrainConfig, load_config
@@ -24,6 +24,7 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     ``model`` is either the name of a registered model (the config key) or
     your own ``nn.Module`` to train instead of a registered one.
     """
+    refuse_nested_launch()
     if isinstance(model, str):
         overrides["model"], model = model, None
     cfg = load_config(config, **overrides)
