@@ -26,7 +26,6 @@ import os
 import statistics
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
