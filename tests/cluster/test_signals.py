@@ -84,3 +84,16 @@ def _device(proc: subprocess.Popen, rank: int) -> psutil.Process:
     """The launcher starts device 0 first, so in pid order its devices are ranks 0, 1, ..."""
     devices = [c for c in psutil.Process(proc.pid).children() if "resource_tracker" not in " ".join(_cmdline(c))]
     return sorted(devices, key=lambda p: p.pid)[rank]
+
+
+@pytest.mark.parametrize("failures, silent, blamed", [
+    ([(0, "RuntimeError: Timed out waiting 5000ms for recv", False)], {1: psutil.STATUS_STOPPED}, 1),
+    ([(0, "timed out", False), (2, "timed out", False)], {1: psutil.STATUS_RUNNING}, 1),
+    # two devices: the silent one may only be slower to report; the device that timed out keeps the blame
+    ([(1, "RuntimeError: DataLoader timed out after 30 seconds", False)], {0: psutil.STATUS_SLEEPING}, 1),
+    ([(1, "ValueError: bad weights", False)], {0: psutil.STATUS_STOPPED}, 1),  # a real error is never an echo
+])
+def test_root_cause_blames_the_silent_stopped_device_only_when_all_reports_are_echoes(failures, silent, blamed):
+    from edgetrain.cluster.launch import _root_cause
+
+    assert _root_cause(failures, silent)[0] == blamed

@@ -25,8 +25,10 @@ in the device; it then checks that its parent is still the launcher, in case
 it died before the call).
 
 Blame: every device that waited on a hung one reports "timed out"; those are
-echoes. If all reports are echoes and a device said nothing, that silent one
-(stopped, e.g. by SIGSTOP, or hung) is the cause.
+echoes. If all reports are echoes, a device that said nothing and is stopped
+(process state 'T', e.g. SIGSTOP) is the cause; so is the only silent one
+when at least two peers timed out (with two devices a silent, running one may
+just be slower to report its own timeout, so the reporter keeps the blame).
 
 Scripts: a spawned device first re-imports the user's ``__main__`` (as
 ``__mp_main__``); a script that calls ``edgetrain.train`` without an
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -54,10 +57,13 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
+import psutil
+
 from edgetrain.errors import EdgetrainError, Terminated, raise_on_sigterm
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _STOP_GRACE_S = 5.0  # how long a stopped device may take to clean up before SIGKILL
+_TERMINATED = object()  # what a device "returns" when SIGTERM stopped it
 _DEVICE_ENV = "EDGETRAIN_LAUNCHER_PID"  # set for the devices only, to the launcher's pid
 _UNGUARDED_MAIN_EXIT = 86
 _UNGUARDED_MAIN_FIX = ("edgetrain.train was called while a device process imported your script (devices are "
@@ -97,8 +103,6 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def _loopback_interface() -> str | None:
-    import psutil
-
     for name, addresses in psutil.net_if_addrs().items():
         if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addresses):
             return name
@@ -119,7 +123,7 @@ def _child(rank: int, world: int, port: int, parent_pid: int, target: Callable, 
     try:
         value = target(*args)
     except Terminated:
-        raise SystemExit(128 + signal.SIGTERM) from None  # the launcher stopped us; it reports why
+        value = _TERMINATED  # the stack has unwound: its finally blocks ran (temporary files removed)
     except EdgetrainError as e:
         results.put(("error", rank, str(e), True))
         raise SystemExit(2)
@@ -133,6 +137,13 @@ def _child(rank: int, world: int, port: int, parent_pid: int, target: Callable, 
             traceback.print_exc()
         results.put(("error", rank, msg, False))
         raise SystemExit(1)
+    if value is _TERMINATED:
+        # The launcher stopped us and reports why. Leave now: the interpreter's normal exit would wait in
+        # gloo's destructors for peers that are being stopped too (seconds, until the launcher's SIGKILL).
+        gc.collect()  # the loader's iterator, freed with the unwound frames, shuts its workers down
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(128 + signal.SIGTERM)
     # From here the device only exits: a SIGTERM now just ends it, without a traceback from an atexit hook.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     results.put(("done", rank, value, True))
@@ -153,10 +164,15 @@ def _root_cause(failures: list[tuple[int, str, bool]], silent: dict[int, str] | 
         return (not clear, _is_echo(msg), rank)
 
     rank, msg, _ = min(failures, key=rank_key)
-    if _is_echo(msg) and silent:
-        rank = min(silent)
-        how = "was stopped (SIGSTOP?)" if silent[rank] == "stopped" else "stopped answering (hung?)"
-        msg = f"its process {how} and its peers timed out waiting for it"
+    if not _is_echo(msg) or not silent:
+        return rank, msg
+    stopped = [r for r, status in silent.items() if status == psutil.STATUS_STOPPED]
+    if stopped:
+        return stopped[0], "its process was stopped (SIGSTOP?) and its peers timed out waiting for it"
+    # A running device that said nothing is only the likely culprit if several peers timed out on it:
+    # with two devices, the silent one may just be slower to report its own timeout.
+    if len(silent) == 1 and len(failures) >= 2:
+        return min(silent), "its process stopped answering (hung?) and its peers timed out waiting for it"
     return rank, msg
 
 
@@ -181,8 +197,6 @@ def _stop(procs: list, finished: bool) -> None:
 
 
 def _status(proc) -> str:
-    import psutil
-
     try:
         return psutil.Process(proc.pid).status()
     except psutil.Error:
