@@ -1,4 +1,5 @@
 """Stopping an emulated run from outside: SIGTERM, SIGKILL of the launcher, a stopped device."""
+import contextlib
 import os
 import signal
 import subprocess
@@ -14,7 +15,17 @@ LONG_RUN = ["train", "--devices", "2", "--epochs", "1000", "--batch-size", "16",
             "--no-throttle", "--workers", "1"]
 
 
-def start_run(tmp_path, *extra: str) -> tuple[subprocess.Popen, list[psutil.Process]]:
+@pytest.fixture
+def started():
+    """Everything the test started, killed at the end whatever the test asserted."""
+    procs: list[psutil.Process] = []
+    yield procs
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+
+
+def start_run(tmp_path, started, *extra: str) -> tuple[subprocess.Popen, list[psutil.Process]]:
     """Start a long emulated run; return it once both devices train (each has its loader worker)."""
     proc = subprocess.Popen([sys.executable, "-m", "edgetrain", *LONG_RUN, "--output", str(tmp_path), *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -23,11 +34,13 @@ def start_run(tmp_path, *extra: str) -> tuple[subprocess.Popen, list[psutil.Proc
     while time.monotonic() < deadline:
         devices = [c for c in launcher.children() if "resource_tracker" not in " ".join(_cmdline(c))]
         if len(devices) == 2 and all(_safe_children(d) for d in devices):
-            return proc, launcher.children(recursive=True)
+            descendants = launcher.children(recursive=True)
+            started.extend([launcher, *descendants])
+            return proc, descendants
         if proc.poll() is not None:
             pytest.fail(f"the run ended early: {proc.stderr.read()}")
         time.sleep(0.2)
-    proc.kill()
+    started.extend([launcher, *launcher.children(recursive=True)])
     pytest.fail("the devices did not start within 90 s")
 
 
@@ -47,13 +60,19 @@ def _safe_children(p: psutil.Process) -> list[psutil.Process]:
 
 def assert_all_gone(procs: list[psutil.Process], within_s: float) -> None:
     _, alive = psutil.wait_procs(procs, timeout=within_s)
-    for p in alive:
-        p.kill()
+    alive = [p for p in alive if _status(p) not in (psutil.STATUS_ZOMBIE, None)]  # a zombie only awaits reaping
     assert alive == [], f"still running after {within_s} s: {alive}"
 
 
-def test_sigterm_stops_the_run_with_one_line_and_no_leftovers(tmp_path):
-    proc, descendants = start_run(tmp_path)
+def _status(p: psutil.Process) -> str | None:
+    try:
+        return p.status()
+    except psutil.Error:
+        return None
+
+
+def test_sigterm_stops_the_run_with_one_line_and_no_leftovers(tmp_path, started):
+    proc, descendants = start_run(tmp_path, started)
     listening = [c.laddr.ip for p in [psutil.Process(proc.pid), *descendants] for c in p.net_connections("inet")
                  if c.status == psutil.CONN_LISTEN]
     assert listening and set(listening) == {"127.0.0.1"}, listening  # the store and gloo: loopback only
@@ -64,15 +83,15 @@ def test_sigterm_stops_the_run_with_one_line_and_no_leftovers(tmp_path):
     assert_all_gone(descendants, within_s=5)
 
 
-def test_killed_launcher_takes_its_devices_and_loader_workers_along(tmp_path):
-    proc, descendants = start_run(tmp_path)
+def test_killed_launcher_takes_its_devices_and_loader_workers_along(tmp_path, started):
+    proc, descendants = start_run(tmp_path, started)
     proc.kill()
     proc.wait(timeout=10)
     assert_all_gone(descendants, within_s=10)
 
 
-def test_stopped_device_is_blamed_not_the_peer_that_timed_out(tmp_path):
-    proc, descendants = start_run(tmp_path, "--timeout", "5")
+def test_stopped_device_is_blamed_not_the_peer_that_timed_out(tmp_path, started):
+    proc, descendants = start_run(tmp_path, started, "--timeout", "5")
     os.kill(_device(proc, 1).pid, signal.SIGSTOP)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 2 and err.count("\n") == 1, err

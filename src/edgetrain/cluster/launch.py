@@ -24,6 +24,9 @@ Linux sends every device SIGTERM (``prctl(PR_SET_PDEATHSIG)``, set first thing
 in the device; it then checks that its parent is still the launcher, in case
 it died before the call).
 
+Loader workers (``--workers``) are forked by their device, in its process
+group, with their own parent-death signal (``loader_worker_init``).
+
 Blame: every device that waited on a hung one reports "timed out"; those are
 echoes. If all reports are echoes, a device that said nothing and is stopped
 (process state 'T', e.g. SIGSTOP) is the cause; so is the only silent one
@@ -42,6 +45,7 @@ launcher says what to do in one line.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import gc
@@ -102,6 +106,20 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(128 + signal.SIGTERM)
 
 
+def loader_worker_init(_worker_id: int) -> None:
+    """``worker_init_fn`` of a device's DataLoader: the worker dies with its device, and stays quiet when the
+    device is stopped in the middle of taking a batch from it (multiprocessing's fd-sharing thread would
+    otherwise print an EOFError traceback after edgetrain's one line)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    sys.excepthook = _quiet_if_peer_vanished
+
+
+def _quiet_if_peer_vanished(kind, value, tb) -> None:
+    if not issubclass(kind, (EOFError, ConnectionError)):
+        sys.__excepthook__(kind, value, tb)
+
+
 def _loopback_interface() -> str | None:
     for name, addresses in psutil.net_if_addrs().items():
         if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addresses):
@@ -138,9 +156,12 @@ def _child(rank: int, world: int, port: int, parent_pid: int, target: Callable, 
         results.put(("error", rank, msg, False))
         raise SystemExit(1)
     if value is _TERMINATED:
-        # The launcher stopped us and reports why. Leave now: the interpreter's normal exit would wait in
-        # gloo's destructors for peers that are being stopped too (seconds, until the launcher's SIGKILL).
+        # The launcher stopped us and reports why. Run what a normal exit runs in Python (the loader's
+        # shutdown, multiprocessing's finalizers, which release semaphores the resource tracker would
+        # otherwise report as leaked), then leave: the interpreter's own teardown would wait in gloo's
+        # destructors for peers that are being stopped too (seconds, until the launcher's SIGKILL).
         gc.collect()  # the loader's iterator, freed with the unwound frames, shuts its workers down
+        atexit._run_exitfuncs()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(128 + signal.SIGTERM)

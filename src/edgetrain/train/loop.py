@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 
+from edgetrain.cluster.launch import loader_worker_init
 from edgetrain.cluster.peers import admit_peers, check_rank_environment, gather_json
 from edgetrain.cluster.profiles import DeviceSpec
 from edgetrain.cluster.throttle import Throttle, assign_cores, peak_rss_mb, pin
@@ -152,7 +153,8 @@ def run_worker(cfg: TrainConfig, devices: list[DeviceSpec], local_batches: list[
         raise EdgetrainError(f"batch_size {cfg.batch_size} is larger than the {len(data.train)} training images of "
                              f"{data.name}; lower batch_size")
     loader = DataLoader(data.train, batch_sampler=sampler, num_workers=cfg.workers,
-                        persistent_workers=cfg.workers > 0, timeout=cfg.timeout if cfg.workers > 0 else 0)
+                        persistent_workers=cfg.workers > 0, timeout=cfg.timeout if cfg.workers > 0 else 0,
+                        worker_init_fn=loader_worker_init if cfg.workers > 0 else None)
     total_steps = min(cfg.steps or math.inf, cfg.epochs * len(sampler))
     epochs = math.ceil(total_steps / len(sampler))
     optimizer, scheduler = make_optimizer(cfg, model.parameters(), int(total_steps))
