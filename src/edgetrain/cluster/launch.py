@@ -97,11 +97,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Get SIGTERM when the launcher dies, however it dies (Linux; elsewhere the launcher's cleanup only)."""
+def _set_parent_death_signal(sig: signal.Signals) -> None:
+    """Have the kernel send ``sig`` to this process when its parent dies (Linux; a no-op elsewhere)."""
     if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Get SIGTERM when the launcher dies, however it dies (elsewhere than Linux: the launcher's cleanup only)."""
+    _set_parent_death_signal(signal.SIGTERM)
     if os.getppid() != parent_pid:  # it died before prctl took effect: no signal will come
         os._exit(128 + signal.SIGTERM)
 
@@ -110,8 +114,7 @@ def loader_worker_init(_worker_id: int) -> None:
     """``worker_init_fn`` of a device's DataLoader: the worker dies with its device, and stays quiet when the
     device is stopped in the middle of taking a batch from it (multiprocessing's fd-sharing thread would
     otherwise print an EOFError traceback after edgetrain's one line)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    _set_parent_death_signal(signal.SIGKILL)
     sys.excepthook = _quiet_if_peer_vanished
 
 
