@@ -11,6 +11,13 @@ Python API::
 """
 __version__ = "0.1.0"
 
+import os  # noqa: E402
+
+# c10d logs its retries and timeouts to stderr from C++ (a dozen lines with a stack) before raising the
+# exception that edgetrain reports as one line. Read when torch's C++ library loads, so set before torch is
+# imported; an explicit TORCH_CPP_LOG_LEVEL wins.
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+
 from edgetrain.config import TrainConfig, load_config  # noqa: E402
 from edgetrain.errors import EdgetrainError  # noqa: E402
 from edgetrain.models import build_model, register_model  # noqa: E402

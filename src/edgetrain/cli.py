@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+import threading
 
 from edgetrain.arguments import OneLineParser
-from edgetrain.errors import EdgetrainError
+from edgetrain.errors import EdgetrainError, Terminated, raise_on_sigterm
 
 SUBCOMMANDS = ("edgetrain.train.cli", "edgetrain.bench.cli", "edgetrain.report.cli", "edgetrain.plan.cli")
 
@@ -38,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # SIGTERM (timeout, systemd, docker, batch schedulers) stops a run like Ctrl-C: devices stopped, one line.
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, raise_on_sigterm) if on_main_thread else None
     try:
         return int(args.func(args) or 0)
     except EdgetrainError as e:
@@ -46,3 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("edgetrain: interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print("edgetrain: terminated (SIGTERM); the run was stopped", file=sys.stderr)
+        return 128 + signal.SIGTERM
+    finally:
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, previous)

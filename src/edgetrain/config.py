@@ -86,6 +86,9 @@ class TrainConfig:
     eval: bool = _opt(True, "evaluate on the test set after every epoch")
     output: str = _opt("runs", "directory under which the run directory is made")
     run_name: str | None = _opt(None, "name of the run directory (default: train-<timestamp>)")
+    cluster_token: str | None = _opt(None, "shared secret every node of a real cluster must give (or set "
+                                     "EDGETRAIN_CLUSTER_TOKEN); checked right after the rendezvous, never written "
+                                     "to the run directory")
     timeout: float = _opt(120.0, "seconds to wait for a peer (rendezvous and every collective) before giving up", minimum=1.0)
     progress: bool = _opt(True, "progress bar on rank 0")
 

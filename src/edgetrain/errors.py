@@ -8,3 +8,12 @@ everything else is a bug and keeps its traceback.
 
 class EdgetrainError(Exception):
     """A clear, single-line problem with a fix in its message."""
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread by ``raise_on_sigterm`` so that cleanup runs as for Ctrl-C."""
+
+
+def raise_on_sigterm(signum=None, frame=None) -> None:
+    """Signal handler: turn SIGTERM into ``Terminated`` (install with ``signal.signal``)."""
+    raise Terminated()

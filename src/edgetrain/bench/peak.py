@@ -221,12 +221,12 @@ def distributed_sweep(**kwargs: Any) -> list[list[dict[str, Any]]] | None:
     """Under ``torchrun``: measure on every rank at once; rank 0 gets all rows, the others ``None``."""
     import torch.distributed as dist
 
+    from edgetrain.cluster.peers import gather_json
+
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
     try:
         rows = sweep(**kwargs, barrier=dist.barrier)
-        gathered: list = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
-        dist.gather_object(rows, gathered if dist.get_rank() == 0 else None, dst=0)
-        return gathered if dist.get_rank() == 0 else None
+        return gather_json(rows, dst=0)  # JSON, not pickles: see cluster/peers
     finally:
         dist.destroy_process_group()
 

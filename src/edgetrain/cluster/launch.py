@@ -7,27 +7,84 @@ same in both cases. It then watches them: the first device to fail stops the
 run, the others are stopped at once, and the error that caused it (not the
 "connection closed" its peers saw next) is raised as one clear message.
 
+The rendezvous store of an emulated run is hosted by the launcher on a socket
+bound to 127.0.0.1 (PyTorch's ``TCPStore(master_listen_fd=...)``), and the
+devices join it as clients (``TORCHELASTIC_USE_AGENT_STORE``, as under
+torchrun's agent); gloo itself is pinned to the loopback interface. Nothing of
+an emulated run listens on another interface.
+
+Stopping: each device runs in its own process group (its loader workers join
+it), so the launcher can stop a device with everything it started, and a
+terminal's Ctrl-C reaches only the launcher. A device turns SIGTERM into an
+exception, so its ``finally`` blocks and atexit hooks run (temporary files
+removed, loader workers joined, no leaked semaphores). The launcher stops the
+devices with SIGCONT + SIGTERM, waits ``_STOP_GRACE_S``, then SIGKILLs each
+device's process group. If the launcher itself dies (SIGKILL, OOM killer),
+Linux sends every device SIGTERM (``prctl(PR_SET_PDEATHSIG)``, set first thing
+in the device; it then checks that its parent is still the launcher, in case
+it died before the call).
+
+Loader workers (``--workers``) are forked by their device, in its process
+group, with their own parent-death signal (``loader_worker_init``).
+
+Blame: every device that waited on a hung one reports "timed out"; those are
+echoes. If all reports are echoes, a device that said nothing and is stopped
+(process state 'T', e.g. SIGSTOP) is the cause; so is the only silent one
+when at least two peers timed out (with two devices a silent, running one may
+just be slower to report its own timeout, so the reporter keeps the blame).
+
+Scripts: a spawned device first re-imports the user's ``__main__`` (as
+``__mp_main__``); a script that calls ``edgetrain.train`` without an
+``if __name__ == "__main__":`` guard would start a run inside every device.
+``refuse_nested_launch`` (first thing in ``train``) catches that while the
+device is still importing, exits with ``_UNGUARDED_MAIN_EXIT`` and the
+launcher says what to do in one line.
+
 *Real devices*: ``torchrun`` starts the worker on every node and
 ``edgetrain train`` sees ``RANK`` in its environment (``under_torchrun``).
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
+import ctypes
+import gc
 import multiprocessing as mp
 import os
 import pickle
 import queue
 import signal
 import socket
+import sys
 import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-from edgetrain.errors import EdgetrainError
+import psutil
+
+from edgetrain.errors import EdgetrainError, Terminated, raise_on_sigterm
+
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+_STOP_GRACE_S = 5.0  # how long a stopped device may take to clean up before SIGKILL
+_TERMINATED = object()  # what a device "returns" when SIGTERM stopped it
+_DEVICE_ENV = "EDGETRAIN_LAUNCHER_PID"  # set for the devices only, to the launcher's pid
+_UNGUARDED_MAIN_EXIT = 86
+_UNGUARDED_MAIN_FIX = ("edgetrain.train was called while a device process imported your script (devices are "
+                       "spawned and re-import it); put the call under an `if __name__ == \"__main__\":` guard")
 
 # Messages that are the echo of another device's failure rather than a cause.
 _ECHOES = ("connection closed", "connection reset", "broken pipe", "peer", "timed out", "timeout",
            "terminated", "gloo", "socket")
+
+
+def refuse_nested_launch() -> None:
+    """Stop a run from starting inside a device process that is still importing the user's script."""
+    if not getattr(mp.current_process(), "_inheriting", False):  # multiprocessing's own "bootstrapping" flag
+        return
+    if os.environ.get(_DEVICE_ENV) == str(os.getppid()):
+        os._exit(_UNGUARDED_MAIN_EXIT)  # one of our devices: its launcher reports it as one line
+    raise EdgetrainError(_UNGUARDED_MAIN_FIX)
 
 
 def under_torchrun() -> bool:
@@ -40,12 +97,54 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank: int, world: int, port: int, target: Callable, args: tuple, results: Any, log_dir: str | None) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _set_parent_death_signal(sig: signal.Signals) -> None:
+    """Have the kernel send ``sig`` to this process when its parent dies (Linux; a no-op elsewhere)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Get SIGTERM when the launcher dies, however it dies (elsewhere than Linux: the launcher's cleanup only)."""
+    _set_parent_death_signal(signal.SIGTERM)
+    if os.getppid() != parent_pid:  # it died before prctl took effect: no signal will come
+        os._exit(128 + signal.SIGTERM)
+
+
+def loader_worker_init(_worker_id: int) -> None:
+    """``worker_init_fn`` of a device's DataLoader: the worker dies with its device, and stays quiet when the
+    device is stopped in the middle of taking a batch from it (multiprocessing's fd-sharing thread would
+    otherwise print an EOFError traceback after edgetrain's one line)."""
+    _set_parent_death_signal(signal.SIGKILL)
+    sys.excepthook = _quiet_if_peer_vanished
+
+
+def _quiet_if_peer_vanished(kind, value, tb) -> None:
+    if not issubclass(kind, (EOFError, ConnectionError)):
+        sys.__excepthook__(kind, value, tb)
+
+
+def _loopback_interface() -> str | None:
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addresses):
+            return name
+    return None
+
+
+def _child(rank: int, world: int, port: int, parent_pid: int, target: Callable, args: tuple, results: Any,
+           log_dir: str | None) -> None:
+    _die_with_parent(parent_pid)
+    os.setpgrp()
+    signal.signal(signal.SIGTERM, raise_on_sigterm)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
+    loopback = _loopback_interface()
+    if loopback:
+        os.environ["GLOO_SOCKET_IFNAME"] = loopback
     try:
         value = target(*args)
+    except Terminated:
+        value = _TERMINATED  # the stack has unwound: its finally blocks ran (temporary files removed)
     except EdgetrainError as e:
         results.put(("error", rank, str(e), True))
         raise SystemExit(2)
@@ -59,18 +158,85 @@ def _child(rank: int, world: int, port: int, target: Callable, args: tuple, resu
             traceback.print_exc()
         results.put(("error", rank, msg, False))
         raise SystemExit(1)
+    if value is _TERMINATED:
+        # The launcher stopped us and reports why. Run what a normal exit runs in Python (the loader's
+        # shutdown, multiprocessing's finalizers, which release semaphores the resource tracker would
+        # otherwise report as leaked), then leave: the interpreter's own teardown would wait in gloo's
+        # destructors for peers that are being stopped too (seconds, until the launcher's SIGKILL).
+        gc.collect()  # the loader's iterator, freed with the unwound frames, shuts its workers down
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(128 + signal.SIGTERM)
+    # From here the device only exits: a SIGTERM now just ends it, without a traceback from an atexit hook.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     results.put(("done", rank, value, True))
 
 
-def _root_cause(failures: list[tuple[int, str, bool]]) -> tuple[int, str]:
-    """The failure most likely to be the cause: a clean error or a death, before echoes of it."""
+def _is_echo(msg: str) -> bool:
+    return any(word in msg.lower() for word in _ECHOES)
+
+
+def _root_cause(failures: list[tuple[int, str, bool]], silent: dict[int, str] | None = None) -> tuple[int, str]:
+    """The failure most likely to be the cause: a clean error or a death, before echoes of it.
+
+    ``silent`` maps the devices still running without a word to their process status: when every
+    report is an echo (peers timing out), the lowest silent device is the one they waited for.
+    """
     def rank_key(f):
         rank, msg, clear = f
-        echo = any(word in msg.lower() for word in _ECHOES)
-        return (not clear, echo, rank)
+        return (not clear, _is_echo(msg), rank)
 
     rank, msg, _ = min(failures, key=rank_key)
+    if not _is_echo(msg) or not silent:
+        return rank, msg
+    stopped = [r for r, status in silent.items() if status == psutil.STATUS_STOPPED]
+    if stopped:
+        return stopped[0], "its process was stopped (SIGSTOP?) and its peers timed out waiting for it"
+    # A running device that said nothing is only the likely culprit if several peers timed out on it:
+    # with two devices, the silent one may just be slower to report its own timeout.
+    if len(silent) == 1 and len(failures) >= 2:
+        return min(silent), "its process stopped answering (hung?) and its peers timed out waiting for it"
     return rank, msg
+
+
+def _stop(procs: list, finished: bool) -> None:
+    """Stop every device and what it started: SIGCONT + SIGTERM, a grace period, then SIGKILL to its group.
+
+    ``finished``: every device reported its result, so let them exit by themselves first."""
+    for p in procs:
+        p.join(timeout=_STOP_GRACE_S if finished else 0)
+    for p in procs:
+        if p.is_alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGCONT)  # a stopped process cannot act on SIGTERM
+            p.terminate()
+    deadline = time.monotonic() + _STOP_GRACE_S
+    for p in procs:
+        p.join(timeout=max(deadline - time.monotonic(), 0.0))
+    for p in procs:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(p.pid, signal.SIGKILL)  # the device if it is still there, and its loader workers
+        p.join(timeout=5)
+
+
+def _status(proc) -> str:
+    try:
+        return psutil.Process(proc.pid).status()
+    except psutil.Error:
+        return "gone"
+
+
+def _loopback_store(world: int):
+    """A rendezvous store served by this process on 127.0.0.1 only; (store, port)."""
+    import torch.distributed as dist
+
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(world * 4)
+    store = dist.TCPStore("127.0.0.1", listener.getsockname()[1], is_master=True, wait_for_workers=False,
+                          master_listen_fd=listener.detach())
+    return store, store.port
 
 
 def launch_local(world: int, target: Callable, args: tuple, labels: list[str], log_dir: str | None = None,
@@ -79,22 +245,27 @@ def launch_local(world: int, target: Callable, args: tuple, labels: list[str], l
 
     A device that fails with an unexpected exception leaves its traceback in ``log_dir/device-<rank>.log``.
     """
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
     try:
         pickle.dumps(args)
     except Exception as e:  # noqa: BLE001
         raise EdgetrainError(f"the model or config cannot be sent to the device processes ({e}); "
                              f"define your model class at module level of an importable file") from None
-    procs = [ctx.Process(target=_child, args=(r, world, port, target, args, results, log_dir), name=f"edgetrain-device-{r}")
-             for r in range(world)]
-    for p in procs:
-        p.start()
+    store, port = _loopback_store(world)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_child, args=(r, world, port, os.getpid(), target, args, results, log_dir),
+                         name=f"edgetrain-device-{r}") for r in range(world)]
     done: dict[int, Any] = {}
     failures: list[tuple[int, str, bool]] = []
     first_failure: float | None = None
+    silent: dict[int, str] = {}
     try:
+        os.environ[_DEVICE_ENV] = str(os.getpid())  # the devices inherit the environment at start
+        try:
+            for p in procs:
+                p.start()
+        finally:
+            del os.environ[_DEVICE_ENV]
         while len(done) < world:
             try:
                 kind, rank, value, clear = results.get(timeout=0.2)
@@ -109,12 +280,15 @@ def launch_local(world: int, target: Callable, args: tuple, labels: list[str], l
                     continue
                 # Give a dying process a moment to deliver its message.
                 if first_failure is None or time.monotonic() - first_failure > 0.3:
-                    how = (f"was killed by signal {signal.Signals(-p.exitcode).name}" if p.exitcode < 0
-                           else f"exited with code {p.exitcode}")
-                    failures.append((rank, f"its process {how}", True))
+                    how = (f"its process was killed by signal {signal.Signals(-p.exitcode).name}" if p.exitcode < 0
+                           else _UNGUARDED_MAIN_FIX if p.exitcode == _UNGUARDED_MAIN_EXIT
+                           else f"its process exited with code {p.exitcode}")
+                    failures.append((rank, how, True))
             if failures and first_failure is None:
                 first_failure = time.monotonic()
             if first_failure is not None and time.monotonic() - first_failure > grace_s:
+                silent = {rank: _status(p) for rank, p in enumerate(procs)
+                          if rank not in done and p.is_alive() and not any(f[0] == rank for f in failures)}
                 break
             if all(p.exitcode is not None for p in procs) and len(done) < world and not failures:
                 # Everyone exited but a result went missing (e.g. the queue's feeder died).
@@ -122,17 +296,11 @@ def launch_local(world: int, target: Callable, args: tuple, labels: list[str], l
                 failures.append((missing[0], "exited without reporting a result", True))
                 first_failure = time.monotonic() - grace_s
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+        _stop([p for p in procs if p.pid is not None], finished=len(done) == world)
         results.close()
         results.join_thread()
+        del store  # closes the rendezvous port
     if failures:
-        rank, msg = _root_cause(failures)
+        rank, msg = _root_cause(failures, silent)
         raise EdgetrainError(f"{labels[rank]} failed: {msg}; the other devices were stopped")
     return [done[r] for r in range(world)]

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from edgetrain.cluster.links import PRESETS, Link, get_link
+from edgetrain.cluster.peers import all_gather_json
 from edgetrain.comm.accounting import CommStats
 from edgetrain.comm.asynchronous import BoundedStaleness
 from edgetrain.comm.compress.powersgd import PowerSGDHookState, powersgd_hook
@@ -92,8 +93,7 @@ def gather_links(link: Link | None, world_size: int) -> list[Link] | None:
     if world_size == 1 or not dist.is_initialized():
         return [link] if link else None
     mine = None if link is None else (link.bandwidth_bps, link.latency_s, link.jitter_s, link.loss, link.name)
-    everyone: list = [None] * world_size
-    dist.all_gather_object(everyone, mine)
+    everyone = all_gather_json(mine)  # JSON, not pickles: see cluster/peers
     if all(x is None for x in everyone):
         return None
     return [PRESETS["lan-1g"] if x is None else Link(*x) for x in everyone]

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from edgetrain.cluster.peers import all_gather_json
 from edgetrain.comm.accounting import CommStats, ring_allreduce_bytes
 from edgetrain.comm.allreduce import AllReduceState, allreduce_hook
 from edgetrain.comm.emulation import LinkEmulator
@@ -114,9 +115,7 @@ class SyncMode:
             self._final_exchange()
         mine = {"bytes_sent": self.stats.bytes_sent, "virtual_time_s": self.emulator.virtual_s}
         if self.world_size > 1 and dist.is_initialized():
-            devices: list = [None] * self.world_size
-            dist.all_gather_object(devices, mine, group=self.clock_group)
-            self._devices = devices
+            self._devices = all_gather_json(mine, group=self.clock_group)  # JSON, not pickles: see cluster/peers
         else:
             self._devices = [mine]
 

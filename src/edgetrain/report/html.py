@@ -93,6 +93,13 @@ def load_run(run_dir: str | Path) -> dict[str, Any]:
                 raise EdgetrainError(f"{path} is not valid JSON ({e}); was the run interrupted?") from None
             check_run_data(path, kind, data)
             return {"dir": d, "kind": kind, "data": data, "pngs": sorted(d.glob("*.png"))}
+    if (d / "config.yaml").is_file():
+        from edgetrain.report.files import remove_stale_temps
+
+        removed = remove_stale_temps(d)
+        note = f"; removed {len(removed)} partial file(s) it left" if removed else ""
+        raise EdgetrainError(f"{run_dir} is an incomplete run: config.yaml but no summary.json, so the run was stopped "
+                             f"before it ended{note}; rerun it to get a report")
     raise EdgetrainError(f"{run_dir} is not an edgetrain run directory (no result.json or summary.json)")
 
 

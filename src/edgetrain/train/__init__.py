@@ -7,7 +7,8 @@ from typing import Any
 
 from torch import nn
 
-from edgetrain.cluster.launch import launch_local, under_torchrun
+from edgetrain.cluster.launch import launch_local, refuse_nested_launch, under_torchrun
+from edgetrain.cluster.peers import TOKEN_ENV, check_rank_environment
 from edgetrain.cluster.profiles import device_speed, plan_devices, split_batch
 from edgetrain.config import TrainConfig, check_before_launch, load_config
 from edgetrain.report.files import new_run_dir, write_yaml
@@ -27,26 +28,30 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     """
     from edgetrain.models import model_reference, user_models
 
+    refuse_nested_launch()
     if isinstance(model, str):
         overrides["model"], model = model, None
     cfg = load_config(config, **overrides)
     check_before_launch(cfg, model)  # before the run directory and the devices: bad input leaves nothing behind
     if model is not None:
         cfg = dataclasses.replace(cfg, model=model_reference(model))
+    # The token goes to the devices beside the config, never in it: the config is written to the run directory.
+    cluster_token = cfg.cluster_token or os.environ.get(TOKEN_ENV, "")
+    cfg = dataclasses.replace(cfg, cluster_token=None)
     torchrun = under_torchrun()
-    world = int(os.environ["WORLD_SIZE"]) if torchrun else None
+    rank, world = check_rank_environment() if torchrun else (0, None)
     devices = plan_devices(cfg, world)
     local_batches = split_batch(cfg, devices)
     needs_speed = cfg.throttle and any(d.profile.speed is not None or d.profile.gflops is not None for d in devices)
     # Measured once, before the devices start, so they do not disturb each other's measurement.
     speeds = [device_speed(d.profile) if needs_speed else None for d in devices]
-    rank = int(os.environ.get("RANK", 0))
     run_dir = None
     if rank == 0:
         run_dir = new_run_dir(cfg.output, cfg.run_name)
         write_yaml(run_dir / "config.yaml", cfg.to_dict())
 
-    args = (cfg, devices, local_batches, speeds, str(run_dir) if run_dir else None, model, user_models())
+    args = (cfg, devices, local_batches, speeds, str(run_dir) if run_dir else None, model, user_models(),
+            cluster_token)
     if torchrun:
         from edgetrain.train.loop import run_worker
 

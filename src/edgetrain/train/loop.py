@@ -32,7 +32,6 @@ import os
 import statistics
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,6 +40,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Subset
 
 from edgetrain.bench.flops import achieved, device_peak, training_flops_per_sample
+from edgetrain.cluster.launch import loader_worker_init
+from edgetrain.cluster.peers import admit_peers, check_rank_environment, gather_json
 from edgetrain.cluster.profiles import DeviceSpec
 from edgetrain.cluster.throttle import Throttle, assign_cores, peak_rss_mb, pin
 from edgetrain.comm import build_sync
@@ -54,8 +55,9 @@ from edgetrain.report.files import atomic_write, save_torch, write_json
 from edgetrain.tiling import TiledSync, TiledTraining
 
 
-def init_distributed(cfg: TrainConfig) -> tuple[int, int]:
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+def init_distributed(cfg: TrainConfig, cluster_token: str = "") -> tuple[int, int]:
+    """Join the run's process group, then admit the peers (same cluster token, same config; see cluster/peers)."""
+    rank, world = check_rank_environment()
     if not dist.is_initialized():
         try:
             dist.init_process_group("gloo", rank=rank, world_size=world,
@@ -65,6 +67,7 @@ def init_distributed(cfg: TrainConfig) -> tuple[int, int]:
             raise EdgetrainError(f"rendezvous at {addr} failed for rank {rank} of {world} within {cfg.timeout:g} s "
                                  f"({str(e).splitlines()[0]}); start every device, check MASTER_ADDR/MASTER_PORT "
                                  f"and the firewall, or raise --timeout") from None
+        admit_peers(cfg.to_dict(), cluster_token, rank, world)
     return rank, world
 
 
@@ -103,12 +106,12 @@ def evaluate(model: nn.Module, dataset, rank: int, world: int, batch: int = 256)
 
 def run_worker(cfg: TrainConfig, devices: list[DeviceSpec], local_batches: list[int], speeds: list[float | None],
                run_dir: str | None, user_model: nn.Module | None = None,
-               registered: dict | None = None) -> dict | None:
+               registered: dict | None = None, cluster_token: str = "") -> dict | None:
     """Train on this device; rank 0 returns the run summary, the others None."""
     started = time.perf_counter()
     for name, factory in (registered or {}).items():
         register_model(name, factory)
-    rank, world = init_distributed(cfg)
+    rank, world = init_distributed(cfg, cluster_token)
     me = devices[rank]
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", rank)), int(os.environ.get("LOCAL_WORLD_SIZE", world))
     speed = speeds[rank] if cfg.throttle else None
@@ -160,7 +163,8 @@ def run_worker(cfg: TrainConfig, devices: list[DeviceSpec], local_batches: list[
         raise EdgetrainError(f"batch_size {cfg.batch_size} is larger than the {len(data.train)} training images of "
                              f"{data.name}; lower batch_size")
     loader = DataLoader(data.train, batch_sampler=sampler, num_workers=cfg.workers,
-                        persistent_workers=cfg.workers > 0, timeout=cfg.timeout if cfg.workers > 0 else 0)
+                        persistent_workers=cfg.workers > 0, timeout=cfg.timeout if cfg.workers > 0 else 0,
+                        worker_init_fn=loader_worker_init if cfg.workers > 0 else None)
     total_steps = min(cfg.steps or math.inf, cfg.epochs * len(sampler))
     epochs = math.ceil(total_steps / len(sampler))
     optimizer, scheduler = make_optimizer(cfg, model.parameters(), int(total_steps))
@@ -245,8 +249,7 @@ def run_worker(cfg: TrainConfig, devices: list[DeviceSpec], local_batches: list[
     mine = _device_summary(records, rank, me, local_batches[rank], speed, cores, threads, throttle)
     if world > 1:
         dist.all_reduce(train_totals)
-        gathered: list[Any] = [None] * world if rank == 0 else None  # type: ignore[assignment]
-        dist.gather_object((records, mine), gathered, dst=0)
+        gathered = gather_json((records, mine), dst=0)  # JSON, not pickles: see cluster/peers
     else:
         gathered = [(records, mine)]
     summary = None

@@ -1,0 +1,153 @@
+"""What devices check about each other before training, and how they exchange Python values.
+
+Wire format: devices exchange tensors only. Python values (per-step records,
+summaries, links, configs) travel as UTF-8 JSON in a ``uint8`` tensor: first
+every device's byte length (an ``int64`` all-gather), then the payloads padded
+to the longest. Never a pickle: torch's ``*_object`` collectives unpickle what
+a peer sends, so any host that reaches the rendezvous port could run code on
+rank 0. (A test greps the package for ``_object(`` collectives.)
+
+Environment (``check_rank_environment``), before the rendezvous: ``RANK``,
+``WORLD_SIZE`` and ``LOCAL_RANK`` must be integers with ``0 <= RANK <
+WORLD_SIZE``; otherwise gloo hangs (``RANK=-1``) or fails after the timeout
+with a C++ stack (``RANK >= WORLD_SIZE``).
+
+Admission (``admit_peers``), right after the rendezvous and before any other
+exchange:
+
+1. Cluster token (``--cluster-token`` or ``EDGETRAIN_CLUSTER_TOKEN``; empty
+   if neither). Rank 0 broadcasts a fresh random 32-byte nonce; every device
+   all-gathers ``HMAC-SHA256(token, nonce || rank)`` and checks every peer's
+   against its own token (constant-time compare). The token never leaves the
+   node and a recorded answer is useless in another run (new nonce) or for
+   another rank. Limits: the token decides who may take part, it does not
+   encrypt gloo's traffic, and a host that reaches the port can still join the
+   rendezvous and so stop a run (denial of service) — it cannot make a device
+   unpickle anything, as nothing is unpickled.
+2. Config: every device all-gathers the SHA-256 of its config as canonical
+   JSON (keys that may differ per node, such as paths, the progress bar or the
+   timeout, left out). On a mismatch the configs themselves are exchanged as
+   JSON and the error names the first key that differs, instead of DDP's raw
+   shape error or a hang in a collective that only some devices run.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import secrets
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from edgetrain.errors import EdgetrainError
+
+TOKEN_ENV = "EDGETRAIN_CLUSTER_TOKEN"
+# Keys that are each node's own business: where its files are, how it reports, how long it waits.
+NODE_LOCAL_KEYS = frozenset({"data_dir", "output", "run_name", "progress", "workers", "threads", "devices",
+                             "timeout", "cluster_token"})
+_DIGEST_BYTES = 32
+
+
+def check_rank_environment() -> tuple[int, int]:
+    """(rank, world size) from torchrun's environment variables, each checked; one clear line if wrong."""
+    def integer(name: str) -> int | None:
+        text = os.environ.get(name)
+        if text is None:
+            return None
+        try:
+            return int(text)
+        except ValueError:
+            raise EdgetrainError(f"environment variable {name}={text!r} is not an integer; "
+                                 f"start the device with torchrun or set {name} to a whole number") from None
+
+    world, rank, local_rank = integer("WORLD_SIZE"), integer("RANK"), integer("LOCAL_RANK")
+    if world is None or world < 1:
+        raise EdgetrainError(f"environment variable WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} must be >= 1: "
+                             f"the number of devices in the run")
+    if rank is None or not 0 <= rank < world:
+        raise EdgetrainError(f"environment variable RANK={os.environ.get('RANK')!r} must be 0..{world - 1} "
+                             f"(WORLD_SIZE is {world}); give every device its own rank")
+    if local_rank is not None and local_rank < 0:
+        raise EdgetrainError(f"environment variable LOCAL_RANK={local_rank} must be >= 0")
+    return rank, world
+
+
+def _all_lengths(payload: bytes, group=None) -> list[int]:
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(lengths, torch.tensor([len(payload)], dtype=torch.int64), group=group)
+    return [int(n.item()) for n in lengths]
+
+
+def all_gather_bytes(payload: bytes, group=None) -> list[bytes]:
+    lengths = _all_lengths(payload, group)
+    padded = [torch.zeros(max(lengths), dtype=torch.uint8) for _ in lengths]
+    dist.all_gather(padded, _to_tensor(payload, max(lengths)), group=group)
+    return [t[:n].numpy().tobytes() for t, n in zip(padded, lengths)]
+
+
+def all_gather_json(value: Any, group=None) -> list[Any]:
+    """Every device's ``value`` (JSON-able), in rank order, on every device."""
+    return [json.loads(b) for b in all_gather_bytes(json.dumps(value).encode(), group)]
+
+
+def gather_json(value: Any, dst: int = 0) -> list[Any] | None:
+    """Every device's ``value`` (JSON-able) in rank order on ``dst``; ``None`` elsewhere."""
+    payload = json.dumps(value).encode()
+    lengths = _all_lengths(payload)
+    mine = dist.get_rank() == dst
+    padded = [torch.zeros(max(lengths), dtype=torch.uint8) for _ in lengths] if mine else None
+    dist.gather(_to_tensor(payload, max(lengths)), padded, dst=dst)
+    if not mine:
+        return None
+    return [json.loads(t[:n].numpy().tobytes()) for t, n in zip(padded, lengths)]
+
+
+def _to_tensor(payload: bytes, length: int) -> torch.Tensor:
+    out = torch.zeros(length, dtype=torch.uint8)
+    if payload:
+        out[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    return out
+
+
+def admit_peers(config: dict, cluster_token: str, rank: int, world: int) -> None:
+    """Check that every device has this device's cluster token and config (collectives: all devices call it)."""
+    if world == 1:
+        return
+    nonce = torch.zeros(_DIGEST_BYTES, dtype=torch.uint8)
+    if rank == 0:
+        nonce = _to_tensor(secrets.token_bytes(_DIGEST_BYTES), _DIGEST_BYTES)
+    dist.broadcast(nonce, src=0)
+    key = cluster_token.encode()
+
+    def answer(r: int) -> bytes:
+        return hmac.new(key, bytes(nonce.tolist()) + r.to_bytes(8, "big"), hashlib.sha256).digest()
+
+    answers = _all_gather_digest(answer(rank))
+    strangers = [r for r, got in enumerate(answers) if not hmac.compare_digest(got, answer(r))]
+    if strangers:
+        raise EdgetrainError(f"device(s) {', '.join(map(str, strangers))} gave a cluster token that does not match "
+                             f"this device's (rank {rank}); start every node with the same --cluster-token "
+                             f"or {TOKEN_ENV}")
+
+    shared = {k: v for k, v in config.items() if k not in NODE_LOCAL_KEYS}
+    digest = hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).digest()
+    if all(d == digest for d in _all_gather_digest(digest)):
+        return
+    configs = all_gather_json(shared)
+    for other, theirs in enumerate(configs):
+        differing = [k for k in shared if theirs.get(k) != shared[k]] + sorted(set(theirs) - set(shared))
+        if differing:
+            key = differing[0]
+            raise EdgetrainError(f"device {other}'s config differs from this device's (rank {rank}) at key '{key}': "
+                                 f"{theirs.get(key)!r} there, {shared.get(key)!r} here; start every node with "
+                                 f"the same config")
+
+
+def _all_gather_digest(digest: bytes) -> list[bytes]:
+    world = dist.get_world_size()
+    out = [torch.zeros(_DIGEST_BYTES, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(out, _to_tensor(digest, _DIGEST_BYTES))
+    return [bytes(t.tolist()) for t in out]

@@ -1,0 +1,118 @@
+"""Stopping an emulated run from outside: SIGTERM, SIGKILL of the launcher, a stopped device."""
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux only")
+
+LONG_RUN = ["train", "--devices", "2", "--epochs", "1000", "--batch-size", "16", "--no-progress", "--no-eval",
+            "--no-throttle", "--workers", "1"]
+
+
+@pytest.fixture
+def started():
+    """Everything the test started, killed at the end whatever the test asserted."""
+    procs: list[psutil.Process] = []
+    yield procs
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+
+
+def start_run(tmp_path, started, *extra: str) -> tuple[subprocess.Popen, list[psutil.Process]]:
+    """Start a long emulated run; return it once both devices train (each has its loader worker)."""
+    proc = subprocess.Popen([sys.executable, "-m", "edgetrain", *LONG_RUN, "--output", str(tmp_path), *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launcher = psutil.Process(proc.pid)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        devices = [c for c in launcher.children() if "resource_tracker" not in " ".join(_cmdline(c))]
+        if len(devices) == 2 and all(_safe_children(d) for d in devices):
+            descendants = launcher.children(recursive=True)
+            started.extend([launcher, *descendants])
+            return proc, descendants
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended early: {proc.stderr.read()}")
+        time.sleep(0.2)
+    started.extend([launcher, *launcher.children(recursive=True)])
+    pytest.fail("the devices did not start within 90 s")
+
+
+def _cmdline(p: psutil.Process) -> list[str]:
+    try:
+        return p.cmdline()
+    except psutil.Error:
+        return []
+
+
+def _safe_children(p: psutil.Process) -> list[psutil.Process]:
+    try:
+        return p.children()
+    except psutil.Error:
+        return []
+
+
+def assert_all_gone(procs: list[psutil.Process], within_s: float) -> None:
+    _, alive = psutil.wait_procs(procs, timeout=within_s)
+    alive = [p for p in alive if _status(p) not in (psutil.STATUS_ZOMBIE, None)]  # a zombie only awaits reaping
+    assert alive == [], f"still running after {within_s} s: {alive}"
+
+
+def _status(p: psutil.Process) -> str | None:
+    try:
+        return p.status()
+    except psutil.Error:
+        return None
+
+
+def test_sigterm_stops_the_run_with_one_line_and_no_leftovers(tmp_path, started):
+    proc, descendants = start_run(tmp_path, started)
+    listening = [c.laddr.ip for p in [psutil.Process(proc.pid), *descendants] for c in p.net_connections("inet")
+                 if c.status == psutil.CONN_LISTEN]
+    assert listening and set(listening) == {"127.0.0.1"}, listening  # the store and gloo: loopback only
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 143
+    assert err == "edgetrain: terminated (SIGTERM); the run was stopped\n"  # no resource-tracker warnings either
+    assert_all_gone(descendants, within_s=5)
+
+
+def test_killed_launcher_takes_its_devices_and_loader_workers_along(tmp_path, started):
+    proc, descendants = start_run(tmp_path, started)
+    proc.kill()
+    proc.wait(timeout=10)
+    assert_all_gone(descendants, within_s=10)
+
+
+def test_stopped_device_is_blamed_not_the_peer_that_timed_out(tmp_path, started):
+    proc, descendants = start_run(tmp_path, started, "--timeout", "5")
+    os.kill(_device(proc, 1).pid, signal.SIGSTOP)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and err.count("\n") == 1, err
+    assert err.startswith("edgetrain: error: device 1 (host) failed: its process was stopped"), err
+    assert_all_gone(descendants, within_s=5)
+
+
+def _device(proc: subprocess.Popen, rank: int) -> psutil.Process:
+    """The launcher starts device 0 first, so in pid order its devices are ranks 0, 1, ..."""
+    devices = [c for c in psutil.Process(proc.pid).children() if "resource_tracker" not in " ".join(_cmdline(c))]
+    return sorted(devices, key=lambda p: p.pid)[rank]
+
+
+@pytest.mark.parametrize("failures, silent, blamed", [
+    ([(0, "RuntimeError: Timed out waiting 5000ms for recv", False)], {1: psutil.STATUS_STOPPED}, 1),
+    ([(0, "timed out", False), (2, "timed out", False)], {1: psutil.STATUS_RUNNING}, 1),
+    # two devices: the silent one may only be slower to report; the device that timed out keeps the blame
+    ([(1, "RuntimeError: DataLoader timed out after 30 seconds", False)], {0: psutil.STATUS_SLEEPING}, 1),
+    ([(1, "ValueError: bad weights", False)], {0: psutil.STATUS_STOPPED}, 1),  # a real error is never an echo
+])
+def test_root_cause_blames_the_silent_stopped_device_only_when_all_reports_are_echoes(failures, silent, blamed):
+    from edgetrain.cluster.launch import _root_cause
+
+    assert _root_cause(failures, silent)[0] == blamed
