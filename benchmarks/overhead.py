@@ -37,12 +37,12 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import edgetrain
 from edgetrain.data import synthetic
 from edgetrain.models import build_model
+from plain_ddp import timed_steps  # beside this file: the same step loop, timed the same way
 
 HERE = Path(__file__).resolve().parent
 TARGET = 0.97
@@ -58,20 +58,7 @@ def plain_pytorch(steps: int, batch: int, core: int) -> tuple[float, float]:
     loader = DataLoader(TensorDataset(x, data.train.labels), batch_size=batch, shuffle=True, drop_last=True)
     model = build_model("resnet18")
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
-    times, cpu = [], []
-    batches = iter(loader)
-    while True:
-        t0, cpu0 = time.perf_counter(), time.process_time()
-        try:
-            xb, yb = next(batches)
-        except StopIteration:
-            break
-        loss = F.cross_entropy(model(xb), yb)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        times.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - cpu0)
+    times, cpu, _ = timed_steps(model, loader, opt)
     return batch * len(times[1:]) / sum(times[1:]), sum(cpu[1:]) / len(cpu[1:])
 
 

@@ -34,6 +34,26 @@ from edgetrain.cluster.throttle import assign_cores, pin
 from edgetrain.models import build_model
 
 
+def timed_steps(model, loader, optimizer) -> tuple[list[float], list[float], list[int]]:
+    """One pass over ``loader``: per step wall seconds, CPU seconds and samples."""
+    times, cpu, seen = [], [], []
+    batches = iter(loader)
+    while True:
+        started, cpu_started = time.perf_counter(), time.process_time()
+        try:
+            x, y = next(batches)
+        except StopIteration:
+            break
+        loss = F.cross_entropy(model(x), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        times.append(time.perf_counter() - started)
+        cpu.append(time.process_time() - cpu_started)
+        seen.append(len(y))
+    return times, cpu, seen
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=8, help="timed steps (one more runs first, untimed)")
@@ -50,21 +70,7 @@ def main() -> None:
                         drop_last=True)
     model = DDP(build_model("resnet18"))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
-    times, cpu, seen = [], [], []
-    batches = iter(loader)
-    while True:
-        started, cpu_started = time.perf_counter(), time.process_time()
-        try:
-            x, y = next(batches)
-        except StopIteration:
-            break
-        loss = F.cross_entropy(model(x), y)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        times.append(time.perf_counter() - started)
-        cpu.append(time.process_time() - cpu_started)
-        seen.append(len(y))
+    times, cpu, seen = timed_steps(model, loader, optimizer)
     totals = torch.tensor([sum(seen[1:]) / sum(times[1:]), sum(cpu[1:]) / len(cpu[1:])], dtype=torch.float64)
     dist.all_reduce(totals)
     if dist.get_rank() == 0:
