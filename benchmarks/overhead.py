@@ -115,7 +115,10 @@ def main() -> None:
         lines.append(line)
 
     result = {"benchmark": "overhead", "model": "resnet18", "batch": args.batch, "steps_timed": args.steps,
-              "host_cores": host_cores}
+              "host_cores": host_cores, "load_average_start": os.getloadavg()}
+    # other work on the host makes the wall-time ratios swing; the load says how busy it was
+    say(f"host cores {host_cores}, load average (1, 5, 15 min) at start: "
+        + ", ".join(f"{x:.1f}" for x in os.getloadavg()))
     with tempfile.TemporaryDirectory(prefix="overhead-") as out:
         # One device on one core; the spawned edgetrain device inherits this process's affinity.
         os.sched_setaffinity(0, host_cores[:1])
@@ -126,6 +129,8 @@ def main() -> None:
         result["two_devices_vs_plain_ddp"] = compare(
             "2 devices vs plain torchrun DDP", lambda: plain_ddp(args.steps, args.batch, 2),
             lambda: edgetrain_run(args.steps, args.batch, 2, out), args.rounds, say)
+    result["load_average_end"] = os.getloadavg()
+    say("load average at end: " + ", ".join(f"{x:.1f}" for x in result["load_average_end"]))
     for name, text in (("overhead.json", json.dumps(result, indent=2) + "\n"), ("overhead.txt", "\n".join(lines) + "\n")):
         path = HERE / "results" / name
         path.write_text(text)
