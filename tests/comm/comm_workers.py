@@ -267,3 +267,37 @@ def memory_over_reordered_bucket(rank: int, world: int, specs: list[str], steps:
             opt.step()
         results[spec] = {"local": local, "averaged": averaged, "layouts": layouts}
     return results
+
+
+def overlapping_paths(rank: int, world: int) -> dict:
+    """Without a link: which all-reduce uncompressed ``build_sync`` runs and what it counts; and whether
+    make_hook("fp16")'s future is still pending when the hook returns (rank 1 starts backward late, so
+    an all-reduce that overlaps backward cannot have finished)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from edgetrain.comm import build_sync, make_hook
+
+    sync = build_sync(tiny_model(), Cfg(compress="none"), rank, world)
+    run_steps(sync, rank, steps=3)
+    results = {"none": {"comm_hook": sync.model._get_ddp_logging_data().get("comm_hook"),
+                        "bytes": sync.stats.bytes_sent, "metrics": sync.step_metrics(), "summary": sync.summary(),
+                        "numel": sum(p.numel() for p in sync.model.parameters())}}
+    model = DDP(tiny_model())
+    state, hook = make_hook("fp16")
+    pending: list[bool] = []
+
+    def watched(state, bucket):
+        future = hook(state, bucket)
+        pending.append(not future.done())
+        return future
+
+    model.register_comm_hook(state, watched)
+    x, y = tiny_data(rank)
+    for _ in range(3):
+        loss = nn.functional.cross_entropy(model(x[:32]), y[:32])
+        if rank == 1:
+            time.sleep(0.2)
+        loss.backward()
+    results["fp16"] = {"pending": pending, "bytes": state.stats.bytes_sent,
+                       "numel": sum(p.numel() for p in model.parameters())}
+    return results

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from comm_workers import (exchange_exactness, link_time_checks, memory_over_reordered_bucket, plain_ddp_training,
-                          spawn, sync_modes)
+from comm_workers import (exchange_exactness, link_time_checks, memory_over_reordered_bucket, overlapping_paths,
+                          plain_ddp_training, spawn, sync_modes)
 
 from edgetrain.comm.accounting import ring_allreduce_bytes
 
@@ -29,6 +29,19 @@ def test_compressors_train_a_plain_ddp_model():
     want = vanilla * ring_allreduce_bytes(4 * full, 2) + (steps - vanilla) * sum(
         ring_allreduce_bytes(4 * n, 2) for n in compressed)
     assert ranks[0]["powersgd:1:start=4"]["bytes"] == want
+
+
+def test_without_a_link_the_allreduce_overlaps_backward_and_bytes_stay_counted():
+    ranks = spawn(overlapping_paths, 2)
+    for r in ranks:
+        none, fp16 = r["none"], r["fp16"]
+        assert none["comm_hook"] is None  # DDP's own all-reduce: nothing of edgetrain's inside backward
+        assert none["bytes"] == 3 * ring_allreduce_bytes(4 * none["numel"], 2)
+        assert none["summary"]["bytes_per_step_per_device"] == none["summary"]["fp32_allreduce_bytes_per_step"]
+        assert none["metrics"]["comm_busy_s"] is None  # not measured on that path, not invented
+        assert fp16["bytes"] == 3 * ring_allreduce_bytes(2 * fp16["numel"], 2)
+    # rank 0 returned from the hook while rank 1 had not yet started its backward: still in flight
+    assert ranks[0]["fp16"]["pending"] == [True] * 3
 
 
 def test_exchange_is_exact_and_counts_payload_bytes():

@@ -27,7 +27,9 @@ from torch import nn
 from edgetrain.cluster.links import PRESETS, Link, get_link
 from edgetrain.cluster.peers import all_gather_json
 from edgetrain.comm.accounting import CommStats
+from edgetrain.comm.allreduce import AllReduceState, allreduce_hook
 from edgetrain.comm.asynchronous import BoundedStaleness
+from edgetrain.comm.compress.memory import NoMemory
 from edgetrain.comm.compress.powersgd import PowerSGDHookState, powersgd_hook
 from edgetrain.comm.compress.spec import CompressSpec, build_compressor, parse_compress
 from edgetrain.comm.emulation import MODES as LINK_MODES
@@ -64,11 +66,15 @@ def check_config(cfg) -> None:
 
 def build_hook(spec: CompressSpec, emulator: LinkEmulator, link: Link | None = None, seed: int = 0,
                group=None) -> tuple[object, object]:
-    """The DDP (state, hook) pair for a compression spec."""
+    """The DDP (state, hook) pair for a compression spec: ``allreduce.py``'s overlapping hook where the
+    method allows (summable, no error feedback, no emulated link), else the blocking ``hook.py``."""
     if spec.is_powersgd:
         return PowerSGDHookState(rank=int(spec.arg or 2), start_iter=int(spec.options.get("start", 10)),
                                  emulator=emulator, group=group), powersgd_hook
     compressor, memory = build_compressor(spec, link, seed, emulator.rank)
+    if compressor.summable and isinstance(memory, NoMemory) and not emulator.emulated:
+        # nothing to charge to a link and nothing to remember: let the all-reduce overlap backward
+        return AllReduceState(group, emulator.stats, compressor), allreduce_hook
     return CompressionState(compressor, memory, emulator, group), compression_hook
 
 
@@ -76,8 +82,8 @@ def make_hook(compress: str = "none", link: str | Link | None = None, mode: str 
               seed: int = 0) -> tuple[object, object]:
     """(state, hook) for ``ddp_model.register_comm_hook`` on a plain DDP model.
 
-    ``link``: every device's link (the same for all); ``state.stats`` counts bytes,
-    ``state.emulator`` keeps the modelled time.
+    ``link``: every device's link (the same for all); ``state.stats`` counts bytes;
+    with a link, ``state.emulator`` keeps the modelled time.
     """
     spec = parse_compress(compress)
     link = get_link(link)
@@ -122,7 +128,8 @@ def build_sync(model: nn.Module, cfg, rank: int, world_size: int, stats: CommSta
     common = dict(clock_group=clock_group, spec=sync.text, compress=compress.text)
     if sync.mode == "sync":
         hook = state = None
-        if distributed:
+        # uncompressed and no link to charge: no hook, DDP's own all-reduce (Synchronous counts its bytes)
+        if distributed and (compress.method != "none" or links is not None):
             state, hook = build_hook(compress, emulator, my_link, seed)
         ddp_kwargs.setdefault("broadcast_buffers", getattr(cfg, "batchnorm", "local") != "sync")
         return Synchronous(model, world_size, hook=hook, hook_state=state, emulator=emulator, **common,

@@ -7,7 +7,9 @@ Bytes are counted from the payload actually handed to the collective, times
 the traffic the algorithm generates per device: a ring all-reduce of ``n``
 bytes over ``p`` devices sends and receives ``2 (p-1)/p n`` bytes per device
 (reduce-scatter then all-gather), an all-gather of ``n`` bytes per device
-sends ``(p-1) n`` along the ring and receives the same.
+sends ``(p-1) n`` along the ring and receives the same. DDP's own all-reduce
+(no hook, ``sync.py``) hands edgetrain no payload; it is counted from the
+gradient bytes, which it all-reduces exactly once per step.
 """
 from __future__ import annotations
 
@@ -52,6 +54,16 @@ class CommStats:
         with self._lock:
             self.comm_s += now - started
             self.last_done = max(self.last_done, now)
+
+    def counted(self, sent: int, recv: int | None = None, launched_at: float | None = None) -> None:
+        """Count an exchange that ran out of sight (DDP's own all-reduce): bytes, not time.
+        ``launched_at``: perf_counter() when its last collective was launched, if known."""
+        with self._lock:
+            self.bytes_sent += int(sent)
+            self.bytes_recv += int(sent if recv is None else recv)
+            self.collectives += 1
+            if launched_at is not None:
+                self.last_launch = launched_at
 
     def record(self, sent: int, recv: int, collectives: int, seconds: float) -> None:
         """Count a finished blocking exchange in one go."""

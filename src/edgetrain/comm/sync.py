@@ -2,8 +2,10 @@
 
 A sync object wraps the model for one worker and is called by the training
 loop at fixed points of every step. The default, ``Synchronous``, is plain DDP:
-gradients are averaged during backward through a communication hook
-(compressed or not). The other modes live beside it: ``local_sgd.py``,
+gradients are averaged during backward, by DDP's own all-reduce when nothing
+is compressed and no link is emulated (bytes counted from the gradient sizes,
+``comm_busy_s`` not measured: see the class), else through a communication
+hook (compressed, or charging an emulated link). The other modes live beside it: ``local_sgd.py``,
 ``asynchronous.py``, ``gossip.py``; ``edgetrain.comm.build_sync`` picks one.
 
 Interface the training loop relies on::
@@ -41,7 +43,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from edgetrain.cluster.peers import all_gather_json
 from edgetrain.comm.accounting import CommStats, ring_allreduce_bytes
-from edgetrain.comm.allreduce import AllReduceState, allreduce_hook
+from edgetrain.comm.allreduce import allreduce_hook
 from edgetrain.comm.emulation import LinkEmulator
 from edgetrain.comm.exchange import wait
 from edgetrain.comm.params import broadcast_model
@@ -145,9 +147,22 @@ class SyncMode:
 class Synchronous(SyncMode):
     """Synchronous data parallelism with DDP; one device runs the bare model.
 
-    ``hook``/``hook_state``: any DDP communication hook (default: the accounted
-    fp32 all-reduce of ``allreduce.py``). ``build_sync`` passes edgetrain's
-    compression or PowerSGD hook, sharing ``emulator``.
+    ``hook``/``hook_state``: a DDP communication hook (``build_sync`` passes
+    edgetrain's compression or PowerSGD hook, sharing ``emulator``; the
+    overlapping ``allreduce_hook`` where no link is emulated). Without
+    one, DDP's own all-reduce averages the gradients: nothing of edgetrain's
+    runs inside backward. Its traffic is then counted, not observed: DDP
+    all-reduces every gradient exactly once per step, so each step adds
+    ``ring_allreduce_bytes(gradient bytes)``, the same total the accounted fp32
+    hook counts. Its time is measured only in part: a hook on each gradient
+    marks when the last one is ready, which is when DDP launches its last
+    bucket; the loop's ``comm_s`` (the wait backward did not hide) runs from
+    there. How long the all-reduces ran in all (``comm_busy_s``) is not
+    measured on this path and is reported as ``None``.
+
+    On both overlapping paths (no hook, ``allreduce_hook``) the device clock's
+    blocked time, hence ``comm_time_s`` in the summary, is that same unhidden
+    wait, measured in ``after_backward``.
     """
 
     def __init__(self, model: nn.Module, world_size: int, stats: CommStats | None = None, hook=None,
@@ -157,15 +172,42 @@ class Synchronous(SyncMode):
         if emulator is None:
             emulator = LinkEmulator(None, dist.get_rank() if dist.is_initialized() else 0, stats)
         super().__init__(model, world_size, emulator, clock_group, spec, compress)
+        self.ddp_allreduce = world_size > 1 and hook is None
+        # collectives that run during backward instead of blocking in the hook
+        self.overlapping = self.ddp_allreduce or (world_size > 1 and hook is allreduce_hook)
         if world_size > 1:
             # broadcast_buffers is DDP's default (rank 0's BatchNorm buffers win each step);
             # with cross-device BatchNorm the buffers already agree and the trainer turns it off.
             with warnings.catch_warnings():  # torch 2.13 deprecates the name, not the behaviour we rely on
                 warnings.simplefilter("ignore", FutureWarning)
                 self.model = DDP(model, broadcast_buffers=broadcast_buffers, bucket_cap_mb=bucket_cap_mb)
-            if hook is None:
-                hook, hook_state = allreduce_hook, AllReduceState(stats=self.stats)
-            self.model.register_comm_hook(hook_state, hook)
+            if hook is not None:
+                self.model.register_comm_hook(hook_state, hook)
         else:
             self.model = model
+        if self.ddp_allreduce:
+            gradient_bytes = sum(p.numel() * p.element_size() for p in self.params_with_grad(model))
+            self._ddp_step_bytes = ring_allreduce_bytes(gradient_bytes, world_size)
+            self._last_gradient_s = 0.0
+            for p in self.params_with_grad(model):
+                p.register_post_accumulate_grad_hook(self._gradient_ready)
         self._watch(self.model)
+
+    @staticmethod
+    def params_with_grad(model: nn.Module) -> list[nn.Parameter]:
+        return [p for p in model.parameters() if p.requires_grad]
+
+    def _gradient_ready(self, param: torch.Tensor) -> None:
+        self._last_gradient_s = time.perf_counter()
+
+    def after_backward(self, step: int) -> None:
+        if self.ddp_allreduce:
+            self.stats.counted(self._ddp_step_bytes, launched_at=self._last_gradient_s)
+        if self.overlapping:  # the clock's blocked time: the wait backward did not hide, from the last launch
+            self.emulator.blocked(max(0.0, time.perf_counter() - self.stats.last_launch))
+
+    def step_metrics(self) -> dict:
+        metrics = super().step_metrics()
+        if self.ddp_allreduce:
+            metrics["comm_busy_s"] = None  # DDP's own all-reduce: not measured (see the class docstring)
+        return metrics

@@ -10,7 +10,9 @@ spawned it or ``torchrun`` did. Each step it records where its time went:
   between steps;
 - ``compute_s``: the rest of the step (forward, backward, optimizer, and the
   duty-cycle sleeps that emulate a slower device);
-- ``comm_busy_s``: how long collectives ran in all, hidden or not.
+- ``comm_busy_s``: how long collectives ran in all, hidden or not; ``None``
+  where the sync mode cannot see its collectives (DDP's own all-reduce,
+  ``comm/sync.py``).
 
 Loss scaling: device ``r`` with local batch ``b_r`` back-propagates
 ``sum(losses_r) * world / B``; DDP averages over devices, so every device ends
@@ -269,7 +271,10 @@ def _device_summary(records, rank, me: DeviceSpec, local_batch, speed, cores, th
             "speed": speed, "cores": cores, "threads": threads,
             "samples_per_s": sum(r["samples"] for r in timed) / total,
             "step_s": total / len(timed),
-            **{k: sum(r[k] for r in timed) / len(timed) for k in ("data_s", "compute_s", "comm_s", "comm_busy_s", "cpu_s")},
+            **{k: sum(r[k] for r in timed) / len(timed) for k in ("data_s", "compute_s", "comm_s", "cpu_s")},
+            # None where the sync mode could not measure it (DDP's own all-reduce)
+            "comm_busy_s": None if any(r["comm_busy_s"] is None for r in timed)
+            else sum(r["comm_busy_s"] for r in timed) / len(timed),
             "bytes_sent": sum(r["bytes_sent"] for r in records), "bytes_recv": sum(r["bytes_recv"] for r in records),
             "peak_rss_mb": max((r["peak_rss_mb"] for r in records), default=peak_rss_mb()),
             "throttle_slept_s": throttle.slept if throttle else 0.0,
