@@ -9,7 +9,7 @@ from torch import nn
 
 from edgetrain.cluster.launch import launch_local, under_torchrun
 from edgetrain.cluster.profiles import device_speed, plan_devices, split_batch
-from edgetrain.config import TrainConfig, check_before_launch, load_config
+from edgetrain.config import TrainConfig, check_before_launch, load_config, resolve
 from edgetrain.report.files import new_run_dir, write_yaml
 
 
@@ -31,6 +31,7 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
         overrides["model"], model = model, None
     cfg = load_config(config, **overrides)
     check_before_launch(cfg, model)  # before the run directory and the devices: bad input leaves nothing behind
+    spec = resolve(cfg)  # the options parsed once; the devices build from these
     if model is not None:
         cfg = dataclasses.replace(cfg, model=model_reference(model))
     torchrun = under_torchrun()
@@ -46,7 +47,7 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
         run_dir = new_run_dir(cfg.output, cfg.run_name)
         write_yaml(run_dir / "config.yaml", cfg.to_dict())
 
-    args = (cfg, devices, local_batches, speeds, str(run_dir) if run_dir else None, model, user_models())
+    args = (cfg, spec, devices, local_batches, speeds, str(run_dir) if run_dir else None, model, user_models())
     if torchrun:
         from edgetrain.train.loop import run_worker
 
