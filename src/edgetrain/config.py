@@ -10,14 +10,12 @@ a loss of nan or overflow a timeout in a device.
 (``edgetrain.spec``) and is the one place that refuses combinations that
 cannot run; ``load_config`` calls it, and the training loop, ``comm``,
 ``tiling`` and ``plan`` take the spec, not the strings. This module imports
-only ``edgetrain.spec`` and ``edgetrain.errors`` at its top (no torch):
-checking a config is cheap.
+only ``edgetrain.spec`` and ``edgetrain.errors`` of edgetrain (no torch):
+checking a config is cheap, and nothing here reaches up into the packages
+that take its specs.
 
-``check_before_launch`` adds what needs more than the values: the output
-directory can be written, the model is registered, the CIFAR-10 files are
-there, a tiling grid fits the feature maps (``tiling.strategy.plan_section`` on the
-model, built here once). ``train`` calls it before it makes the run directory and
-before any device starts, so bad input leaves nothing behind.
+What needs more than the values (the model, the data files, a tiling grid
+on the model's feature maps) is ``edgetrain.preflight``, a layer above.
 """
 from __future__ import annotations
 
@@ -263,35 +261,6 @@ def resolve(cfg: TrainConfig) -> RunSpec:
     # accelerator: the training loop's option (auto, cpu, cuda); "auto" until that option exists here
     return RunSpec(compress, sync, link, cfg.link_mode, cfg.strategy, tiling, cfg.timeout, cfg.seed,
                    getattr(cfg, "accelerator", "auto"), cfg.batchnorm)
-
-
-def check_before_launch(cfg: TrainConfig, model: Any = None) -> None:
-    """What ``validate`` cannot see in the values: checked before the run directory and the devices.
-
-    ``model`` is the ``nn.Module`` given to ``train`` instead of ``cfg.model``, if any.
-    """
-    from edgetrain.models import build_model, check_model
-
-    check_output_dir(cfg.output, "config key 'output'")
-    if model is None:
-        check_model(cfg.model)
-    if cfg.dataset == "cifar10":
-        from edgetrain.data.cifar import check_cifar10_dir
-
-        if not cfg.data_dir:
-            raise EdgetrainError("config key 'data_dir' is required with dataset cifar10; "
-                                 "point it at cifar-10-batches-py")
-        check_cifar10_dir(cfg.data_dir)
-    tiling = resolve(cfg).tiling
-    if tiling is not None:
-        from edgetrain.bench.workload import dataset_shape
-        from edgetrain.tiling.strategy import plan_section
-
-        (channels, height, width), classes = dataset_shape(cfg.dataset)
-        if cfg.dataset == "synthetic":
-            height = width = cfg.image_size
-        plan_section(model if model is not None else build_model(cfg.model, channels, classes), tiling,
-                     (channels, height, width))
 
 
 # Kernel pseudo-filesystems: writes there fail half-way or change the system, never make a run directory.

@@ -116,3 +116,9 @@ def test_wrong_input_shape_is_one_clear_error():
     tiled = TiledTraining(plain_net(), parse_tiling("1x1", [14]), PLAIN_SHAPE)
     with pytest.raises(EdgetrainError, match="does not match input_shape"):
         tiled.forward_backward(torch.randn(2, 3, 24, 19), torch.zeros(2, dtype=torch.long), F.cross_entropy)
+
+
+def test_collectives_wait_as_long_as_the_run_timeout():
+    # --timeout bounds every tiled exchange (it was a fixed 300 s whatever the run said)
+    tiled = TiledTraining(plain_net(), parse_tiling("1x1", [14]), PLAIN_SHAPE, timeout_s=7)
+    assert tiled.comm.timeout.total_seconds() == 7

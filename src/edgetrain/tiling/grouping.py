@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from edgetrain.errors import EdgetrainError
 from edgetrain.tiling.plan import SectionPlan
 
 

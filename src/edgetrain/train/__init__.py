@@ -9,7 +9,8 @@ from torch import nn
 
 from edgetrain.cluster.launch import launch_local, under_torchrun
 from edgetrain.cluster.profiles import device_speed, plan_devices, split_batch
-from edgetrain.config import TrainConfig, check_before_launch, load_config, resolve
+from edgetrain.config import TrainConfig, load_config, resolve
+from edgetrain.preflight import check_before_launch
 from edgetrain.report.files import new_run_dir, write_yaml
 
 
