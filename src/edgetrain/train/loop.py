@@ -102,8 +102,8 @@ def evaluate(model: nn.Module, dataset, rank: int, world: int, batch: int = 256)
     return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
 
 
-def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local_batches: list[int], speeds: list[float | None],
-               run_dir: str | None, user_model: nn.Module | None = None,
+def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local_batches: list[int],
+               speeds: list[float | None], run_dir: str | None, user_model: nn.Module | None = None,
                registered: dict | None = None) -> dict | None:
     """Train on this device; rank 0 returns the run summary, the others None."""
     started = time.perf_counter()
@@ -130,7 +130,7 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
     flops_per_sample = training_flops_per_sample(model, input_shape=data.input_shape,
                                                  num_classes=data.num_classes) if rank == 0 else None
     tiled = None
-    if spec.tiling is not None:
+    if cfg.strategy == "tiled":
         # Spatial tiles of the first layers, data parallel after them; every BatchNorm gets
         # whole-map or global-batch statistics whatever cfg.batchnorm says.
         tiled = TiledTraining(model, spec.tiling, data.input_shape, timeout_s=spec.timeout_s)
