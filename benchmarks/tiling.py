@@ -35,6 +35,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from edgetrain.models.yolo_tiny import YoloTiny
+from edgetrain.spec import parse_tiling
 from edgetrain.tiling import TiledTraining
 from edgetrain.tiling.grouping import Machine, choose_groups, grouping_cost
 from edgetrain.tiling.layers import describe
@@ -99,7 +100,7 @@ def model() -> YoloTiny:
 def tiled_steps(rank, world, grid, batch, steps):
     """Tiled training steps; returns the report of the last one and the step times."""
     x, y = data(batch)
-    tiled = TiledTraining(model(), grid, "auto", SHAPE)
+    tiled = TiledTraining(model(), parse_tiling(grid), SHAPE)
     opt = torch.optim.SGD(tiled.parameters(), lr=0.01, momentum=0.9)
     times = []
     for _ in range(steps + 1):  # the first step also measures the machine and chooses groups: not timed
@@ -134,7 +135,7 @@ def side_by_side(rank, world, batch, steps):
     pair = dist.new_group([0, 1])
     x, y = data(batch)
     if rank < 2:
-        tiled = TiledTraining(model(), "1x2", "auto", SHAPE, group=pair)
+        tiled = TiledTraining(model(), parse_tiling("1x2"), SHAPE, group=pair)
         opt = torch.optim.SGD(tiled.parameters(), lr=0.01, momentum=0.9)
 
         def step():

@@ -8,7 +8,14 @@ Python API::
 
 ``edgetrain.train`` is the function; the training loop itself lives in the
 ``edgetrain.train`` subpackage (``from edgetrain.train.loop import run_worker``).
+
+The names below are loaded on first use (PEP 562 module ``__getattr__``), so
+that ``import edgetrain`` and the torch-free modules (``edgetrain.spec``,
+``edgetrain.config``, ``edgetrain.report.html``) do not pay for importing torch.
 """
+import sys
+import types
+
 __version__ = "0.1.0"
 
 import os  # noqa: E402
@@ -18,9 +25,40 @@ import os  # noqa: E402
 # imported; an explicit TORCH_CPP_LOG_LEVEL wins.
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
 
-from edgetrain.config import TrainConfig, load_config  # noqa: E402
-from edgetrain.errors import EdgetrainError  # noqa: E402
-from edgetrain.models import build_model, register_model  # noqa: E402
-from edgetrain.train import train  # noqa: E402  (rebinds the name to the function)
+# name -> module it lives in; imported on first access
+_LAZY = {
+    "train": "edgetrain.train",
+    "TrainConfig": "edgetrain.config",
+    "load_config": "edgetrain.config",
+    "EdgetrainError": "edgetrain.errors",
+    "build_model": "edgetrain.models",
+    "register_model": "edgetrain.models",
+}
 
 __all__ = ["train", "TrainConfig", "load_config", "EdgetrainError", "build_model", "register_model", "__version__"]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'edgetrain' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value  # the function train, not the subpackage that importing it bound here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+class _Package(types.ModuleType):
+    def __setattr__(self, name: str, value) -> None:
+        # Importing the subpackage edgetrain.train (for its loop, say) binds it here once it has run;
+        # the function of that name is what edgetrain.train means, as when it was imported eagerly.
+        if name == "train" and isinstance(value, types.ModuleType):
+            value = value.train
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -6,11 +6,16 @@ checked on load; a wrong key, type or value is one line naming the key.
 Floats must be finite: ``nan`` and ``inf`` parse as floats but would train to
 a loss of nan or overflow a timeout in a device.
 
-``check_before_launch`` adds what needs more than the values: the output
-directory can be written, the model is registered, the CIFAR-10 files are
-there, a tiling grid fits the feature maps (``tiling.strategy.plan_section`` on the
-model, built here once). ``train`` calls it before it makes the run directory and
-before any device starts, so bad input leaves nothing behind.
+``resolve`` parses every string option once into a frozen ``RunSpec``
+(``edgetrain.spec``) and is the one place that refuses combinations that
+cannot run; ``load_config`` calls it, and the training loop, ``comm``,
+``tiling`` and ``plan`` take the spec, not the strings. This module imports
+only ``edgetrain.spec`` and ``edgetrain.errors`` of edgetrain (no torch):
+checking a config is cheap, and nothing here reaches up into the packages
+that take its specs.
+
+What needs more than the values (the model, the data files, a tiling grid
+on the model's feature maps) is ``edgetrain.preflight``, a layer above.
 """
 from __future__ import annotations
 
@@ -26,8 +31,8 @@ from typing import Any
 
 import yaml
 
-from edgetrain.comm import check_config
 from edgetrain.errors import EdgetrainError
+from edgetrain.spec import LINK_MODES, RunSpec, check_compatible, get_link, parse_compress, parse_sync, parse_tiling
 
 
 def _opt(default: Any, help: str, choices: tuple | None = None, minimum: float | None = None, **extra) -> Any:
@@ -218,44 +223,47 @@ def validate(cfg: TrainConfig) -> None:
         if sum(sizes) != cfg.batch_size:
             raise EdgetrainError(f"config key 'local_batch' {cfg.local_batch} sums to {sum(sizes)}, "
                                  f"but batch_size is {cfg.batch_size}; make them agree")
-    check_config(cfg)
-    if cfg.grid != "1x1" and cfg.strategy != "tiled":
+    resolve(cfg)
+
+
+def resolve(cfg: TrainConfig) -> RunSpec:
+    """Every string option of ``cfg`` parsed once, and the combinations that cannot run refused, each
+    in one line naming the key and the fix (the list is ``RunSpec``'s docstring)."""
+    compress, sync = parse_compress(cfg.compress), parse_sync(cfg.sync)
+    check_compatible(sync, compress)
+    link = get_link(cfg.link)
+    if cfg.link_mode not in LINK_MODES:
+        raise EdgetrainError(f"link mode must be one of {', '.join(LINK_MODES)}, got {cfg.link_mode!r}")
+    if cfg.batchnorm == "sync" and sync.mode != "sync":
+        raise EdgetrainError(f"batchnorm sync all-reduces statistics at every forward, which --sync {sync.text} is "
+                             "meant to avoid; use --batchnorm local")
+    if compress.is_dgc and cfg.optimizer == "sgd" and cfg.momentum > 0:
+        raise EdgetrainError(f"--compress {compress.text} applies momentum inside the hook (DGC momentum "
+                             "correction); set --momentum 0 so that it is not applied twice")
+    tiling = None
+    if cfg.strategy == "tiled":
+        # Tiled training's exchanges (halos, the hand-off, gradients) run uncompressed, every step, on
+        # the host's network: options that would change them are refused, not silently ignored.
+        for key, text, ignored in (("compress", compress.text, compress.method != "none"),
+                                   ("sync", sync.text, sync.mode != "sync")):
+            if ignored:
+                raise EdgetrainError(f"config key '{key}' {text} does not apply to strategy tiled, whose exchanges "
+                                     f"are uncompressed and synchronous every step; drop --{key} or use --strategy ddp")
+        if link is not None:
+            raise EdgetrainError(f"config key 'link' {cfg.link} does not apply to strategy tiled, which does not "
+                                 f"emulate links (its exchanges run on the host's network); drop --link or use "
+                                 f"--strategy ddp")
+        tiling = parse_tiling(cfg.grid, cfg.groups)
+        if not cfg.cluster and "WORLD_SIZE" not in os.environ and cfg.devices != tiling.devices:
+            raise EdgetrainError(f"config key 'devices' is {cfg.devices} but grid {cfg.grid} needs {tiling.devices} "
+                                 f"devices, one per tile; set --devices {tiling.devices}")
+    elif cfg.grid != "1x1":
         raise EdgetrainError(f"config key 'grid' {cfg.grid} needs strategy tiled (--strategy tiled)")
-    if cfg.strategy == "tiled":
-        from edgetrain.tiling import parse_grid
-
-        rows, cols = parse_grid(cfg.grid)
-        if not cfg.cluster and "WORLD_SIZE" not in os.environ and cfg.devices != rows * cols:
-            raise EdgetrainError(f"config key 'devices' is {cfg.devices} but grid {cfg.grid} needs {rows * cols} "
-                                 f"devices, one per tile; set --devices {rows * cols}")
-
-
-def check_before_launch(cfg: TrainConfig, model: Any = None) -> None:
-    """What ``validate`` cannot see in the values: checked before the run directory and the devices.
-
-    ``model`` is the ``nn.Module`` given to ``train`` instead of ``cfg.model``, if any.
-    """
-    from edgetrain.models import build_model, check_model
-
-    check_output_dir(cfg.output, "config key 'output'")
-    if model is None:
-        check_model(cfg.model)
-    if cfg.dataset == "cifar10":
-        from edgetrain.data.cifar import check_cifar10_dir
-
-        if not cfg.data_dir:
-            raise EdgetrainError("config key 'data_dir' is required with dataset cifar10; "
-                                 "point it at cifar-10-batches-py")
-        check_cifar10_dir(cfg.data_dir)
-    if cfg.strategy == "tiled":
-        from edgetrain.bench.workload import dataset_shape
-        from edgetrain.tiling.strategy import parse_grid, plan_section
-
-        (channels, height, width), classes = dataset_shape(cfg.dataset)
-        if cfg.dataset == "synthetic":
-            height = width = cfg.image_size
-        plan_section(model if model is not None else build_model(cfg.model, channels, classes),
-                     parse_grid(cfg.grid), cfg.groups, (channels, height, width))
+    elif cfg.groups != "auto":
+        raise EdgetrainError(f"config key 'groups' {cfg.groups} needs strategy tiled (--strategy tiled)")
+    # accelerator: the training loop's option (auto, cpu, cuda); "auto" until that option exists here
+    return RunSpec(compress, sync, link, cfg.link_mode, cfg.strategy, tiling, cfg.timeout, cfg.seed,
+                   getattr(cfg, "accelerator", "auto"), cfg.batchnorm)
 
 
 # Kernel pseudo-filesystems: writes there fail half-way or change the system, never make a run directory.

@@ -10,7 +10,6 @@ import os
 import socket
 import tempfile
 import time
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -132,10 +131,11 @@ def exchange_exactness(rank: int, world: int) -> dict:
     return out
 
 
-class Cfg(SimpleNamespace):
-    def __init__(self, **kw):
-        super().__init__(**{"compress": "none", "sync": "sync", "link": None, "link_mode": "virtual", "seed": 0,
-                            **kw})
+def run_spec(**options):
+    """The ``RunSpec`` of a run with these options and the defaults of the rest, as ``train`` builds it."""
+    from edgetrain.config import load_config, resolve
+
+    return resolve(load_config(None, **options))
 
 
 def run_steps(sync, rank: int, steps: int, lr: float = 0.1, compute_s: float = 0.0) -> list[float]:
@@ -175,7 +175,7 @@ def link_time_checks(rank: int, world: int, link: str) -> dict:
     out["allreduce_model_s"] = collective_time([get_link(link)] * world, "allreduce",
                                                ring_allreduce_bytes(400_000, world))
     for mode in ("virtual", "enforced"):
-        sync = build_sync(tiny_model(), Cfg(compress="none", link=link, link_mode=mode), rank, world)
+        sync = build_sync(tiny_model(), run_spec(link=link, link_mode=mode), rank, world)
         dist.barrier()
         started = time.perf_counter()
         run_steps(sync, rank, steps=6, compute_s=0.03)
@@ -192,7 +192,7 @@ def sync_modes(rank: int, world: int, cases: list[tuple]) -> dict:
     results = {}
     for case in cases:
         sync_spec, compress, link, mode, slow_s = case
-        sync = build_sync(tiny_model(), Cfg(sync=sync_spec, compress=compress, link=link, link_mode=mode),
+        sync = build_sync(tiny_model(), run_spec(sync=sync_spec, compress=compress, link=link, link_mode=mode),
                           rank, world)
         losses = run_steps(sync, rank, steps=32, compute_s=slow_s if rank == 1 else 0.0)
         metrics = sync.step_metrics()

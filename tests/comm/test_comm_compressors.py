@@ -7,10 +7,9 @@ import pytest
 import torch
 
 from edgetrain.comm.compress import (QSGD, DGCMemory, HalfCast, Int8, MajorityVote, NoCompression, RandomK,
-                                     ResidualMemory, ScaledSign, Threshold, TopK, link_threshold,
-                                     parse_compress, unpack)
-from edgetrain.cluster.links import get_link
+                                     ResidualMemory, ScaledSign, Threshold, TopK, link_threshold, unpack)
 from edgetrain.errors import EdgetrainError
+from edgetrain.spec import get_link, parse_compress
 
 
 def sample(n: int = 1000, seed: int = 0) -> torch.Tensor:

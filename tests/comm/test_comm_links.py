@@ -5,10 +5,11 @@ import time
 
 import pytest
 
-from edgetrain.cluster.links import PRESETS, Link, collective_time, get_link, parse_rate, parse_time
-from edgetrain.comm import check_config, parse_sync
+from edgetrain.cluster.links import collective_time
 from edgetrain.comm.emulation import LinkEmulator
+from edgetrain.config import TrainConfig, load_config, resolve
 from edgetrain.errors import EdgetrainError
+from edgetrain.spec import PRESETS, Link, get_link, parse_rate, parse_sync, parse_time
 
 
 def test_presets_as_specified():
@@ -100,12 +101,6 @@ def test_bad_sync_specs(spec, message):
         parse_sync(spec)
 
 
-class Cfg:
-    def __init__(self, **kw):
-        self.compress, self.sync, self.link, self.link_mode = "none", "sync", None, "virtual"
-        self.__dict__.update(kw)
-
-
 @pytest.mark.parametrize("kw, message", [
     (dict(compress="powersgd", sync="local:8"), "works with --sync sync only"),
     (dict(compress="topk:0.01:dgc", sync="async:2"), "drop :dgc"),
@@ -114,10 +109,12 @@ class Cfg:
     (dict(link="moon-1k"), "unknown link preset"),
     (dict(link_mode="real"), "link mode must be one of"),
 ])
-def test_check_config_refuses(kw, message):
+def test_resolve_refuses(kw, message):
     with pytest.raises(EdgetrainError, match=message):
-        check_config(Cfg(**kw))
+        resolve(TrainConfig(**kw))  # not load_config: its per-key checks would catch link_mode first
 
 
-def test_check_config_accepts_the_issue_example():
-    check_config(Cfg(compress="topk:0.01", sync="local:8", link="lte-10m"))
+def test_resolve_accepts_the_issue_example():
+    spec = resolve(load_config(None, compress="topk:0.01", sync="local:8", link="lte-10m"))
+    assert (spec.compress.method, spec.compress.arg, spec.sync.mode, spec.sync.period) == ("topk", 0.01, "local", 8)
+    assert spec.link == PRESETS["lte-10m"]

@@ -8,6 +8,9 @@ from edgetrain.config import load_config
 from edgetrain.data import build_data
 from edgetrain.plan.costs import count_costs, data_footprint, ddp_buckets
 from edgetrain.plan.traffic import traffic
+from edgetrain.spec import parse_compress, parse_sync
+
+SYNC = parse_sync("sync")
 
 
 def tiny_net() -> nn.Module:
@@ -59,14 +62,14 @@ def test_ddp_buckets_cover_every_parameter_once():
 def test_payload_bytes_come_from_the_compressors():
     costs = count_costs(tiny_net(), (2, 6, 6), num_classes=5)
     n, p = costs.params, 4
-    dense = traffic(costs, p, "sync", "none")
+    dense = traffic(costs, p, SYNC, parse_compress("none"))
     assert dense.collectives == (("allreduce", 2 * (p - 1) * 4 * n // p),) and dense.payload_bytes == 4 * n
-    assert traffic(costs, p, "sync", "fp16").payload_bytes == 2 * n
-    topk = traffic(costs, p, "sync", "topk:0.1")
+    assert traffic(costs, p, SYNC, parse_compress("fp16")).payload_bytes == 2 * n
+    topk = traffic(costs, p, SYNC, parse_compress("topk:0.1"))
     assert topk.payload_bytes == 8 * math.ceil(0.1 * n)            # value + index per kept entry
     assert topk.collectives == (("allgather", (p - 1) * topk.payload_bytes),)
-    assert traffic(costs, p, "sync", "sign").payload_bytes == 4 + math.ceil(n / 8)
-    assert traffic(costs, 1, "sync", "none").collectives == ()
+    assert traffic(costs, p, SYNC, parse_compress("sign")).payload_bytes == 4 + math.ceil(n / 8)
+    assert traffic(costs, 1, SYNC, parse_compress("none")).collectives == ()
 
 
 def test_synthetic_data_footprint_matches_the_built_dataset():

@@ -12,6 +12,7 @@ from edgetrain.plan.config import plan_inputs
 from edgetrain.plan.costs import ModelCosts
 from edgetrain.plan.model import predict
 from edgetrain.plan.traffic import traffic
+from edgetrain.spec import parse_compress, parse_sync
 
 N = 1_000_000  # parameters of the fake model: one 1000 x 1000 matrix, one DDP bucket
 COSTS = ModelCosts(model="fake", input_shape=(3, 32, 32), num_classes=10, params=N, param_bytes=4 * N,
@@ -28,7 +29,7 @@ def cluster(n: int, profile: DeviceProfile = PI, link: str | None = LTE) -> list
 def plan(n: int, sync: str = "sync", compress: str = "none", devices=None, batches=None, **kw):
     devices = devices or cluster(n)
     batches = batches or [16] * len(devices)
-    return predict(COSTS, devices, batches, traffic(COSTS, len(devices), sync, compress), runtime_mb=100, **kw)
+    return predict(COSTS, devices, batches, traffic(COSTS, len(devices), parse_sync(sync), parse_compress(compress)), runtime_mb=100, **kw)
 
 
 def test_compute_time_is_flops_over_gflops_and_doubling_gflops_halves_it():
@@ -114,8 +115,8 @@ def test_bad_input_is_one_clear_error(overrides, message):
         cfg.pop("link")
     with pytest.raises(EdgetrainError, match=message):
         inputs = plan_inputs(load_config(None, **cfg))
-        predict(inputs.costs, inputs.devices, inputs.batches, traffic(inputs.costs, len(inputs.devices), "sync",
-                cfg.get("compress", "none")), runtime_mb=100)
+        predict(inputs.costs, inputs.devices, inputs.batches, traffic(inputs.costs, len(inputs.devices),
+                inputs.spec.sync, inputs.spec.compress), runtime_mb=100)
 
 
 def test_efficiency_and_overlap_are_checked():

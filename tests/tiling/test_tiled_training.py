@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgetrain.errors import EdgetrainError
-from edgetrain.tiling import TiledTraining, parse_grid
+from edgetrain.spec import parse_grid, parse_tiling
+from edgetrain.tiling import TiledTraining
 
 from ._dist import run_devices
 from .models import PLAIN_SHAPE, batch, build, plain_net, reference_grads, rel_err
@@ -55,7 +56,7 @@ def test_one_device_grid_needs_no_process_group():
     model, shape = build("plain", torch.float64)
     x, y = batch(shape, 3, torch.float64)
     ref_loss, ref = reference_grads(model, x, y)
-    tiled = TiledTraining(model, "1x1", "auto", shape)
+    tiled = TiledTraining(model, parse_tiling("1x1", "auto"), shape)
     loss, correct, n = tiled.forward_backward(x, y, F.cross_entropy)
     assert n == 3 and 0 <= correct <= 3
     assert loss == pytest.approx(ref_loss, rel=1e-12)
@@ -86,32 +87,38 @@ def test_parse_grid_rejects(text):
 ])
 def test_impossible_groups_are_one_clear_error(groups, match):
     with pytest.raises(EdgetrainError, match=match):
-        TiledTraining(plain_net(), "1x1", groups, PLAIN_SHAPE)
+        TiledTraining(plain_net(), parse_tiling("1x1", groups), PLAIN_SHAPE)
 
 
 def test_linear_and_dropout_in_the_tiled_section_are_named():
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 21 * 17, 2))
     with pytest.raises(EdgetrainError, match=r"'1' \(Flatten\) cannot be tiled"):
-        TiledTraining(model, "1x1", [2], PLAIN_SHAPE)
+        TiledTraining(model, parse_tiling("1x1", [2]), PLAIN_SHAPE)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Dropout(0.5), nn.Flatten())
     with pytest.raises(EdgetrainError, match=r"'1' \(Dropout\).*random mask"):
-        TiledTraining(model, "1x1", [2], PLAIN_SHAPE)
+        TiledTraining(model, parse_tiling("1x1", [2]), PLAIN_SHAPE)
 
 
 def test_grid_larger_than_the_feature_map_names_the_layer():
     # The plain net's maps end at 6x5: five columns cannot be shared by eight tiles.
     with pytest.raises(EdgetrainError, match=r"grid 1x8 is larger than the feature map after layer '\d+'"):
-        TiledTraining(plain_net(), "1x8", [14], PLAIN_SHAPE)
+        TiledTraining(plain_net(), parse_tiling("1x8", [14]), PLAIN_SHAPE)
     with pytest.raises(EdgetrainError, match="larger than the feature map"):
-        TiledTraining(plain_net(), "30x1", [3], PLAIN_SHAPE)
+        TiledTraining(plain_net(), parse_tiling("30x1", [3]), PLAIN_SHAPE)
 
 
 def test_grid_must_match_the_devices_running():
     with pytest.raises(EdgetrainError, match="grid 1x2 needs 2 devices but 1 are running"):
-        TiledTraining(plain_net(), "1x2", [14], PLAIN_SHAPE)
+        TiledTraining(plain_net(), parse_tiling("1x2", [14]), PLAIN_SHAPE)
 
 
 def test_wrong_input_shape_is_one_clear_error():
-    tiled = TiledTraining(plain_net(), "1x1", [14], PLAIN_SHAPE)
+    tiled = TiledTraining(plain_net(), parse_tiling("1x1", [14]), PLAIN_SHAPE)
     with pytest.raises(EdgetrainError, match="does not match input_shape"):
         tiled.forward_backward(torch.randn(2, 3, 24, 19), torch.zeros(2, dtype=torch.long), F.cross_entropy)
+
+
+def test_collectives_wait_as_long_as_the_run_timeout():
+    # --timeout bounds every tiled exchange (it was a fixed 300 s whatever the run said)
+    tiled = TiledTraining(plain_net(), parse_tiling("1x1", [14]), PLAIN_SHAPE, timeout_s=7)
+    assert tiled.comm.timeout.total_seconds() == 7

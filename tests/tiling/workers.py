@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from edgetrain.errors import EdgetrainError
+from edgetrain.spec import parse_tiling
 from edgetrain.tiling import TiledTraining
 
 from .models import batch, build, reference_grads, rel_err
@@ -28,7 +29,7 @@ def exactness(rank: int, world: int, grid: str, cases: list[tuple[str, object, s
         model, shape = build(name, dtype)
         x, y = batch(shape, 5, dtype)  # 5 samples: uneven shares on 2, 3 and 4 devices
         ref_loss, ref = reference_grads(model, x, y)
-        tiled = TiledTraining(model, grid, groups, shape)
+        tiled = TiledTraining(model, parse_tiling(grid, groups), shape)
         loss, correct, n = tiled.forward_backward(x, y, F.cross_entropy)
         errors = {p_name: rel_err(p.grad, ref[p_name]) for p_name, p in model.named_parameters()}
         worst = max(errors, key=errors.get)
@@ -48,7 +49,7 @@ def training(rank: int, world: int, grid: str, name: str, groups, steps: int) ->
     model, shape = build(name, torch.float32)
     reference = copy.deepcopy(model)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
-    tiled = TiledTraining(model, grid, groups, shape)
+    tiled = TiledTraining(model, parse_tiling(grid, groups), shape)
     opt = torch.optim.SGD(tiled.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
     losses = []
     for step in range(steps):

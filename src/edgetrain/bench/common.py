@@ -23,16 +23,13 @@ import statistics
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from edgetrain.report.cells import (ABOVE_PEAK_NOTE, NOISY_NOTE, NOISY_SPREAD, fmt,  # noqa: F401  (benches' names)
+                                    percent_of_peak, spread_cell)
 from edgetrain.report.files import new_run_dir, write_json
 
 RESULT_FILE = "result.json"
 # IQR / median above which a timing is flagged as noise: the middle half of the steps then spans more than
 # a quarter of the typical step, more than most of the differences a bench is run to see.
-NOISY_SPREAD = 0.25
-NOISY_NOTE = (f"a '!' on a spread marks a timing whose interquartile range is above {NOISY_SPREAD:.0%} of its "
-              "median: too noisy to compare; run more steps (or --min-time where the bench has it) on a quieter machine")
-
-
 def relative_spread(values: Sequence[float]) -> float | None:
     """Interquartile range over the median; None for fewer than two values."""
     if len(values) < 2:
@@ -48,11 +45,6 @@ def timing_summary(step_s: Sequence[float], samples_per_step: float) -> dict[str
     spread = relative_spread(step_s)
     return {"step_s_median": median, "samples_per_s": samples_per_step / median, "spread": spread,
             "noisy": spread is not None and spread > NOISY_SPREAD}
-
-
-def spread_cell(spread: float | None, noisy: bool) -> str:
-    """A spread for a table: a percentage, ``!`` when noisy (see ``NOISY_NOTE``)."""
-    return "-" if spread is None else f"{100 * spread:.0f}%" + (" !" if noisy else "")
 
 
 def cpu_model() -> str:
@@ -88,35 +80,6 @@ def save_result(run_dir: Path, bench: str, params: dict, **sections: Any) -> dic
     result = {"bench": bench, "environment": environment(), "params": params, **sections}
     write_json(run_dir / RESULT_FILE, result)
     return result
-
-
-ABOVE_PEAK_NOTE = ("a '!' marks a rate above the peak it is set against, which a correct count cannot reach: "
-                   "the peak measurement came out below the achieved rate (noise, load, or a throttled peak); "
-                   "re-measure the peak with more time or on a quiet machine")
-
-
-def percent_of_peak(fraction: float | None) -> str:
-    """``fraction`` as a percentage for a table, with ``!`` where it is above the peak (see ``ABOVE_PEAK_NOTE``)."""
-    if fraction is None:
-        return "-"
-    return f"{100 * fraction:.1f}%" + (" !" if fraction > 1 else "")
-
-
-def fmt(value: Any, digits: int = 3) -> str:
-    """A number for a table: a few significant digits, ``-`` for missing."""
-    if value is None:
-        return "-"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if value != value:  # NaN
-            return "-"
-        if abs(value) >= 10 ** digits:
-            return f"{value:,.0f}"
-        return f"{value:.{digits}g}"
-    return str(value)
 
 
 def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]],

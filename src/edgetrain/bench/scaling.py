@@ -30,8 +30,9 @@ from typing import Any
 
 from edgetrain.arguments import non_negative_int, positive_int
 from edgetrain.bench import trainer_runs
-from edgetrain.bench.common import NOISY_NOTE, print_table, save_result, spread_cell, start_run
+from edgetrain.bench.common import print_table, save_result, spread_cell, start_run
 from edgetrain.errors import EdgetrainError
+from edgetrain.report.cells import efficiency_cell, flag_notes
 
 
 def scaling_rows(metrics: dict[int, list[dict]], summaries: dict[int, dict] | None = None) -> list[dict[str, Any]]:
@@ -53,25 +54,6 @@ def scaling_rows(metrics: dict[int, list[dict]], summaries: dict[int, dict] | No
                                                      for d in summaries.get(n, {}).get("per_device", [])]),
                      "run_dir": summaries.get(n, {}).get("run_dir")})
     return rows
-
-
-def flag_notes(rows: list[dict[str, Any]]) -> list[str]:
-    """One line for each kind of flag the rows carry, saying what it means for the numbers."""
-    flags = {f for r in rows for f in r["flags"]}
-    notes = [NOISY_NOTE] if flags & {"noisy", "noisy baseline"} else []
-    if "noisy baseline" in flags:
-        notes.append("the 1-device baseline is noisy: every speedup and efficiency is divided by it and is unreliable")
-    if "superlinear" in flags:
-        notes.append("a '!' on an efficiency marks more than 100%: more than N times one device, which devices "
-                     "sharing this host cannot reach; the baseline was slow (noise, a cold start); re-run with "
-                     "more --steps")
-    return notes
-
-
-def efficiency_cell(row: dict[str, Any]) -> str:
-    """Efficiency as a percentage, ``!`` where it is flagged (superlinear, or divided by a noisy baseline)."""
-    flagged = {"superlinear", "noisy baseline"} & set(row["flags"])
-    return f"{100 * row['efficiency']:.1f}%" + (" !" if flagged else "")
 
 
 def _mean(values: list) -> float | None:
@@ -142,7 +124,8 @@ def add_parser(sub) -> None:
 
 
 def _config(a) -> dict[str, Any]:
-    from edgetrain.config import check_before_launch, load_config, read_yaml_mapping
+    from edgetrain.config import load_config, read_yaml_mapping
+    from edgetrain.preflight import check_before_launch
 
     config = read_yaml_mapping(a.config, "--config") if a.config else {}
     config.setdefault("model", "small_cnn")

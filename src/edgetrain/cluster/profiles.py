@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from edgetrain.errors import EdgetrainError
+from edgetrain.spec import get_link
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ class DeviceProfile:
     gflops: float | None = None       # sustained dense fp32 GFLOPS of the whole device; None = host speed
     speed: float | None = None        # compute speed relative to one host core; overrides gflops
     memory_mb: int | None = None      # memory the device has; None = no limit
-    link: str | None = None           # link preset or spec (see edgetrain.cluster.links)
+    link: str | None = None           # link preset or spec (see edgetrain.spec)
     description: str = ""
 
 
@@ -186,8 +187,6 @@ def plan_devices(cfg: Any, world_size: int | None = None) -> list[DeviceSpec]:
         n = world_size if world_size is not None else cfg.devices
         link = cfg.link or profile.link
         devices = [DeviceSpec(r, profile, None, link) for r in range(n)]
-    from edgetrain.cluster.links import get_link
-
     # A bad link in the cluster file fails here, before any device starts; each distinct link is
     # checked once, as a million devices share a handful of links.
     for link in {repr(d.link): d.link for d in devices}.values():

@@ -1,11 +1,10 @@
 """Communication over slow edge networks: link emulation, gradient compression, sync modes.
 
-The training loop needs two functions from here:
-
-* ``check_config(cfg)``: validate ``cfg.compress``, ``cfg.sync``, ``cfg.link``
-  and ``cfg.link_mode`` early, in the parent process;
-* ``build_sync(model, cfg, rank, world_size, stats, link)``: in each worker, the
-  sync object the loop drives (interface in ``sync.py``).
+The training loop needs one function from here: ``build_sync(model, spec,
+rank, world_size, stats, link)``, in each worker, the sync object the loop
+drives (interface in ``sync.py``). Its options come parsed and checked in a
+``RunSpec`` (``edgetrain.spec``, built once by ``config.resolve``, which also
+refuses the combinations that cannot run); nothing here reads a config.
 
 A user's own DDP script needs only ``make_hook``::
 
@@ -17,51 +16,29 @@ Map: ``cluster/links.py`` (link model), ``emulation.py`` (enforced / virtual
 clock), ``compress/`` (one module per method, ``memory.py`` for error
 feedback), ``exchange.py`` (the compressed average every mode uses),
 ``hook.py`` (DDP hook), ``sync.py`` / ``local_sgd.py`` / ``asynchronous.py`` /
-``gossip.py`` (modes), ``spec.py`` (``--sync`` and what composes with what).
+``gossip.py`` (modes); the specs themselves are parsed in ``edgetrain.spec``.
 """
 from __future__ import annotations
 
 import torch.distributed as dist
 from torch import nn
 
-from edgetrain.cluster.links import PRESETS, Link, get_link
 from edgetrain.cluster.peers import all_gather_json
 from edgetrain.comm.accounting import CommStats
 from edgetrain.comm.allreduce import AllReduceState, allreduce_hook
 from edgetrain.comm.asynchronous import BoundedStaleness
 from edgetrain.comm.compress.memory import NoMemory
 from edgetrain.comm.compress.powersgd import PowerSGDHookState, powersgd_hook
-from edgetrain.comm.compress.spec import CompressSpec, build_compressor, parse_compress
-from edgetrain.comm.emulation import MODES as LINK_MODES
+from edgetrain.comm.compress.spec import build_compressor
 from edgetrain.comm.emulation import LinkEmulator
 from edgetrain.comm.gossip import Gossip
 from edgetrain.comm.hook import CompressionState, compression_hook
 from edgetrain.comm.local_sgd import LocalSGD
-from edgetrain.comm.spec import SyncSpec, check_compatible, parse_sync
 from edgetrain.comm.sync import Synchronous, SyncMode
-from edgetrain.errors import EdgetrainError
+from edgetrain.spec import PRESETS, CompressSpec, Link, RunSpec, get_link, parse_compress, parse_sync
 
-DEFAULT_TIMEOUT_S = 300.0
-
-__all__ = ["check_config", "build_sync", "make_hook", "build_hook", "parse_compress", "parse_sync",
+__all__ = ["build_sync", "make_hook", "build_hook", "parse_compress", "parse_sync",
            "CommStats", "LinkEmulator", "SyncMode", "Synchronous", "LocalSGD", "BoundedStaleness", "Gossip"]
-
-
-def check_config(cfg) -> None:
-    """Validate the communication fields of a ``TrainConfig``; raise ``EdgetrainError`` if one is wrong."""
-    compress = parse_compress(getattr(cfg, "compress", "none"))
-    sync = parse_sync(getattr(cfg, "sync", "sync"))
-    check_compatible(sync, compress)
-    get_link(getattr(cfg, "link", None))
-    mode = getattr(cfg, "link_mode", "virtual") or "virtual"
-    if mode not in LINK_MODES:
-        raise EdgetrainError(f"link mode must be one of {', '.join(LINK_MODES)}, got {mode!r}")
-    if getattr(cfg, "batchnorm", "local") == "sync" and sync.mode != "sync":
-        raise EdgetrainError(f"batchnorm sync all-reduces statistics at every forward, which --sync {sync.text} is "
-                             "meant to avoid; use --batchnorm local")
-    if compress.is_dgc and getattr(cfg, "optimizer", "sgd") == "sgd" and getattr(cfg, "momentum", 0.0) > 0:
-        raise EdgetrainError(f"--compress {compress.text} applies momentum inside the hook (DGC momentum "
-                             "correction); set --momentum 0 so that it is not applied twice")
 
 
 def build_hook(spec: CompressSpec, emulator: LinkEmulator, link: Link | None = None, seed: int = 0,
@@ -105,24 +82,20 @@ def gather_links(link: Link | None, world_size: int) -> list[Link] | None:
     return [PRESETS["lan-1g"] if x is None else Link(*x) for x in everyone]
 
 
-def build_sync(model: nn.Module, cfg, rank: int, world_size: int, stats: CommStats | None = None,
+def build_sync(model: nn.Module, spec: RunSpec, rank: int, world_size: int, stats: CommStats | None = None,
                link: str | Link | dict | None = None, **ddp_kwargs) -> SyncMode:
-    """The sync object for this worker, as ``cfg.sync`` / ``cfg.compress`` / links say.
+    """The sync object for this worker, as ``spec.sync`` / ``spec.compress`` / links say.
 
-    ``link``: this device's link (from the cluster file); ``None`` falls back to
-    ``cfg.link``. Every device must call this (it runs setup collectives).
-    ``ddp_kwargs`` (``broadcast_buffers``, ``bucket_cap_mb``) go to DDP in sync mode;
-    ``broadcast_buffers`` defaults to on unless ``cfg.batchnorm`` is ``sync``.
+    ``link``: this device's link (from the cluster file, checked by ``plan_devices``);
+    ``None`` falls back to ``spec.link``. Every device must call this (it runs setup
+    collectives). ``ddp_kwargs`` (``broadcast_buffers``, ``bucket_cap_mb``) go to DDP in
+    sync mode; ``broadcast_buffers`` defaults to on unless ``spec.batchnorm`` is ``sync``.
     """
-    check_config(cfg)
-    compress = parse_compress(getattr(cfg, "compress", "none"))
-    sync = parse_sync(getattr(cfg, "sync", "sync"))
-    my_link = get_link(link if link is not None else getattr(cfg, "link", None))
-    seed = int(getattr(cfg, "seed", 0) or 0)
-    timeout = float(getattr(cfg, "timeout", None) or DEFAULT_TIMEOUT_S)
+    compress, sync, seed = spec.compress, spec.sync, spec.seed
+    my_link = get_link(link) if link is not None else spec.link
     links = gather_links(my_link, world_size)
-    emulator = LinkEmulator(links, rank, stats if stats is not None else CommStats(),
-                            getattr(cfg, "link_mode", None) or "virtual", seed, timeout)
+    emulator = LinkEmulator(links, rank, stats if stats is not None else CommStats(), spec.link_mode, seed,
+                            spec.timeout_s)
     distributed = world_size > 1 and dist.is_initialized()
     clock_group = dist.new_group(backend="gloo") if distributed else None
     common = dict(clock_group=clock_group, spec=sync.text, compress=compress.text)
@@ -131,7 +104,7 @@ def build_sync(model: nn.Module, cfg, rank: int, world_size: int, stats: CommSta
         # uncompressed and no link to charge: no hook, DDP's own all-reduce (Synchronous counts its bytes)
         if distributed and (compress.method != "none" or links is not None):
             state, hook = build_hook(compress, emulator, my_link, seed)
-        ddp_kwargs.setdefault("broadcast_buffers", getattr(cfg, "batchnorm", "local") != "sync")
+        ddp_kwargs.setdefault("broadcast_buffers", spec.batchnorm != "sync")
         return Synchronous(model, world_size, hook=hook, hook_state=state, emulator=emulator, **common,
                            **ddp_kwargs)
     # the averaging traffic gets its own group so it never interleaves with other collectives

@@ -35,9 +35,9 @@ from typing import Callable, Sequence, TypeVar
 
 from edgetrain.cluster.links import Link, collective_time
 from edgetrain.comm.accounting import CommStats
+from edgetrain.spec import LINK_MODES as MODES
 
 T = TypeVar("T")
-MODES = ("virtual", "enforced")
 
 
 class LinkEmulator:

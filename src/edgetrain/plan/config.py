@@ -18,15 +18,17 @@ import dataclasses
 from dataclasses import dataclass
 
 from edgetrain.cluster.profiles import DeviceSpec, plan_devices, split_batch
-from edgetrain.config import TrainConfig
+from edgetrain.config import TrainConfig, resolve
 from edgetrain.plan.costs import ModelCosts, count_costs, data_footprint
 from edgetrain.plan.model import DEFAULT_EFFICIENCY, Prediction, predict
 from edgetrain.plan.traffic import traffic
+from edgetrain.spec import RunSpec
 
 
 @dataclass
 class PlanInputs:
     cfg: TrainConfig
+    spec: RunSpec        # cfg's options, parsed once
     costs: ModelCosts
     devices: list[DeviceSpec]
     batches: list[int]
@@ -40,7 +42,7 @@ def plan_inputs(cfg: TrainConfig, costs: ModelCosts | None = None) -> PlanInputs
         shape, classes, dataset_bytes = cifar10_footprint() if cfg.dataset == "cifar10" and not cfg.data_dir \
             else data_footprint(cfg)
         costs = count_costs(cfg.model, shape, classes, dataset_bytes=dataset_bytes)
-    return PlanInputs(cfg, costs, devices, batches)
+    return PlanInputs(cfg, resolve(cfg), costs, devices, batches)
 
 
 CIFAR10_IMAGES = 50_000 + 10_000  # training + test images of the official release
@@ -64,6 +66,7 @@ def predict_inputs(inputs: PlanInputs, n: int | None = None, efficiency: float =
     """The analytic prediction for the configured cluster, or for it scaled to ``n`` devices."""
     devices, batches = (inputs.devices, inputs.batches) if n is None else scaled(inputs, n)
     cfg = inputs.cfg
-    return predict(inputs.costs, devices, batches, traffic(inputs.costs, len(devices), cfg.sync, cfg.compress),
+    return predict(inputs.costs, devices, batches, traffic(inputs.costs, len(devices), inputs.spec.sync,
+                                                           inputs.spec.compress),
                    efficiency=efficiency, overlap=overlap, optimizer=cfg.optimizer, momentum=cfg.momentum,
                    runtime_mb=runtime_mb)

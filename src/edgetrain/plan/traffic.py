@@ -34,10 +34,10 @@ import torch
 
 from edgetrain.comm.accounting import ring_allgather_bytes, ring_allreduce_bytes
 from edgetrain.comm.compress.memory import DGCMemory, ResidualMemory
-from edgetrain.comm.compress.spec import CompressSpec, build_compressor, parse_compress
-from edgetrain.comm.spec import SyncSpec, check_compatible, parse_sync
+from edgetrain.comm.compress.spec import build_compressor
 from edgetrain.errors import EdgetrainError
 from edgetrain.plan.costs import ModelCosts
+from edgetrain.spec import CompressSpec, SyncSpec, check_compatible
 
 
 @dataclass(frozen=True)
@@ -64,12 +64,10 @@ class Traffic:
         return [k for k, _ in self.collectives]
 
 
-def traffic(costs: ModelCosts, devices: int, sync: str | SyncSpec = "sync",
-            compress: str | CompressSpec = "none") -> Traffic:
-    """The traffic of one device in a cluster of ``devices``."""
-    sync_spec = parse_sync(sync) if isinstance(sync, str) or sync is None else sync
-    spec = parse_compress(compress) if isinstance(compress, str) or compress is None else compress
-    check_compatible(sync_spec, spec)
+def traffic(costs: ModelCosts, devices: int, sync: SyncSpec, compress: CompressSpec) -> Traffic:
+    """The traffic of one device in a cluster of ``devices`` (specs parsed once: ``edgetrain.spec``)."""
+    sync_spec, spec = sync, compress
+    check_compatible(sync_spec, spec)  # a caller may pair specs that config.resolve never saw
     if spec.method == "threshold":
         raise EdgetrainError("--compress threshold sends as many entries as crossed the threshold, which depends on "
                              "the gradients' values: the planner cannot predict it; measure it with edgetrain train, "
@@ -121,12 +119,12 @@ def _synchronous(costs: ModelCosts, p: int, spec: CompressSpec, common: dict) ->
 
 def _payload(spec: CompressSpec, numel: int) -> tuple[str, int]:
     """(collective kind, payload bytes) of compressing ``numel`` fp32 values with ``spec``."""
-    return _encoded(spec.text, numel)
+    return _encoded(spec, numel)
 
 
 @functools.lru_cache(maxsize=256)
-def _encoded(text: str, numel: int) -> tuple[str, int]:
-    compressor, _ = build_compressor(parse_compress(text))
+def _encoded(spec: CompressSpec, numel: int) -> tuple[str, int]:
+    compressor, _ = build_compressor(spec)
     x = torch.randn(numel, generator=torch.Generator().manual_seed(0))
     payload = compressor.encode(x, key="plan")
     return ("allreduce" if compressor.summable else "allgather"), payload.nbytes

@@ -27,8 +27,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from edgetrain.bench.common import ABOVE_PEAK_NOTE, NOISY_NOTE, percent_of_peak, spread_cell
 from edgetrain.errors import EdgetrainError
+from edgetrain.report.cells import (ABOVE_PEAK_NOTE, NOISY_NOTE, efficiency_cell, flag_notes, fmt, percent_of_peak,
+                                    spread_cell)
 
 AXES = [  # (key, label, unit, higher is better)
     ("throughput", "throughput", "samples/s", True),
@@ -78,6 +79,7 @@ RUN_KEYS: dict[str, dict[str, Any]] = {
     "power": {"rows": _ROWS, "pareto": _ROWS, "energy_source": dict},
     "variability": {"runs": _ROWS, "summary": dict},
 }
+BENCH_KINDS = tuple(kind for kind in RUN_KEYS if kind != "train")  # the benches this report can render
 _JSON_NAMES = {dict: "an object", list: "a list", str: "a string", int: "an integer", float: "a number",
                bool: "true or false", type(None): "null"}
 
@@ -105,14 +107,12 @@ def load_run(run_dir: str | Path) -> dict[str, Any]:
 
 def check_run_data(path: Path, kind: str, data: Any) -> None:
     """Fail in one line naming ``path`` and the key unless ``data`` holds what its section reads."""
-    from edgetrain.bench.cli import BENCHES
-
     fix = "re-run it or give another run directory"
     if not isinstance(data, dict):
         raise EdgetrainError(f"{path} must hold a JSON object, not {_json_name(data)}; {fix}")
     if kind == "bench":
-        if data.get("bench") not in BENCHES:
-            raise EdgetrainError(f"{path}: key 'bench' must name a bench ({', '.join(BENCHES)}), "
+        if data.get("bench") not in BENCH_KINDS:
+            raise EdgetrainError(f"{path}: key 'bench' must name a bench ({', '.join(BENCH_KINDS)}), "
                                  f"not {data.get('bench')!r}; {fix}")
         kind = data["bench"]
     for key, types in RUN_KEYS[kind].items():
@@ -136,8 +136,6 @@ def _img(png: bytes, alt: str) -> str:
 
 
 def _table(columns: list[str], rows: list[list[Any]], cls: str = "") -> str:
-    from edgetrain.bench.common import fmt
-
     head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
     body = "".join("<tr>" + "".join(f"<td>{html.escape(fmt(v))}</td>" for v in r) + "</tr>" for r in rows)
     return f'<table class="{cls}"><tr>{head}</tr>{body}</table>'
@@ -229,8 +227,6 @@ def headline(run: dict[str, Any], peak: tuple[float, str] | None = None) -> tupl
                      f"{d['flops_per_sample']['total_flops'] / 1e9:.3f} GFLOP per training sample; peak: "
                      f"{d['peak_source']}")
     elif bench == "scaling":
-        from edgetrain.bench.scaling import efficiency_cell, flag_notes
-
         cols = ["devices", "samples/s", "speedup", "efficiency", "data ms", "compute ms", "comm ms", "wait ms"]
         rows = [[r["devices"], r["throughput_samples_per_s"], r["speedup"],
                  efficiency_cell(r) if "flags" in r else _pct(r["efficiency"]),

@@ -5,7 +5,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from edgetrain.bench.common import ABOVE_PEAK_NOTE, fmt, percent_of_peak
+from edgetrain.report.cells import ABOVE_PEAK_NOTE, fmt, percent_of_peak
 
 
 def _mb(n: float) -> str:

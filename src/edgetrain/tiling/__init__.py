@@ -15,7 +15,13 @@ Modules, in reading order: ``regions`` (receptive-field arithmetic, one axis),
 ``layers`` (modules the tiler understands), ``plan`` (one section on one grid:
 regions, FLOPs, halos), ``tiled`` (autograd forward/backward and the
 exchanges), ``grouping`` (where to exchange: given, or ``auto`` by a cost
-model), ``strategy`` (``TiledTraining``, what the trainer drives).
+model), ``strategy`` (``TiledTraining``, what the trainer drives). The
+options (``--grid``, ``--groups``) arrive parsed as a ``TilingSpec``
+(``edgetrain.spec``); ``TiledTraining(model, tiling, input_shape)``.
+
+Tiled training's exchanges run uncompressed, synchronously every step, on the
+host's network: ``--compress``, ``--sync`` and ``--link`` do not apply and
+``config.resolve`` refuses them; ``--timeout`` bounds every wait.
 
 Layers supported in the tiled section:
 
@@ -43,6 +49,7 @@ SUPPORTED_LAYERS = ("Conv2d (zeros padding), MaxPool2d, AvgPool2d (count_include
                     "ConstantPad2d, elementwise activations (ReLU, LeakyReLU, SiLU, ...), Identity, and "
                     "ResNet BasicBlock/Bottleneck residual blocks")
 
-from edgetrain.tiling.strategy import TiledSync, TiledTraining, parse_grid  # noqa: E402
+from edgetrain.spec import TilingSpec, parse_grid, parse_tiling  # noqa: E402  (parsed in the torch-free spec layer)
+from edgetrain.tiling.strategy import TiledSync, TiledTraining  # noqa: E402
 
-__all__ = ["SUPPORTED_LAYERS", "TiledSync", "TiledTraining", "parse_grid"]
+__all__ = ["SUPPORTED_LAYERS", "TiledSync", "TiledTraining", "TilingSpec", "parse_grid", "parse_tiling"]

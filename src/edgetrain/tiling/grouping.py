@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from edgetrain.errors import EdgetrainError
 from edgetrain.tiling.plan import SectionPlan
 
 
@@ -189,21 +188,3 @@ def _ping_pong(comm) -> tuple[float, float]:
     big = torch.zeros(1 << 18)  # 1 MiB
     # Latency included: a conservative bandwidth, never absurd when the two timings are noisy.
     return big.numel() * 4 / (round_trips(big, 3) / 2), latency
-
-
-def parse_groups(groups: str | list[int] | tuple[int, ...]) -> str | list[int]:
-    """``"auto"``, or the group ends as a list of layer indices: ``"4,8"``, ``[4, 8]``."""
-    if isinstance(groups, str):
-        text = groups.strip().lower()
-        if text == "auto":
-            return "auto"
-        try:
-            groups = [int(g) for g in text.replace(" ", "").strip("[]").split(",") if g]
-        except ValueError:
-            raise EdgetrainError(f"groups {groups!r} is neither 'auto' nor a comma-separated list of layer indices "
-                                 f"such as '4,8' (groups end before layers 4 and 8; 8 ends the tiled section)") from None
-    ends = [int(g) for g in groups]
-    if not ends or any(b <= a for a, b in zip([0] + ends, ends)):
-        raise EdgetrainError(f"groups {list(groups)} must be increasing positive layer indices, e.g. [4, 8]: the "
-                             f"groups end before those layers and the last one ends the tiled section")
-    return ends

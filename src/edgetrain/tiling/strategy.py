@@ -19,7 +19,6 @@ batch, as ``nn.CrossEntropyLoss()`` does).
 """
 from __future__ import annotations
 
-import re
 import time
 
 import torch
@@ -28,24 +27,11 @@ from torch import nn
 
 from edgetrain.errors import EdgetrainError
 from edgetrain.models.batchnorm import convert_batchnorm
-from edgetrain.tiling.grouping import Machine, choose_groups, grouping_cost, measure_machine, parse_groups
+from edgetrain.spec import TilingSpec
+from edgetrain.tiling.grouping import Machine, choose_groups, grouping_cost, measure_machine
 from edgetrain.tiling.layers import Unit, check_sequence, describe, model_layers
 from edgetrain.tiling.plan import SectionPlan
 from edgetrain.tiling.tiled import Comm, batch_bounds, hand_off, section_forward
-
-
-def parse_grid(text: str | tuple[int, int] | list[int]) -> tuple[int, int]:
-    """``"2x2"`` -> ``(2, 2)`` (rows x cols)."""
-    if isinstance(text, (tuple, list)) and len(text) == 2 and all(isinstance(v, int) for v in text):
-        rows, cols = text
-    else:
-        m = re.fullmatch(r"\s*(\d+)\s*[xX*]\s*(\d+)\s*", str(text))
-        if not m:
-            raise EdgetrainError(f"grid {text!r} is not ROWSxCOLS, e.g. '2x2' or '1x3'")
-        rows, cols = int(m.group(1)), int(m.group(2))
-    if rows < 1 or cols < 1:
-        raise EdgetrainError(f"grid {text!r} needs at least one row and one column, e.g. '2x2'")
-    return rows, cols
 
 
 class SavedTensorMeter:
@@ -81,34 +67,35 @@ class SavedTensorMeter:
 class TiledTraining:
     """Spatially tiled training of the first layers, data-parallel for the rest.
 
-    ``groups`` is ``"auto"`` or the group ends as layer indices into the
-    model's layer sequence (``layers`` in the report): ``[4, 8]`` fuses layers
-    0-3, exchanges halos, fuses 4-7, and hands off to the data-parallel tail at
-    layer 8. With ``"auto"`` the tiled section ends where the model says
+    ``tiling.groups`` is ``None`` (auto) or the group ends as layer indices
+    into the model's layer sequence (``layers`` in the report): ``(4, 8)`` fuses
+    layers 0-3, exchanges halos, fuses 4-7, and hands off to the data-parallel
+    tail at layer 8. With ``None`` the tiled section ends where the model says
     (``tiled_section_default``; stem and ``layer1`` for ResNet; else the longest
     tileable prefix) and ``grouping.choose_groups`` places the exchanges on the
-    first step, when the batch size is known.
+    first step, when the batch size is known. Every collective waits at most
+    ``timeout_s`` (the run's ``--timeout``).
     """
 
     shard_data = False  # every device receives the same global batch
 
-    def __init__(self, model: nn.Module, grid: tuple[int, int] | str, groups: str | list[int],
-                 input_shape: tuple[int, int, int], device_flops: float | None = None,
-                 link_bandwidth_bytes_s: float | None = None, link_latency_s: float | None = None, group=None):
-        self.grid = parse_grid(grid)
-        self.comm = Comm(group)
+    def __init__(self, model: nn.Module, tiling: TilingSpec, input_shape: tuple[int, int, int],
+                 device_flops: float | None = None, link_bandwidth_bytes_s: float | None = None,
+                 link_latency_s: float | None = None, group=None, timeout_s: float = 300.0):
+        self.grid = tiling.grid
+        self.comm = Comm(group, timeout_s)
         self.model = model
         self.input_shape = tuple(int(v) for v in input_shape)
         if len(self.input_shape) != 3:
             raise EdgetrainError(f"input_shape {input_shape} must be (channels, height, width)")
-        layers, spec, end, self.plan = plan_section(model, self.grid, groups, self.input_shape)
-        self.groups_given = spec != "auto"
+        layers, end, self.plan = plan_section(model, tiling, self.input_shape)
+        self.groups_given = tiling.groups is not None
         self.layer_names = [n for n, _ in layers]
         rows, cols = self.grid
         if self.comm.world != rows * cols:
             raise EdgetrainError(f"grid {rows}x{cols} needs {rows * cols} devices but {self.comm.world} are running; "
                                  f"start {rows * cols} devices or choose a grid with {self.comm.world} tiles")
-        self.ends: list[int] | None = list(spec) if spec != "auto" else None
+        self.ends: list[int] | None = list(tiling.groups) if tiling.groups is not None else None
         self.groups_why = "groups given by the user" if self.groups_given else "chosen on the first step"
         self.machine_args = (device_flops, link_bandwidth_bytes_s, link_latency_s)
         self.machine: Machine | None = None
@@ -263,9 +250,9 @@ class TiledTraining:
         }
 
 
-def plan_section(model: nn.Module, grid: tuple[int, int], groups: str | list[int], input_shape: tuple[int, int, int]
-                 ) -> tuple[list[tuple[str, nn.Module]], str | list[int], int, SectionPlan]:
-    """(layers, group spec, end of the tiled section, its ``SectionPlan``) of ``model`` on ``grid``.
+def plan_section(model: nn.Module, tiling: TilingSpec, input_shape: tuple[int, int, int]
+                 ) -> tuple[list[tuple[str, nn.Module]], int, SectionPlan]:
+    """(layers, end of the tiled section, its ``SectionPlan``) of ``model`` on ``tiling.grid``.
 
     Needs no process group: ``train`` calls it before any device starts. An
     ``EdgetrainError`` if the layers cannot be tiled or the grid is finer
@@ -274,17 +261,17 @@ def plan_section(model: nn.Module, grid: tuple[int, int], groups: str | list[int
     """
     layers, default_end = model_layers(model)
     check_sequence(model, layers, input_shape)
-    spec = parse_groups(groups)
-    end = spec[-1] if spec != "auto" else (default_end or _tileable_prefix(layers, input_shape[0]))
+    ends = tiling.groups
+    end = ends[-1] if ends is not None else (default_end or _tileable_prefix(layers, input_shape[0]))
     if end > len(layers):
-        raise EdgetrainError(f"groups {spec} end past the model's {len(layers)} layers; layers are "
+        raise EdgetrainError(f"groups {list(ends)} end past the model's {len(layers)} layers; layers are "
                              + ", ".join(f"{i}:{n}" for i, (n, _) in enumerate(layers)))
     units: list[Unit] = []
     channels = input_shape[0]
     for name, module in layers[:end]:
         units.append(describe(name, module, channels))
         channels = units[-1].out_channels
-    return layers, spec, end, SectionPlan(units, input_shape[1:], grid, input_shape[0])
+    return layers, end, SectionPlan(units, input_shape[1:], tiling.grid, input_shape[0])
 
 
 def _tileable_prefix(layers: list[tuple[str, nn.Module]], channels: int) -> int:

@@ -10,7 +10,8 @@ from torch import nn
 from edgetrain.cluster.launch import launch_local, refuse_nested_launch, under_torchrun
 from edgetrain.cluster.peers import TOKEN_ENV, check_rank_environment
 from edgetrain.cluster.profiles import device_speed, plan_devices, split_batch
-from edgetrain.config import TrainConfig, check_before_launch, load_config
+from edgetrain.config import TrainConfig, load_config, resolve
+from edgetrain.preflight import check_before_launch
 from edgetrain.report.files import new_run_dir, write_yaml
 
 
@@ -33,6 +34,7 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
         overrides["model"], model = model, None
     cfg = load_config(config, **overrides)
     check_before_launch(cfg, model)  # before the run directory and the devices: bad input leaves nothing behind
+    spec = resolve(cfg)  # the options parsed once; the devices build from these
     if model is not None:
         cfg = dataclasses.replace(cfg, model=model_reference(model))
     # The token goes to the devices beside the config, never in it: the config is written to the run directory.
@@ -50,7 +52,7 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
         run_dir = new_run_dir(cfg.output, cfg.run_name)
         write_yaml(run_dir / "config.yaml", cfg.to_dict())
 
-    args = (cfg, devices, local_batches, speeds, str(run_dir) if run_dir else None, model, user_models(),
+    args = (cfg, spec, devices, local_batches, speeds, str(run_dir) if run_dir else None, model, user_models(),
             cluster_token)
     if torchrun:
         from edgetrain.train.loop import run_worker

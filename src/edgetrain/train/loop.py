@@ -54,6 +54,7 @@ from edgetrain.errors import EdgetrainError
 from edgetrain.models import build_model, count_parameters, register_model
 from edgetrain.models.batchnorm import convert_batchnorm
 from edgetrain.report.files import atomic_write, save_torch, write_json
+from edgetrain.spec import RunSpec
 from edgetrain.tiling import TiledSync, TiledTraining
 
 
@@ -106,8 +107,8 @@ def evaluate(model: nn.Module, dataset, rank: int, world: int, batch: int = 256)
     return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
 
 
-def run_worker(cfg: TrainConfig, devices: list[DeviceSpec], local_batches: list[int], speeds: list[float | None],
-               run_dir: str | None, user_model: nn.Module | None = None,
+def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local_batches: list[int],
+               speeds: list[float | None], run_dir: str | None, user_model: nn.Module | None = None,
                registered: dict | None = None, cluster_token: str = "") -> dict | None:
     """Train on this device; rank 0 returns the run summary, the others None."""
     started = time.perf_counter()
@@ -137,7 +138,7 @@ def run_worker(cfg: TrainConfig, devices: list[DeviceSpec], local_batches: list[
     if cfg.strategy == "tiled":
         # Spatial tiles of the first layers, data parallel after them; every BatchNorm gets
         # whole-map or global-batch statistics whatever cfg.batchnorm says.
-        tiled = TiledTraining(model, cfg.grid, cfg.groups, data.input_shape)
+        tiled = TiledTraining(model, spec.tiling, data.input_shape, timeout_s=spec.timeout_s)
     elif cfg.batchnorm == "sync" and world > 1:
         model = convert_batchnorm(model)
     throttle = Throttle(speed) if speed is not None else None
@@ -157,7 +158,7 @@ def run_worker(cfg: TrainConfig, devices: list[DeviceSpec], local_batches: list[
         throttle.attach(model)
 
     stats = CommStats()
-    sync = TiledSync(tiled, stats) if tiled else build_sync(model, cfg, rank, world, stats, me.link)
+    sync = TiledSync(tiled, stats) if tiled else build_sync(model, spec, rank, world, stats, me.link)
     # Tiled training gives every device the whole global batch (TiledTraining.shard_data is False).
     sampler = GlobalBatchSampler(len(data.train), [cfg.batch_size] if tiled else local_batches,
                                  0 if tiled else rank, cfg.seed)

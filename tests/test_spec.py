@@ -1,0 +1,134 @@
+"""The spec layer: options parsed once into frozen specs, refused in one place, imported without torch."""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from edgetrain.config import TrainConfig, load_config, resolve
+from edgetrain.errors import EdgetrainError
+from edgetrain.spec import PRESETS, RunSpec, TilingSpec, parse_compress, parse_tiling
+
+from edgetrain_testing import FAST, run_cli
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "edgetrain"
+
+
+def edgetrain_imports(path: Path) -> set[str]:
+    """Every edgetrain module a file imports, at its top or inside a function."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return {m for m in found if m == "edgetrain" or m.startswith("edgetrain.") or m == "torch"
+            or m.startswith("torch.")}
+
+
+def test_spec_imports_nothing_of_edgetrain_but_errors():
+    assert edgetrain_imports(SRC / "spec.py") == {"edgetrain.errors"}
+
+
+def test_config_imports_only_the_spec_layer():
+    assert edgetrain_imports(SRC / "config.py") == {"edgetrain.errors", "edgetrain.spec"}
+
+
+def test_report_does_not_import_bench():
+    for path in (SRC / "report").glob("*.py"):
+        assert not {m for m in edgetrain_imports(path) if m.startswith("edgetrain.bench")}, path.name
+
+
+def test_importing_edgetrain_config_spec_and_html_leaves_torch_out():
+    code = ("import sys, edgetrain, edgetrain.config, edgetrain.spec, edgetrain.report.html; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+def test_edgetrain_train_is_the_function_whatever_was_imported_first():
+    code = ("import edgetrain.train.loop, edgetrain; "
+            "print(callable(edgetrain.train), edgetrain.train.__module__, edgetrain.TrainConfig.__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "edgetrain.train", "TrainConfig"]
+
+
+def test_resolve_parses_every_option_into_frozen_specs():
+    spec = resolve(load_config(None, compress="topk:0.01:dgc", momentum=0, sync="sync", link="lte-10m", timeout=45,
+                               seed=3))
+    assert isinstance(spec, RunSpec)
+    assert spec.compress.method == "topk" and spec.compress.is_dgc and spec.sync.mode == "sync"
+    assert spec.link == PRESETS["lte-10m"] and spec.timeout_s == 45 and spec.seed == 3
+    assert spec.strategy == "ddp" and spec.tiling is None
+    for obj, name in ((spec, "timeout_s"), (spec.compress, "arg"), (spec.sync, "period"), (spec.link, "loss")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(obj, name, 1)
+    with pytest.raises(TypeError):
+        spec.compress.options["dgc"] = False  # the options of a frozen spec are read-only too
+
+
+def test_resolve_gives_a_tiling_spec_for_tiled():
+    spec = resolve(load_config(None, strategy="tiled", grid="1x2", groups="4,8", devices=2))
+    assert spec.tiling == TilingSpec((1, 2), (4, 8)) and spec.tiling.devices == 2
+    assert parse_tiling("2x2", "auto") == TilingSpec((2, 2), None)
+
+
+def test_run_spec_survives_pickling_to_the_devices():
+    spec = resolve(load_config(None, compress="topk:0.01:warmup=5", sync="local:4:nesterov", link="wifi-20m"))
+    again = pickle.loads(pickle.dumps(spec))
+    assert again == spec and dict(again.compress.options) == {"warmup": 5.0}
+    assert hash(parse_compress("topk:0.01:compact")) == hash(parse_compress("topk:0.01:compact"))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(compress="topk:0.01"), "config key 'compress' topk:0.01 does not apply to strategy tiled.*drop --compress"),
+    (dict(sync="local:4"), "config key 'sync' local:4 does not apply to strategy tiled.*drop --sync"),
+    (dict(link="lte-10m"), "config key 'link' lte-10m does not apply to strategy tiled.*drop --link"),
+])
+def test_tiled_refuses_what_it_would_ignore(overrides, message):
+    with pytest.raises(EdgetrainError, match=message):
+        load_config(None, strategy="tiled", grid="1x2", devices=2, **overrides)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(grid="2x2"), "config key 'grid' 2x2 needs strategy tiled"),
+    (dict(groups="4,8"), "config key 'groups' 4,8 needs strategy tiled"),
+])
+def test_tiling_options_without_tiled_are_refused(overrides, message):
+    with pytest.raises(EdgetrainError, match=message):
+        load_config(None, **overrides)
+
+
+def test_resolve_checks_a_config_built_by_hand():
+    with pytest.raises(EdgetrainError, match="needs the fraction of entries"):
+        resolve(TrainConfig(compress="topk"))
+
+
+def test_cli_refuses_tiled_with_a_link_in_one_line(tmp_path):
+    out = tmp_path / "runs"
+    proc = run_cli("train", "--strategy", "tiled", "--grid", "1x2", "--devices", "2", "--link", "lte-10m",
+                   "--output", str(out), timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "edgetrain: error: config key 'link' lte-10m does not apply to strategy tiled, which does not emulate links "
+        "(its exchanges run on the host's network); drop --link or use --strategy ddp"]
+    assert not out.exists()
+
+
+def test_cli_trains_with_compression_on_two_devices(tmp_path):
+    flags = [f"--{k.replace('_', '-')}" if v is True else f"--no-{k}" if v is False else f"--{k}={v}"
+             for k, v in FAST.items()]
+    proc = run_cli("train", "--devices", "2", "--steps", "3", "--compress", "topk:0.01", "--sync", "sync",
+                   "--dataset", "synthetic", "--synthetic-samples", "128", "--batch-size", "16", *flags,
+                   "--output", str(tmp_path), "--run-name", "topk", timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((tmp_path / "topk" / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["compress"] == "topk:0.01" and summary["compression_ratio"] > 10
