@@ -25,9 +25,10 @@ def started():
             p.kill()
 
 
-def start_run(tmp_path, started, *extra: str) -> tuple[subprocess.Popen, list[psutil.Process]]:
+def start_run(tmp_path, started, *extra: str, launcher: tuple[str, ...] = ("-m", "edgetrain")
+              ) -> tuple[subprocess.Popen, list[psutil.Process]]:
     """Start a long emulated run; return it once both devices train (each has its loader worker)."""
-    proc = subprocess.Popen([sys.executable, "-m", "edgetrain", *LONG_RUN, "--output", str(tmp_path), *extra],
+    proc = subprocess.Popen([sys.executable, *launcher, *LONG_RUN, "--output", str(tmp_path), *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     launcher = psutil.Process(proc.pid)
     deadline = time.monotonic() + 90
@@ -80,6 +81,22 @@ def test_sigterm_stops_the_run_with_one_line_and_no_leftovers(tmp_path, started)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 143
     assert err == "edgetrain: terminated (SIGTERM); the run was stopped\n"  # no resource-tracker warnings either
+    assert_all_gone(descendants, within_s=5)
+
+
+def test_devices_killed_after_the_grace_leave_no_tracker_warning(tmp_path, started):
+    """A device that outlives the stop grace is SIGKILLed with its loader's semaphores still registered; the
+    resource tracker cleans them up without printing a warning after the one line (22 were reported before)."""
+    script = tmp_path / "no_grace.py"
+    script.write_text("import sys\nimport edgetrain.cluster.launch as launch\nfrom edgetrain.cli import main\n"
+                      "launch._STOP_GRACE_S = 0.0  # SIGKILL at once after SIGTERM\n"
+                      "if __name__ == '__main__':\n    sys.exit(main(sys.argv[1:]))\n")
+    proc, descendants = start_run(tmp_path, started, launcher=(str(script),))
+    time.sleep(2)  # the loaders are iterating: their queues are registered with the tracker
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)  # stderr closes when the tracker, which shares it, has exited too
+    assert proc.returncode == 143
+    assert err == "edgetrain: terminated (SIGTERM); the run was stopped\n"
     assert_all_gone(descendants, within_s=5)
 
 

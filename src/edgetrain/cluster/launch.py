@@ -239,6 +239,29 @@ def _loopback_store(world: int):
     return store, store.port
 
 
+def _quiet_resource_tracker() -> None:
+    """Start multiprocessing's resource tracker (shared by the devices) with its stderr on /dev/null.
+
+    A device that outlives its stop grace is SIGKILLed with its loader's queues still registered; the
+    tracker then unlinks those semaphores, as it should, but also prints a "leaked semaphore objects"
+    warning after the run's one-line error. Only that warning goes: the clean-up still happens. A tracker
+    already running (an earlier run in this process) is kept as it is.
+    """
+    from multiprocessing import resource_tracker
+
+    if getattr(resource_tracker._resource_tracker, "_fd", None) is not None:
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            resource_tracker.ensure_running()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def launch_local(world: int, target: Callable, args: tuple, labels: list[str], log_dir: str | None = None,
                  grace_s: float = 1.0) -> list[Any]:
     """Run ``target(*args)`` in ``world`` spawned processes; return their results in rank order.
@@ -252,6 +275,7 @@ def launch_local(world: int, target: Callable, args: tuple, labels: list[str], l
                              f"define your model class at module level of an importable file") from None
     store, port = _loopback_store(world)
     ctx = mp.get_context("spawn")
+    _quiet_resource_tracker()
     results = ctx.Queue()
     procs = [ctx.Process(target=_child, args=(r, world, port, os.getpid(), target, args, results, log_dir),
                          name=f"edgetrain-device-{r}") for r in range(world)]
