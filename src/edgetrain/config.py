@@ -91,6 +91,8 @@ class TrainConfig:
                                      "to the run directory")
     timeout: float = _opt(120.0, "seconds to wait for a peer (rendezvous and every collective) before giving up", minimum=1.0)
     progress: bool = _opt(True, "progress bar on rank 0")
+    accelerator: str = _opt("auto", "where each device computes: auto (cuda if torch sees a GPU, else cpu), cpu or "
+                            "cuda (collectives stay on gloo)", choices=("auto", "cpu", "cuda"))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -295,3 +297,18 @@ def add_config_arguments(parser, names=None) -> None:
         else:
             metavar = "|".join(meta["choices"]) if meta.get("choices") else typ.__name__.upper()
             parser.add_argument(flag, metavar=metavar, **kwargs)
+
+
+def resolve(cfg: TrainConfig):
+    """Stand-in (branch spine-spec replaces it): the config's options parsed once into a ``RunSpec``."""
+    from edgetrain.comm import parse_compress, parse_sync
+    from edgetrain.spec import RunSpec, TilingSpec
+    from edgetrain.tiling import parse_grid
+    from edgetrain.tiling.grouping import parse_groups
+
+    tiling = None
+    if cfg.strategy == "tiled":
+        groups = parse_groups(cfg.groups)
+        tiling = TilingSpec(parse_grid(cfg.grid), None if groups == "auto" else tuple(groups))
+    return RunSpec(parse_compress(cfg.compress), parse_sync(cfg.sync), cfg.link, cfg.link_mode, cfg.strategy, tiling,
+                   cfg.timeout, cfg.seed, cfg.accelerator)

@@ -43,6 +43,6 @@ SUPPORTED_LAYERS = ("Conv2d (zeros padding), MaxPool2d, AvgPool2d (count_include
                     "ConstantPad2d, elementwise activations (ReLU, LeakyReLU, SiLU, ...), Identity, and "
                     "ResNet BasicBlock/Bottleneck residual blocks")
 
-from edgetrain.tiling.strategy import TiledSync, TiledTraining, parse_grid  # noqa: E402
+from edgetrain.tiling.strategy import TiledTraining, parse_grid  # noqa: E402
 
-__all__ = ["SUPPORTED_LAYERS", "TiledSync", "TiledTraining", "parse_grid"]
+__all__ = ["SUPPORTED_LAYERS", "TiledTraining", "parse_grid"]
