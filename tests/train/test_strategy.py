@@ -87,7 +87,7 @@ def test_a_killed_run_keeps_the_steps_it_recorded(tmp_path):
 
 
 def test_evaluations_are_appended_as_they_happen_and_printed_without_a_bar(tmp_path):
-    proc = run_cli("train", "--devices", "1", "--epochs", "2", "--steps", "30", "--batch-size", "64",
+    proc = run_cli("train", "--devices", "1", "--epochs", "2", "--batch-size", "512",
                    "--no-progress", "--no-throttle", "--accelerator", "cpu", "--output", str(tmp_path),
                    "--run-name", "evals")
     assert proc.returncode == 0, proc.stderr
