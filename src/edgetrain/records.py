@@ -18,7 +18,7 @@ the summary: sync mode, compression, link, tiling report...) and
 ``DeviceSummary.details`` (its rated peak), which ``to_dict`` writes flat
 beside the typed keys, as the files always held them.
 
-Torch-free: the report and the planner read runs without loading torch.
+Torch-free, so that reading a run (``edgetrain report``) needs no torch of its own.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Training on emulated or real edge devices: ``train(config)``; the loop is train/loop.py, strategies train/strategy.py."""
+"""Training on emulated or real edge devices: ``train(config)`` (loop: train/loop.py; strategies: train/strategy.py)."""
 from __future__ import annotations
 
 import dataclasses

@@ -208,7 +208,7 @@ class StepRecorder:
 
 
 class RunWriter:
-    """The run directory's files: records as they happen, then metrics.jsonl, summary and checkpoint.
+    """The run directory's files: records as they happen, then metrics.jsonl, checkpoint and summary.
 
     A device without the run directory (``run_dir`` None: ranks > 0 under torchrun) writes nothing.
     """
@@ -243,6 +243,41 @@ class RunWriter:
                 f.write(json.dumps(r.to_dict()) + "\n")
         for rank in range(world):
             self.live_metrics(rank).unlink(missing_ok=True)
+
+    def summary(self, cfg: TrainConfig, strategy: Strategy, optimizer, per_device: list[DeviceSummary], train_totals,
+                evals: list[EvalRecord], params, data, world, local_batches, steps, wall_s, flops_per_sample) -> dict:
+        """Rank 0, last: checkpoint.pt and summary.json; returns the summary as written."""
+        run_dir = self.run_dir
+        for d in per_device:
+            d.details.update(achieved(flops_per_sample["total_flops"], d.samples_per_s, d.details.get("peak_gflops")))
+        save_torch(run_dir / "checkpoint.pt", {"model": strategy.eval_model.state_dict(),
+                                               "optimizer": optimizer.state_dict(), "step": steps,
+                                               "config": cfg.to_dict()})
+        step_s = sum(d.step_s for d in per_device) / world
+        split = {k: sum(getattr(d, f"{k}_s") for d in per_device) / world for k in ("data", "compute", "comm")}
+        last = evals[-1] if evals else None
+        bytes_sent = sum(d.bytes_sent for d in per_device)
+        summary = RunSummary(
+            run_dir=str(run_dir), model=cfg.model, params=params, dataset=data.name,
+            input_shape=list(data.input_shape), flops_per_sample=flops_per_sample,
+            devices=world, profiles=[d.profile for d in per_device], strategy=strategy.name,
+            accelerator=str(strategy.context.device), global_batch=cfg.batch_size, local_batches=local_batches,
+            steps=steps, train_loss=(train_totals[0] / train_totals[2]).item(),
+            train_accuracy=(train_totals[1] / train_totals[2]).item(),
+            test_loss=last.test_loss if last else None, test_accuracy=last.test_accuracy if last else None,
+            evals=evals,
+            throughput_samples_per_s=sum(d.samples_per_s for d in per_device),
+            achieved_gflops=sum(d.details["achieved_gflops"] for d in per_device),
+            step_s=step_s, time_split_s=split,
+            time_split_fraction={k: v / step_s for k, v in split.items()} if step_s else {},
+            bytes_sent_total=bytes_sent, bytes_recv_total=sum(d.bytes_recv for d in per_device),
+            bytes_sent_per_step_per_device=bytes_sent / max(steps, 1) / world,
+            peak_rss_mb_max=max(d.peak_rss_mb for d in per_device),
+            wall_time_s=wall_s, batchnorm=cfg.batchnorm, per_device=per_device, checkpoint="checkpoint.pt",
+            details=strategy.summary(),
+        ).to_dict()
+        write_json(run_dir / "summary.json", summary)
+        return summary
 
 
 def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local_batches: list[int],
@@ -352,9 +387,8 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
         all_records = [StepRecord.from_dict(r) for recs, _ in gathered for r in recs]
         writer.metrics(all_records, world)
         per_device = [DeviceSummary.from_dict(d) for _, d in gathered]
-        summary = _write_outputs(cfg, spec, writer.run_dir, strategy, optimizer, per_device, train_totals, evals,
-                                 params, data, world, local_batches, step, time.perf_counter() - started,
-                                 flops_per_sample)
+        summary = writer.summary(cfg, strategy, optimizer, per_device, train_totals, evals, params, data, world,
+                                 local_batches, step, time.perf_counter() - started, flops_per_sample)
     dist.barrier()
     dist.destroy_process_group()
     return summary
@@ -392,40 +426,6 @@ def _device_summary(records: list[StepRecord], at: DeviceSetup, local_batch: int
         throttle_inflation=statistics.median(throttle.inflations) if throttle and throttle.inflations else None,
         # The peak this device is rated against: its profile's where it emulated one (see bench.flops).
         details=dict(device_peak(at.me.profile, at.speed) or {}))
-
-
-def _write_outputs(cfg, spec: RunSpec, run_dir: Path, strategy: Strategy, optimizer, per_device: list[DeviceSummary],
-                   train_totals, evals: list[EvalRecord], params, data, world, local_batches, steps, wall_s,
-                   flops_per_sample) -> dict:
-    for d in per_device:
-        d.details.update(achieved(flops_per_sample["total_flops"], d.samples_per_s, d.details.get("peak_gflops")))
-    save_torch(run_dir / "checkpoint.pt", {"model": strategy.eval_model.state_dict(),
-                                           "optimizer": optimizer.state_dict(), "step": steps,
-                                           "config": cfg.to_dict()})
-    step_s = sum(d.step_s for d in per_device) / world
-    split = {k: sum(getattr(d, f"{k}_s") for d in per_device) / world for k in ("data", "compute", "comm")}
-    last = evals[-1] if evals else None
-    bytes_sent = sum(d.bytes_sent for d in per_device)
-    summary = RunSummary(
-        run_dir=str(run_dir), model=cfg.model, params=params, dataset=data.name,
-        input_shape=list(data.input_shape), flops_per_sample=flops_per_sample,
-        devices=world, profiles=[d.profile for d in per_device], strategy=strategy.name,
-        accelerator=str(strategy.context.device), global_batch=cfg.batch_size, local_batches=local_batches,
-        steps=steps, train_loss=(train_totals[0] / train_totals[2]).item(),
-        train_accuracy=(train_totals[1] / train_totals[2]).item(),
-        test_loss=last.test_loss if last else None, test_accuracy=last.test_accuracy if last else None, evals=evals,
-        throughput_samples_per_s=sum(d.samples_per_s for d in per_device),
-        achieved_gflops=sum(d.details["achieved_gflops"] for d in per_device),
-        step_s=step_s, time_split_s=split,
-        time_split_fraction={k: v / step_s for k, v in split.items()} if step_s else {},
-        bytes_sent_total=bytes_sent, bytes_recv_total=sum(d.bytes_recv for d in per_device),
-        bytes_sent_per_step_per_device=bytes_sent / max(steps, 1) / world,
-        peak_rss_mb_max=max(d.peak_rss_mb for d in per_device),
-        wall_time_s=wall_s, batchnorm=cfg.batchnorm, per_device=per_device, checkpoint="checkpoint.pt",
-        details=strategy.summary(),
-    ).to_dict()
-    write_json(run_dir / "summary.json", summary)
-    return summary
 
 
 class _Bar:
