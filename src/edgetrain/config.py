@@ -96,6 +96,8 @@ class TrainConfig:
                                      "to the run directory")
     timeout: float = _opt(120.0, "seconds to wait for a peer (rendezvous and every collective) before giving up", minimum=1.0)
     progress: bool = _opt(True, "progress bar on rank 0")
+    accelerator: str = _opt("auto", "where each device computes: auto (cuda if torch sees a GPU, else cpu), cpu or "
+                            "cuda (collectives stay on gloo)", choices=("auto", "cpu", "cuda"))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -261,9 +263,8 @@ def resolve(cfg: TrainConfig) -> RunSpec:
         raise EdgetrainError(f"config key 'grid' {cfg.grid} needs strategy tiled (--strategy tiled)")
     elif cfg.groups != "auto":
         raise EdgetrainError(f"config key 'groups' {cfg.groups} needs strategy tiled (--strategy tiled)")
-    # accelerator: the training loop's option (auto, cpu, cuda); "auto" until that option exists here
     return RunSpec(compress, sync, link, cfg.link_mode, cfg.strategy, tiling, cfg.timeout, cfg.seed,
-                   getattr(cfg, "accelerator", "auto"), cfg.batchnorm)
+                   cfg.accelerator, cfg.batchnorm)
 
 
 # Kernel pseudo-filesystems: writes there fail half-way or change the system, never make a run directory.
@@ -303,3 +304,4 @@ def add_config_arguments(parser, names=None) -> None:
         else:
             metavar = "|".join(meta["choices"]) if meta.get("choices") else typ.__name__.upper()
             parser.add_argument(flag, metavar=metavar, **kwargs)
+

@@ -69,7 +69,8 @@ def test_run_directory_contents(tmp_path):
                          run_name="r", progress=False, throttle=False, timeout=30))
     run = tmp_path / "r"
     assert summary["run_dir"] == str(run)
-    assert sorted(p.name for p in run.iterdir()) == ["checkpoint.pt", "config.yaml", "metrics.jsonl", "summary.json"]
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoint.pt", "config.yaml", "evals.jsonl", "metrics.jsonl",
+                                                     "summary.json"]
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["rank"]) for r in records] == [(s, r) for s in range(6) for r in range(2)]
     for r in records:

@@ -8,7 +8,8 @@ is compressed and no link is emulated (bytes counted from the gradient sizes,
 hook (compressed, or charging an emulated link). The other modes live beside it: ``local_sgd.py``,
 ``asynchronous.py``, ``gossip.py``; ``edgetrain.comm.build_sync`` picks one.
 
-Interface the training loop relies on::
+Interface the training loop's ``DataParallel`` strategy (train/strategy.py)
+relies on, inside its ``train_step``, ``finish`` and ``summary``::
 
     sync = build_sync(model, cfg, rank, world_size, stats, link)
     out = sync.model(x)          # the module to run forward on
@@ -16,7 +17,7 @@ Interface the training loop relies on::
     sync.after_backward(step)    # gradients are ready for optimizer.step()
     optimizer.step()
     sync.after_step(step)        # parameters may be exchanged here
-    sync.step_metrics()          # extra fields for this step's metrics.jsonl record:
+    sync.step_metrics()          # extra fields for this step's StepRecord (records.py):
                                  # virtual_s (the device's clock), virtual_compute_s, virtual_comm_s
                                  # (modelled in virtual mode, measured otherwise), staleness (async)
     ...

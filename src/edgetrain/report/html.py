@@ -14,9 +14,10 @@ table beside it.
 
 ``load_run`` checks what it loads before anything is drawn: the file must
 hold a JSON object, a bench result must name a known bench, and the keys its
-section reads (``RUN_KEYS``) must be there with the right JSON types; any
-other content is one error naming the file and the key. Values inside the
-rows are shown as written.
+section reads (``RUN_KEYS``) must be there with the right JSON types; a
+training run's ``summary.json`` is read as a ``records.RunSummary``, which
+checks every key it knows. Any other content is one error naming the file
+and the key. Values inside the rows are shown as written.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from edgetrain.errors import EdgetrainError
+from edgetrain.records import JSON_NAMES, RunSummary, json_name
 from edgetrain.report.cells import (ABOVE_PEAK_NOTE, NOISY_NOTE, efficiency_cell, flag_notes, fmt, percent_of_peak,
                                     spread_cell)
 
@@ -67,9 +69,9 @@ document.body.setAttribute('data-broken-images',String(bad));});
 
 _NUMBER = (int, float)
 _ROWS = (list, dict)  # a list of JSON objects (dict: what each element must be)
-# The keys each kind of run's section reads, with their JSON types; None: the key may hold null.
+# The keys each bench's section reads, with their JSON types; None: the key may hold null.
+# (A training run's summary.json is checked as a records.RunSummary.)
 RUN_KEYS: dict[str, dict[str, Any]] = {
-    "train": {"per_device": _ROWS, "throughput_samples_per_s": _NUMBER},
     "peak": {"rows": _ROWS},
     "batch": {"rows": _ROWS, "best": (int, type(None)), "largest_fitting_batch": (int, type(None)),
               "profile": dict, "flops_per_sample": dict, "peak_source": str},
@@ -80,8 +82,6 @@ RUN_KEYS: dict[str, dict[str, Any]] = {
     "variability": {"runs": _ROWS, "summary": dict},
 }
 BENCH_KINDS = tuple(kind for kind in RUN_KEYS if kind != "train")  # the benches this report can render
-_JSON_NAMES = {dict: "an object", list: "a list", str: "a string", int: "an integer", float: "a number",
-               bool: "true or false", type(None): "null"}
 
 
 def load_run(run_dir: str | Path) -> dict[str, Any]:
@@ -93,7 +93,10 @@ def load_run(run_dir: str | Path) -> dict[str, Any]:
                 data = json.loads(path.read_text(encoding="utf-8"))
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise EdgetrainError(f"{path} is not valid JSON ({e}); was the run interrupted?") from None
-            check_run_data(path, kind, data)
+            if kind == "train":
+                data = RunSummary.from_dict(data, str(path))
+            else:
+                check_run_data(path, kind, data)
             return {"dir": d, "kind": kind, "data": data, "pngs": sorted(d.glob("*.png"))}
     if (d / "config.yaml").is_file():
         from edgetrain.report.files import remove_stale_temps
@@ -109,7 +112,7 @@ def check_run_data(path: Path, kind: str, data: Any) -> None:
     """Fail in one line naming ``path`` and the key unless ``data`` holds what its section reads."""
     fix = "re-run it or give another run directory"
     if not isinstance(data, dict):
-        raise EdgetrainError(f"{path} must hold a JSON object, not {_json_name(data)}; {fix}")
+        raise EdgetrainError(f"{path} must hold a JSON object, not {json_name(data)}; {fix}")
     if kind == "bench":
         if data.get("bench") not in BENCH_KINDS:
             raise EdgetrainError(f"{path}: key 'bench' must name a bench ({', '.join(BENCH_KINDS)}), "
@@ -118,17 +121,13 @@ def check_run_data(path: Path, kind: str, data: Any) -> None:
     for key, types in RUN_KEYS[kind].items():
         value = data.get(key)
         expected = (list,) if types is _ROWS else types if isinstance(types, tuple) else (types,)
-        want = " or ".join(_JSON_NAMES[t] for t in expected)
+        want = " or ".join(JSON_NAMES[t] for t in expected)
         if key not in data:
             raise EdgetrainError(f"{path} lacks key '{key}' ({want}); {fix}")
         if isinstance(value, bool) or not isinstance(value, expected):
-            raise EdgetrainError(f"{path}: key '{key}' must be {want}, not {_json_name(value)}; {fix}")
+            raise EdgetrainError(f"{path}: key '{key}' must be {want}, not {json_name(value)}; {fix}")
         if types is _ROWS and not all(isinstance(row, dict) for row in value):
             raise EdgetrainError(f"{path}: key '{key}' must be a list of objects; {fix}")
-
-
-def _json_name(value: Any) -> str:
-    return _JSON_NAMES.get(type(value), type(value).__name__)
 
 
 def _img(png: bytes, alt: str) -> str:
@@ -165,20 +164,19 @@ def peak_reference(runs: list[dict[str, Any]]) -> tuple[float, str] | None:
     return best
 
 
-def achieved_note(d: dict[str, Any], peak: tuple[float, str] | None) -> str | None:
+def achieved_note(d: RunSummary, peak: tuple[float, str] | None) -> str | None:
     """Achieved GFLOPS of a training run: the FLOPs per sample it counted (its own model, at its own input
     shape) x its throughput, against its devices' profile ratings or else the host ``peak`` shown."""
-    counted = d.get("flops_per_sample")
-    if not counted or not d.get("throughput_samples_per_s"):
+    counted = d.flops_per_sample
+    if not counted or not d.throughput_samples_per_s:
         return None  # a summary without its own count: recounting a guessed model and shape would be wrong
     per_sample = counted["total_flops"]
-    gflops = per_sample * d["throughput_samples_per_s"] / 1e9
+    gflops = per_sample * d.throughput_samples_per_s / 1e9
     shape = "x".join(str(v) for v in counted.get("input_shape", []))
-    text = (f"achieved {gflops:.2f} GFLOPS ({per_sample / 1e9:.3f} GFLOP per training sample of {d.get('model')} "
+    text = (f"achieved {gflops:.2f} GFLOPS ({per_sample / 1e9:.3f} GFLOP per training sample of {d.model} "
             f"at {shape}, FlopCounterMode)")
-    devices = d.get("per_device", [])
-    rated = [p["peak_gflops"] for p in devices if p.get("peak_gflops")]
-    if devices and len(rated) == len(devices):
+    rated = [p.details["peak_gflops"] for p in d.per_device if p.details.get("peak_gflops")]
+    if d.per_device and len(rated) == len(d.per_device):
         text += (f" = {percent_of_peak(gflops / sum(rated))} of the {sum(rated):.1f} GFLOPS its devices are rated "
                  f"at (modelled: each device against its own profile's peak, see the table)")
     elif peak and not rated:
@@ -192,18 +190,18 @@ def headline(run: dict[str, Any], peak: tuple[float, str] | None = None) -> tupl
     if run["kind"] == "train":
         cols = ["rank", "profile", "local batch", "samples/s", "GFLOPS", "rated GFLOPS", "% of rated", "peak RSS MB",
                 "data s", "compute s", "comm s", "MB sent", "MB recv"]
-        per_device = d.get("per_device", [])
-        rows = [[p.get("rank"), p.get("profile"), p.get("local_batch"), p.get("samples_per_s"),
-                 p.get("achieved_gflops"), p.get("peak_gflops"), percent_of_peak(p.get("fraction_of_peak")),
-                 p.get("peak_rss_mb"), p.get("data_s"), p.get("compute_s"), p.get("comm_s"),
-                 _mb(p.get("bytes_sent")), _mb(p.get("bytes_recv"))] for p in per_device]
-        notes = [f"throughput {d.get('throughput_samples_per_s', 0):.1f} samples/s; "
-                 f"test accuracy {_pct(d.get('test_accuracy'))}"]
+        per_device = d.per_device
+        rows = [[p.rank, p.profile, p.local_batch, p.samples_per_s,
+                 p.details.get("achieved_gflops"), p.details.get("peak_gflops"),
+                 percent_of_peak(p.details.get("fraction_of_peak")),
+                 p.peak_rss_mb, p.data_s, p.compute_s, p.comm_s, _mb(p.bytes_sent), _mb(p.bytes_recv)]
+                for p in per_device]
+        notes = [f"throughput {d.throughput_samples_per_s:.1f} samples/s; test accuracy {_pct(d.test_accuracy)}"]
         achieved = achieved_note(d, peak)
         notes += [achieved] if achieved else []
-        notes += sorted({f"rated GFLOPS of {p['profile']}: {p['peak_source']}" for p in per_device
-                         if p.get("peak_source")})
-        notes += [ABOVE_PEAK_NOTE] if any(p.get("above_peak") for p in per_device) else []
+        notes += sorted({f"rated GFLOPS of {p.profile}: {p.details['peak_source']}" for p in per_device
+                         if p.details.get("peak_source")})
+        notes += [ABOVE_PEAK_NOTE] if any(p.details.get("above_peak") for p in per_device) else []
         return cols, rows, notes
     bench = d["bench"]
     notes = list(d.get("notes", []))
@@ -267,14 +265,14 @@ def configurations(run: dict[str, Any]) -> list[tuple[str, dict[str, float | Non
     """The configurations a run measured, each with whichever radar metrics it has."""
     d, name = run["data"], run["dir"].name
     if run["kind"] == "train":
-        per = d.get("per_device", [])
-        comm = [p["comm_s"] / t for p in per
-                if (t := sum(p.get(k) or 0 for k in ("data_s", "compute_s", "comm_s"))) and p.get("comm_s") is not None]
-        return [(name, {"throughput": d.get("throughput_samples_per_s"),
-                        "memory": max((p["peak_rss_mb"] for p in per if p.get("peak_rss_mb")), default=None),
-                        "energy": d.get("energy_j_per_epoch"),
+        per = d.per_device
+        comm = [p.comm_s / t for p in per
+                if (t := (p.data_s or 0) + (p.compute_s or 0) + (p.comm_s or 0)) and p.comm_s is not None]
+        return [(name, {"throughput": d.throughput_samples_per_s,
+                        "memory": max((p.peak_rss_mb for p in per if p.peak_rss_mb), default=None),
+                        "energy": d.energy_j_per_epoch,
                         "communication": 100 * sum(comm) / len(comm) if comm else None,
-                        "accuracy": None if d.get("test_accuracy") is None else 100 * d["test_accuracy"]})]
+                        "accuracy": None if d.test_accuracy is None else 100 * d.test_accuracy})]
     bench = d["bench"]
     if bench == "batch":
         return [(f"{name} b={r['batch_size']}", {"throughput": r["samples_per_s"], "memory": r["peak_rss_mb"]})
@@ -335,12 +333,12 @@ def comparison(runs: list[dict[str, Any]], max_configs: int = 8) -> str:
 def run_section(run: dict[str, Any], peak: tuple[float, str] | None = None) -> str:
     d = run["data"]
     title = f"bench {d['bench']}" if run["kind"] == "bench" else "training run"
-    env = d.get("environment", {})
+    env = d.get("environment", {}) if run["kind"] == "bench" else {}
     meta = " · ".join(str(v) for v in (run["dir"], env.get("cpu"), env.get("logical_cpus") and
                                          f"{env['logical_cpus']} CPUs", env.get("torch"), env.get("created")) if v)
     cols, rows, notes = headline(run, peak)
-    params = d.get("params") if run["kind"] == "bench" else {k: d.get(k) for k in (
-        "model", "dataset", "devices", "profile", "batch_size", "steps", "epochs") if k in d}
+    params = d.get("params") if run["kind"] == "bench" else {k: getattr(d, k) for k in (
+        "model", "dataset", "devices", "strategy", "global_batch", "steps") if getattr(d, k) is not None}
     parts = [f"<section><h2>{html.escape(title)}</h2><div class='meta'>{html.escape(meta)}</div>"]
     for n in notes:
         cls = " modelled" if "modelled" in n.lower() else ""

@@ -5,6 +5,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from edgetrain.records import RunSummary
 from edgetrain.report.cells import ABOVE_PEAK_NOTE, fmt, percent_of_peak
 
 
@@ -18,27 +19,29 @@ def _console() -> Console:
     return console if console.is_terminal else Console(width=120)
 
 
-def print_train_summary(summary: dict, console: Console | None = None) -> None:
+def print_train_summary(summary: dict | RunSummary, console: Console | None = None) -> None:
+    s = summary if isinstance(summary, RunSummary) else RunSummary.from_dict(summary, "the run summary")
     console = console or _console()
     table = Table(title="per device, measured (means per step after the first)", title_justify="left",
                   box=box.SIMPLE_HEAD, pad_edge=False)
     for col in ("rank", "profile", "batch", "samples/s", "step ms", "GFLOPS", "% rated", "data%", "comp%", "comm%",
                 "RSS MiB", "MB sent"):
         table.add_column(col, justify="left" if col == "profile" else "right", no_wrap=True)
-    for d in summary["per_device"]:
-        step = d["step_s"] or float("nan")
-        table.add_row(str(d["rank"]), d["profile"], str(d["local_batch"]), f"{d['samples_per_s']:,.1f}",
-                      f"{1000 * step:,.1f}", fmt(d.get("achieved_gflops")), percent_of_peak(d.get("fraction_of_peak")),
-                      f"{100 * d['data_s'] / step:.0f}", f"{100 * d['compute_s'] / step:.0f}",
-                      f"{100 * d['comm_s'] / step:.0f}", f"{d['peak_rss_mb']:,.0f}", _mb(d["bytes_sent"]))
+    for d in s.per_device:
+        step = d.step_s or float("nan")
+        table.add_row(str(d.rank), d.profile, str(d.local_batch), f"{d.samples_per_s:,.1f}",
+                      f"{1000 * step:,.1f}", fmt(d.details.get("achieved_gflops")),
+                      percent_of_peak(d.details.get("fraction_of_peak")),
+                      f"{100 * d.data_s / step:.0f}", f"{100 * d.compute_s / step:.0f}",
+                      f"{100 * d.comm_s / step:.0f}", f"{d.peak_rss_mb:,.0f}", _mb(d.bytes_sent))
     console.print(table)
     # "% rated" is against each device's profile rating (modelled, not measured): say which, and flag > 100%.
-    for source in sorted({f"{d['profile']}: {d['peak_source']}" for d in summary["per_device"] if d.get("peak_source")}):
+    for source in sorted({f"{d.profile}: {d.details['peak_source']}" for d in s.per_device
+                          if d.details.get("peak_source")}):
         console.print(f"rated GFLOPS of {source}", highlight=False)
-    if any(d.get("above_peak") for d in summary["per_device"]):
+    if any(d.details.get("above_peak") for d in s.per_device):
         console.print(ABOVE_PEAK_NOTE, highlight=False)
-    acc = summary.get("test_accuracy")
-    acc_text = f"{acc:.2%}" if acc is not None else "not evaluated"
-    console.print(f"[bold]test accuracy {acc_text}[/]  train loss {summary['train_loss']:.4f}  "
-                  f"throughput {summary['throughput_samples_per_s']:,.1f} samples/s  "
-                  f"{summary['steps']} steps in {summary['wall_time_s']:.1f} s  ->  {summary['run_dir']}")
+    acc_text = f"{s.test_accuracy:.2%}" if s.test_accuracy is not None else "not evaluated"
+    console.print(f"[bold]test accuracy {acc_text}[/]  train loss {s.train_loss:.4f}  "
+                  f"throughput {s.throughput_samples_per_s:,.1f} samples/s  "
+                  f"{s.steps} steps in {s.wall_time_s:.1f} s  ->  {s.run_dir}")

@@ -50,6 +50,6 @@ SUPPORTED_LAYERS = ("Conv2d (zeros padding), MaxPool2d, AvgPool2d (count_include
                     "ResNet BasicBlock/Bottleneck residual blocks")
 
 from edgetrain.spec import TilingSpec, parse_grid, parse_tiling  # noqa: E402  (parsed in the torch-free spec layer)
-from edgetrain.tiling.strategy import TiledSync, TiledTraining  # noqa: E402
+from edgetrain.tiling.strategy import TiledTraining  # noqa: E402
 
-__all__ = ["SUPPORTED_LAYERS", "TiledSync", "TiledTraining", "TilingSpec", "parse_grid", "parse_tiling"]
+__all__ = ["SUPPORTED_LAYERS", "TiledTraining", "TilingSpec", "parse_grid", "parse_tiling"]

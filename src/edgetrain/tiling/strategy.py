@@ -1,4 +1,4 @@
-"""``TiledTraining``: the object the trainer drives for ``--strategy tiled``.
+"""``TiledTraining``: what the trainer's ``Tiled`` strategy (train/strategy.py) drives for ``--strategy tiled``.
 
 One training step on every device (no central server):
 
@@ -305,46 +305,3 @@ def _is_submodule(model: nn.Module, name: str) -> bool:
         return True
     except AttributeError:
         return False
-
-
-class TiledSync:
-    """What ``edgetrain.train``'s loop drives for ``strategy: tiled`` (the role DDP's sync object plays).
-
-    ``step`` returns this device's part of the step's accounting (its share of
-    the batch, the loss summed over that share, its correct predictions), so
-    that summing over devices gives the global batch, as in data parallelism.
-    """
-
-    def __init__(self, tiled: TiledTraining, stats=None):
-        self.tiled = tiled
-        self.model = tiled.model
-        self.stats = stats
-
-    def step(self, x: torch.Tensor, y: torch.Tensor, loss_fn) -> tuple[float, int, int]:
-        self.tiled.forward_backward(x, y, loss_fn)
-        last = self.tiled.last
-        if self.stats is not None:  # edgetrain.comm.accounting.CommStats; no hook threads run in tiled mode
-            self.stats.bytes_sent += sum(last["bytes"].values())
-            self.stats.bytes_recv += last["bytes_recv"]
-            self.stats.comm_s += last["exchange_s"]
-        local = last["local"]
-        return local["loss_sum"], local["correct"], local["samples"]
-
-    @property
-    def exchange_s(self) -> float:
-        return self.tiled.last.get("exchange_s", 0.0)
-
-    def after_backward(self, step: int) -> None:
-        pass
-
-    def after_step(self, step: int) -> None:
-        pass
-
-    def finish(self) -> None:
-        """Nothing to settle: every step already left identical parameters on every device."""
-
-    def step_metrics(self) -> dict:
-        return {}
-
-    def summary(self) -> dict:
-        return {"sync": "tiled", "tiling": self.tiled.report()}

@@ -1,4 +1,4 @@
-"""Data-parallel training on emulated or real edge devices: ``train(config)``."""
+"""Training on emulated or real edge devices: ``train(config)`` (loop: train/loop.py; strategies: train/strategy.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,7 +16,7 @@ from edgetrain.report.files import new_run_dir, write_yaml
 
 
 def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: nn.Module | str | None = None,
-          **overrides: Any) -> dict | None:
+          strategy: str | type | None = None, **overrides: Any) -> dict | None:
     """Train as ``config`` says (a ``TrainConfig``, a dict or a YAML path) with ``overrides`` on top.
 
     On one host this spawns ``config.devices`` emulated devices and returns the
@@ -26,14 +26,20 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     your own ``nn.Module`` to train instead of a registered one; the run then
     records it as ``module:QualName`` (config.yaml, summary.json), which a
     later run from that config refuses until the model is passed again.
+    ``strategy`` is the config's ``strategy`` key or a ``train.strategy.Strategy``
+    subclass (defined at module level) to train with instead of a built-in one.
     """
     from edgetrain.models import model_reference, user_models
+    from edgetrain.train.loop import accelerator_device, run_worker
 
     refuse_nested_launch()
     if isinstance(model, str):
         overrides["model"], model = model, None
+    if isinstance(strategy, str):
+        overrides["strategy"], strategy = strategy, None
     cfg = load_config(config, **overrides)
     check_before_launch(cfg, model)  # before the run directory and the devices: bad input leaves nothing behind
+    accelerator_device(cfg.accelerator)
     spec = resolve(cfg)  # the options parsed once; the devices build from these
     if model is not None:
         cfg = dataclasses.replace(cfg, model=model_reference(model))
@@ -53,13 +59,9 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
         write_yaml(run_dir / "config.yaml", cfg.to_dict())
 
     args = (cfg, spec, devices, local_batches, speeds, str(run_dir) if run_dir else None, model, user_models(),
-            cluster_token)
+            cluster_token, strategy)
     if torchrun:
-        from edgetrain.train.loop import run_worker
-
         return run_worker(*args)
-    from edgetrain.train.loop import run_worker
-
     return launch_local(len(devices), run_worker, args, [d.label for d in devices], log_dir=str(run_dir))[0]
 
 

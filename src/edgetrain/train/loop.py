@@ -1,23 +1,39 @@
-"""The training loop every device runs.
+"""The training loop every device runs: one short loop driving a ``Strategy``.
 
 ``run_worker`` is the body of one device process, whether ``launch_local``
-spawned it or ``torchrun`` did. Each step it records where its time went:
+spawned it or ``torchrun`` did. It is four parts, in order:
+
+- ``set_up_device``: rendezvous and peer admission (cluster token, config
+  hash; cluster/peers), host cores and threads, seed, accelerator;
+- ``calibrate_throttle``: the throttle's reference pass, one device of a
+  host at a time;
+- the loop: ``Strategy.train_step`` per batch (train/strategy.py: data
+  parallel or tiled; the loop has no branch of its own for either), timed by
+  a ``StepRecorder``;
+- a ``RunWriter``: records as they happen, then summary and checkpoint.
+
+Each step's ``StepRecord`` (records.py) says where the time went:
 
 - ``data_s``: waiting for the batch;
-- ``comm_s``: waiting on communication: after the last gradient bucket was
-  handed to the all-reduce until backward returned (the part of the
-  all-reduce that compute did not hide), plus any exchange the sync mode does
-  between steps;
+- ``comm_s``: waiting on communication that compute did not hide (the
+  strategy measures it: ``StepResult.comm_s``);
 - ``compute_s``: the rest of the step (forward, backward, optimizer, and the
   duty-cycle sleeps that emulate a slower device);
-- ``comm_busy_s``: how long collectives ran in all, hidden or not; ``None``
-  where the sync mode cannot see its collectives (DDP's own all-reduce,
-  ``comm/sync.py``).
+- ``comm_busy_s``: how long collectives ran in all, hidden or not (the
+  ``CommStats`` difference over the step); ``None`` where the strategy cannot
+  see its collectives (DDP's own all-reduce, ``comm/sync.py``).
 
-Loss scaling: device ``r`` with local batch ``b_r`` back-propagates
-``sum(losses_r) * world / B``; DDP averages over devices, so every device ends
-up with the gradient of the mean loss over the global batch ``B``, whatever
-the split. That is why N devices reproduce one device step for step.
+Records as they happen: each device that has the run directory (all of them
+on one host; rank 0 alone under torchrun, the others send theirs at the end)
+appends its records to ``metrics-<rank>.jsonl`` and flushes every step (one
+small write per step), and rank 0 appends each evaluation to ``evals.jsonl``:
+a run killed half-way keeps what it did. A run that ends replaces the
+per-device files by one ``metrics.jsonl`` sorted by (step, rank).
+
+Accelerator: ``auto`` is ``cuda`` where torch sees a GPU, else ``cpu``; with
+several devices on a host, device ``local_rank`` uses GPU ``local_rank % count``.
+Model, batches and the strategy's tensors live there; collectives stay on
+gloo (which takes CUDA tensors), as Jetson wheels ship without NCCL.
 
 The summary's FLOPs are counted once on rank 0 (``bench.flops``) on the model
 actually trained at the input shape actually fed, before training, on a copy
@@ -33,6 +49,7 @@ import math
 import os
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -46,16 +63,15 @@ from edgetrain.cluster.launch import loader_worker_init
 from edgetrain.cluster.peers import admit_peers, check_rank_environment, gather_json
 from edgetrain.cluster.profiles import DeviceSpec
 from edgetrain.cluster.throttle import Throttle, assign_cores, peak_rss_mb, pin
-from edgetrain.comm import build_sync
 from edgetrain.comm.accounting import CommStats
 from edgetrain.config import TrainConfig
 from edgetrain.data import GlobalBatchSampler, build_data, shard_indices
 from edgetrain.errors import EdgetrainError
 from edgetrain.models import build_model, count_parameters, register_model
-from edgetrain.models.batchnorm import convert_batchnorm
+from edgetrain.records import DeviceSummary, EvalRecord, RunSummary, StepRecord
 from edgetrain.report.files import atomic_write, save_torch, write_json
 from edgetrain.spec import RunSpec
-from edgetrain.tiling import TiledSync, TiledTraining
+from edgetrain.train.strategy import STRATEGIES, StepResult, Strategy, StrategyContext
 
 
 def init_distributed(cfg: TrainConfig, cluster_token: str = "") -> tuple[int, int]:
@@ -74,10 +90,6 @@ def init_distributed(cfg: TrainConfig, cluster_token: str = "") -> tuple[int, in
     return rank, world
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    return model.module if hasattr(model, "module") else model
-
-
 def make_optimizer(cfg: TrainConfig, params, total_steps: int):
     if cfg.optimizer == "adam":
         opt = torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -91,13 +103,15 @@ def make_optimizer(cfg: TrainConfig, params, total_steps: int):
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, dataset, rank: int, world: int, batch: int = 256) -> tuple[float, float]:
+def evaluate(model: nn.Module, dataset, rank: int, world: int, batch: int = 256,
+             device: torch.device | None = None) -> tuple[float, float]:
     """(mean loss, accuracy) over the whole test set, each device taking a shard."""
     was_training = model.training
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64)
     loader = DataLoader(Subset(dataset, shard_indices(len(dataset), rank, world)), batch_size=batch)
     for x, y in loader:
+        x, y = x.to(device or x.device), y.to(device or y.device)
         out = model(x)
         totals += torch.tensor([F.cross_entropy(out, y, reduction="sum").item(),
                                 (out.argmax(1) == y).sum().item(), len(y)], dtype=torch.float64)
@@ -107,13 +121,32 @@ def evaluate(model: nn.Module, dataset, rank: int, world: int, batch: int = 256)
     return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
 
 
-def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local_batches: list[int],
-               speeds: list[float | None], run_dir: str | None, user_model: nn.Module | None = None,
-               registered: dict | None = None, cluster_token: str = "") -> dict | None:
-    """Train on this device; rank 0 returns the run summary, the others None."""
-    started = time.perf_counter()
-    for name, factory in (registered or {}).items():
-        register_model(name, factory)
+def accelerator_device(accelerator: str, local_rank: int = 0) -> torch.device:
+    """The torch device ``--accelerator`` names for this device; one line if it asks for a GPU torch cannot see."""
+    if accelerator == "cuda" and not torch.cuda.is_available():
+        raise EdgetrainError("accelerator cuda was asked for but torch sees no CUDA GPU on this host "
+                             f"(torch {torch.__version__}); use --accelerator cpu or auto")
+    if accelerator == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+@dataclass
+class DeviceSetup:
+    rank: int
+    world: int
+    local_rank: int
+    local_world: int
+    me: DeviceSpec
+    speed: float | None
+    cores: list[int]
+    threads: int
+    device: torch.device
+
+
+def set_up_device(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], speeds: list[float | None],
+                  cluster_token: str) -> DeviceSetup:
+    """Rendezvous and admission, host cores and threads, seed, accelerator."""
     rank, world = init_distributed(cfg, cluster_token)
     me = devices[rank]
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", rank)), int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -126,7 +159,140 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
     pin(cores)
     threads = cfg.threads or (min(len(cores), me.profile.cores) if me.profile.cores else len(cores))
     torch.set_num_threads(threads)
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(spec.seed)
+    return DeviceSetup(rank, world, local_rank, local_world, me, speed, cores, threads,
+                       accelerator_device(spec.accelerator, local_rank))
+
+
+def calibrate_throttle(throttle: Throttle, model: nn.Module, example: torch.Tensor | None, at: DeviceSetup) -> None:
+    """The reference pass (this model, this device's batch, warm and unthrottled), then the duty cycle."""
+    if example is not None:
+        # One device of each host at a time: devices sharing host cores would otherwise slow
+        # each other's reference, and with it the whole run.
+        turns = torch.tensor([at.local_world])
+        if at.world > 1:
+            dist.all_reduce(turns, op=dist.ReduceOp.MAX)
+        for turn in range(int(turns.item())):
+            if turn == at.local_rank:
+                throttle.calibrate(model, example)
+            if at.world > 1:
+                dist.barrier()
+    throttle.attach(model)
+
+
+class StepRecorder:
+    """Times one step (data wait, the strategy's step, CPU), diffs the ``CommStats``, builds its ``StepRecord``."""
+
+    def __init__(self, stats: CommStats, rank: int):
+        self.stats, self.rank = stats, rank
+
+    def start(self) -> None:
+        self.t0, self.cpu0 = time.perf_counter(), time.process_time()
+        self.before = self.stats.snapshot()
+
+    def data_ready(self) -> None:
+        self.t_data = time.perf_counter()
+
+    def finish(self, step: int, epoch: int, result: StepResult, lr: float) -> StepRecord:
+        step_s = time.perf_counter() - self.t0
+        after = self.stats.snapshot()
+        data_s = self.t_data - self.t0
+        extra = {"comm_busy_s": after["comm_s"] - self.before["comm_s"], **result.metrics}
+        return StepRecord(
+            step=step, epoch=epoch, rank=self.rank, loss=result.loss_sum / max(result.samples, 1),
+            samples=result.samples, samples_per_s=result.samples / step_s, step_s=step_s, data_s=data_s,
+            compute_s=max(step_s - data_s - result.comm_s, 0.0), comm_s=result.comm_s,
+            bytes_sent=after["bytes_sent"] - self.before["bytes_sent"],
+            bytes_recv=after["bytes_recv"] - self.before["bytes_recv"],
+            cpu_s=time.process_time() - self.cpu0, lr=lr, peak_rss_mb=peak_rss_mb(), **extra)
+
+
+class RunWriter:
+    """The run directory's files: records as they happen, then metrics.jsonl, checkpoint and summary.
+
+    A device without the run directory (``run_dir`` None: ranks > 0 under torchrun) writes nothing.
+    """
+
+    def __init__(self, run_dir: str | None, rank: int):
+        self.run_dir = Path(run_dir) if run_dir else None
+        self.rank = rank
+        self._metrics = open(self.live_metrics(rank), "a", encoding="utf-8") if self.run_dir else None
+
+    def live_metrics(self, rank: int) -> Path:
+        return self.run_dir / f"metrics-{rank}.jsonl"
+
+    def step(self, record: StepRecord) -> None:
+        if self._metrics:
+            self._metrics.write(json.dumps(record.to_dict()) + "\n")
+            self._metrics.flush()  # a killed run keeps its steps; one small write per step
+
+    def evaluation(self, record: EvalRecord) -> None:
+        if self.run_dir and self.rank == 0:
+            with open(self.run_dir / "evals.jsonl", "a", encoding="utf-8") as f:
+                f.write(json.dumps(record.to_dict()) + "\n")
+
+    def close(self) -> None:
+        if self._metrics:
+            self._metrics.close()
+            self._metrics = None
+
+    def metrics(self, records: list[StepRecord], world: int) -> None:
+        """Rank 0, after every device closed its file: one sorted metrics.jsonl replaces the per-device ones."""
+        with atomic_write(self.run_dir / "metrics.jsonl") as f:
+            for r in sorted(records, key=lambda r: (r.step, r.rank)):
+                f.write(json.dumps(r.to_dict()) + "\n")
+        for rank in range(world):
+            self.live_metrics(rank).unlink(missing_ok=True)
+
+    def summary(self, cfg: TrainConfig, strategy: Strategy, optimizer, per_device: list[DeviceSummary], train_totals,
+                evals: list[EvalRecord], params, data, world, local_batches, steps, wall_s, flops_per_sample) -> dict:
+        """Rank 0, last: checkpoint.pt and summary.json; returns the summary as written."""
+        run_dir = self.run_dir
+        for d in per_device:
+            d.details.update(achieved(flops_per_sample["total_flops"], d.samples_per_s, d.details.get("peak_gflops")))
+        save_torch(run_dir / "checkpoint.pt", {"model": strategy.eval_model.state_dict(),
+                                               "optimizer": optimizer.state_dict(), "step": steps,
+                                               "config": cfg.to_dict()})
+        step_s = sum(d.step_s for d in per_device) / world
+        split = {k: sum(getattr(d, f"{k}_s") for d in per_device) / world for k in ("data", "compute", "comm")}
+        last = evals[-1] if evals else None
+        bytes_sent = sum(d.bytes_sent for d in per_device)
+        summary = RunSummary(
+            run_dir=str(run_dir), model=cfg.model, params=params, dataset=data.name,
+            input_shape=list(data.input_shape), flops_per_sample=flops_per_sample,
+            devices=world, profiles=[d.profile for d in per_device], strategy=strategy.name,
+            accelerator=str(strategy.context.device), global_batch=cfg.batch_size, local_batches=local_batches,
+            steps=steps, train_loss=(train_totals[0] / train_totals[2]).item(),
+            train_accuracy=(train_totals[1] / train_totals[2]).item(),
+            test_loss=last.test_loss if last else None, test_accuracy=last.test_accuracy if last else None,
+            evals=evals,
+            throughput_samples_per_s=sum(d.samples_per_s for d in per_device),
+            achieved_gflops=sum(d.details["achieved_gflops"] for d in per_device),
+            step_s=step_s, time_split_s=split,
+            time_split_fraction={k: v / step_s for k, v in split.items()} if step_s else {},
+            bytes_sent_total=bytes_sent, bytes_recv_total=sum(d.bytes_recv for d in per_device),
+            bytes_sent_per_step_per_device=bytes_sent / max(steps, 1) / world,
+            peak_rss_mb_max=max(d.peak_rss_mb for d in per_device),
+            wall_time_s=wall_s, batchnorm=cfg.batchnorm, per_device=per_device, checkpoint="checkpoint.pt",
+            details=strategy.summary(),
+        ).to_dict()
+        write_json(run_dir / "summary.json", summary)
+        return summary
+
+
+def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local_batches: list[int],
+               speeds: list[float | None], run_dir: str | None, user_model: nn.Module | None = None,
+               registered: dict | None = None, cluster_token: str = "",
+               strategy_class: type[Strategy] | None = None) -> dict | None:
+    """Train on this device; rank 0 returns the run summary, the others None.
+
+    ``strategy_class``: a ``Strategy`` to train with instead of ``STRATEGIES[spec.strategy]``.
+    """
+    started = time.perf_counter()
+    for name, factory in (registered or {}).items():
+        register_model(name, factory)
+    at = set_up_device(cfg, spec, devices, speeds, cluster_token)
+    rank, world = at.rank, at.world
 
     data = build_data(cfg)
     model = user_model if user_model is not None else build_model(cfg.model, data.input_shape[0], data.num_classes)
@@ -134,48 +300,37 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
     # The model actually trained at the input shape actually fed (counted on a copy, RNG untouched).
     flops_per_sample = training_flops_per_sample(model, input_shape=data.input_shape,
                                                  num_classes=data.num_classes) if rank == 0 else None
-    tiled = None
-    if cfg.strategy == "tiled":
-        # Spatial tiles of the first layers, data parallel after them; every BatchNorm gets
-        # whole-map or global-batch statistics whatever cfg.batchnorm says.
-        tiled = TiledTraining(model, spec.tiling, data.input_shape, timeout_s=spec.timeout_s)
-    elif cfg.batchnorm == "sync" and world > 1:
-        model = convert_batchnorm(model)
-    throttle = Throttle(speed) if speed is not None else None
-    if throttle:
-        if not tiled:  # the reference pass: this model, this device's batch, warm and unthrottled
-            example = torch.randn(local_batches[rank], *data.input_shape)
-            # One device of each host at a time: devices sharing host cores would otherwise slow
-            # each other's reference, and with it the whole run.
-            turns = torch.tensor([local_world])
-            if world > 1:
-                dist.all_reduce(turns, op=dist.ReduceOp.MAX)
-            for turn in range(int(turns.item())):
-                if turn == local_rank:
-                    throttle.calibrate(model, example)
-                if world > 1:
-                    dist.barrier()
-        throttle.attach(model)
-
+    model.to(at.device)
     stats = CommStats()
-    sync = TiledSync(tiled, stats) if tiled else build_sync(model, spec, rank, world, stats, me.link)
-    # Tiled training gives every device the whole global batch (TiledTraining.shard_data is False).
-    sampler = GlobalBatchSampler(len(data.train), [cfg.batch_size] if tiled else local_batches,
-                                 0 if tiled else rank, cfg.seed)
+    strategy = (strategy_class or STRATEGIES[spec.strategy])(StrategyContext(
+        cfg, spec, rank, world, local_batches[rank], tuple(data.input_shape), stats, at.me.link, at.device))
+    model = strategy.adapt(model)
+    throttle = Throttle(at.speed) if at.speed is not None else None
+    if throttle:
+        batch = strategy.calibration_batch
+        calibrate_throttle(throttle, model, None if batch is None else
+                           torch.randn(batch, *data.input_shape, device=at.device), at)
+    strategy.setup(model)
+
+    sampler = GlobalBatchSampler(len(data.train), local_batches if strategy.shard_data else [cfg.batch_size],
+                                 rank if strategy.shard_data else 0, spec.seed)
     if len(sampler) == 0:
         raise EdgetrainError(f"batch_size {cfg.batch_size} is larger than the {len(data.train)} training images of "
                              f"{data.name}; lower batch_size")
     loader = DataLoader(data.train, batch_sampler=sampler, num_workers=cfg.workers,
                         persistent_workers=cfg.workers > 0, timeout=cfg.timeout if cfg.workers > 0 else 0,
-                        worker_init_fn=loader_worker_init if cfg.workers > 0 else None)
+                        worker_init_fn=loader_worker_init if cfg.workers > 0 else None,
+                        pin_memory=at.device.type == "cuda")
     total_steps = min(cfg.steps or math.inf, cfg.epochs * len(sampler))
     epochs = math.ceil(total_steps / len(sampler))
-    optimizer, scheduler = make_optimizer(cfg, model.parameters(), int(total_steps))
+    optimizer, scheduler = make_optimizer(cfg, strategy.parameters(), int(total_steps))
 
+    writer = RunWriter(run_dir, rank)
+    recorder = StepRecorder(stats, rank)
     bar = _progress(cfg, rank, int(total_steps))
-    records: list[dict] = []
-    evals: list[dict] = []
-    step, limit_mb = 0, me.profile.memory_mb
+    records: list[StepRecord] = []
+    evals: list[EvalRecord] = []
+    step, limit_mb = 0, at.me.profile.memory_mb
     ema_loss = None
     epoch_loss = epoch_correct = epoch_seen = 0.0
     for epoch in range(epochs):
@@ -183,146 +338,94 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
         epoch_loss = epoch_correct = epoch_seen = 0.0
         batches = iter(loader)
         while step < total_steps:
-            t0, cpu0 = time.perf_counter(), time.process_time()
+            recorder.start()
             try:
                 x, y = next(batches)
             except StopIteration:
                 break
-            t_data = time.perf_counter()
-            before = stats.snapshot()
-            optimizer.zero_grad(set_to_none=True)
-            if tiled:  # this device's share of the batch: loss summed over it, correct, samples
-                loss_value, correct, n = sync.step(x, y, F.cross_entropy)
-            else:
-                out = sync.model(x)
-                loss_sum = F.cross_entropy(out, y, reduction="sum")
-                (loss_sum * (world / cfg.batch_size)).backward()
-                loss_value, correct, n = loss_sum.item(), (out.detach().argmax(1) == y).sum().item(), len(y)
-            t_bwd = time.perf_counter()
-            sync.after_backward(step)
-            t_after_bwd = time.perf_counter()
-            optimizer.step()
+            x, y = x.to(at.device, non_blocking=True), y.to(at.device, non_blocking=True)
+            recorder.data_ready()
+            result = strategy.train_step(x, y, optimizer)
             scheduler.step()
-            t_opt = time.perf_counter()
-            sync.after_step(step)
-            t_end = time.perf_counter()
-            after = stats.snapshot()
-
-            hidden_wait = 0.0
-            if after["collectives"] > before["collectives"] and t_data <= after["last_launch"] <= t_bwd:
-                hidden_wait = t_bwd - after["last_launch"]
-            comm_s = hidden_wait + (t_after_bwd - t_bwd) + (t_end - t_opt)
-            if tiled:
-                comm_s = sync.exchange_s
-            step_s = t_end - t0
-            epoch_loss += loss_value
-            epoch_correct += correct
-            epoch_seen += n
-            rss = peak_rss_mb()
-            record = {"step": step, "epoch": epoch, "rank": rank, "loss": loss_value / max(n, 1),
-                      "samples": n, "samples_per_s": n / step_s, "step_s": step_s, "data_s": t_data - t0,
-                      "compute_s": max(step_s - (t_data - t0) - comm_s, 0.0), "comm_s": comm_s,
-                      "comm_busy_s": after["comm_s"] - before["comm_s"],
-                      "bytes_sent": after["bytes_sent"] - before["bytes_sent"],
-                      "bytes_recv": after["bytes_recv"] - before["bytes_recv"],
-                      "cpu_s": time.process_time() - cpu0, "lr": scheduler.get_last_lr()[0], "peak_rss_mb": rss, **sync.step_metrics()}
+            record = recorder.finish(step, epoch, result, scheduler.get_last_lr()[0])
             records.append(record)
+            writer.step(record)
+            epoch_loss += result.loss_sum
+            epoch_correct += result.correct
+            epoch_seen += result.samples
             step += 1
-            if limit_mb is not None and rss > limit_mb:
-                raise EdgetrainError(f"{me.label} ran out of memory: peak {rss:.0f} MiB > its {limit_mb} MiB "
-                                     f"at step {step}; lower batch_size or give the profile more memory_mb")
-            ema_loss = record["loss"] if ema_loss is None else 0.9 * ema_loss + 0.1 * record["loss"]
+            if limit_mb is not None and record.peak_rss_mb > limit_mb:
+                raise EdgetrainError(f"{at.me.label} ran out of memory: peak {record.peak_rss_mb:.0f} MiB > its "
+                                     f"{limit_mb} MiB at step {step}; lower batch_size or give the profile more memory_mb")
+            ema_loss = record.loss if ema_loss is None else 0.9 * ema_loss + 0.1 * record.loss
             if bar:
-                bar.update(step, epoch, ema_loss, epoch_correct / max(epoch_seen, 1),
-                           cfg.batch_size / step_s)
+                bar.update(step, epoch, ema_loss, epoch_correct / max(epoch_seen, 1), cfg.batch_size / record.step_s)
         if step >= total_steps or epoch == epochs - 1:
-            sync.finish()  # the mode's last exchange: every device now holds the same model
+            strategy.finish()  # the last exchange: every device now holds the same model
         if cfg.eval:
-            test_loss, test_acc = evaluate(unwrap(sync.model), data.test, rank, world)
-            evals.append({"epoch": epoch, "step": step, "test_loss": test_loss, "test_accuracy": test_acc})
-            if bar:
-                bar.note(f"epoch {epoch + 1}/{epochs}: test accuracy {test_acc:.1%}, loss {test_loss:.3f}")
+            test_loss, test_acc = evaluate(strategy.eval_model, data.test, rank, world, device=at.device)
+            evals.append(EvalRecord(epoch=epoch, step=step, test_loss=test_loss, test_accuracy=test_acc))
+            writer.evaluation(evals[-1])
+            _note(bar, rank, f"epoch {epoch + 1}/{epochs}: test accuracy {test_acc:.1%}, loss {test_loss:.3f}")
         if step >= total_steps:
             break
     if bar:
         bar.close()
-    sync.finish()  # no-op if the last epoch already called it
+    strategy.finish()  # no-op if the last epoch already called it
+    writer.close()
 
     train_totals = torch.tensor([epoch_loss, epoch_correct, epoch_seen], dtype=torch.float64)
-    mine = _device_summary(records, rank, me, local_batches[rank], speed, cores, threads, throttle)
+    mine = _device_summary(records, at, local_batches[rank], throttle)
     if world > 1:
         dist.all_reduce(train_totals)
-        gathered = gather_json((records, mine), dst=0)  # JSON, not pickles: see cluster/peers
+        # JSON, not pickles: see cluster/peers
+        gathered = gather_json(([r.to_dict() for r in records], mine.to_dict()), dst=0)
     else:
-        gathered = [(records, mine)]
+        gathered = [([r.to_dict() for r in records], mine.to_dict())]
     summary = None
     if rank == 0:
-        summary = _write_outputs(cfg, Path(run_dir), unwrap(sync.model), optimizer, gathered, train_totals, evals,
-                                 params, data, world, local_batches, step, sync, time.perf_counter() - started,
-                                 flops_per_sample)
+        all_records = [StepRecord.from_dict(r) for recs, _ in gathered for r in recs]
+        writer.metrics(all_records, world)
+        per_device = [DeviceSummary.from_dict(d) for _, d in gathered]
+        summary = writer.summary(cfg, strategy, optimizer, per_device, train_totals, evals, params, data, world,
+                                 local_batches, step, time.perf_counter() - started, flops_per_sample)
     dist.barrier()
     dist.destroy_process_group()
     return summary
 
 
-def _device_summary(records, rank, me: DeviceSpec, local_batch, speed, cores, threads, throttle) -> dict:
+def _note(bar, rank: int, text: str) -> None:
+    """An epoch line on rank 0: above the progress bar, or alone with --no-progress."""
+    if bar:
+        bar.note(text)
+    elif rank == 0:
+        print(text, flush=True)
+
+
+def _device_summary(records: list[StepRecord], at: DeviceSetup, local_batch: int,
+                    throttle: Throttle | None) -> DeviceSummary:
     timed = records[1:] or records  # the first step pays one-off costs (allocations, DDP set-up)
-    total = sum(r["step_s"] for r in timed) or float("nan")
-    return {"rank": rank, "profile": me.profile.name, "link": me.link, "local_batch": local_batch,
-            "speed": speed, "cores": cores, "threads": threads,
-            "samples_per_s": sum(r["samples"] for r in timed) / total,
-            "step_s": total / len(timed),
-            **{k: sum(r[k] for r in timed) / len(timed) for k in ("data_s", "compute_s", "comm_s", "cpu_s")},
-            # None where the sync mode could not measure it (DDP's own all-reduce)
-            "comm_busy_s": None if any(r["comm_busy_s"] is None for r in timed)
-            else sum(r["comm_busy_s"] for r in timed) / len(timed),
-            "bytes_sent": sum(r["bytes_sent"] for r in records), "bytes_recv": sum(r["bytes_recv"] for r in records),
-            "peak_rss_mb": max((r["peak_rss_mb"] for r in records), default=peak_rss_mb()),
-            "throttle_slept_s": throttle.slept if throttle else 0.0,
-            # Measured: CPU time of a warm unthrottled forward + backward pass, and how much more the throttled
-            # ones cost (median); the throttle divides charged CPU time by the latter.
-            "throttle_reference_pass_s": throttle.reference_cpu if throttle else None,
-            "throttle_inflation": statistics.median(throttle.inflations) if throttle and throttle.inflations else None,
-            # The peak this device is rated against: its profile's where it emulated one (see bench.flops).
-            **(device_peak(me.profile, speed) or {})}
+    total = sum(r.step_s for r in timed) or float("nan")
 
+    def mean(name: str) -> float:
+        return sum(getattr(r, name) for r in timed) / len(timed)
 
-def _write_outputs(cfg, run_dir: Path, model, optimizer, gathered, train_totals, evals, params, data, world,
-                   local_batches, steps, sync, wall_s, flops_per_sample) -> dict:
-    records = sorted((r for recs, _ in gathered for r in recs), key=lambda r: (r["step"], r["rank"]))
-    with atomic_write(run_dir / "metrics.jsonl") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
-    per_device = [d for _, d in gathered]
-    for d in per_device:
-        d.update(achieved(flops_per_sample["total_flops"], d["samples_per_s"], d.get("peak_gflops")))
-    save_torch(run_dir / "checkpoint.pt", {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                                           "step": steps, "config": cfg.to_dict()})
-    step_s = sum(d["step_s"] for d in per_device) / world
-    split = {k: sum(d[f"{k}_s"] for d in per_device) / world for k in ("data", "compute", "comm")}
-    last = evals[-1] if evals else {}
-    bytes_sent = sum(d["bytes_sent"] for d in per_device)
-    summary = {
-        "run_dir": str(run_dir), "model": cfg.model, "params": params, "dataset": data.name,
-        "input_shape": list(data.input_shape), "flops_per_sample": flops_per_sample,
-        "devices": world, "profiles": [d["profile"] for d in per_device],
-        "global_batch": cfg.batch_size, "local_batches": local_batches, "steps": steps,
-        "train_loss": (train_totals[0] / train_totals[2]).item(),
-        "train_accuracy": (train_totals[1] / train_totals[2]).item(),
-        "test_loss": last.get("test_loss"), "test_accuracy": last.get("test_accuracy"), "evals": evals,
-        "throughput_samples_per_s": sum(d["samples_per_s"] for d in per_device),
-        "achieved_gflops": sum(d["achieved_gflops"] for d in per_device),
-        "step_s": step_s, "time_split_s": split,
-        "time_split_fraction": {k: v / step_s for k, v in split.items()} if step_s else {},
-        "bytes_sent_total": bytes_sent, "bytes_recv_total": sum(d["bytes_recv"] for d in per_device),
-        "bytes_sent_per_step_per_device": bytes_sent / max(steps, 1) / world,
-        "peak_rss_mb_max": max(d["peak_rss_mb"] for d in per_device),
-        "wall_time_s": wall_s, "batchnorm": cfg.batchnorm,
-        **sync.summary(),
-        "per_device": per_device, "checkpoint": "checkpoint.pt",
-    }
-    write_json(run_dir / "summary.json", summary)
-    return summary
+    return DeviceSummary(
+        rank=at.rank, profile=at.me.profile.name, link=at.me.link, local_batch=local_batch,
+        speed=at.speed, cores=list(at.cores), threads=at.threads,
+        samples_per_s=sum(r.samples for r in timed) / total, step_s=total / len(timed),
+        data_s=mean("data_s"), compute_s=mean("compute_s"), comm_s=mean("comm_s"), cpu_s=mean("cpu_s"),
+        # None where the strategy could not measure it (DDP's own all-reduce)
+        comm_busy_s=None if any(r.comm_busy_s is None for r in timed) else mean("comm_busy_s"),
+        bytes_sent=sum(r.bytes_sent for r in records), bytes_recv=sum(r.bytes_recv for r in records),
+        peak_rss_mb=max((r.peak_rss_mb for r in records), default=peak_rss_mb()),
+        throttle_slept_s=throttle.slept if throttle else 0.0,
+        # Measured: CPU time of a warm unthrottled forward + backward pass, and how much more the throttled
+        # ones cost (median); the throttle divides charged CPU time by the latter.
+        throttle_reference_pass_s=throttle.reference_cpu if throttle else None,
+        throttle_inflation=statistics.median(throttle.inflations) if throttle and throttle.inflations else None,
+        # The peak this device is rated against: its profile's where it emulated one (see bench.flops).
+        details=dict(device_peak(at.me.profile, at.speed) or {}))
 
 
 class _Bar:

@@ -1,0 +1,265 @@
+"""Typed records of a training run: what the loop writes and the report reads.
+
+Files of a run directory and the record each line or file holds:
+
+- ``metrics.jsonl``: one ``StepRecord`` per device per step, sorted by
+  (step, rank) when the run ends; while it runs each device appends its own
+  lines to ``metrics-<rank>.jsonl`` (see ``train.loop``);
+- ``evals.jsonl``: one ``EvalRecord`` per evaluation, appended as it happens;
+- ``summary.json``: one ``RunSummary`` (with a ``DeviceSummary`` per device).
+
+Every record is a dataclass with ``to_dict()`` (JSON-able) and
+``from_dict()``, which checks each key's JSON type against the field's
+annotation and fails in one line naming the key (``EdgetrainError``).
+Fields with a default may be missing (older runs, hand-written summaries);
+fields without one are required. Unknown keys are refused, except where the
+schema keeps room for them: ``RunSummary.details`` (what the strategy adds to
+the summary: sync mode, compression, link, tiling report...) and
+``DeviceSummary.details`` (its rated peak), which ``to_dict`` writes flat
+beside the typed keys, as the files always held them.
+
+Torch-free, so that reading a run (``edgetrain report``) needs no torch of its own.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from edgetrain.errors import EdgetrainError
+
+JSON_NAMES = {dict: "an object", list: "a list", str: "a string", int: "an integer", float: "a number",
+               bool: "true or false", type(None): "null"}
+
+
+def _accepts(hint: Any, value: Any) -> bool:
+    """Whether a JSON value fits a field annotation (``float`` takes integers, nothing takes a bool for a number)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return True
+    if origin in (types.UnionType, typing.Union):
+        return any(_accepts(a, value) for a in args)
+    if hint is type(None):
+        return value is None
+    if hint in (int, float) and isinstance(value, bool):
+        return False
+    if hint is float:
+        return isinstance(value, (int, float))
+    if origin is list:
+        return isinstance(value, list) and all(_accepts(args[0], v) for v in value)
+    if origin is dict or hint is dict:
+        return isinstance(value, dict)
+    if dataclasses.is_dataclass(hint):
+        return isinstance(value, dict)
+    return isinstance(value, hint)
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+class Record:
+    """``to_dict``/``from_dict`` for the dataclasses below."""
+
+    # the field that holds keys the schema does not name (written flat), or None: unknown keys are refused
+    details_field: ClassVar[str | None] = None
+    # optional fields left out of the file while they are None (a strategy that does not measure them)
+    omit_when_none: ClassVar[tuple[str, ...]] = ()
+
+    def to_dict(self) -> dict:
+        out: dict = {}
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if f.name == self.details_field:
+                out.update(value)
+            elif not (value is None and f.name in self.omit_when_none):
+                out[f.name] = _plain(value)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = ""):
+        name = where or cls.__name__
+        fix = "re-run it or give another run directory"
+        if not isinstance(data, dict):
+            raise EdgetrainError(f"{name} must hold a JSON object, not {json_name(data)}; {fix}")
+        hints = _hints(cls)
+        known = {f.name: f for f in dataclasses.fields(cls) if f.name != cls.details_field}  # type: ignore[arg-type]
+        unknown = {k: v for k, v in data.items() if k not in known}
+        if unknown and cls.details_field is None:
+            raise EdgetrainError(f"{name} has unknown key '{next(iter(unknown))}' (expected keys: "
+                                 f"{', '.join(known)}); {fix}")
+        values: dict = {}
+        for key, f in known.items():
+            if key not in data:
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                    raise EdgetrainError(f"{name} lacks key '{key}' ({_describe(hints[key])}); {fix}")
+                continue
+            value, hint = data[key], hints[key]
+            if not _accepts(hint, value):
+                raise EdgetrainError(f"{name}: key '{key}' must be {_describe(hint)}, not {json_name(value)}; {fix}")
+            values[key] = _build(hint, value, f"{name}: key '{key}'")
+        if cls.details_field is not None:
+            values[cls.details_field] = unknown
+        return cls(**values)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Record):
+        return value.to_dict()
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _build(hint: Any, value: Any, where: str) -> Any:
+    """Nested records (``list[DeviceSummary]``) become dataclasses; everything else stays as JSON gave it."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is list and args and isinstance(args[0], type) and issubclass(args[0], Record):
+        return [args[0].from_dict(v, where) for v in value]
+    return value
+
+
+def json_name(value: Any) -> str:
+    """What JSON calls ``value``'s type, for one-line errors: "a list", "null"."""
+    return JSON_NAMES.get(type(value), type(value).__name__)
+
+
+def _describe(hint: Any) -> str:
+    """A field's annotation in JSON's words: ``float | None`` -> "a number or null"."""
+    origin = typing.get_origin(hint)
+    if origin in (types.UnionType, typing.Union):
+        return " or ".join(_describe(a) for a in typing.get_args(hint))
+    if origin is not None:
+        hint = origin
+    if dataclasses.is_dataclass(hint):
+        hint = dict
+    return JSON_NAMES.get(hint, "any value")
+
+
+@dataclass
+class StepRecord(Record):
+    """One device's step: a line of ``metrics.jsonl``. Times in seconds, measured on the device.
+
+    ``comm_busy_s`` is None where the strategy cannot see its collectives;
+    the ``virtual_*`` fields are the device clock's (modelled in virtual link
+    mode), ``staleness`` (async) and ``local_steps`` (local SGD) only where
+    the sync mode has them.
+    """
+
+    step: int
+    epoch: int
+    rank: int
+    loss: float
+    samples: int
+    samples_per_s: float
+    step_s: float
+    data_s: float
+    compute_s: float
+    comm_s: float
+    comm_busy_s: float | None
+    bytes_sent: int
+    bytes_recv: int
+    cpu_s: float
+    lr: float
+    peak_rss_mb: float
+    virtual_s: float | None = None
+    virtual_compute_s: float | None = None
+    virtual_comm_s: float | None = None
+    staleness: int | None = None
+    local_steps: int | None = None
+
+    omit_when_none: ClassVar[tuple[str, ...]] = ("virtual_s", "virtual_compute_s", "virtual_comm_s", "staleness",
+                                                 "local_steps")
+
+
+@dataclass
+class EvalRecord(Record):
+    """One evaluation on the whole test set (a line of ``evals.jsonl``, and ``RunSummary.evals``)."""
+
+    epoch: int
+    step: int
+    test_loss: float
+    test_accuracy: float
+
+
+@dataclass(kw_only=True)
+class DeviceSummary(Record):
+    """One device's means per step after the first (which pays one-off costs), and its totals.
+
+    ``details``: its rated peak (``bench.flops.device_peak``) and what it
+    achieved against it (``bench.flops.achieved``), where known.
+    """
+
+    rank: int
+    profile: str
+    link: str | dict | None = None
+    local_batch: int
+    speed: float | None = None
+    cores: list[int] | None = None
+    threads: int | None = None
+    samples_per_s: float
+    step_s: float | None = None
+    data_s: float | None = None
+    compute_s: float | None = None
+    comm_s: float | None = None
+    cpu_s: float | None = None
+    comm_busy_s: float | None = None
+    bytes_sent: int | None = None
+    bytes_recv: int | None = None
+    peak_rss_mb: float | None = None
+    throttle_slept_s: float | None = None
+    throttle_reference_pass_s: float | None = None
+    throttle_inflation: float | None = None
+    details: dict = field(default_factory=dict)
+
+    details_field: ClassVar[str | None] = "details"
+
+
+@dataclass(kw_only=True)
+class RunSummary(Record):
+    """``summary.json``: the run as a whole. Only ``per_device`` and the throughput are required, so that
+    the report reads summaries written by hand or by older versions.
+
+    ``details``: what the strategy adds (``Strategy.summary``), written flat.
+    """
+
+    run_dir: str | None = None
+    model: str | None = None
+    params: int | None = None
+    dataset: str | None = None
+    input_shape: list[int] | None = None
+    flops_per_sample: dict | None = None
+    devices: int | None = None
+    profiles: list[str] | None = None
+    strategy: str | None = None
+    accelerator: str | None = None
+    global_batch: int | None = None
+    local_batches: list[int] | None = None
+    steps: int | None = None
+    train_loss: float | None = None
+    train_accuracy: float | None = None
+    test_loss: float | None = None
+    test_accuracy: float | None = None
+    evals: list[EvalRecord] = field(default_factory=list)
+    per_device: list[DeviceSummary]
+    throughput_samples_per_s: float
+    achieved_gflops: float | None = None
+    step_s: float | None = None
+    time_split_s: dict | None = None
+    time_split_fraction: dict | None = None
+    bytes_sent_total: int | None = None
+    bytes_recv_total: int | None = None
+    bytes_sent_per_step_per_device: float | None = None
+    peak_rss_mb_max: float | None = None
+    wall_time_s: float | None = None
+    batchnorm: str | None = None
+    energy_j_per_epoch: float | None = None
+    details: dict = field(default_factory=dict)
+    checkpoint: str | None = None
+
+    details_field: ClassVar[str | None] = "details"
+    omit_when_none: ClassVar[tuple[str, ...]] = ("energy_j_per_epoch",)

@@ -1,0 +1,219 @@
+"""How devices share a training step: one interface the loop drives, one class per strategy.
+
+The loop (``train.loop``) knows nothing of how devices split the work; it
+drives a ``Strategy`` the same way for every kind, on every device::
+
+    strategy = STRATEGIES[spec.strategy](context)   # StrategyContext: config, spec, rank, world, ...
+    model = strategy.adapt(model)   # change layers (BatchNorm, tiles); before the throttle sees the model
+    strategy.calibration_batch      # samples of the throttle's reference pass (None: no reference pass)
+    strategy.setup(model)           # wrap the model, build the exchange (collectives: every device calls it)
+    optimizer over strategy.parameters()
+    per step:  strategy.train_step(x, y, optimizer) -> StepResult
+    strategy.finish()               # final exchange: every device holds the same model afterwards
+    strategy.eval_model             # the module to evaluate
+    strategy.summary()              # extra fields for summary.json (RunSummary.details)
+
+``shard_data`` says what the sampler hands each device: its own share of the
+global batch (``local_batches[rank]``, data parallel) or the whole global
+batch (tiled: every device runs its tile of every image).
+
+``StepResult`` is this device's part of the step's accounting: the loss
+summed over the samples it scored, how many it got right, how many it scored
+(summed over devices: the global batch), the seconds it waited on
+communication that compute did not hide, and extra ``StepRecord`` fields.
+
+A new strategy (pipeline, sharded, federated) is a class here and a key in
+``STRATEGIES``; ``edgetrain.train.train(strategy=Cls)`` runs one that is not
+registered (tests/train/test_strategy.py trains with one written there).
+"""
+from __future__ import annotations
+
+import abc
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from edgetrain.comm import build_sync
+from edgetrain.comm.accounting import CommStats
+from edgetrain.config import TrainConfig
+from edgetrain.models.batchnorm import convert_batchnorm
+from edgetrain.spec import RunSpec
+from edgetrain.tiling import TiledTraining
+
+
+@dataclass
+class StrategyContext:
+    """What a strategy may know of the run and of this device."""
+
+    cfg: TrainConfig
+    spec: RunSpec
+    rank: int
+    world: int
+    local_batch: int                      # this device's share of the global batch (cfg.batch_size)
+    input_shape: tuple[int, ...]
+    stats: CommStats                      # every byte and collective the strategy's exchanges count
+    link: Any = None                      # this device's link from the cluster file (None: the config's)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+
+@dataclass
+class StepResult:
+    loss_sum: float
+    correct: int
+    samples: int
+    comm_s: float
+    metrics: dict = field(default_factory=dict)
+
+
+class Strategy(abc.ABC):
+    """One way of training across devices; see the module docstring for the order of calls."""
+
+    name = "strategy"
+    shard_data = True
+
+    def __init__(self, context: StrategyContext):
+        self.context = context
+
+    def adapt(self, model: nn.Module) -> nn.Module:
+        """The model with its layers changed for this strategy, before the throttle measures it (default: as is)."""
+        return model
+
+    @property
+    def calibration_batch(self) -> int | None:
+        return self.context.local_batch
+
+    @abc.abstractmethod
+    def setup(self, model: nn.Module) -> None: ...
+
+    def parameters(self):
+        return self.eval_model.parameters()
+
+    @abc.abstractmethod
+    def train_step(self, x: torch.Tensor, y: torch.Tensor, optimizer: torch.optim.Optimizer) -> StepResult: ...
+
+    def finish(self) -> None:
+        """After the last step, on every device. Calling it again must do nothing."""
+
+    @property
+    @abc.abstractmethod
+    def eval_model(self) -> nn.Module: ...
+
+    def summary(self) -> dict:
+        return {}
+
+
+class DataParallel(Strategy):
+    """Every device trains a replica on its share of the batch; ``comm.build_sync`` picks how replicas agree
+    (sync, local:H, async:S, gossip; see comm/sync.py for the calls made here).
+
+    Loss scaling: device ``r`` with local batch ``b_r`` back-propagates
+    ``sum(losses_r) * world / B``; DDP averages over devices, so every device
+    ends up with the gradient of the mean loss over the global batch ``B``,
+    whatever the split. That is why N devices reproduce one device step for step.
+
+    ``comm_s`` of a step: the wait after the last gradient bucket was handed
+    to the all-reduce until backward returned (the part compute did not
+    hide), plus the exchanges of ``after_backward`` and ``after_step``.
+    """
+
+    name = "ddp"
+
+    def adapt(self, model: nn.Module) -> nn.Module:
+        if self.context.cfg.batchnorm == "sync" and self.context.world > 1:
+            return convert_batchnorm(model)
+        return model
+
+    def setup(self, model: nn.Module) -> None:
+        c = self.context
+        self.model = model
+        self.sync = build_sync(self.model, c.spec, c.rank, c.world, c.stats, c.link)
+        self.steps = 0
+
+    def parameters(self):
+        return self.model.parameters()
+
+    def train_step(self, x, y, optimizer) -> StepResult:
+        c = self.context
+        started = time.perf_counter()
+        collectives = c.stats.snapshot()["collectives"]
+        optimizer.zero_grad(set_to_none=True)
+        out = self.sync.model(x)
+        loss_sum = F.cross_entropy(out, y, reduction="sum")
+        (loss_sum * (c.world / c.cfg.batch_size)).backward()
+        t_backward = time.perf_counter()
+        self.sync.after_backward(self.steps)
+        t_after_backward = time.perf_counter()
+        optimizer.step()
+        t_optimizer = time.perf_counter()
+        self.sync.after_step(self.steps)
+        ended = time.perf_counter()
+        self.steps += 1
+        after = c.stats.snapshot()
+        hidden_wait = 0.0
+        if after["collectives"] > collectives and started <= after["last_launch"] <= t_backward:
+            hidden_wait = t_backward - after["last_launch"]
+        comm_s = hidden_wait + (t_after_backward - t_backward) + (ended - t_optimizer)
+        return StepResult(loss_sum.item(), int((out.detach().argmax(1) == y).sum()), len(y), comm_s,
+                          self.sync.step_metrics())
+
+    def finish(self) -> None:
+        self.sync.finish()
+
+    @property
+    def eval_model(self) -> nn.Module:
+        return self.model
+
+    def summary(self) -> dict:
+        return self.sync.summary()
+
+
+class Tiled(Strategy):
+    """Spatial tiles of the first layers, data parallel after them (``tiling.TiledTraining``).
+
+    Every device receives the whole global batch and returns its share of the
+    step's accounting, so that summing over devices gives the global batch,
+    as in data parallelism. Every BatchNorm gets whole-map or global-batch
+    statistics whatever ``batchnorm`` says. No throttle reference pass (the
+    tiled section runs collectives inside forward).
+    """
+
+    name = "tiled"
+    shard_data = False
+
+    @property
+    def calibration_batch(self) -> None:
+        return None
+
+    def adapt(self, model: nn.Module) -> nn.Module:
+        spec = self.context.spec
+        self.tiled = TiledTraining(model, spec.tiling, self.context.input_shape, timeout_s=spec.timeout_s)
+        return model
+
+    def setup(self, model: nn.Module) -> None:
+        """Nothing more: ``adapt`` already gave every device device 0's parameters."""
+
+    def train_step(self, x, y, optimizer) -> StepResult:
+        optimizer.zero_grad(set_to_none=True)
+        self.tiled.forward_backward(x, y, F.cross_entropy)
+        optimizer.step()
+        last, stats = self.tiled.last, self.context.stats
+        # no hook threads run in tiled mode: the tally is the tiled section's own
+        stats.bytes_sent += sum(last["bytes"].values())
+        stats.bytes_recv += last["bytes_recv"]
+        stats.comm_s += last["exchange_s"]
+        local = last["local"]
+        return StepResult(local["loss_sum"], local["correct"], local["samples"], last["exchange_s"])
+
+    @property
+    def eval_model(self) -> nn.Module:
+        return self.tiled.model
+
+    def summary(self) -> dict:
+        return {"sync": "tiled", "tiling": self.tiled.report()}
+
+
+STRATEGIES: dict[str, type[Strategy]] = {"ddp": DataParallel, "tiled": Tiled}
