@@ -277,7 +277,7 @@ def overlapping_paths(rank: int, world: int) -> dict:
 
     from edgetrain.comm import build_sync, make_hook
 
-    sync = build_sync(tiny_model(), Cfg(compress="none"), rank, world)
+    sync = build_sync(tiny_model(), run_spec(compress="none"), rank, world)
     run_steps(sync, rank, steps=3)
     results = {"none": {"comm_hook": sync.model._get_ddp_logging_data().get("comm_hook"),
                         "bytes": sync.stats.bytes_sent, "metrics": sync.step_metrics(), "summary": sync.summary(),

@@ -86,7 +86,13 @@ def init_distributed(cfg: TrainConfig, cluster_token: str = "") -> tuple[int, in
             raise EdgetrainError(f"rendezvous at {addr} failed for rank {rank} of {world} within {cfg.timeout:g} s "
                                  f"({str(e).splitlines()[0]}); start every device, check MASTER_ADDR/MASTER_PORT "
                                  f"and the firewall, or raise --timeout") from None
-        admit_peers(cfg.to_dict(), cluster_token, rank, world)
+        try:
+            admit_peers(cfg.to_dict(), cluster_token, rank, world)
+        except EdgetrainError:
+            # Leave the group before reporting: a process that exits with it alive can abort in C++ teardown
+            # ("terminate called without an active exception", SIGABRT) after its one line.
+            dist.destroy_process_group()
+            raise
     return rank, world
 
 
