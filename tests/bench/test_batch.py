@@ -8,6 +8,7 @@ from edgetrain.cli import main
 from bench_helpers import assert_png, read_result
 
 
+@pytest.mark.slow
 def test_batch_sweep_numbers_are_consistent(tmp_path):
     assert main(["bench", "batch", "--model", "small_cnn", "--dataset", "digits", "--start-batch", "4",
                  "--max-batch", "8", "--steps", "3",
@@ -33,6 +34,7 @@ def test_batch_sweep_numbers_are_consistent(tmp_path):
     assert_png(tmp_path / "b" / "batch.png")
 
 
+@pytest.mark.slow
 def test_memory_limit_is_reported_not_a_crash(tmp_path):
     # Peak RSS depends on the installation, so measure batches 1024 and 2048 first (no limit)
     # and put the limit halfway: 1024 must fit, 2048 must be reported as the limit hit.
@@ -68,6 +70,7 @@ def test_batch_sizes_double():
     assert batch.batch_sizes(3, 24) == [3, 6, 12, 24]
 
 
+@pytest.mark.slow
 def test_throttled_profile_runs_at_its_share_of_a_core(tmp_path):
     from edgetrain.cluster.profiles import device_speed, get_profile
 

@@ -26,6 +26,7 @@ def test_devices_must_include_one(tmp_path):
         scaling.run({"model": "small_cnn"}, [2, 4], output=str(tmp_path))
 
 
+@pytest.mark.slow
 def test_scaling_runs_the_trainer(tmp_path):
     assert main(["bench", "scaling", "--devices", "1,2", "--model", "small_cnn", "--dataset", "digits",
                  "--batch-size", "16", "--steps", "4", "--output", str(tmp_path), "--name", "s"]) == 0

@@ -32,6 +32,7 @@ def test_variability_run(tmp_path):
     assert_png(tmp_path / "v" / "variability.png")
 
 
+@pytest.mark.slow
 def test_variability_across_devices_uses_the_trainer(tmp_path):
     assert main(["bench", "variability", "--model", "small_cnn", "--dataset", "digits", "--repeats", "2",
                  "--devices", "2", "--steps", "3", "--warmup", "1", "--batch-size", "8",

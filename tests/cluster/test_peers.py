@@ -63,6 +63,7 @@ def test_rank_out_of_range_fails_at_once_from_the_cli(tmp_path):
     assert not (tmp_path / "bad").exists()
 
 
+@pytest.mark.slow
 def test_node_whose_master_never_arrives_ends_within_timeout_with_one_line(tmp_path):
     started = time.monotonic()
     results = start_nodes(tmp_path, [[], []], world=2, timeout_s=5, only_rank=1)

@@ -72,6 +72,7 @@ def _status(p: psutil.Process) -> str | None:
         return None
 
 
+@pytest.mark.slow
 def test_sigterm_stops_the_run_with_one_line_and_no_leftovers(tmp_path, started):
     proc, descendants = start_run(tmp_path, started)
     listening = [c.laddr.ip for p in [psutil.Process(proc.pid), *descendants] for c in p.net_connections("inet")
@@ -84,6 +85,7 @@ def test_sigterm_stops_the_run_with_one_line_and_no_leftovers(tmp_path, started)
     assert_all_gone(descendants, within_s=5)
 
 
+@pytest.mark.slow
 def test_devices_killed_after_the_grace_leave_no_tracker_warning(tmp_path, started):
     """A device that outlives the stop grace is SIGKILLed with its loader's semaphores still registered; the
     resource tracker cleans them up without printing a warning after the one line (22 were reported before)."""
@@ -107,6 +109,7 @@ def test_killed_launcher_takes_its_devices_and_loader_workers_along(tmp_path, st
     assert_all_gone(descendants, within_s=10)
 
 
+@pytest.mark.slow
 def test_stopped_device_is_blamed_not_the_peer_that_timed_out(tmp_path, started):
     proc, descendants = start_run(tmp_path, started, "--timeout", "5")
     os.kill(_device(proc, 1).pid, signal.SIGSTOP)

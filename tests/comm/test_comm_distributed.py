@@ -31,6 +31,7 @@ def test_compressors_train_a_plain_ddp_model():
     assert ranks[0]["powersgd:1:start=4"]["bytes"] == want
 
 
+@pytest.mark.slow
 def test_without_a_link_the_allreduce_overlaps_backward_and_bytes_stay_counted():
     ranks = spawn(overlapping_paths, 2)
     for r in ranks:
@@ -94,6 +95,7 @@ def test_sync_modes_train_and_agree():
 EF_SPECS = ["topk:0.01", "topk:0.01:dgc:momentum=0"]
 
 
+@pytest.mark.slow
 def test_error_feedback_follows_parameters_when_ddp_reorders_its_bucket():
     """sum of averaged gradients + what the memories still held == mean of the local sums, per parameter.
 

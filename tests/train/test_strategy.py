@@ -49,6 +49,7 @@ def _weights(summary):
     return {k: v for k, v in state.items() if "running" not in k and "num_batches" not in k}
 
 
+@pytest.mark.slow
 def test_a_strategy_written_outside_the_package_trains_end_to_end_and_matches_ddp(tmp_path):
     cfg = dict(dataset="digits", steps=3, batch_size=32, devices=2, output=str(tmp_path), **FAST)
     mine = train(cfg, strategy=AllReduceEveryStep, run_name="mine")

@@ -25,6 +25,7 @@ def assert_same_state(a, b, rtol=1e-4, atol=1e-5):
         assert torch.allclose(a[k].double(), b[k].double(), rtol=rtol, atol=atol), k
 
 
+@pytest.mark.slow
 def test_n_devices_match_one_device_small_cnn(tmp_path):
     cfg = dict(model="small_cnn", dataset="digits", steps=4, batch_size=32, lr=0.1, batchnorm="sync",
                output=str(tmp_path), **FAST)
@@ -35,6 +36,7 @@ def test_n_devices_match_one_device_small_cnn(tmp_path):
         assert_same_state(one, checkpoint(many))
 
 
+@pytest.mark.slow
 def test_local_batchnorm_is_what_ddp_does(tmp_path):
     """With per-device BatchNorm statistics, 2 devices differ from 1: the documented trade-off."""
     cfg = dict(model="small_cnn", dataset="digits", steps=2, batch_size=32, batchnorm="local", output=str(tmp_path),
@@ -43,6 +45,7 @@ def test_local_batchnorm_is_what_ddp_does(tmp_path):
     assert not torch.allclose(one["classifier.weight"], two["classifier.weight"], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_n_devices_match_one_device_resnet18(tmp_path):
     # One thread per device and 32x32 inputs: a 1-device run would otherwise use every host core and sum its
     # convolutions in another order than 1-thread devices do, and at 16x16 ResNet-18's last BatchNorms see
@@ -55,6 +58,7 @@ def test_n_devices_match_one_device_resnet18(tmp_path):
     assert_same_state(one, checkpoint(train(cfg, devices=4)))
 
 
+@pytest.mark.slow
 def test_unequal_batches_match_one_device(tmp_path):
     cluster = tmp_path / "cluster.yaml"
     cluster.write_text("devices: [{profile: host, batch: 8}, {profile: host, batch: 24}]\n")
@@ -64,6 +68,7 @@ def test_unequal_batches_match_one_device(tmp_path):
     assert_same_state(one, checkpoint(train(cfg, cluster=str(cluster), workers=1)))
 
 
+@pytest.mark.slow
 def test_run_directory_contents(tmp_path):
     summary = train(dict(dataset="digits", epochs=1, steps=6, batch_size=64, devices=2, output=str(tmp_path),
                          run_name="r", progress=False, throttle=False, timeout=30))
@@ -89,6 +94,7 @@ def test_run_directory_contents(tmp_path):
     assert again["steps"] == 1
 
 
+@pytest.mark.slow
 def test_demo_reaches_real_accuracy(tmp_path):
     start = time.monotonic()
     proc = run_cli("train", "--devices", "2", "--output", str(tmp_path), "--run-name", "demo", timeout=240)
