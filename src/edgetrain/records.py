@@ -263,3 +263,18 @@ class RunSummary(Record):
 
     details_field: ClassVar[str | None] = "details"
     omit_when_none: ClassVar[tuple[str, ...]] = ("energy_j_per_epoch",)
+
+
+def modelled_throughput(s: RunSummary) -> dict | None:
+    """A run on emulated links in virtual mode, as its devices' clocks saw it; None for any other run.
+
+    The slowest device's clock bounds the run (synchronous steps wait for it): step time is its virtual
+    time over the steps, throughput the global batch over that; ``comm_fraction`` is rank 0's share of
+    time not computing (transfers and waits), as ``comm.emulation`` reports it.
+    """
+    d = s.details
+    if (d.get("link_mode") != "virtual" or not d.get("virtual_time_max_device_s") or not d.get("sync_steps")
+            or not s.global_batch):
+        return None
+    step_s = d["virtual_time_max_device_s"] / d["sync_steps"]
+    return {"step_s": step_s, "samples_per_s": s.global_batch / step_s, "comm_fraction": d.get("comm_fraction", 0.0)}

@@ -32,6 +32,10 @@ def test_train_topk_local_sgd_on_lte(tmp_path):
     assert summary["bytes_per_step_per_device"] * summary["compression_ratio"] == pytest.approx(
         summary["fp32_allreduce_bytes_per_step"] * 24 / summary["sync_steps"])
     assert 0 < summary["comm_fraction"] < 1 and summary["virtual_time_s"] > summary["compute_s"]
+    # the terminal shows the virtual clock's figures beside the host's, labelled as modelled
+    step_s = summary["virtual_time_max_device_s"] / 24
+    assert (f"modelled on {summary['link']} (virtual clock: this host's compute + modelled link time): "
+            f"step {step_s:,.3f} s, throughput {64 / step_s:,.1f} samples/s") in " ".join(run.stdout.split())
     assert summary["test_accuracy"] is not None
     records = [json.loads(line) for line in (tmp_path / "e2e" / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 2 * 24

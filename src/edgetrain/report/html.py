@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from edgetrain.errors import EdgetrainError
-from edgetrain.records import JSON_NAMES, RunSummary, json_name
+from edgetrain.records import JSON_NAMES, RunSummary, json_name, modelled_throughput
 from edgetrain.report.cells import (ABOVE_PEAK_NOTE, NOISY_NOTE, efficiency_cell, flag_notes, fmt, percent_of_peak,
                                     spread_cell)
 
@@ -197,6 +197,12 @@ def headline(run: dict[str, Any], peak: tuple[float, str] | None = None) -> tupl
                  p.peak_rss_mb, p.data_s, p.compute_s, p.comm_s, _mb(p.bytes_sent), _mb(p.bytes_recv)]
                 for p in per_device]
         notes = [f"throughput {d.throughput_samples_per_s:.1f} samples/s; test accuracy {_pct(d.test_accuracy)}"]
+        modelled = modelled_throughput(d)
+        if modelled:
+            notes.append(f"modelled on {d.details['link']} (virtual clock: this host's compute + modelled link "
+                         f"time): step {modelled['step_s']:,.3f} s, throughput {modelled['samples_per_s']:,.1f} "
+                         f"samples/s, communication+waiting {modelled['comm_fraction']:.0%} of the step; "
+                         f"the other figures are this host's")
         achieved = achieved_note(d, peak)
         notes += [achieved] if achieved else []
         notes += sorted({f"rated GFLOPS of {p.profile}: {p.details['peak_source']}" for p in per_device

@@ -5,7 +5,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from edgetrain.records import RunSummary
+from edgetrain.records import RunSummary, modelled_throughput
 from edgetrain.report.cells import ABOVE_PEAK_NOTE, fmt, percent_of_peak
 
 
@@ -41,7 +41,14 @@ def print_train_summary(summary: dict | RunSummary, console: Console | None = No
         console.print(f"rated GFLOPS of {source}", highlight=False)
     if any(d.details.get("above_peak") for d in s.per_device):
         console.print(ABOVE_PEAK_NOTE, highlight=False)
+    modelled = modelled_throughput(s)
+    if modelled:
+        console.print(f"modelled on {s.details['link']} (virtual clock: this host's compute + modelled link time): "
+                      f"step {modelled['step_s']:,.3f} s, throughput {modelled['samples_per_s']:,.1f} samples/s, "
+                      f"communication+waiting {modelled['comm_fraction']:.0%} of the step; the figures above "
+                      f"are this host's", highlight=False)
     acc_text = f"{s.test_accuracy:.2%}" if s.test_accuracy is not None else "not evaluated"
     console.print(f"[bold]test accuracy {acc_text}[/]  train loss {s.train_loss:.4f}  "
                   f"throughput {s.throughput_samples_per_s:,.1f} samples/s  "
                   f"{s.steps} steps in {s.wall_time_s:.1f} s  ->  {s.run_dir}")
+
