@@ -86,13 +86,13 @@ def test_report_is_self_contained_with_decodable_pngs(runs, tmp_path, capsys):
     page = out.read_text()
     assert "http://" not in page and "https://" not in page  # nothing fetched from elsewhere
     pngs = _images(page)
-    # the radar, peak.png, power.png
-    assert len(pngs) == 3
+    # peak.png and power.png; no radar: a peak, a power and a training run share fewer than 3 measured axes
+    assert len(pngs) == 2
     for png in pngs:
         assert png[:8] == b"\x89PNG\r\n\x1a\n"
         img = mpimg.imread(io.BytesIO(png), format="png")
         assert img.shape[0] > 100 and img.shape[1] > 100
-    assert "Comparison" in page and "radar chart" in page
+    assert "Comparison" in page and "no radar chart: they share" in page and "radar chart\"" not in page
     assert "modelled" in page.lower()  # the power run's energy is labelled as modelled
     assert "training run" in page and "61.0%" in page
     # the training run's achieved GFLOPS, set against the peak run shown beside it
@@ -103,6 +103,23 @@ def test_report_is_self_contained_with_decodable_pngs(runs, tmp_path, capsys):
     assert "GFLOP per training sample of small_cnn at 1x8x8" in page
     assert f"achieved {gflops:.2f} GFLOPS" in page
     assert f"= {100 * gflops / peak:.1f}% of the {peak:.1f} GFLOPS peak" in page
+
+
+def test_the_radar_shows_only_the_axes_every_run_measured(tmp_path):
+    from edgetrain.report.html import render
+
+    def device(r):
+        return {"rank": r, "profile": "host", "local_batch": 16, "samples_per_s": 450.0, "peak_rss_mb": 400.0,
+                "data_s": 1.0, "compute_s": 6.0, "comm_s": 3.0, "bytes_sent": 1, "bytes_recv": 1}
+    runs = [_train_run(tmp_path, f"t{i}", model="small_cnn", dataset="digits", throughput_samples_per_s=900.0 + i,
+                       test_accuracy=0.6 + i / 100, time_split_fraction={"comm": 0.3}, per_device=[device(0)])
+            for i in range(3)]
+    page = render(runs)
+    assert len(_images(page)) == 1 and "radar chart" in page
+    assert "the radar shows the 4 axes every one of them measured" in page  # all but energy
+    page = render(runs[:1] + [_train_run(tmp_path, "bare", model="small_cnn", dataset="digits",
+                                         throughput_samples_per_s=10.0, per_device=[])])
+    assert _images(page) == [] and "no radar chart: they share 1 measured axis/axes (throughput)" in page
 
 
 def test_radar_scores_best_is_one_and_missing_is_none():

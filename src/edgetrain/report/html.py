@@ -5,8 +5,9 @@ mailed or archived as one file. A run directory is either a bench run
 (``result.json``, written by ``edgetrain bench``) or a training run
 (``summary.json``, written by ``edgetrain train``).
 
-The radar chart compares configurations on five axes, as the Raspberry Pi
-study compared frameworks: throughput and accuracy (higher is better),
+The radar chart compares configurations on up to five axes, as the Raspberry Pi
+study compared frameworks, and only on the axes every configuration shown
+measured (at least three, or no radar: the table alone): throughput and accuracy (higher is better),
 memory, energy and communication (lower is better). Each axis is scored
 against the best configuration shown, so 1 is the best and outward is better;
 a configuration with no value on an axis sits at 0 and reads "n/a" in the
@@ -298,12 +299,12 @@ def best_configuration(configs: list[tuple[str, dict]]) -> tuple[str, dict]:
     return max(configs, key=lambda c: c[1].get("throughput") or 0.0)
 
 
-def radar_scores(configs: list[tuple[str, dict]]) -> list[tuple[str, list[float | None]]]:
+def radar_scores(configs: list[tuple[str, dict]], axes=AXES) -> list[tuple[str, list[float | None]]]:
     """Each metric scored against the best configuration: 1 is best, ``None`` where missing."""
     out = []
     for name, m in configs:
         scores: list[float | None] = []
-        for key, _, _, higher in AXES:
+        for key, _, _, higher in axes:
             values = [c[1].get(key) for c in configs if c[1].get(key) is not None and c[1].get(key) > 0]
             v = m.get(key)
             if v is None or v <= 0 or not values:
@@ -322,18 +323,30 @@ def comparison(runs: list[dict[str, Any]], max_configs: int = 8) -> str:
     configs = configs[:max_configs]
     if len(configs) < 2:
         return ""
-    from edgetrain.report import plots
-
-    scores = radar_scores(configs)
-    fig = plots.radar([f"{label}\n({'higher' if hi else 'lower'} is better)" for _, label, _, hi in AXES], scores,
-                      "Configurations compared (1 = best shown)")
     cols = ["configuration"] + [f"{label} ({unit})" for _, label, unit, _ in AXES]
     rows = [[name] + [m.get(key) if m.get(key) is not None else "n/a" for key, _, _, _ in AXES]
             for name, m in configs]
-    return (f'<section><h2>Comparison</h2><div class="meta">{len(configs)} configurations; each axis scored '
-            'against the best configuration shown; missing values (n/a) sit at 0</div>'
+    shared = shared_axes(configs)
+    if len(shared) < 3:
+        # A radar of one or two axes, or of axes most runs lack, draws a shape the data do not have.
+        return (f'<section><h2>Comparison</h2><div class="meta">{len(configs)} configurations; no radar chart: '
+                f'they share {len(shared)} measured axis/axes ({", ".join(shared) or "none"}), and a radar needs '
+                f'at least 3</div><div>{_table(cols, rows)}</div></section>')
+    from edgetrain.report import plots
+
+    axes = [axis for axis in AXES if axis[0] in shared]
+    scores = radar_scores(configs, axes)
+    fig = plots.radar([f"{label}\n({'higher' if hi else 'lower'} is better)" for _, label, _, hi in axes], scores,
+                      "Configurations compared (1 = best shown)")
+    return (f'<section><h2>Comparison</h2><div class="meta">{len(configs)} configurations; the radar shows the '
+            f'{len(axes)} axes every one of them measured, each scored against the best configuration shown</div>'
             f'<div class="flex"><div class="imgs">{_img(plots.png_bytes(fig), "radar chart")}</div>'
             f'<div>{_table(cols, rows)}</div></div></section>')
+
+
+def shared_axes(configs: list[tuple[str, dict]]) -> list[str]:
+    """The radar axes on which every configuration has a measured (positive) value."""
+    return [key for key, _, _, _ in AXES if all((m.get(key) or 0) > 0 for _, m in configs)]
 
 
 def run_section(run: dict[str, Any], peak: tuple[float, str] | None = None) -> str:
