@@ -12,17 +12,19 @@ from __future__ import annotations
 from typing import Any
 
 from edgetrain.bench.workload import dataset_shape
-from edgetrain.config import TrainConfig, check_output_dir, resolve
+from edgetrain.config import TrainConfig, check_output_dir
 from edgetrain.data.cifar import check_cifar10_dir
 from edgetrain.errors import EdgetrainError
 from edgetrain.models import build_model, check_model
+from edgetrain.spec import RunSpec
 from edgetrain.tiling.strategy import plan_section
 
 
-def check_before_launch(cfg: TrainConfig, model: Any = None) -> None:
+def check_before_launch(cfg: TrainConfig, spec: RunSpec, model: Any = None) -> None:
     """What ``validate`` cannot see in the values: checked before the run directory and the devices.
 
-    ``model`` is the ``nn.Module`` given to ``train`` instead of ``cfg.model``, if any.
+    ``spec`` is ``resolve(cfg)``, the options already parsed; ``model`` is the ``nn.Module`` given to
+    ``train`` instead of ``cfg.model``, if any.
     """
     check_output_dir(cfg.output, "config key 'output'")
     if model is None:
@@ -32,7 +34,7 @@ def check_before_launch(cfg: TrainConfig, model: Any = None) -> None:
             raise EdgetrainError("config key 'data_dir' is required with dataset cifar10; "
                                  "point it at cifar-10-batches-py")
         check_cifar10_dir(cfg.data_dir)
-    tiling = resolve(cfg).tiling
+    tiling = spec.tiling
     if tiling is not None:
         (channels, height, width), classes = dataset_shape(cfg.dataset)
         if cfg.dataset == "synthetic":

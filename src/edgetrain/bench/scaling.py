@@ -124,7 +124,7 @@ def add_parser(sub) -> None:
 
 
 def _config(a) -> dict[str, Any]:
-    from edgetrain.config import load_config, read_yaml_mapping
+    from edgetrain.config import load_config, read_yaml_mapping, resolve
     from edgetrain.preflight import check_before_launch
 
     config = read_yaml_mapping(a.config, "--config") if a.config else {}
@@ -136,5 +136,6 @@ def _config(a) -> dict[str, Any]:
         if value is not None:
             config[key] = value
     # Every key and value, the model and the data checked before the bench makes its run directory.
-    check_before_launch(load_config(config, output=a.output))
+    cfg = load_config(config, output=a.output)
+    check_before_launch(cfg, resolve(cfg))
     return config

@@ -38,9 +38,9 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     if isinstance(strategy, str):
         overrides["strategy"], strategy = strategy, None
     cfg = load_config(config, **overrides)
-    check_before_launch(cfg, model)  # before the run directory and the devices: bad input leaves nothing behind
-    accelerator_device(cfg.accelerator)
     spec = resolve(cfg)  # the options parsed once; the devices build from these
+    check_before_launch(cfg, spec, model)  # before the run directory and the devices: bad input leaves nothing
+    accelerator_device(cfg.accelerator)
     if model is not None:
         cfg = dataclasses.replace(cfg, model=model_reference(model))
     # The token goes to the devices beside the config, never in it: the config is written to the run directory.
