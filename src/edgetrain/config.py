@@ -32,7 +32,7 @@ from typing import Any
 import yaml
 
 from edgetrain.errors import EdgetrainError
-from edgetrain.spec import LINK_MODES, RunSpec, check_compatible, get_link, parse_compress, parse_sync, parse_tiling
+from edgetrain.spec import LINK_MODES, STRATEGIES, RunSpec, check_compatible, get_link, parse_compress, parse_sync, parse_tiling
 
 
 def _opt(default: Any, help: str, choices: tuple | None = None, minimum: float | None = None, **extra) -> Any:
@@ -81,8 +81,9 @@ class TrainConfig:
                           choices=("virtual", "enforced"))
 
     # spatial tiling
-    strategy: str = _opt("ddp", "parallelism: ddp (data parallel) or tiled (spatial tiles of the early layers)",
-                         choices=("ddp", "tiled"))
+    strategy: str = _opt("ddp", "parallelism: ddp (data parallel), tiled (spatial tiles of the early layers) or "
+                         "fsdp (parameters, gradients and optimizer state sharded over the devices)",
+                         choices=STRATEGIES)
     grid: str = _opt("1x1", "tile grid ROWSxCOLS for --strategy tiled")
     groups: str = _opt("auto", "tiled layer groups: auto, or group ends as layer indices like 4,8: layers 0-3 and 4-7 "
                        "are fused groups, halos are exchanged between them, the data-parallel tail starts at 8")
@@ -242,6 +243,15 @@ def resolve(cfg: TrainConfig) -> RunSpec:
     if compress.is_dgc and cfg.optimizer == "sgd" and cfg.momentum > 0:
         raise EdgetrainError(f"--compress {compress.text} applies momentum inside the hook (DGC momentum "
                              "correction); set --momentum 0 so that it is not applied twice")
+    if cfg.strategy == "fsdp":
+        # FSDP2's all-gathers and reduce-scatters are its own (train/fsdp.py counts their bytes): they do not
+        # pass through edgetrain's compressors, sync modes or link emulation yet, so these are refused.
+        for key, text, ignored in (("compress", compress.text, compress.method != "none"),
+                                   ("sync", sync.text, sync.mode != "sync"), ("link", cfg.link, link is not None)):
+            if ignored:
+                raise EdgetrainError(f"config key '{key}' {text} does not apply to strategy fsdp, whose parameter "
+                                     f"all-gathers and gradient reduce-scatters are uncompressed, synchronous and "
+                                     f"not link-emulated; drop --{key} or use --strategy ddp")
     tiling = None
     if cfg.strategy == "tiled":
         # Tiled training's exchanges (halos, the hand-off, gradients) run uncompressed, every step, on

@@ -459,7 +459,7 @@ def parse_tiling(grid: str | tuple[int, int] | list[int], groups: str | list[int
 
 # ---------------------------------------------------------------- the run
 
-STRATEGIES = ("ddp", "tiled")
+STRATEGIES = ("ddp", "tiled", "fsdp")
 
 
 @dataclass(frozen=True)
@@ -471,7 +471,9 @@ class RunSpec:
     than ``sync``; DGC with optimizer momentum (applied twice); with
     ``strategy: tiled`` any ``compress``, ``sync`` or ``link`` (tiled training
     exchanges halos, feature maps and gradients uncompressed and unemulated,
-    step by step); ``grid`` or ``groups`` without ``strategy: tiled``.
+    step by step); with ``strategy: fsdp`` the same three (FSDP2's own
+    collectives, counted but not compressed or emulated); ``grid`` or
+    ``groups`` without ``strategy: tiled``.
     """
 
     compress: CompressSpec

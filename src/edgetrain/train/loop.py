@@ -111,16 +111,23 @@ def make_optimizer(cfg: TrainConfig, params, total_steps: int):
 @torch.no_grad()
 def evaluate(model: nn.Module, dataset, rank: int, world: int, batch: int = 256,
              device: torch.device | None = None) -> tuple[float, float]:
-    """(mean loss, accuracy) over the whole test set, each device taking a shard."""
+    """(mean loss, accuracy) over the whole test set, each device taking a shard.
+
+    Every device runs as many forward passes as the largest shard needs (an empty batch where its
+    own shard is done): a sharded model (fsdp) gathers its parameters inside forward, a collective
+    every device must join."""
     was_training = model.training
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64)
     loader = DataLoader(Subset(dataset, shard_indices(len(dataset), rank, world)), batch_size=batch)
+    passes = math.ceil(math.ceil(len(dataset) / world) / batch)  # the largest shard's
     for x, y in loader:
         x, y = x.to(device or x.device), y.to(device or y.device)
         out = model(x)
         totals += torch.tensor([F.cross_entropy(out, y, reduction="sum").item(),
                                 (out.argmax(1) == y).sum().item(), len(y)], dtype=torch.float64)
+    for _ in range(passes - len(loader)):  # a shorter shard joins the others' last pass with an empty batch
+        model(dataset[0][0][None][:0].to(device or "cpu"))
     if world > 1:
         dist.all_reduce(totals)
     model.train(was_training)
@@ -256,8 +263,7 @@ class RunWriter:
         run_dir = self.run_dir
         for d in per_device:
             d.details.update(achieved(flops_per_sample["total_flops"], d.samples_per_s, d.details.get("peak_gflops")))
-        save_torch(run_dir / "checkpoint.pt", {"model": strategy.eval_model.state_dict(),
-                                               "optimizer": optimizer.state_dict(), "step": steps,
+        save_torch(run_dir / "checkpoint.pt", {**strategy.checkpoint_state(optimizer), "step": steps,
                                                "config": cfg.to_dict()})
         step_s = sum(d.step_s for d in per_device) / world
         split = {k: sum(getattr(d, f"{k}_s") for d in per_device) / world for k in ("data", "compute", "comm")}

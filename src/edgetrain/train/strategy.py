@@ -12,6 +12,7 @@ drives a ``Strategy`` the same way for every kind, on every device::
     strategy.finish()               # final exchange: every device holds the same model afterwards
     strategy.eval_model             # the module to evaluate
     strategy.summary()              # extra fields for summary.json (RunSummary.details)
+    strategy.checkpoint_state(opt)  # rank 0: model and optimizer state for checkpoint.pt
 
 ``shard_data`` says what the sampler hands each device: its own share of the
 global batch (``local_batches[rank]``, data parallel) or the whole global
@@ -104,6 +105,10 @@ class Strategy(abc.ABC):
 
     def summary(self) -> dict:
         return {}
+
+    def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        """Rank 0, after ``finish``: the whole model's and optimizer's state for checkpoint.pt."""
+        return {"model": self.eval_model.state_dict(), "optimizer": optimizer.state_dict()}
 
 
 class DataParallel(Strategy):
@@ -217,3 +222,7 @@ class Tiled(Strategy):
 
 
 STRATEGIES: dict[str, type[Strategy]] = {"ddp": DataParallel, "tiled": Tiled}
+
+# Strategies in modules of their own subclass Strategy and add themselves to STRATEGIES when imported;
+# a plain import (no names taken) works whichever of the two modules is imported first.
+import edgetrain.train.fsdp  # noqa: E402,F401  (fsdp)

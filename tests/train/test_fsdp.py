@@ -1,0 +1,65 @@
+"""``--strategy fsdp`` (train/fsdp.py): DDP's parameters step for step, counted bytes, clear refusals."""
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from edgetrain_testing import FAST
+from edgetrain import train
+from edgetrain.config import TrainConfig, resolve
+from edgetrain.errors import EdgetrainError
+from tiling._dist import run_devices
+
+
+def _checkpoint(summary):
+    return torch.load(Path(summary["run_dir"]) / "checkpoint.pt", weights_only=True)
+
+
+@pytest.mark.slow
+def test_fsdp_gives_ddps_parameters_after_k_steps_and_counts_its_bytes(tmp_path):
+    cfg = dict(model="small_cnn", dataset="digits", steps=3, batch_size=32, lr=0.1, devices=2,
+               output=str(tmp_path), **FAST)
+    ddp, fsdp = train(cfg, run_name="ddp"), train(cfg, strategy="fsdp", run_name="fsdp")
+    assert fsdp["strategy"] == "fsdp" and fsdp["steps"] == 3
+    ddp_state, fsdp_state = _checkpoint(ddp)["model"], _checkpoint(fsdp)["model"]
+    assert ddp_state.keys() == fsdp_state.keys()
+    for key, value in ddp_state.items():
+        if "running" not in key and "num_batches" not in key:  # DDP broadcasts rank 0's statistics each step
+            assert torch.allclose(fsdp_state[key], value, rtol=1e-4, atol=1e-6), key
+    # The checkpoint is whole (gathered, plain tensors) and so is the optimizer's momentum.
+    assert all(type(v) is torch.Tensor for v in fsdp_state.values())
+    assert fsdp_state["classifier.weight"].shape == (10, 128)
+    momentum = _checkpoint(fsdp)["optimizer"]["state"]
+    assert momentum and all(type(s["momentum_buffer"]) is torch.Tensor for s in momentum.values())
+    # Per step each device sends (p-1)/p of the fp32 parameters three times: the forward all-gather,
+    # the backward all-gather and the gradient reduce-scatter (small_cnn's root holds no parameters).
+    params = sum(v.numel() for k, v in fsdp_state.items() if "running" not in k and "num_batches" not in k)
+    assert fsdp["bytes_sent_per_step_per_device"] == 3 * params * 4 // 2
+    assert all(d["peak_rss_mb"] > 0 for d in fsdp["per_device"])
+
+
+@pytest.mark.parametrize("key, value", [("link", "wifi-20m"), ("compress", "fp16"), ("sync", "local:4")])
+def test_fsdp_refuses_options_its_collectives_ignore(key, value):
+    with pytest.raises(EdgetrainError, match=f"config key '{key}' .* does not apply to strategy fsdp"):
+        resolve(TrainConfig(strategy="fsdp", **{key: value}))
+
+
+def _evaluate_sharded(rank, world):
+    from torch.distributed.fsdp import fully_shard
+
+    from edgetrain.train.loop import evaluate
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(4, 4), nn.Linear(4, 3))
+    for module in (model[1], model[2], model):  # units under the root gather their parameters at every forward
+        fully_shard(module)
+    data = TensorDataset(torch.randn(5, 1, 2, 2), torch.tensor([0, 1, 2, 0, 1]))
+    # shards of 3 and 2 samples in batches of 2: two passes against one unless evaluate evens them out
+    return evaluate(model, data, rank, world, batch=2)
+
+
+def test_evaluation_of_a_sharded_model_does_not_hang_on_uneven_shards():
+    first, second = run_devices(_evaluate_sharded, 2, timeout=60)
+    assert first == second and 0 <= first[1] <= 1
