@@ -32,7 +32,8 @@ from typing import Any
 import yaml
 
 from edgetrain.errors import EdgetrainError
-from edgetrain.spec import LINK_MODES, STRATEGIES, RunSpec, check_compatible, get_link, parse_compress, parse_sync, parse_tiling
+from edgetrain.spec import (LINK_MODES, PIPELINE_SCHEDULES, STRATEGIES, PipelineSpec, RunSpec, check_compatible, get_link,
+                            parse_compress, parse_stages, parse_sync, parse_tiling)
 
 
 def _opt(default: Any, help: str, choices: tuple | None = None, minimum: float | None = None, **extra) -> Any:
@@ -81,12 +82,20 @@ class TrainConfig:
                           choices=("virtual", "enforced"))
 
     # spatial tiling
-    strategy: str = _opt("ddp", "parallelism: ddp (data parallel), tiled (spatial tiles of the early layers) or "
-                         "fsdp (parameters, gradients and optimizer state sharded over the devices)",
-                         choices=STRATEGIES)
+    strategy: str = _opt("ddp", "parallelism: ddp (data parallel), tiled (spatial tiles of the early layers), "
+                         "fsdp (parameters, gradients and optimizer state sharded over the devices) or pipeline "
+                         "(the model's layers split into stages, one per device)", choices=STRATEGIES)
     grid: str = _opt("1x1", "tile grid ROWSxCOLS for --strategy tiled")
     groups: str = _opt("auto", "tiled layer groups: auto, or group ends as layer indices like 4,8: layers 0-3 and 4-7 "
                        "are fused groups, halos are exchanged between them, the data-parallel tail starts at 8")
+
+    # pipeline stages
+    stages: str = _opt("even", "pipeline stages for --strategy pipeline: even (layers split evenly over the devices) "
+                       "or the layer indices where stages 1, 2, ... start, like 4,8")
+    microbatches: int = _opt(4, "micro-batches per step for --strategy pipeline (must divide batch_size)", minimum=1)
+    pipeline_schedule: str = _opt("gpipe", "pipeline schedule for --strategy pipeline: gpipe (all forwards, then all "
+                                  "backwards) or 1f1b (one forward, one backward: fewer activations held)",
+                                  choices=PIPELINE_SCHEDULES)
 
     # run control and output
     eval: bool = _opt(True, "evaluate on the test set after every epoch")
@@ -243,15 +252,20 @@ def resolve(cfg: TrainConfig) -> RunSpec:
     if compress.is_dgc and cfg.optimizer == "sgd" and cfg.momentum > 0:
         raise EdgetrainError(f"--compress {compress.text} applies momentum inside the hook (DGC momentum "
                              "correction); set --momentum 0 so that it is not applied twice")
-    if cfg.strategy == "fsdp":
-        # FSDP2's all-gathers and reduce-scatters are its own (train/fsdp.py counts their bytes): they do not
-        # pass through edgetrain's compressors, sync modes or link emulation yet, so these are refused.
+    # FSDP2's collectives and the pipeline's sends are PyTorch's own (train/fsdp.py and train/pipeline.py count
+    # their bytes): they do not pass through edgetrain's compressors, sync modes or link emulation yet.
+    own_exchanges = {"fsdp": "parameter all-gathers and gradient reduce-scatters",
+                     "pipeline": "activation and gradient sends between stages"}
+    if cfg.strategy in own_exchanges:
         for key, text, ignored in (("compress", compress.text, compress.method != "none"),
                                    ("sync", sync.text, sync.mode != "sync"), ("link", cfg.link, link is not None)):
             if ignored:
-                raise EdgetrainError(f"config key '{key}' {text} does not apply to strategy fsdp, whose parameter "
-                                     f"all-gathers and gradient reduce-scatters are uncompressed, synchronous and "
-                                     f"not link-emulated; drop --{key} or use --strategy ddp")
+                raise EdgetrainError(f"config key '{key}' {text} does not apply to strategy {cfg.strategy}, whose "
+                                     f"{own_exchanges[cfg.strategy]} are uncompressed, synchronous and not "
+                                     f"link-emulated; drop --{key} or use --strategy ddp")
+    pipeline = _resolve_pipeline(cfg) if cfg.strategy == "pipeline" else None
+    if pipeline is None and cfg.stages != "even":
+        raise EdgetrainError(f"config key 'stages' {cfg.stages} needs strategy pipeline (--strategy pipeline)")
     tiling = None
     if cfg.strategy == "tiled":
         # Tiled training's exchanges (halos, the hand-off, gradients) run uncompressed, every step, on
@@ -274,7 +288,22 @@ def resolve(cfg: TrainConfig) -> RunSpec:
     elif cfg.groups != "auto":
         raise EdgetrainError(f"config key 'groups' {cfg.groups} needs strategy tiled (--strategy tiled)")
     return RunSpec(compress, sync, link, cfg.link_mode, cfg.strategy, tiling, cfg.timeout, cfg.seed,
-                   cfg.accelerator, cfg.batchnorm)
+                   cfg.accelerator, cfg.batchnorm, pipeline)
+
+
+def _resolve_pipeline(cfg: TrainConfig) -> PipelineSpec:
+    pipeline = PipelineSpec(parse_stages(cfg.stages), cfg.microbatches, cfg.pipeline_schedule)
+    if cfg.batchnorm == "sync":
+        raise EdgetrainError("config key 'batchnorm' sync does not apply to strategy pipeline: each BatchNorm lives "
+                             "on one stage and normalises each micro-batch; use --batchnorm local")
+    if cfg.batch_size % cfg.microbatches:
+        raise EdgetrainError(f"config key 'microbatches' {cfg.microbatches} does not divide batch_size "
+                             f"{cfg.batch_size}; pick a divisor of it")
+    if (pipeline.stages is not None and not cfg.cluster and "WORLD_SIZE" not in os.environ
+            and cfg.devices != pipeline.stages):
+        raise EdgetrainError(f"config key 'devices' is {cfg.devices} but stages {cfg.stages} make {pipeline.stages} "
+                             f"stages, one per device; set --devices {pipeline.stages}")
+    return pipeline
 
 
 # Kernel pseudo-filesystems: writes there fail half-way or change the system, never make a run directory.

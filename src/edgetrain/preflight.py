@@ -2,20 +2,25 @@
 
 The output directory can be written, the model is registered, the CIFAR-10
 files are there, a tiling grid fits the feature maps
-(``tiling.strategy.plan_section`` on the model, built here once). ``train``
+(``tiling.strategy.plan_section`` on the model, built here once), a pipeline
+can cut the model where ``--stages`` says (``plan.stages``). ``train``
 calls ``check_before_launch`` before it makes the run directory and before any
 device starts, so bad input leaves nothing behind. It needs the models, the
 data and the tiler (so torch): it sits above ``config``, which stays free of them.
 """
 from __future__ import annotations
 
+import os
 from typing import Any
+
+import torch
 
 from edgetrain.bench.workload import dataset_shape
 from edgetrain.config import TrainConfig, check_output_dir
 from edgetrain.data.cifar import check_cifar10_dir
 from edgetrain.errors import EdgetrainError
 from edgetrain.models import build_model, check_model
+from edgetrain.plan.stages import check_sequential, pipeline_layers, stage_bounds
 from edgetrain.spec import RunSpec
 from edgetrain.tiling.strategy import plan_section
 
@@ -34,10 +39,15 @@ def check_before_launch(cfg: TrainConfig, spec: RunSpec, model: Any = None) -> N
             raise EdgetrainError("config key 'data_dir' is required with dataset cifar10; "
                                  "point it at cifar-10-batches-py")
         check_cifar10_dir(cfg.data_dir)
-    tiling = spec.tiling
-    if tiling is not None:
-        (channels, height, width), classes = dataset_shape(cfg.dataset)
-        if cfg.dataset == "synthetic":
-            height = width = cfg.image_size
-        plan_section(model if model is not None else build_model(cfg.model, channels, classes), tiling,
-                     (channels, height, width))
+    if spec.tiling is None and spec.pipeline is None:
+        return
+    (channels, height, width), classes = dataset_shape(cfg.dataset)
+    if cfg.dataset == "synthetic":
+        height = width = cfg.image_size
+    model = model if model is not None else build_model(cfg.model, channels, classes)
+    if spec.tiling is not None:
+        plan_section(model, spec.tiling, (channels, height, width))
+    if spec.pipeline is not None:
+        check_sequential(model, torch.randn(2, channels, height, width), f"model {cfg.model}")
+        if not cfg.cluster and "WORLD_SIZE" not in os.environ:  # else the devices check it, knowing their number
+            stage_bounds(spec.pipeline, pipeline_layers(model), cfg.devices)

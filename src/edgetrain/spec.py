@@ -47,6 +47,11 @@ refuses combinations that cannot run (``RunSpec``'s docstring lists them).
 e.g. ``20mbit:5ms:jitter=1ms:loss=0.01``; a cluster file may give a mapping.
 What a ``Link`` costs in time is ``cluster.links``' model, not parsing.
 
+``--stages even|S1,S2,...`` (the layers at which pipeline stages 1, 2, ...
+start), ``--microbatches M`` and ``--pipeline-schedule gpipe|1f1b`` make a
+``PipelineSpec``; whether the model can be cut there is checked on the model
+(``plan.stages``).
+
 ``--grid ROWSxCOLS`` and ``--groups auto|E1,E2,...`` (group ends as layer
 indices) make a ``TilingSpec``; whether they fit a model is checked on the
 model (``tiling.strategy.plan_section``), not here.
@@ -457,9 +462,46 @@ def parse_tiling(grid: str | tuple[int, int] | list[int], groups: str | list[int
     return TilingSpec(parse_grid(grid), parse_groups(groups))
 
 
+# ---------------------------------------------------------------- pipeline
+
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """``--strategy pipeline``: where stages start (``None``: layers split evenly), micro-batches, schedule.
+
+    ``starts`` are layer indices (the model's layers in forward order, ``plan.stages.pipeline_layers``):
+    ``--stages 4,8`` gives stage 0 the layers 0-3, stage 1 the layers 4-7 and stage 2 the rest.
+    """
+
+    starts: tuple[int, ...] | None
+    microbatches: int
+    schedule: str               # PIPELINE_SCHEDULES
+
+    @property
+    def stages(self) -> int | None:
+        return None if self.starts is None else len(self.starts) + 1
+
+
+def parse_stages(text: str) -> tuple[int, ...] | None:
+    """``"even"`` -> ``None``; ``"4,8"`` -> ``(4, 8)``, the layers at which stages 1, 2, ... start."""
+    text = str(text).strip().lower()
+    if text == "even":
+        return None
+    try:
+        starts = tuple(int(t) for t in text.replace(" ", "").split(",") if t)
+    except ValueError:
+        starts = ()
+    if not starts or starts[0] < 1 or any(b <= a for a, b in zip(starts, starts[1:])):
+        raise EdgetrainError(f"config key 'stages' {text!r} is neither 'even' nor increasing layer indices >= 1 "
+                             f"such as '4,8' (stage 1 starts at layer 4, stage 2 at layer 8)")
+    return starts
+
+
 # ---------------------------------------------------------------- the run
 
-STRATEGIES = ("ddp", "tiled", "fsdp")
+STRATEGIES = ("ddp", "tiled", "fsdp", "pipeline")
 
 
 @dataclass(frozen=True)
@@ -486,3 +528,4 @@ class RunSpec:
     seed: int
     accelerator: str             # auto, cpu or cuda; passed through to the training loop
     batchnorm: str = "local"     # local or sync (DDP's broadcast of buffers is off with sync)
+    pipeline: PipelineSpec | None = None  # set exactly when strategy is pipeline

@@ -226,3 +226,4 @@ STRATEGIES: dict[str, type[Strategy]] = {"ddp": DataParallel, "tiled": Tiled}
 # Strategies in modules of their own subclass Strategy and add themselves to STRATEGIES when imported;
 # a plain import (no names taken) works whichever of the two modules is imported first.
 import edgetrain.train.fsdp  # noqa: E402,F401  (fsdp)
+import edgetrain.train.pipeline  # noqa: E402,F401  (pipeline)
