@@ -90,8 +90,9 @@ class TrainConfig:
                        "are fused groups, halos are exchanged between them, the data-parallel tail starts at 8")
 
     # pipeline stages
-    stages: str = _opt("even", "pipeline stages for --strategy pipeline: even (layers split evenly over the devices) "
-                       "or the layer indices where stages 1, 2, ... start, like 4,8")
+    stages: str = _opt("auto", "pipeline stages for --strategy pipeline: auto (planned from counted layer FLOPs and "
+                       "memory, device speeds and memory limits), even (layers split evenly over the devices) or the "
+                       "layer indices where stages 1, 2, ... start, like 4,8")
     microbatches: int = _opt(4, "micro-batches per step for --strategy pipeline (must divide batch_size)", minimum=1)
     pipeline_schedule: str = _opt("gpipe", "pipeline schedule for --strategy pipeline: gpipe (all forwards, then all "
                                   "backwards) or 1f1b (one forward, one backward: fewer activations held)",
@@ -264,7 +265,7 @@ def resolve(cfg: TrainConfig) -> RunSpec:
                                      f"{own_exchanges[cfg.strategy]} are uncompressed, synchronous and not "
                                      f"link-emulated; drop --{key} or use --strategy ddp")
     pipeline = _resolve_pipeline(cfg) if cfg.strategy == "pipeline" else None
-    if pipeline is None and cfg.stages != "even":
+    if pipeline is None and cfg.stages != "auto":
         raise EdgetrainError(f"config key 'stages' {cfg.stages} needs strategy pipeline (--strategy pipeline)")
     tiling = None
     if cfg.strategy == "tiled":
@@ -292,7 +293,8 @@ def resolve(cfg: TrainConfig) -> RunSpec:
 
 
 def _resolve_pipeline(cfg: TrainConfig) -> PipelineSpec:
-    pipeline = PipelineSpec(parse_stages(cfg.stages), cfg.microbatches, cfg.pipeline_schedule)
+    pipeline = PipelineSpec(parse_stages(cfg.stages), cfg.microbatches, cfg.pipeline_schedule,
+                            planned=cfg.stages.strip().lower() == "auto")
     if cfg.batchnorm == "sync":
         raise EdgetrainError("config key 'batchnorm' sync does not apply to strategy pipeline: each BatchNorm lives "
                              "on one stage and normalises each micro-batch; use --batchnorm local")

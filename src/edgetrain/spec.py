@@ -47,8 +47,8 @@ refuses combinations that cannot run (``RunSpec``'s docstring lists them).
 e.g. ``20mbit:5ms:jitter=1ms:loss=0.01``; a cluster file may give a mapping.
 What a ``Link`` costs in time is ``cluster.links``' model, not parsing.
 
-``--stages even|S1,S2,...`` (the layers at which pipeline stages 1, 2, ...
-start), ``--microbatches M`` and ``--pipeline-schedule gpipe|1f1b`` make a
+``--stages auto|even|S1,S2,...`` (planned, even, or the layers at which
+pipeline stages 1, 2, ... start), ``--microbatches M`` and ``--pipeline-schedule gpipe|1f1b`` make a
 ``PipelineSpec``; whether the model can be cut there is checked on the model
 (``plan.stages``).
 
@@ -469,7 +469,7 @@ PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 
 @dataclass(frozen=True)
 class PipelineSpec:
-    """``--strategy pipeline``: where stages start (``None``: layers split evenly), micro-batches, schedule.
+    """``--strategy pipeline``: where stages start (``None``: split evenly, or planned), micro-batches, schedule.
 
     ``starts`` are layer indices (the model's layers in forward order, ``plan.stages.pipeline_layers``):
     ``--stages 4,8`` gives stage 0 the layers 0-3, stage 1 the layers 4-7 and stage 2 the rest.
@@ -478,6 +478,7 @@ class PipelineSpec:
     starts: tuple[int, ...] | None
     microbatches: int
     schedule: str               # PIPELINE_SCHEDULES
+    planned: bool = False       # --stages auto: the split planner (plan.split) chooses ``starts`` on the devices
 
     @property
     def stages(self) -> int | None:
@@ -485,16 +486,16 @@ class PipelineSpec:
 
 
 def parse_stages(text: str) -> tuple[int, ...] | None:
-    """``"even"`` -> ``None``; ``"4,8"`` -> ``(4, 8)``, the layers at which stages 1, 2, ... start."""
+    """``"auto"``, ``"even"`` -> ``None``; ``"4,8"`` -> ``(4, 8)``, the layers at which stages 1, 2, ... start."""
     text = str(text).strip().lower()
-    if text == "even":
+    if text in ("auto", "even"):
         return None
     try:
         starts = tuple(int(t) for t in text.replace(" ", "").split(",") if t)
     except ValueError:
         starts = ()
     if not starts or starts[0] < 1 or any(b <= a for a, b in zip(starts, starts[1:])):
-        raise EdgetrainError(f"config key 'stages' {text!r} is neither 'even' nor increasing layer indices >= 1 "
+        raise EdgetrainError(f"config key 'stages' {text!r} is neither auto, even nor increasing layer indices >= 1 "
                              f"such as '4,8' (stage 1 starts at layer 4, stage 2 at layer 8)")
     return starts
 

@@ -50,21 +50,22 @@ def test_pipeline_gives_one_devices_parameters_after_k_steps_and_counts_each_cut
     steps, batch = 3, 32
     cfg = dict(dataset="digits", steps=steps, batch_size=batch, lr=0.1, output=str(tmp_path), **FAST)
     one = _weights(train(cfg, model=_model(), devices=1, run_name="one"))
-    runs = {"gpipe": train(cfg, model=_model(), devices=2, strategy="pipeline", microbatches=4, run_name="gpipe"),
+    runs = {"gpipe": train(cfg, model=_model(), devices=2, strategy="pipeline", microbatches=4, run_name="gpipe"),  # planned
             "1f1b": train(cfg, model=_model(), devices=3, strategy="pipeline", stages="2,4", microbatches=8,
                           pipeline_schedule="1f1b", run_name="1f1b")}
     for name, summary in runs.items():
         assert summary["strategy"] == "pipeline" and summary["steps"] == steps, name
         for key, value in one.items():
             assert torch.allclose(_weights(summary)[key], value, rtol=1e-5, atol=1e-6), (name, key)
-    # Each cut carries a (micro-batch x features) fp32 activation forwards and its gradient backwards:
-    # even split of the 6 layers over 2: the cut after ReLU (HIDDEN features); stages 2,4: after the
-    # first Linear and after the second (HIDDEN features each).
+    # Each cut carries a (micro-batch x features) fp32 activation forwards and its gradient backwards.
+    # Planned over 2 equal devices: the first Linear (the most FLOPs: 64 inputs) alone against the rest,
+    # cut after it (HIDDEN features); stages 2,4: after the first Linear and after the second.
     per_cut = 2 * batch * HIDDEN * 4
     assert runs["gpipe"]["bytes_sent_total"] == steps * per_cut
     assert runs["1f1b"]["bytes_sent_total"] == steps * 2 * per_cut
-    assert runs["gpipe"]["pipeline"]["stages"] == ["stage 0: layers 0-2 (body.0 .. body.2)",
-                                                   "stage 1: layers 3-5 (body.3 .. body.5)"]
+    assert runs["gpipe"]["pipeline"]["stages"] == ["stage 0: layers 0-1 (body.0 .. body.1)",
+                                                   "stage 1: layers 2-5 (body.2 .. body.5)"]
+    assert runs["gpipe"]["pipeline"]["plan"][-1].startswith("bottleneck stage 0")
 
 
 @pytest.mark.parametrize("options, message", [
@@ -73,6 +74,7 @@ def test_pipeline_gives_one_devices_parameters_after_k_steps_and_counts_each_cut
     (dict(microbatches=5), "microbatches' 5 does not divide batch_size 64"),
     (dict(stages="4,2"), "increasing layer indices"),
     (dict(stages="2,4", devices=2), "make 3 stages, one per device; set --devices 3"),
+    (dict(stages="4,x"), "neither auto, even nor increasing layer indices"),
 ])
 def test_pipeline_refuses_what_it_cannot_run(options, message):
     with pytest.raises(EdgetrainError, match=message):
@@ -80,8 +82,9 @@ def test_pipeline_refuses_what_it_cannot_run(options, message):
 
 
 def test_stages_need_strategy_pipeline():
-    with pytest.raises(EdgetrainError, match="'stages' 4 needs strategy pipeline"):
-        resolve(TrainConfig(stages="4"))
+    for stages in ("4", "even"):
+        with pytest.raises(EdgetrainError, match=f"'stages' {stages} needs strategy pipeline"):
+            resolve(TrainConfig(stages=stages))
 
 
 def test_a_model_whose_forward_is_not_its_layers_in_order_is_refused_naming_them():

@@ -53,6 +53,16 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
     "jetson-nano": DeviceProfile("jetson-nano", cores=4, gflops=13.7, memory_mb=4096, link="lan-1g",
                                  description="Jetson Nano CPU, 4x Cortex-A57 1.43 GHz, 4 GB (GPU not emulated)"),
 }
+# The small devices of memory pooling (issue 13). Cores, clocks and memory from the vendors' pages (README,
+# "Device profiles"); GFLOPS modelled as the jetson-nano's: cores x GHz x fp32 FLOP/cycle (128-bit FMA:
+# 8 on Cortex-A53, two pipes: 16 on A76 and A78AE) x 15.5 / 48, the rpi4's LINPACK over its peak.
+BUILTIN_PROFILES.update({name: DeviceProfile(name, cores, gflops, memory_mb=memory_mb, link=link, description=text)
+                         for name, cores, gflops, memory_mb, link, text in (
+    ("smart-speaker-2g", 4, 15.5, 2048, "wifi-20m", "generic 2 GB smart speaker, 4x Cortex-A53 1.5 GHz"),
+    ("rpi-zero-2w", 4, 10.3, 512, "wifi-20m", "Raspberry Pi Zero 2 W, 4x Cortex-A53 1 GHz, 512 MB"),
+    ("rpi5", 4, 49.6, 4096, "lan-1g", "Raspberry Pi 5 (4 GB), 4x Cortex-A76 2.4 GHz"),
+    ("jetson-orin-nano", 6, 46.5, 8192, "lan-1g", "Jetson Orin Nano 8 GB CPU, 6x Cortex-A78AE 1.5 GHz (GPU not emulated)"),
+)})
 
 _PROFILE_KEYS = {f.name for f in dataclasses.fields(DeviceProfile)} - {"name"}
 

@@ -3,9 +3,12 @@
 PyTorch's own engine runs it: ``torch.distributed.pipelining`` (a
 ``PipelineStage`` per device and a ``ScheduleGPipe`` or ``Schedule1F1B``),
 whose activations and gradients travel point to point over gloo. Device ``s``
-holds the layers ``plan.stages.stage_bounds`` gives stage ``s`` (from
-``--stages``, which ``plan.stages.check_sequential`` has checked before any
-device started). Every device receives the whole global batch (the first
+holds the layers ``plan.stages.stage_bounds`` gives stage ``s``: from
+``--stages 4,8`` or ``even``, or, with ``--stages auto`` (default), from the
+split planner (``plan.split``: counted per-layer FLOPs and memory against
+each device's rated GFLOPS and memory limit), which rank 0 runs, prints and
+broadcasts. ``plan.stages.check_sequential`` has checked before any device
+started that the model can be cut between its layers. Every device receives the whole global batch (the first
 stage reads the images, the last the labels); the schedule cuts it into
 ``--microbatches`` M equal micro-batches:
 
@@ -47,6 +50,7 @@ one stage per device (no stage replicas yet).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -55,6 +59,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from edgetrain.cluster.profiles import plan_devices
+from edgetrain.plan.model import device_gflops, idle_process_mb
+from edgetrain.plan.split import StageDevice, layer_costs, plan_split
 from edgetrain.plan.stages import describe_stages, pipeline_layers, stage_bounds
 from edgetrain.train.strategy import STRATEGIES, StepResult, Strategy
 
@@ -102,6 +109,9 @@ class Pipeline(Strategy):
             dist.broadcast(tensor.data, src=0)
         self.whole = model
         self.layers = pipeline_layers(model)
+        self.plan: list[str] = []
+        if pipeline.planned:
+            pipeline = dataclasses.replace(pipeline, starts=self._planned_starts())
         self.bounds = stage_bounds(pipeline, self.layers, c.world)
         first, end = self.bounds[c.rank]
         self.stage_module = nn.Sequential(*(layer for _, layer in self.layers[first:end]))
@@ -120,6 +130,24 @@ class Pipeline(Strategy):
                                                      loss_fn=loss_fn, scale_grads=False)
         self.stale = False  # whether other stages' layers changed since this device last gathered them
         self.finished = False
+
+    def _planned_starts(self) -> tuple[int, ...]:
+        """Rank 0 plans the split (plan.split) and prints why; every device receives the same stage starts."""
+        c = self.context
+        starts = torch.zeros(c.world - 1, dtype=torch.int64)
+        if c.rank == 0:
+            cfg = c.cfg
+            devices = [StageDevice(d.label, device_gflops(d.profile)[0], d.profile.memory_mb)
+                       for d in plan_devices(cfg, c.world)]
+            copies = 2 if cfg.optimizer == "adam" else int(cfg.momentum > 0)
+            plan = plan_split(layer_costs(self.layers, c.input_shape), devices, cfg.batch_size,
+                              c.spec.pipeline.microbatches, c.spec.pipeline.schedule, copies,
+                              fixed_mb=idle_process_mb(), what=f"model {cfg.model}")
+            self.plan = plan.explain()
+            print("pipeline stages planned (plan/split.py):\n  " + "\n  ".join(self.plan), flush=True)
+            starts = torch.tensor(plan.starts, dtype=torch.int64)
+        dist.broadcast(starts, src=0)
+        return tuple(int(v) for v in starts)
 
     @torch.no_grad()
     def _boundary_examples(self, first: int, end: int, microbatch: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,7 +220,8 @@ class Pipeline(Strategy):
     def summary(self) -> dict:
         p = self.context.spec.pipeline
         return {"sync": "pipeline", "pipeline": {"schedule": p.schedule, "microbatches": p.microbatches,
-                                                 "stages": describe_stages(self.layers, self.bounds)}}
+                                                 "stages": describe_stages(self.layers, self.bounds),
+                                                 "plan": self.plan}}
 
 
 class _GatheredForEvaluation(nn.Module):

@@ -1,0 +1,82 @@
+"""The split planner (plan/split.py): memory limits respected, slow devices get less, clear refusals."""
+import pytest
+
+from edgetrain.cluster.profiles import BUILTIN_PROFILES
+from edgetrain.errors import EdgetrainError
+from edgetrain.models import build_model
+from edgetrain.plan.costs import count_activation_bytes, count_flops
+from edgetrain.plan.split import MIB, LayerCost, StageDevice, layer_costs, plan_split
+from edgetrain.plan.stages import pipeline_layers
+
+
+def _layers(count, flops=1e9, param_mib=10.0, activation_kib=0.0):
+    return [LayerCost(f"layer{i}", flops, int(param_mib * MIB), 0, activation_kib * 1024, 4096.0)
+            for i in range(count)]
+
+
+def _sizes(plan):
+    return [end - first for first, end in plan.bounds]
+
+
+def test_a_slow_device_gets_fewer_layers_and_the_split_beats_an_even_one():
+    devices = [StageDevice("fast", 40.0), StageDevice("slow", 10.0)]
+    plan = plan_split(_layers(10), devices, batch=32, microbatches=4)
+    assert _sizes(plan) == [8, 2]  # 4x the speed, 4x the layers: both stages take 6.4 s
+    assert plan.stage_s == pytest.approx([8 * 32e9 / 40e9, 2 * 32e9 / 10e9])
+    assert plan.even_step_s == pytest.approx(5 * 32e9 / 10e9) and plan.even_step_s / plan.step_s == pytest.approx(2.5)
+    assert "bottleneck" in plan.explain()[-1] and "2.50x" in plan.explain()[-1]
+
+
+def test_every_stage_fits_its_devices_memory_even_when_speed_would_want_otherwise():
+    # The fast device would take 8 of 10 layers, but 4 layers' weights, gradients and momentum
+    # (3 x 10 MiB each) plus 100 MiB fixed fill its 230 MiB.
+    devices = [StageDevice("fast-small", 40.0, memory_mb=230), StageDevice("slow-big", 10.0, memory_mb=4096)]
+    plan = plan_split(_layers(10), devices, batch=32, microbatches=4, optimizer_copies=1, fixed_mb=100)
+    assert _sizes(plan) == [4, 6]
+    for memory, device in zip(plan.memory_mb, devices):
+        assert memory <= device.memory_mb
+    assert plan.memory_mb[0] == pytest.approx(100 + 4 * 30)
+
+
+def test_1f1b_holds_fewer_micro_batches_on_early_stages_than_gpipe():
+    layers = _layers(4, param_mib=0.0, activation_kib=1024.0)  # 1 MiB saved per sample per layer
+    devices = [StageDevice("a", 10.0), StageDevice("b", 10.0)]
+    gpipe = plan_split(layers, devices, batch=64, microbatches=8, schedule="gpipe")
+    one_f_one_b = plan_split(layers, devices, batch=64, microbatches=8, schedule="1f1b")
+    assert gpipe.memory_mb == pytest.approx([2 * 64, 2 * 64])
+    assert one_f_one_b.memory_mb == pytest.approx([2 * 2 * 8, 2 * 1 * 8])  # min(M, S - s) micro-batches of 8
+
+
+def test_a_model_that_does_not_fit_even_pooled_says_what_it_needs_and_what_the_cluster_has():
+    devices = [StageDevice(f"speaker{i}", 10.0, memory_mb=100) for i in range(3)]
+    with pytest.raises(EdgetrainError, match=r"does not fit these 3 devices even pooled: its stages need about "
+                                             r"3?[0-9]{2} MiB .* the devices have 300 MiB"):
+        plan_split(_layers(12), devices, batch=8, microbatches=2, fixed_mb=10)
+
+
+def test_a_layer_too_big_for_any_device_is_named():
+    layers = _layers(4)
+    layers[2] = LayerCost("huge.embedding", 1e9, 200 * MIB, 0, 0.0, 4096.0)
+    with pytest.raises(EdgetrainError, match=r"layer 2 \(huge.embedding\) .* alone needs 600 MiB .* largest device's 512"):
+        plan_split(layers, [StageDevice("zero2w", 5.0, 512), StageDevice("zero2w", 5.0, 512)], batch=8, microbatches=2)
+
+
+def test_counted_layer_costs_add_up_to_the_whole_models():
+    model = build_model("small_cnn", 1, 10)
+    costs = layer_costs(pipeline_layers(model), (1, 8, 8))
+    assert [c.name for c in costs][-1] == "classifier"
+    assert sum(c.train_flops for c in costs) == count_flops(model, (1, 8, 8), 10)[0]
+    # The whole-model count also holds the loss's few saved bytes.
+    assert sum(c.activation_bytes for c in costs) == pytest.approx(count_activation_bytes(model, (1, 8, 8), 10),
+                                                                    abs=64)
+    assert sum(c.param_bytes for c in costs) == 4 * sum(p.numel() for p in model.parameters())
+
+
+def test_on_the_small_device_profiles_pi_zeros_get_fewer_layers_and_stay_under_512_mib():
+    profiles = [BUILTIN_PROFILES[name] for name in ("rpi5", "rpi-zero-2w", "rpi5", "rpi-zero-2w")]
+    devices = [StageDevice(p.name, p.gflops, p.memory_mb) for p in profiles]
+    plan = plan_split(_layers(24, activation_kib=64.0), devices, batch=64, microbatches=8, schedule="1f1b",
+                      fixed_mb=300)
+    sizes = _sizes(plan)
+    assert sizes[1] < sizes[0] and sizes[3] < sizes[2]
+    assert all(memory <= device.memory_mb for memory, device in zip(plan.memory_mb, devices))
