@@ -55,7 +55,8 @@ class TrainConfig:
 
     # the cluster
     devices: int = _opt(1, "number of emulated devices on this host (ignored under torchrun, which sets WORLD_SIZE)", minimum=1)
-    profile: str = _opt("host", "device profile for every emulated device: host, rpi4, jetson-nano, or one defined in the cluster file")
+    profile: str = _opt("host", "device profile for every emulated device: host, rpi4, jetson-nano, rpi5, rpi-zero-2w, "
+                        "jetson-orin-nano, smart-speaker-2g, or one defined in the cluster file")
     cluster: str | None = _opt(None, "cluster file (YAML) listing devices and their profiles, batches and links")
     throttle: bool = _opt(True, "emulate each profile's compute speed by duty cycling (off: every device runs at host speed)")
     threads: int | None = _opt(None, "torch threads per device (default: the cores the device gets on this host)", minimum=1)

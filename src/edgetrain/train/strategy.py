@@ -23,9 +23,12 @@ summed over the samples it scored, how many it got right, how many it scored
 (summed over devices: the global batch), the seconds it waited on
 communication that compute did not hide, and extra ``StepRecord`` fields.
 
-A new strategy (pipeline, sharded, federated) is a class here and a key in
-``STRATEGIES``; ``edgetrain.train.train(strategy=Cls)`` runs one that is not
-registered (tests/train/test_strategy.py trains with one written there).
+A new strategy is a class here, or in a module of its own that adds itself
+to ``STRATEGIES`` and is imported at the end of this one (``fsdp.py``,
+``pipeline.py``); ``edgetrain.train.train(strategy=Cls)`` runs one that is
+not registered (tests/train/test_strategy.py trains with one written there).
+``checkpoint_state`` is the one hook a sharded strategy needs beyond these:
+the whole model's state, which only it can gather.
 """
 from __future__ import annotations
 
