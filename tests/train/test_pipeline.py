@@ -100,3 +100,9 @@ def test_a_stage_past_the_last_layer_is_named():
         stage_bounds(PipelineSpec((2, 6), 1, "gpipe"), layers, 3)
     with pytest.raises(EdgetrainError, match="6 layers, too few for 7 pipeline stages"):
         stage_bounds(PipelineSpec(None, 1, "gpipe"), layers, 7)
+
+
+def test_one_stage_is_the_whole_model():
+    layers = pipeline_layers(DigitsMlp())
+    for starts in (None, ()):  # even, and what the planner gives one device
+        assert stage_bounds(PipelineSpec(starts, 1, "gpipe"), layers, 1) == [(0, 6)]

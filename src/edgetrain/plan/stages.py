@@ -70,7 +70,7 @@ def stage_bounds(pipeline: PipelineSpec, layers: list[tuple[str, nn.Module]], st
         if len(starts) + 1 != stages:
             raise EdgetrainError(f"stages {','.join(map(str, starts))} make {len(starts) + 1} pipeline stages but "
                                  f"the run has {stages} devices; give {stages - 1} start indices")
-        if starts[-1] >= n:
+        if starts and starts[-1] >= n:
             raise EdgetrainError(f"stage {len(starts)} cannot start at layer {starts[-1]}: the model has layers 0 to "
                                  f"{n - 1} (the last is {layers[-1][0]}); give start indices below {n}")
     ends = [0, *starts, n]
