@@ -39,12 +39,13 @@ def test_every_stage_fits_its_devices_memory_even_when_speed_would_want_otherwis
 
 
 def test_1f1b_holds_fewer_micro_batches_on_early_stages_than_gpipe():
-    layers = _layers(4, param_mib=0.0, activation_kib=1024.0)  # 1 MiB saved per sample per layer
+    # 1 MiB saved per sample per layer; 1 MiB of weights (3 MiB with gradients and momentum)
+    layers = _layers(4, param_mib=1.0, activation_kib=1024.0)
     devices = [StageDevice("a", 10.0), StageDevice("b", 10.0)]
     gpipe = plan_split(layers, devices, batch=64, microbatches=8, schedule="gpipe")
     one_f_one_b = plan_split(layers, devices, batch=64, microbatches=8, schedule="1f1b")
-    assert gpipe.memory_mb == pytest.approx([2 * 64, 2 * 64])
-    assert one_f_one_b.memory_mb == pytest.approx([2 * 2 * 8, 2 * 1 * 8])  # min(M, S - s) micro-batches of 8
+    assert gpipe.memory_mb == pytest.approx([6 + 2 * 64, 6 + 2 * 64])
+    assert one_f_one_b.memory_mb == pytest.approx([6 + 2 * 2 * 8, 6 + 2 * 1 * 8])  # min(M, S - s) micro-batches of 8
 
 
 def test_a_model_that_does_not_fit_even_pooled_says_what_it_needs_and_what_the_cluster_has():
@@ -80,3 +81,10 @@ def test_on_the_small_device_profiles_pi_zeros_get_fewer_layers_and_stay_under_5
     sizes = _sizes(plan)
     assert sizes[1] < sizes[0] and sizes[3] < sizes[2]
     assert all(memory <= device.memory_mb for memory, device in zip(plan.memory_mb, devices))
+
+
+def test_no_stage_is_left_without_parameters_to_train():
+    # weights, activation, weights, activation: a very slow device would rather take one activation alone
+    layers = [LayerCost(f"layer{i}", 1e9, int(MIB) if i % 2 == 0 else 0, 0, 0.0, 4096.0) for i in range(4)]
+    plan = plan_split(layers, [StageDevice("fast", 100.0), StageDevice("slow", 0.1)], batch=8, microbatches=2)
+    assert plan.bounds == [(0, 2), (2, 4)]

@@ -95,9 +95,11 @@ def test_a_model_whose_forward_is_not_its_layers_in_order_is_refused_naming_them
 
 def test_a_stage_past_the_last_layer_is_named():
     layers = pipeline_layers(DigitsMlp())
-    assert stage_bounds(PipelineSpec(None, 1, "gpipe"), layers, 4) == [(0, 2), (2, 4), (4, 5), (5, 6)]
+    assert stage_bounds(PipelineSpec(None, 1, "gpipe"), layers, 3) == [(0, 2), (2, 4), (4, 6)]
     with pytest.raises(EdgetrainError, match="cannot start at layer 6: .*the last is body.5"):
         stage_bounds(PipelineSpec((2, 6), 1, "gpipe"), layers, 3)
+    with pytest.raises(EdgetrainError, match=r"stage 1 \(layers 2-2: body.2\) has no parameters to train"):
+        stage_bounds(PipelineSpec((2, 3), 1, "gpipe"), layers, 3)
     with pytest.raises(EdgetrainError, match="6 layers, too few for 7 pipeline stages"):
         stage_bounds(PipelineSpec(None, 1, "gpipe"), layers, 7)
 

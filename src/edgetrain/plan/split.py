@@ -10,7 +10,8 @@ slowest stage is as fast as it can be while every stage fits its device:
                       + their saved activations x the samples in flight on stage s
     best[s][j]      = min over i of max(best[s-1][i], time(s, i..j)), memory(s, i..j) <= limit s
 
-``O(S L^2)`` for S stages and L layers. Samples in flight: GPipe holds every
+Every stage must hold a parameter (its optimizer would have nothing to
+step otherwise). ``O(S L^2)`` for S stages and L layers. Samples in flight: GPipe holds every
 micro-batch's activations at once (the global batch); 1F1B at most
 ``min(M, S - s)`` micro-batches on stage ``s``. ``fixed`` is what every device
 holds whatever its layers (the runtime and the dataset; the caller gives it).
@@ -158,6 +159,7 @@ def plan_split(layers: list[LayerCost], devices: list[StageDevice], batch: int, 
     if stages > n:
         raise EdgetrainError(f"{what} has {n} layers, too few for {stages} pipeline stages; use at most {n} devices")
     flops = _prefix([layer.train_flops for layer in layers])
+    trainable = _prefix([layer.param_bytes for layer in layers])
     weights = _prefix([layer.param_bytes * (2 + optimizer_copies) + layer.buffer_bytes for layer in layers])
     activations = _prefix([layer.activation_bytes for layer in layers])
 
@@ -170,8 +172,9 @@ def plan_split(layers: list[LayerCost], devices: list[StageDevice], batch: int, 
     def seconds(s: int, i: int, j: int) -> float:
         return (flops[j] - flops[i]) * batch / (devices[s].gflops * 1e9)
 
-    def fits(s: int, i: int, j: int) -> bool:
-        return devices[s].memory_mb is None or memory(s, i, j) <= devices[s].memory_mb
+    def fits(s: int, i: int, j: int) -> bool:  # a stage trains something and fits its device
+        limit = devices[s].memory_mb
+        return trainable[j] > trainable[i] and (limit is None or memory(s, i, j) <= limit)
 
     # best[s][j]: the least bottleneck time of stages 0..s over layers 0..j-1; choice[s][j]: where stage s starts
     best = [[math.inf] * (n + 1) for _ in range(stages)]

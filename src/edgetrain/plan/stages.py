@@ -74,7 +74,13 @@ def stage_bounds(pipeline: PipelineSpec, layers: list[tuple[str, nn.Module]], st
             raise EdgetrainError(f"stage {len(starts)} cannot start at layer {starts[-1]}: the model has layers 0 to "
                                  f"{n - 1} (the last is {layers[-1][0]}); give start indices below {n}")
     ends = [0, *starts, n]
-    return list(zip(ends[:-1], ends[1:]))
+    bounds = list(zip(ends[:-1], ends[1:]))
+    for s, (first, end) in enumerate(bounds):
+        if not any(p.requires_grad for _, layer in layers[first:end] for p in layer.parameters()):
+            raise EdgetrainError(f"pipeline stage {s} (layers {first}-{end - 1}: "
+                                 f"{', '.join(name for name, _ in layers[first:end])}) has no parameters to train; "
+                                 f"move the stage starts (--stages) so that every stage holds a layer with weights")
+    return bounds
 
 
 def describe_stages(layers: list[tuple[str, nn.Module]], bounds: list[tuple[int, int]]) -> list[str]:
