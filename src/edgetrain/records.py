@@ -166,14 +166,15 @@ class StepRecord(Record):
     cpu_s: float
     lr: float
     peak_rss_mb: float
+    page_faults: int | None = None
     virtual_s: float | None = None
     virtual_compute_s: float | None = None
     virtual_comm_s: float | None = None
     staleness: int | None = None
     local_steps: int | None = None
 
-    omit_when_none: ClassVar[tuple[str, ...]] = ("virtual_s", "virtual_compute_s", "virtual_comm_s", "staleness",
-                                                 "local_steps")
+    omit_when_none: ClassVar[tuple[str, ...]] = ("page_faults", "virtual_s", "virtual_compute_s", "virtual_comm_s",
+                                                 "staleness", "local_steps")
 
 
 @dataclass
@@ -211,12 +212,14 @@ class DeviceSummary(Record):
     bytes_sent: int | None = None
     bytes_recv: int | None = None
     peak_rss_mb: float | None = None
+    page_faults: float | None = None
     throttle_slept_s: float | None = None
     throttle_reference_pass_s: float | None = None
     throttle_inflation: float | None = None
     details: dict = field(default_factory=dict)
 
     details_field: ClassVar[str | None] = "details"
+    omit_when_none: ClassVar[tuple[str, ...]] = ("page_faults",)
 
 
 @dataclass(kw_only=True)

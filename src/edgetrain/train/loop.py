@@ -62,7 +62,7 @@ from edgetrain.bench.flops import achieved, device_peak, training_flops_per_samp
 from edgetrain.cluster.launch import loader_worker_init
 from edgetrain.cluster.peers import admit_peers, check_rank_environment, gather_json
 from edgetrain.cluster.profiles import DeviceSpec
-from edgetrain.cluster.throttle import Throttle, assign_cores, peak_rss_mb, pin
+from edgetrain.cluster.throttle import Throttle, assign_cores, keep_freed_memory, page_faults, peak_rss_mb, pin
 from edgetrain.comm.accounting import CommStats
 from edgetrain.config import TrainConfig
 from edgetrain.data import GlobalBatchSampler, build_data, shard_indices
@@ -163,6 +163,7 @@ def set_up_device(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], sp
         # in OpenMP spin-waits, which the throttle would then stretch as if it were work.
         cores = cores[:max(1, math.ceil(speed))]
     pin(cores)
+    keep_freed_memory()  # activations freed at the end of a step are reused by the next (cluster/throttle.py)
     threads = cfg.threads or (min(len(cores), me.profile.cores) if me.profile.cores else len(cores))
     torch.set_num_threads(threads)
     torch.manual_seed(spec.seed)
@@ -193,7 +194,7 @@ class StepRecorder:
         self.stats, self.rank = stats, rank
 
     def start(self) -> None:
-        self.t0, self.cpu0 = time.perf_counter(), time.process_time()
+        self.t0, self.cpu0, self.faults0 = time.perf_counter(), time.process_time(), page_faults()
         self.before = self.stats.snapshot()
 
     def data_ready(self) -> None:
@@ -210,7 +211,8 @@ class StepRecorder:
             compute_s=max(step_s - data_s - result.comm_s, 0.0), comm_s=result.comm_s,
             bytes_sent=after["bytes_sent"] - self.before["bytes_sent"],
             bytes_recv=after["bytes_recv"] - self.before["bytes_recv"],
-            cpu_s=time.process_time() - self.cpu0, lr=lr, peak_rss_mb=peak_rss_mb(), **extra)
+            cpu_s=time.process_time() - self.cpu0, lr=lr, peak_rss_mb=peak_rss_mb(),
+            page_faults=page_faults() - self.faults0, **extra)
 
 
 class RunWriter:
@@ -421,6 +423,7 @@ def _device_summary(records: list[StepRecord], at: DeviceSetup, local_batch: int
         speed=at.speed, cores=list(at.cores), threads=at.threads,
         samples_per_s=sum(r.samples for r in timed) / total, step_s=total / len(timed),
         data_s=mean("data_s"), compute_s=mean("compute_s"), comm_s=mean("comm_s"), cpu_s=mean("cpu_s"),
+        page_faults=mean("page_faults"),
         # None where the strategy could not measure it (DDP's own all-reduce)
         comm_busy_s=None if any(r.comm_busy_s is None for r in timed) else mean("comm_busy_s"),
         bytes_sent=sum(r.bytes_sent for r in records), bytes_recv=sum(r.bytes_recv for r in records),
