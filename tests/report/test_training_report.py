@@ -107,3 +107,13 @@ def test_a_summary_without_records_still_renders_without_curves(tmp_path):
     (run / "summary.json").write_text(json.dumps({"throughput_samples_per_s": 1.0, "per_device": []}))
     page = render([run])
     assert "Training curves" not in page and "time split" not in page
+
+
+def test_megabytes_sent_read_the_same_in_the_report_as_in_the_terminal(tmp_path):
+    """The report divided by 2**20 under an "MB" heading: 3,000,000 bytes read 2.86 there and 3.0 in the terminal."""
+    run = _write_run(tmp_path, "mb", link=None)
+    summary = json.loads((run / "summary.json").read_text())
+    summary["per_device"][0]["bytes_sent"] = 3_000_000
+    (run / "summary.json").write_text(json.dumps(summary))
+    row = next(r for r in render([run]).split("<tr>") if r.startswith("<td>0</td><td>host</td>"))
+    assert "<td>3</td>" in row and "2.86" not in row

@@ -411,7 +411,8 @@ def render(run_dirs: list[str | Path]) -> str:
 
 
 def _mb(b: float | None) -> float | None:
-    return None if b is None else b / 2**20
+    """Bytes in MB (10^6), as the terminal's table and the charts count them."""
+    return None if b is None else b / 1e6
 
 
 def _pct(v: float | None) -> str:
