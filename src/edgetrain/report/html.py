@@ -3,7 +3,11 @@
 Everything is inline: CSS, and plots as base64 PNGs, so the page can be
 mailed or archived as one file. A run directory is either a bench run
 (``result.json``, written by ``edgetrain bench``) or a training run
-(``summary.json``, written by ``edgetrain train``).
+(``summary.json``, written by ``edgetrain train``). Training runs add a
+section of loss and accuracy curves, every training run shown overlaid on
+shared axes, and in each run's section a chart of the devices' time split and
+bytes per step and the parameter table (``report.training`` says what each
+point is).
 
 The radar chart compares configurations on up to five axes, as the Raspberry Pi
 study compared frameworks, and only on the axes every configuration shown
@@ -17,8 +21,9 @@ table beside it.
 hold a JSON object, a bench result must name a known bench, and the keys its
 section reads (``RUN_KEYS``) must be there with the right JSON types; a
 training run's ``summary.json`` is read as a ``records.RunSummary``, which
-checks every key it knows. Any other content is one error naming the file
-and the key. Values inside the rows are shown as written.
+checks every key it knows, and each line of its ``metrics.jsonl`` and
+``evals.jsonl`` as a ``StepRecord`` and an ``EvalRecord``. Any other content
+is one error naming the file (and line) and the key. Values inside the rows are shown as written.
 """
 from __future__ import annotations
 
