@@ -100,10 +100,13 @@ def parameters(summary: RunSummary, config: dict[str, Any]) -> dict[str, Any]:
     c, d = config, summary.details
     optimizer = c.get("optimizer")
     if optimizer:
-        optimizer = (f"{optimizer}, lr {c.get('lr')}, " + (f"momentum {c.get('momentum')}, " if optimizer == "sgd"
-                                                              else "") +
-                     f"weight decay {c.get('weight_decay')}, {c.get('schedule')} schedule")
+        momentum = f"momentum {c.get('momentum')}, " if optimizer == "sgd" else ""
+        optimizer = (f"{optimizer}, lr {c.get('lr')}, {momentum}weight decay {c.get('weight_decay')}, "
+                     f"{c.get('schedule')} schedule")
     link = d.get("link") or c.get("link")
+    strategy = summary.strategy or c.get("strategy")
+    if strategy and c.get("grid", "1x1") != "1x1":
+        strategy += f", grid {c['grid']}"
     rows = {
         "model": summary.model or c.get("model"),
         "parameters": summary.params,
@@ -112,8 +115,7 @@ def parameters(summary: RunSummary, config: dict[str, Any]) -> dict[str, Any]:
         "devices": summary.devices or c.get("devices"),
         "profiles": _count(summary.profiles) if summary.profiles else c.get("cluster") or c.get("profile"),
         "throttle": c.get("throttle"),
-        "strategy": (summary.strategy or c.get("strategy") or "") + (f" grid {c['grid']}" if c.get("grid", "1x1")
-                                                                     != "1x1" else "") or None,
+        "strategy": strategy,
         "accelerator": summary.accelerator or c.get("accelerator"),
         "global batch": summary.global_batch or c.get("batch_size"),
         "local batches": ", ".join(map(str, summary.local_batches)) if summary.local_batches else None,
@@ -126,7 +128,7 @@ def parameters(summary: RunSummary, config: dict[str, Any]) -> dict[str, Any]:
         "batchnorm": summary.batchnorm or c.get("batchnorm"),
         "seed": c.get("seed"),
     }
-    return {k: v for k, v in rows.items() if v not in (None, "")}
+    return {k: v for k, v in rows.items() if v is not None}
 
 
 def device_split(summary: RunSummary, steps: list[StepRecord]):
