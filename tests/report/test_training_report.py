@@ -59,6 +59,9 @@ def test_curves_are_the_devices_mean_loss_against_steps_host_time_and_modelled_t
     assert curves.modelled_s == [2, 4, 6]  # the later device clock at each step
     assert (curves.eval_steps, curves.eval_accuracy) == ([2, 3], [0.5, 0.75])
     assert curves.at(curves.host_s, curves.eval_steps) == pytest.approx([0.06, 0.09])
+    labels, split, sent = training.device_split(summary, loaded["steps"])  # the device chart's numbers
+    assert labels == ["0: host", "1: host"] and split["compute"] == pytest.approx([15.0, 15.0])  # ms per step
+    assert sent["1: host"] == ([1, 2, 3], [1000, 1000, 1000])
     # without an emulated link the device clocks are this host's: no modelled axis
     plain = RunSummary.from_dict(json.loads((_write_run(tmp_path, "plain", link=None) / "summary.json").read_text()))
     assert training.curves("plain", plain, loaded["steps"], loaded["evals"]).modelled_s is None
