@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import math
 import os
 import types
@@ -95,7 +96,9 @@ class TrainConfig:
                                      "EDGETRAIN_CLUSTER_TOKEN); checked right after the rendezvous, never written "
                                      "to the run directory")
     timeout: float = _opt(120.0, "seconds to wait for a peer (rendezvous and every collective) before giving up", minimum=1.0)
-    progress: bool = _opt(True, "progress bar on rank 0")
+    progress: bool = _opt(True, "progress bar and start-up phase lines on rank 0")
+    tensorboard: bool = _opt(False, "also write TensorBoard event files to <run>/tensorboard/ (needs the tensorboard "
+                             "package: pip install tensorboard)")
     accelerator: str = _opt("auto", "where each device computes: auto (cuda if torch sees a GPU, else cpu), cpu or "
                             "cuda (collectives stay on gloo)", choices=("auto", "cpu", "cuda"))
 
@@ -263,8 +266,12 @@ def resolve(cfg: TrainConfig) -> RunSpec:
         raise EdgetrainError(f"config key 'grid' {cfg.grid} needs strategy tiled (--strategy tiled)")
     elif cfg.groups != "auto":
         raise EdgetrainError(f"config key 'groups' {cfg.groups} needs strategy tiled (--strategy tiled)")
+    if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        # torch.utils.tensorboard writes the files but needs this package; a device would fail only after start-up
+        raise EdgetrainError("config key 'tensorboard' needs the tensorboard package, which is not installed; "
+                             "pip install tensorboard (or edgetrain[tensorboard]), or drop --tensorboard")
     return RunSpec(compress, sync, link, cfg.link_mode, cfg.strategy, tiling, cfg.timeout, cfg.seed,
-                   cfg.accelerator, cfg.batchnorm)
+                   cfg.accelerator, cfg.batchnorm, tensorboard=cfg.tensorboard)
 
 
 # Kernel pseudo-filesystems: writes there fail half-way or change the system, never make a run directory.

@@ -471,7 +471,8 @@ class RunSpec:
     than ``sync``; DGC with optimizer momentum (applied twice); with
     ``strategy: tiled`` any ``compress``, ``sync`` or ``link`` (tiled training
     exchanges halos, feature maps and gradients uncompressed and unemulated,
-    step by step); ``grid`` or ``groups`` without ``strategy: tiled``.
+    step by step); ``grid`` or ``groups`` without ``strategy: tiled``;
+    ``tensorboard`` where the tensorboard package is not installed.
     """
 
     compress: CompressSpec
@@ -484,3 +485,4 @@ class RunSpec:
     seed: int
     accelerator: str             # auto, cpu or cuda; passed through to the training loop
     batchnorm: str = "local"     # local or sync (DDP's broadcast of buffers is off with sync)
+    tensorboard: bool = False    # rank 0 also writes TensorBoard event files (train.tensorboard_log)

@@ -3,7 +3,11 @@
 Everything is inline: CSS, and plots as base64 PNGs, so the page can be
 mailed or archived as one file. A run directory is either a bench run
 (``result.json``, written by ``edgetrain bench``) or a training run
-(``summary.json``, written by ``edgetrain train``).
+(``summary.json``, written by ``edgetrain train``). Training runs add a
+section of loss and accuracy curves, every training run shown overlaid on
+shared axes, and in each run's section a chart of the devices' time split and
+bytes per step and the parameter table (``report.training`` says what each
+point is).
 
 The radar chart compares configurations on up to five axes, as the Raspberry Pi
 study compared frameworks, and only on the axes every configuration shown
@@ -17,8 +21,9 @@ table beside it.
 hold a JSON object, a bench result must name a known bench, and the keys its
 section reads (``RUN_KEYS``) must be there with the right JSON types; a
 training run's ``summary.json`` is read as a ``records.RunSummary``, which
-checks every key it knows. Any other content is one error naming the file
-and the key. Values inside the rows are shown as written.
+checks every key it knows, and each line of its ``metrics.jsonl`` and
+``evals.jsonl`` as a ``StepRecord`` and an ``EvalRecord``. Any other content
+is one error naming the file (and line) and the key. Values inside the rows are shown as written.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ from typing import Any
 
 from edgetrain.errors import EdgetrainError
 from edgetrain.records import JSON_NAMES, RunSummary, json_name, modelled_throughput
+from edgetrain.report import training
 from edgetrain.report.cells import (ABOVE_PEAK_NOTE, NOISY_NOTE, efficiency_cell, flag_notes, fmt, percent_of_peak,
                                     spread_cell)
 
@@ -94,11 +100,13 @@ def load_run(run_dir: str | Path) -> dict[str, Any]:
                 data = json.loads(path.read_text(encoding="utf-8"))
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise EdgetrainError(f"{path} is not valid JSON ({e}); was the run interrupted?") from None
+            run = {"dir": d, "kind": kind, "data": data, "pngs": sorted(d.glob("*.png"))}
             if kind == "train":
-                data = RunSummary.from_dict(data, str(path))
+                run["data"] = RunSummary.from_dict(data, str(path))
+                run.update(training.load_training(d, run["data"]))  # steps, evals, config: checked here too
             else:
                 check_run_data(path, kind, data)
-            return {"dir": d, "kind": kind, "data": data, "pngs": sorted(d.glob("*.png"))}
+            return run
     if (d / "config.yaml").is_file():
         from edgetrain.report.files import remove_stale_temps
 
@@ -349,6 +357,23 @@ def shared_axes(configs: list[tuple[str, dict]]) -> list[str]:
     return [key for key, _, _, _ in AXES if all((m.get(key) or 0) > 0 for _, m in configs)]
 
 
+def training_curves(runs: list[dict[str, Any]]) -> str:
+    """Loss and accuracy of every training run shown, on shared axes (``report.training``)."""
+    curves = [training.curves(r["dir"].name, r["data"], r["steps"], r["evals"]) for r in runs if r["kind"] == "train"]
+    curves = [c for c in curves if c.steps or c.eval_steps]
+    if not curves:
+        return ""
+    from edgetrain.report import plots
+
+    modelled = any(c.modelled_s for c in curves)
+    meta = (f"{len(curves)} training run(s); train loss: mean over the devices at each step, thin, with a running "
+            f"mean; test loss and accuracy at each evaluation; host time is measured (sum of the slowest device's "
+            f"step times)" + ("; time on the device clocks is modelled (this host's compute plus the link model)"
+                              if modelled else ""))
+    return (f'<section><h2>Training curves</h2><div class="meta">{html.escape(meta)}</div><div class="imgs">'
+            f'{_img(plots.png_bytes(plots.plot_training_curves(curves)), "loss and accuracy curves")}</div></section>')
+
+
 def run_section(run: dict[str, Any], peak: tuple[float, str] | None = None) -> str:
     d = run["data"]
     title = f"bench {d['bench']}" if run["kind"] == "bench" else "training run"
@@ -356,8 +381,7 @@ def run_section(run: dict[str, Any], peak: tuple[float, str] | None = None) -> s
     meta = " · ".join(str(v) for v in (run["dir"], env.get("cpu"), env.get("logical_cpus") and
                                          f"{env['logical_cpus']} CPUs", env.get("torch"), env.get("created")) if v)
     cols, rows, notes = headline(run, peak)
-    params = d.get("params") if run["kind"] == "bench" else {k: getattr(d, k) for k in (
-        "model", "dataset", "devices", "strategy", "global_batch", "steps") if getattr(d, k) is not None}
+    params = d.get("params") if run["kind"] == "bench" else training.parameters(d, run["config"])
     parts = [f"<section><h2>{html.escape(title)}</h2><div class='meta'>{html.escape(meta)}</div>"]
     for n in notes:
         cls = " modelled" if "modelled" in n.lower() else ""
@@ -368,6 +392,12 @@ def run_section(run: dict[str, Any], peak: tuple[float, str] | None = None) -> s
     parts.append("</div><div><h3>Parameters</h3>" + _kv(params or {}) + "</div></div>")
     if run["pngs"]:
         parts.append('<div class="imgs">' + "".join(_img(p.read_bytes(), p.name) for p in run["pngs"]) + "</div>")
+    split = training.device_split(d, run["steps"]) if run["kind"] == "train" else None
+    if split:
+        from edgetrain.report import plots
+
+        parts.append('<div class="imgs">' + _img(plots.png_bytes(plots.plot_device_split(*split)),
+                                                 "time split and bytes per device") + "</div>")
     parts.append("</section>")
     return "".join(parts)
 
@@ -378,7 +408,7 @@ def render(run_dirs: list[str | Path]) -> str:
     runs = [load_run(d) for d in run_dirs]
     when = _dt.datetime.now().strftime("%Y-%m-%d %H:%M")
     peak = peak_reference(runs)
-    body = comparison(runs) + "".join(run_section(r, peak) for r in runs)
+    body = comparison(runs) + training_curves(runs) + "".join(run_section(r, peak) for r in runs)
     return (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>edgetrain report</title>"
             f"<meta name='viewport' content='width=device-width,initial-scale=1'><style>{CSS}</style></head>"
             f"<body><header><h1>edgetrain report</h1><p>{len(runs)} run(s) · generated {when}</p></header>"
@@ -386,7 +416,8 @@ def render(run_dirs: list[str | Path]) -> str:
 
 
 def _mb(b: float | None) -> float | None:
-    return None if b is None else b / 2**20
+    """Bytes in MB (10^6), as the terminal's table and the charts count them."""
+    return None if b is None else b / 1e6
 
 
 def _pct(v: float | None) -> str:

@@ -30,7 +30,7 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     subclass (defined at module level) to train with instead of a built-in one.
     """
     from edgetrain.models import model_reference, user_models
-    from edgetrain.train.loop import accelerator_device, run_worker
+    from edgetrain.train.loop import accelerator_device, phase, run_worker
 
     refuse_nested_launch()
     if isinstance(model, str):
@@ -52,6 +52,8 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     local_batches = split_batch(cfg, devices)
     needs_speed = cfg.throttle and any(d.profile.speed is not None or d.profile.gflops is not None for d in devices)
     # Measured once, before the devices start, so they do not disturb each other's measurement.
+    if needs_speed:
+        phase(cfg, rank, "measuring this host's core speed (GFLOPS) to throttle the devices to their profiles")
     speeds = [device_speed(d.profile) if needs_speed else None for d in devices]
     run_dir = None
     if rank == 0:
@@ -62,6 +64,7 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
             cluster_token, strategy)
     if torchrun:
         return run_worker(*args)
+    phase(cfg, rank, f"starting {len(devices)} emulated device(s) on this host")
     return launch_local(len(devices), run_worker, args, [d.label for d in devices], log_dir=str(run_dir))[0]
 
 

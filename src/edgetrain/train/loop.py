@@ -10,7 +10,13 @@ spawned it or ``torchrun`` did. It is four parts, in order:
 - the loop: ``Strategy.train_step`` per batch (train/strategy.py: data
   parallel or tiled; the loop has no branch of its own for either), timed by
   a ``StepRecorder``;
-- a ``RunWriter``: records as they happen, then summary and checkpoint.
+- a ``RunWriter``: records as they happen (and TensorBoard event files with
+  ``--tensorboard``, ``train.tensorboard_log``), then summary and checkpoint.
+
+Rank 0 says each start-up phase in one line on stderr as it begins
+(``phase``: rendezvous, peer admission, data, FLOP count, throttle
+calibration, strategy set-up, training), unless ``--no-progress``; the
+launcher adds the host's speed measurement and the devices' start.
 
 Each step's ``StepRecord`` (records.py) says where the time went:
 
@@ -48,6 +54,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,20 +79,23 @@ from edgetrain.records import DeviceSummary, EvalRecord, RunSummary, StepRecord
 from edgetrain.report.files import atomic_write, save_torch, write_json
 from edgetrain.spec import RunSpec
 from edgetrain.train.strategy import STRATEGIES, StepResult, Strategy, StrategyContext
+from edgetrain.train.tensorboard_log import TensorBoardLog, write_missing_devices
 
 
 def init_distributed(cfg: TrainConfig, cluster_token: str = "") -> tuple[int, int]:
     """Join the run's process group, then admit the peers (same cluster token, same config; see cluster/peers)."""
     rank, world = check_rank_environment()
     if not dist.is_initialized():
+        addr = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        phase(cfg, rank, f"rendezvous: {world} device(s) at {addr} (waiting up to {cfg.timeout:g} s)")
         try:
             dist.init_process_group("gloo", rank=rank, world_size=world,
                                     timeout=dt.timedelta(seconds=cfg.timeout))
         except (RuntimeError, TimeoutError, ValueError) as e:
-            addr = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
             raise EdgetrainError(f"rendezvous at {addr} failed for rank {rank} of {world} within {cfg.timeout:g} s "
                                  f"({str(e).splitlines()[0]}); start every device, check MASTER_ADDR/MASTER_PORT "
                                  f"and the firewall, or raise --timeout") from None
+        phase(cfg, rank, "admitting peers: cluster token and config hash of every device")
         try:
             admit_peers(cfg.to_dict(), cluster_token, rank, world)
         except EdgetrainError:
@@ -219,12 +229,15 @@ class RunWriter:
     """The run directory's files: records as they happen, then metrics.jsonl, checkpoint and summary.
 
     A device without the run directory (``run_dir`` None: ranks > 0 under torchrun) writes nothing.
+    ``tensorboard``: TensorBoard event files beside them (``train.tensorboard_log``).
     """
 
-    def __init__(self, run_dir: str | None, rank: int):
+    def __init__(self, run_dir: str | None, rank: int, tensorboard: bool = False):
         self.run_dir = Path(run_dir) if run_dir else None
         self.rank = rank
         self._metrics = open(self.live_metrics(rank), "a", encoding="utf-8") if self.run_dir else None
+        self.tensorboard = tensorboard
+        self._events = TensorBoardLog(self.run_dir, rank) if tensorboard and self.run_dir else None
 
     def live_metrics(self, rank: int) -> Path:
         return self.run_dir / f"metrics-{rank}.jsonl"
@@ -233,16 +246,23 @@ class RunWriter:
         if self._metrics:
             self._metrics.write(json.dumps(record.to_dict()) + "\n")
             self._metrics.flush()  # a killed run keeps its steps; one small write per step
+        if self._events:
+            self._events.step(record)
 
     def evaluation(self, record: EvalRecord) -> None:
         if self.run_dir and self.rank == 0:
             with open(self.run_dir / "evals.jsonl", "a", encoding="utf-8") as f:
                 f.write(json.dumps(record.to_dict()) + "\n")
+            if self._events:
+                self._events.evaluation(record)
 
     def close(self) -> None:
         if self._metrics:
             self._metrics.close()
             self._metrics = None
+        if self._events:
+            self._events.close()
+            self._events = None
 
     def metrics(self, records: list[StepRecord], world: int) -> None:
         """Rank 0, after every device closed its file: one sorted metrics.jsonl replaces the per-device ones."""
@@ -251,6 +271,8 @@ class RunWriter:
                 f.write(json.dumps(r.to_dict()) + "\n")
         for rank in range(world):
             self.live_metrics(rank).unlink(missing_ok=True)
+        if self.tensorboard:
+            write_missing_devices(self.run_dir, records, world)
 
     def summary(self, cfg: TrainConfig, strategy: Strategy, optimizer, per_device: list[DeviceSummary], train_totals,
                 evals: list[EvalRecord], params, data, world, local_batches, steps, wall_s, flops_per_sample) -> dict:
@@ -302,10 +324,12 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
     at = set_up_device(cfg, spec, devices, speeds, cluster_token)
     rank, world = at.rank, at.world
 
+    phase(cfg, rank, f"loading data: {cfg.dataset}")
     data = build_data(cfg)
     model = user_model if user_model is not None else build_model(cfg.model, data.input_shape[0], data.num_classes)
     params = count_parameters(model)
     # The model actually trained at the input shape actually fed (counted on a copy, RNG untouched).
+    phase(cfg, rank, f"counting FLOPs: {cfg.model} at {'x'.join(map(str, data.input_shape))}")
     flops_per_sample = training_flops_per_sample(model, input_shape=data.input_shape,
                                                  num_classes=data.num_classes) if rank == 0 else None
     model.to(at.device)
@@ -315,9 +339,11 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
     model = strategy.adapt(model)
     throttle = Throttle(at.speed) if at.speed is not None else None
     if throttle:
+        phase(cfg, rank, "calibrating the throttle: a reference pass per device, one device of this host at a time")
         batch = strategy.calibration_batch
         calibrate_throttle(throttle, model, None if batch is None else
                            torch.randn(batch, *data.input_shape, device=at.device), at)
+    phase(cfg, rank, f"setting up strategy {strategy.name}")
     strategy.setup(model)
 
     sampler = GlobalBatchSampler(len(data.train), local_batches if strategy.shard_data else [cfg.batch_size],
@@ -333,7 +359,8 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
     epochs = math.ceil(total_steps / len(sampler))
     optimizer, scheduler = make_optimizer(cfg, strategy.parameters(), int(total_steps))
 
-    writer = RunWriter(run_dir, rank)
+    writer = RunWriter(run_dir, rank, spec.tensorboard)
+    phase(cfg, rank, f"training: {int(total_steps)} steps, {epochs} epoch(s)")
     recorder = StepRecorder(stats, rank)
     bar = _progress(cfg, rank, int(total_steps))
     records: list[StepRecord] = []
@@ -400,6 +427,12 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
     dist.barrier()
     dist.destroy_process_group()
     return summary
+
+
+def phase(cfg: TrainConfig, rank: int, text: str) -> None:
+    """A start-up phase on rank 0, one line on stderr as it begins (not with --no-progress)."""
+    if cfg.progress and rank == 0:
+        print(f"edgetrain: {text}", file=sys.stderr, flush=True)
 
 
 def _note(bar, rank: int, text: str) -> None:
