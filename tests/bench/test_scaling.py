@@ -2,15 +2,16 @@ import pytest
 
 from edgetrain.bench import scaling, trainer_runs
 from edgetrain.cli import main
+from edgetrain.records import StepRecord
 
 from bench_helpers import assert_png, read_result
 
 
 def test_split_separates_transfer_from_waiting():
     records = [  # step 0 is start-up and skipped
-        {"step": 0, "rank": 0, "step_s": 9.0, "data_s": 9.0, "compute_s": 0.0, "comm_s": 0.0},
-        {"step": 1, "rank": 0, "step_s": 1.0, "data_s": 0.1, "compute_s": 0.4, "comm_s": 0.5},
-        {"step": 1, "rank": 1, "step_s": 1.0, "data_s": 0.1, "compute_s": 0.7, "comm_s": 0.2},
+        _step(0, 0, 9.0, data_s=9.0, compute_s=0.0, comm_s=0.0),
+        _step(1, 0, 1.0, data_s=0.1, compute_s=0.4, comm_s=0.5),
+        _step(1, 1, 1.0, data_s=0.1, compute_s=0.7, comm_s=0.2),
     ]
     split = trainer_runs.split_per_step(records)
     assert split["comm"] == pytest.approx(0.2)  # the last device to arrive only pays for the transfer
@@ -47,10 +48,17 @@ def test_scaling_runs_the_trainer(tmp_path):
     assert_png(tmp_path / "s" / "scaling.png")
 
 
-def _records(devices: int, step_s: list[float], local_batch: int = 8) -> list[dict]:
+def _step(step: int, rank: int, step_s: float, samples: int = 8, **times: float) -> StepRecord:
+    """One metrics.jsonl line; what a test does not set is zero."""
+    times = {"data_s": 0.0, "compute_s": step_s, "comm_s": 0.0, **times}
+    return StepRecord(step=step, epoch=0, rank=rank, loss=1.0, samples=samples, samples_per_s=samples / step_s,
+                      step_s=step_s, comm_busy_s=None, bytes_sent=0, bytes_recv=0, cpu_s=0.0, lr=0.1,
+                      peak_rss_mb=100.0, **times)
+
+
+def _records(devices: int, step_s: list[float], local_batch: int = 8) -> list[StepRecord]:
     """metrics.jsonl records of a run whose devices all take ``step_s[i]`` at step ``i``."""
-    return [{"step": i, "rank": r, "samples": local_batch, "step_s": s, "data_s": 0.0, "compute_s": s, "comm_s": 0.0}
-            for i, s in enumerate(step_s) for r in range(devices)]
+    return [_step(i, r, s, local_batch) for i, s in enumerate(step_s) for r in range(devices)]
 
 
 def test_a_noisy_baseline_and_a_superlinear_efficiency_are_flagged():
