@@ -27,6 +27,44 @@ def test_devices_must_include_one(tmp_path):
         scaling.run({"model": "small_cnn"}, [2, 4], output=str(tmp_path))
 
 
+def test_a_failed_training_run_is_one_line_naming_it(tmp_path):
+    from edgetrain.errors import EdgetrainError
+
+    with pytest.raises(EdgetrainError) as e:
+        trainer_runs.train_in_subprocess({"lr": -1.0, "output": str(tmp_path), "run_name": "devices-1"})
+    assert str(e.value).startswith(f"training run {tmp_path / 'devices-1'} failed: config key 'lr'")
+    assert "\n" not in str(e.value) and not (tmp_path / "devices-1").exists()
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_bench_stops_its_trainer_and_devices(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    bench = subprocess.Popen([sys.executable, "-m", "edgetrain", "bench", "scaling", "--devices", "1,2", "--model",
+                              "small_cnn", "--dataset", "digits", "--steps", "100000", "--output", str(tmp_path)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and not any(  # the trainer has started its device
+                "spawn_main" in " ".join(c.cmdline()) for c in psutil.Process(bench.pid).children(recursive=True)):
+            time.sleep(0.5)
+        family = psutil.Process(bench.pid).children(recursive=True)
+        assert family, "the bench started no trainer within 90 s"
+        bench.send_signal(signal.SIGTERM)
+        _, err = bench.communicate(timeout=60)
+        assert bench.returncode == 128 + signal.SIGTERM and "terminated (SIGTERM)" in err
+        gone, alive = psutil.wait_procs(family, timeout=30)
+        assert not alive, [p.cmdline() for p in alive]
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+
+
 @pytest.mark.slow
 def test_scaling_runs_the_trainer(tmp_path):
     assert main(["bench", "scaling", "--devices", "1,2", "--model", "small_cnn", "--dataset", "digits",

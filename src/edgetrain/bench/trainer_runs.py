@@ -17,7 +17,9 @@ spread beside it, as ``common.timing_summary`` defines them.
 """
 from __future__ import annotations
 
+import functools
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -29,21 +31,38 @@ from edgetrain.records import RunSummary, StepRecord
 
 # A trainer: a config dict (TrainConfig keys, with ``output`` and ``run_name``) -> the run's summary.
 TrainFn = Callable[[dict], RunSummary]
+STOP_TIMEOUT_S = 30  # a trainer told to stop: its launcher gives its devices a few seconds, then kills them
 
 
 def train_in_subprocess(config: dict[str, Any]) -> RunSummary:
-    """Run ``edgetrain train --config`` on ``config`` in a child process; its summary, or its one-line error."""
+    """Run ``edgetrain train --config`` on ``config`` in a child process; its summary, or its one-line error.
+
+    The child dies with this process (``PR_SET_PDEATHSIG``, as devices die with their launcher), and an
+    exception here (Ctrl-C, SIGTERM, which the CLI raises as ``Terminated``) stops it with SIGTERM first, so
+    that it stops its own devices, and kills it if it has not stopped within ``STOP_TIMEOUT_S``.
+    """
     from edgetrain.bench.workload import child_env
+    from edgetrain.cluster.launch import _die_with_parent
     from edgetrain.report.files import write_yaml
 
     run_dir = Path(config["output"]) / config["run_name"]
     config_path = run_dir.with_name(f"{run_dir.name}.yaml")
     write_yaml(config_path, config)
     # The child's own table goes nowhere (the bench prints its own); its error line is kept for ours.
-    proc = subprocess.run([sys.executable, "-m", "edgetrain", "train", "--config", str(config_path)],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=child_env(None))
+    with subprocess.Popen([sys.executable, "-m", "edgetrain", "train", "--config", str(config_path)],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=child_env(None),
+                          preexec_fn=functools.partial(_die_with_parent, os.getpid())) as proc:
+        try:
+            _, stderr = proc.communicate()
+        except BaseException:
+            proc.terminate()
+            try:
+                proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            raise
     if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+        last = (stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
         raise EdgetrainError(f"training run {run_dir} failed: {last.removeprefix('edgetrain: error: ')}")
     return read_summary(run_dir)
 
