@@ -22,7 +22,6 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
 from edgetrain.arguments import non_negative_int, positive_int
 from edgetrain.bench import workload

@@ -38,7 +38,6 @@ import os
 import statistics
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
