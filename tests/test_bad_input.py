@@ -122,7 +122,7 @@ OTHERS = [
     (["report"], "the following arguments are required: RUN_DIR"),
     (["report", "{empty}"], "summary.json lacks key 'per_device'"),
     (["report", "{listrun}"], "summary.json must hold a JSON object, not a list"),
-    (["report", "{wrongtype}"], "summary.json: key 'per_device' must be a list, not a string"),
+    (["report", "{wrongtype}"], "summary.json: key 'per_device' must be a list of objects, not a string"),
     (["report", "{unknownbench}"], "result.json: key 'bench' must name a bench"),
     (["report", "{badrows}"], "result.json: key 'rows' must be a list of objects"),
     (["report", "{goodrun}", "-o", "/proc/edgetrain-test.html"], "kernel pseudo-filesystem"),

@@ -10,7 +10,7 @@ a loss of nan or overflow a timeout in a device.
 (``edgetrain.spec``) and is the one place that refuses combinations that
 cannot run; ``load_config`` calls it, and the training loop, ``comm``,
 ``tiling`` and ``plan`` take the spec, not the strings. This module imports
-only ``edgetrain.spec`` and ``edgetrain.errors`` of edgetrain (no torch):
+only ``edgetrain.spec``, ``edgetrain.yamlfile`` and ``edgetrain.errors`` of edgetrain (no torch):
 checking a config is cheap, and nothing here reaches up into the packages
 that take its specs.
 
@@ -30,10 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from edgetrain.errors import EdgetrainError
 from edgetrain.spec import LINK_MODES, RunSpec, check_compatible, get_link, parse_compress, parse_sync, parse_tiling
+from edgetrain.yamlfile import read_yaml_mapping
 
 
 def _opt(default: Any, help: str, choices: tuple | None = None, minimum: float | None = None, **extra) -> Any:
@@ -189,30 +188,6 @@ def load_config(source: TrainConfig | dict | str | os.PathLike | None = None, **
         setattr(cfg, key, _coerce(key, value, "command line"))
     validate(cfg)
     return cfg
-
-
-def read_yaml_mapping(path: str | os.PathLike, what: str) -> dict:
-    path = Path(path)
-    if path.is_dir():
-        raise EdgetrainError(f"{what} {path} is a directory; give the YAML file in it")
-    if not path.is_file():
-        raise EdgetrainError(f"{what} {path} does not exist")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError:
-        raise EdgetrainError(f"{what} {path} is not a text file (not UTF-8); give a YAML file") from None
-    except OSError as e:
-        raise EdgetrainError(f"cannot read {what} {path}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" at line {mark.line + 1}" if mark else ""
-        raise EdgetrainError(f"{what} {path} is not valid YAML{at}: {getattr(e, 'problem', e)}; "
-                             f"fix the syntax there") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise EdgetrainError(f"{what} {path} must be a mapping of keys to values, not a {type(data).__name__}")
-    return data
 
 
 def validate(cfg: TrainConfig) -> None:

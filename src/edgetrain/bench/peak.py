@@ -33,6 +33,7 @@ import torch
 
 from edgetrain.arguments import non_negative_float, positive_int
 from edgetrain.errors import EdgetrainError
+from edgetrain.results import PeakResult
 
 RESIDUAL_THRESHOLD = 16.0  # HPL's acceptance bound on the scaled residual
 
@@ -245,7 +246,7 @@ def _ints(text: str) -> list[int]:
 
 
 def run(gemm_sizes: list[int], linpack_sizes: list[int], threads: list[int], devices: int = 1,
-        min_time_s: float = 0.3, output: str = "runs", name: str | None = None) -> dict[str, Any] | None:
+        min_time_s: float = 0.3, output: str = "runs", name: str | None = None) -> PeakResult | None:
     from edgetrain.bench.common import NOISY_NOTE, print_table, save_result, spread_cell, start_run
 
     kwargs = dict(gemm_sizes=gemm_sizes, linpack_sizes=linpack_sizes, threads=threads, min_time_s=min_time_s)
@@ -264,11 +265,11 @@ def run(gemm_sizes: list[int], linpack_sizes: list[int], threads: list[int], dev
     agg = aggregate(per_device) if len(per_device) > 1 else []
     params = dict(kwargs, devices=len(per_device), mode=mode)
     run_dir = start_run(output, name, "peak")
-    result = save_result(run_dir, "peak", params, rows=rows, best=best_by_threads(rows),
-                         per_device=per_device if len(per_device) > 1 else None, aggregate=agg)
+    result = save_result(run_dir, PeakResult(params=params, rows=rows, best=best_by_threads(rows),
+                                             per_device=per_device if len(per_device) > 1 else None, aggregate=agg))
     from edgetrain.report import plots
 
-    plots.plot_peak(result, run_dir / "peak.png")
+    plots.plot_peak(result.to_dict(), run_dir / "peak.png")
     note = ("rows are device 0's, measured while every device ran the same; "
             "'all devices' sums their medians") if agg else "best = fastest repeat, median over repeats"
     notes = [note, "spread = interquartile range / median of the repeats' times"]
@@ -281,7 +282,6 @@ def run(gemm_sizes: list[int], linpack_sizes: list[int], threads: list[int], dev
           spread_cell(r["spread"], r["noisy"]), r.get("max_scaled_residual"))
          + ((a["gflops_median_sum"],) if agg else ()) for r, a in zip(rows, agg or [{}] * len(rows))],
         notes)
-    result["run_dir"] = str(run_dir)
     return result
 
 

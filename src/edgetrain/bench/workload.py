@@ -157,15 +157,16 @@ def _child_main(spec: dict) -> dict:
     return out
 
 
-def child_env(threads: int) -> dict[str, str]:
-    """Environment for a measuring child: finds this package, uses exactly ``threads`` threads."""
+def child_env(threads: int | None) -> dict[str, str]:
+    """Environment for a child process: finds this package; uses exactly ``threads`` threads if given."""
     import edgetrain
 
     env = dict(os.environ)
     src = str(Path(edgetrain.__file__).resolve().parents[1])
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env["OMP_NUM_THREADS"] = str(threads)
-    env["MKL_NUM_THREADS"] = str(threads)
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+        env["MKL_NUM_THREADS"] = str(threads)
     return env
 
 
