@@ -10,7 +10,7 @@ from edgetrain.errors import EdgetrainError
 from edgetrain.spec import parse_grid, parse_tiling
 from edgetrain.tiling import TiledTraining
 
-from ._dist import run_devices
+from edgetrain_testing import on_devices
 from .models import PLAIN_SHAPE, batch, build, plain_net, reference_grads, rel_err
 from .workers import run
 
@@ -29,7 +29,7 @@ CASES = {
 def test_loss_and_gradients_equal_single_device(grid):
     """One step per case; on 2x2 the same processes then train 3 steps (checked below)."""
     rows, cols = parse_grid(grid)
-    results = run_devices(run, rows * cols, grid, CASES[grid], ("resnet", [3, 5], 3) if grid == "2x2" else None)
+    results = on_devices(run, rows * cols, grid, CASES[grid], ("resnet", [3, 5], 3) if grid == "2x2" else None)
     for device in results:
         for r in device["cases"]:
             tolerance = 1e-9 if "float64" in r["case"] else 1e-4
