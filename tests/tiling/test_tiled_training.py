@@ -12,7 +12,7 @@ from edgetrain.tiling import TiledTraining
 
 from edgetrain_testing import on_devices
 from .models import PLAIN_SHAPE, batch, build, plain_net, reference_grads, rel_err
-from .workers import run
+from .workers import first_broadcast_to_a_silent_peer, run
 
 # (model, groups, dtype): one fused group, several groups, residual blocks tiled, auto, float32.
 CASES = {
@@ -118,7 +118,15 @@ def test_wrong_input_shape_is_one_clear_error():
         tiled.forward_backward(torch.randn(2, 3, 24, 19), torch.zeros(2, dtype=torch.long), F.cross_entropy)
 
 
+def test_a_silent_peer_is_one_line_naming_the_tiled_collective():
+    # the model broadcast waited on gloo's Work directly: its timeout was a raw C++ RuntimeError
+    device0, _ = on_devices(first_broadcast_to_a_silent_peer, 2, 1.0)
+    assert device0["error"] is not None and "\n" not in device0["error"]
+    assert device0["error"].startswith("tiled training: initial model broadcast timed out after 1 s")
+    assert "raise --timeout" in device0["error"]
+
+
 def test_collectives_wait_as_long_as_the_run_timeout():
     # --timeout bounds every tiled exchange (it was a fixed 300 s whatever the run said)
     tiled = TiledTraining(plain_net(), parse_tiling("1x1", [14]), PLAIN_SHAPE, timeout_s=7)
-    assert tiled.comm.timeout.total_seconds() == 7
+    assert tiled.comm.timeout_s == 7

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from edgetrain.cluster.peers import wait
 from edgetrain.errors import EdgetrainError
 from edgetrain.models.batchnorm import convert_batchnorm
 from edgetrain.spec import TilingSpec
@@ -122,7 +123,8 @@ class TiledTraining:
             return
         tensors = [t.data for t in self._params] + [b for b in self.model.buffers() if b.is_floating_point()]
         flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
-        dist.broadcast(flat, src=self.comm._global(0), group=self.comm.group, async_op=True).wait(self.comm.timeout)
+        wait(dist.broadcast(flat, src=self.comm._global(0), group=self.comm.group, async_op=True), self.comm.timeout_s,
+             "tiled training: initial model broadcast")
         offset = 0
         for t in tensors:
             t.copy_(flat[offset:offset + t.numel()].view_as(t))
