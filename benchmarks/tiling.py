@@ -31,13 +31,13 @@ import torch
 import torch.nn.functional as F
 
 from edgetrain.cluster.launch import run_group
+from edgetrain.cluster.memory import SavedTensorMeter
 from edgetrain.models.yolo_tiny import YoloTiny
 from edgetrain.spec import parse_tiling
 from edgetrain.tiling import TiledTraining
 from edgetrain.tiling.grouping import Machine, choose_groups, grouping_cost
 from edgetrain.tiling.layers import describe
 from edgetrain.tiling.plan import SectionPlan
-from edgetrain.tiling.strategy import SavedTensorMeter
 
 SHAPE = (3, 416, 416)
 
