@@ -38,7 +38,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from edgetrain.cluster.peers import wait
-from edgetrain.errors import EdgetrainError
 from edgetrain.models.batchnorm import cross_device_moments
 from edgetrain.tiling.layers import Block, Layer, Unit
 from edgetrain.tiling.plan import Rect, SectionPlan, intersect_rect
