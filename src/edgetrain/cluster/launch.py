@@ -43,15 +43,17 @@ launcher says what to do in one line.
 *Real devices*: ``torchrun`` starts the worker on every node and
 ``edgetrain train`` sees ``RANK`` in its environment (``under_torchrun``).
 
-*The one spawner*: everything in edgetrain that starts device processes on
-this host goes through ``launch_local``: the trainer, ``bench peak
---devices``, the benchmarks and the tests' gloo groups. ``run_group`` is the
-short form for code that is not a training run: ``fn(rank, world, *args)`` in
-each process, inside one gloo group joined through the launcher's store, with
-the return values sent back through ``torch.save`` (tensors travel as bytes,
-not as shared-memory handles that die with the process that made them).
-``deadline_s`` bounds a whole launch: past it every device is stopped as
-above and one line names the devices that did not finish.
+*The one spawner*: every set of emulated devices on this host is started by
+``launch_local``: the trainer's, ``bench peak --devices``'s, the benchmarks'
+and the tests' gloo groups. (A single measurement in a fresh interpreter,
+``bench/workload.py``, and ``torchrun`` itself are not device sets.)
+``run_group`` is the short form for code that is not a training run:
+``fn(rank, world, *args)`` in each process, inside one gloo group joined
+through the launcher's store, with the return values sent back through
+``torch.save`` (tensors travel as bytes, not as shared-memory handles that die
+with the process that made them). ``deadline_s`` bounds a whole launch: past
+it every device is stopped as above and one line names the devices that did
+not finish.
 """
 from __future__ import annotations
 
