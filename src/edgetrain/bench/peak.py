@@ -168,54 +168,18 @@ def aggregate(per_device: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return out
 
 
-def _device_worker(rank: int, world: int, port: int, kwargs: dict, queue) -> None:
+def _device_sweep(rank: int, world: int, kwargs: dict) -> list[dict[str, Any]]:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
-    try:
-        rows = sweep(**kwargs, barrier=dist.barrier)
-        queue.put((rank, rows))
-    finally:
-        dist.destroy_process_group()
+    return sweep(**kwargs, barrier=dist.barrier)
 
 
 def concurrent_sweep(devices: int, timeout_s: float = 600, **kwargs: Any) -> list[list[dict[str, Any]]]:
     """``sweep`` on ``devices`` emulated devices (processes) at once; one row list per device."""
-    import multiprocessing as mp
-    import socket
+    from edgetrain.cluster.launch import run_group
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_device_worker, args=(r, devices, port, kwargs, queue), daemon=True)
-             for r in range(devices)]
-    for p in procs:
-        p.start()
-    results: dict[int, list] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(results) < devices:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise EdgetrainError(f"peak on {devices} emulated devices did not finish in {timeout_s:.0f}s; "
-                                     "use smaller --gemm-sizes/--linpack-sizes")
-            try:
-                rank, rows = queue.get(timeout=min(remaining, 5))
-                results[rank] = rows
-            except Exception:  # queue.Empty: check that no device died
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    raise EdgetrainError(f"an emulated device exited with code {dead[0].exitcode} "
-                                         "during bench peak") from None
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return [results[r] for r in range(devices)]
+    return run_group(_device_sweep, devices, kwargs, threads=None, deadline_s=timeout_s,
+                     deadline_fix="use smaller --gemm-sizes/--linpack-sizes")
 
 
 def distributed_sweep(**kwargs: Any) -> list[list[dict[str, Any]]] | None:

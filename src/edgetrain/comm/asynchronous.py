@@ -54,10 +54,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from edgetrain.cluster.peers import wait
 from edgetrain.comm.accounting import ring_allgather_bytes, ring_allreduce_bytes
 from edgetrain.comm.compress.base import Compressor, Payload, unpack
 from edgetrain.comm.emulation import LinkEmulator
-from edgetrain.comm.exchange import wait
 from edgetrain.comm.params import average_buffers, flatten, unflatten
 from edgetrain.comm.sync import SyncMode
 

@@ -42,11 +42,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from edgetrain.cluster.peers import all_gather_json
+from edgetrain.cluster.peers import all_gather_json, wait
 from edgetrain.comm.accounting import CommStats, ring_allreduce_bytes
 from edgetrain.comm.allreduce import allreduce_hook
 from edgetrain.comm.emulation import LinkEmulator
-from edgetrain.comm.exchange import wait
 from edgetrain.comm.params import broadcast_model
 
 

@@ -10,10 +10,10 @@ running the model once.
   element-wise work (BatchNorm, ReLU, the optimizer step) is not counted.
   That uncounted work is one reason a device reaches only a fraction of its
   GEMM rate, which ``edgetrain.plan.model`` calls the efficiency.
-* **Activation bytes per sample**: the tensors autograd saves for backward,
-  seen through ``torch.autograd.graph.saved_tensors_hooks`` during one forward
-  (with the loss) at batch 2, each storage counted once, parameters and
-  buffers excluded (they are counted as weights), divided by 2.
+* **Activation bytes per sample**: the tensors autograd saves for backward
+  during one forward (with the loss) at batch 2, measured by the one
+  activation meter ``cluster.memory.SavedTensorMeter`` (each storage once),
+  parameters and buffers excluded (they are counted as weights), divided by 2.
 * **Parameter bytes** and the **DDP gradient buckets**, which set how many
   all-reduces a synchronous step makes: PyTorch's own bucket assignment
   (``torch.distributed._compute_bucket_assignment_by_size``, as DDP calls it)
@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from edgetrain.cluster.memory import SavedTensorMeter
 from edgetrain.errors import EdgetrainError
 
 DDP_BUCKET_CAP_MB = 25.0  # edgetrain.comm.sync.Synchronous passes this to DDP
@@ -92,20 +93,10 @@ def count_activation_bytes(model: nn.Module, input_shape: tuple[int, ...], num_c
     """Bytes autograd saves for backward per sample: distinct storages, parameters and buffers excluded."""
     x, y = _batch(input_shape, num_classes, batch)
     model.train()
-    excluded = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in excluded:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return t  # the graph keeps it alive, so no two live storages share an address
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedTensorMeter([*model.parameters(), *model.buffers()]) as meter:
         loss = F.cross_entropy(model(x), y)
-    total = sum(storages.values())
     del loss
-    return total / batch
+    return meter.bytes / batch
 
 
 def ddp_buckets(model: nn.Module, cap_mb: float = DDP_BUCKET_CAP_MB) -> tuple[tuple[int, ...], ...]:
