@@ -3,8 +3,8 @@
 Nothing here is estimated from layer formulas: every number comes from
 running the model once.
 
-* **FLOPs per sample** (forward + backward): ``torch.utils.flop_counter.FlopCounterMode``
-  around a forward, the cross-entropy loss and ``backward()`` at batch 2, divided by 2.
+* **FLOPs per sample** (forward + backward): the trainer's own counter,
+  ``models.flops.count_training_flops`` (``FlopCounterMode``) around a forward, the cross-entropy loss and ``backward()`` at batch 2, divided by 2.
   PyTorch counts matrix products and convolutions (2 FLOPs per multiply-add,
   backward convolutions only for the gradients autograd really computes);
   element-wise work (BatchNorm, ReLU, the optimizer step) is not counted.
@@ -32,10 +32,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
 from edgetrain.cluster.memory import SavedTensorMeter
 from edgetrain.errors import EdgetrainError
+from edgetrain.models.flops import count_training_flops
 
 DDP_BUCKET_CAP_MB = 25.0  # edgetrain.comm.sync.Synchronous passes this to DDP
 
@@ -76,17 +76,9 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def count_flops(model: nn.Module, input_shape: tuple[int, ...], num_classes: int, batch: int = 2) -> tuple[float, float]:
-    """(train, forward) FLOPs per sample, counted by ``FlopCounterMode`` at ``batch``."""
-    x, y = _batch(input_shape, num_classes, batch)
-    model.train()
-    model.zero_grad(set_to_none=True)
-    with FlopCounterMode(display=False) as forward_counter:
-        loss = F.cross_entropy(model(x), y)
-    with FlopCounterMode(display=False) as backward_counter:
-        loss.backward()
-    model.zero_grad(set_to_none=True)
-    forward = forward_counter.get_total_flops() / batch
-    return forward + backward_counter.get_total_flops() / batch, forward
+    """(train, forward) FLOPs per sample: ``models.flops.count_training_flops``, the trainer's own counter."""
+    counted = count_training_flops(model, input_shape, num_classes, batch)
+    return counted["total_flops"], counted["forward_flops"]
 
 
 def count_activation_bytes(model: nn.Module, input_shape: tuple[int, ...], num_classes: int, batch: int = 2) -> float:
