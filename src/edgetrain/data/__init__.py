@@ -1,4 +1,4 @@
-"""Datasets (CIFAR-10, scikit-learn digits, synthetic) and per-device sharding."""
+"""Datasets (CIFAR-10, scikit-learn digits, synthetic), per-device sharding and partitions (``partition.py``)."""
 from edgetrain.data.datasets import DataSplit, TensorImages, build_data, cifar10, digits, synthetic
 from edgetrain.data.sampler import GlobalBatchSampler, shard_indices
 

@@ -65,7 +65,8 @@ from edgetrain.cluster.profiles import DeviceSpec
 from edgetrain.cluster.throttle import Throttle, assign_cores, peak_rss_mb, pin
 from edgetrain.comm.accounting import CommStats
 from edgetrain.config import TrainConfig
-from edgetrain.data import GlobalBatchSampler, build_data, shard_indices
+from edgetrain.data import build_data, shard_indices
+from edgetrain.data.partition import PartitionReport, build_sampler
 from edgetrain.errors import EdgetrainError
 from edgetrain.models import build_model, count_parameters, register_model
 from edgetrain.records import DeviceSummary, EvalRecord, RunSummary, StepRecord
@@ -251,7 +252,8 @@ class RunWriter:
             self.live_metrics(rank).unlink(missing_ok=True)
 
     def summary(self, cfg: TrainConfig, strategy: Strategy, optimizer, per_device: list[DeviceSummary], train_totals,
-                evals: list[EvalRecord], params, data, world, local_batches, steps, wall_s, flops_per_sample) -> dict:
+                evals: list[EvalRecord], params, data, world, local_batches, steps, wall_s, flops_per_sample,
+                partition: PartitionReport | None = None) -> dict:
         """Rank 0, last: checkpoint.pt and summary.json; returns the summary as written."""
         run_dir = self.run_dir
         for d in per_device:
@@ -280,7 +282,7 @@ class RunWriter:
             bytes_sent_per_step_per_device=bytes_sent / max(steps, 1) / world,
             peak_rss_mb_max=max(d.peak_rss_mb for d in per_device),
             wall_time_s=wall_s, batchnorm=cfg.batchnorm, per_device=per_device, checkpoint="checkpoint.pt",
-            details=strategy.summary(),
+            details={**strategy.summary(), **({"partition": partition.to_dict()} if partition else {})},
         ).to_dict()
         write_json(run_dir / "summary.json", summary)
         return summary
@@ -309,7 +311,8 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
     model.to(at.device)
     stats = CommStats()
     strategy = (strategy_class or STRATEGIES[spec.strategy])(StrategyContext(
-        cfg, spec, rank, world, local_batches[rank], tuple(data.input_shape), stats, at.me.link, at.device))
+        cfg, spec, rank, world, local_batches[rank], tuple(data.input_shape), stats, at.me.link, at.device,
+        steps_per_epoch=len(data.train) // cfg.batch_size))
     model = strategy.adapt(model)
     throttle = Throttle(at.speed) if at.speed is not None else None
     if throttle:
@@ -318,8 +321,11 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
                            torch.randn(batch, *data.input_shape, device=at.device), at)
     strategy.setup(model)
 
-    sampler = GlobalBatchSampler(len(data.train), local_batches if strategy.shard_data else [cfg.batch_size],
-                                 rank if strategy.shard_data else 0, spec.seed)
+    sampler, partition = build_sampler(data.train.labels, spec.partition,
+                                       local_batches if strategy.shard_data else [cfg.batch_size],
+                                       rank if strategy.shard_data else 0, spec.seed)
+    if partition is not None and rank == 0:
+        print(partition.describe(), flush=True)
     if len(sampler) == 0:
         raise EdgetrainError(f"batch_size {cfg.batch_size} is larger than the {len(data.train)} training images of "
                              f"{data.name}; lower batch_size")
@@ -394,7 +400,7 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
         writer.metrics(all_records, world)
         per_device = [DeviceSummary.from_dict(d) for _, d in gathered]
         summary = writer.summary(cfg, strategy, optimizer, per_device, train_totals, evals, params, data, world,
-                                 local_batches, step, time.perf_counter() - started, flops_per_sample)
+                                 local_batches, step, time.perf_counter() - started, flops_per_sample, partition)
     dist.barrier()
     dist.destroy_process_group()
     return summary

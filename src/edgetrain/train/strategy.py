@@ -58,6 +58,7 @@ class StrategyContext:
     stats: CommStats                      # every byte and collective the strategy's exchanges count
     link: Any = None                      # this device's link from the cluster file (None: the config's)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    steps_per_epoch: int = 0              # steps of one pass over the training set (len(train) // cfg.batch_size)
 
 
 @dataclass
