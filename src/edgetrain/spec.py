@@ -195,7 +195,7 @@ class SyncSpec:
     outer_momentum: float = 0.9
     text: str = "sync"
     local_epochs: int = 0      # fedavg:E: a round is E epochs of local steps (0: ``period`` steps)
-    prox_mu: float = 0.0       # fedavg:...:prox=MU: FedProx's proximal term
+    prox_mu: float | None = None   # fedavg:...:prox=MU: FedProx's proximal term (None: not FedProx)
     scaffold: bool = False     # fedavg:...:scaffold: SCAFFOLD's control variates
 
 
@@ -255,7 +255,7 @@ def _parse_fedavg(rest: list[str], text: str) -> SyncSpec:
     fix = "e.g. --sync fedavg:1 (one local epoch per round) or fedavg:steps=20"
     if not rest:
         raise EdgetrainError(f"fedavg needs the local work per round, {fix}")
-    epochs, period, mu, scaffold = 0, 0, 0.0, False
+    epochs, period, mu, scaffold = 0, 0, None, False
     for i, token in enumerate(rest):
         key, eq, value = token.partition("=")
         if i == 0 and not eq:
@@ -271,7 +271,7 @@ def _parse_fedavg(rest: list[str], text: str) -> SyncSpec:
                                  "fedavg:steps=H, then optionally :prox=MU and :scaffold")
     if max(epochs, period) < 1:
         raise EdgetrainError(f"fedavg needs at least one local epoch or step per round, got {text!r}; {fix}")
-    if not (mu >= 0 and math.isfinite(mu)):
+    if mu is not None and not (mu >= 0 and math.isfinite(mu)):
         raise EdgetrainError(f"fedavg prox=MU must be a finite number >= 0, got {mu:g} in {text!r}; e.g. prox=0.01")
     return SyncSpec("fedavg", period=period, local_epochs=epochs, prox_mu=mu, scaffold=scaffold, text=text)
 
