@@ -45,9 +45,10 @@ def _opt(default: Any, help: str, choices: tuple | None = None, minimum: float |
 class TrainConfig:
     # what to train
     model: str = _opt("small_cnn", "model name from the registry: small_cnn, resnet18, yolo_tiny (or one you registered)")
-    dataset: str = _opt("digits", "digits (ships with scikit-learn), cifar10 (official python format, needs data_dir) or synthetic",
-                        choices=("digits", "cifar10", "synthetic"))
-    data_dir: str | None = _opt(None, "directory holding CIFAR-10's data_batch_1..5 and test_batch")
+    dataset: str = _opt("digits", "digits (ships with scikit-learn), cifar10 (official python format, needs data_dir), "
+                        "synthetic, imagefolder or npz (your files at data_dir), or a name you registered")
+    data_dir: str | None = _opt(None, "directory holding CIFAR-10's data_batch_1..5 and test_batch; the image folder "
+                                "(one subfolder per class) or the .npz file of dataset imagefolder or npz")
     image_size: int = _opt(32, "side of the synthetic dataset's square images", minimum=4)
     synthetic_samples: int = _opt(2048, "training images in the synthetic dataset (test set: a quarter of it)", minimum=1)
     augment: bool = _opt(True, "random crop and horizontal flip for CIFAR-10 training images")
@@ -275,14 +276,14 @@ def resolve(cfg: TrainConfig) -> RunSpec:
         raise EdgetrainError(f"config key 'partition' {partition.text} does not apply to strategy tiled, where every "
                              "device reads the whole batch; drop --partition or use --strategy ddp")
     if sync.mode == "fedavg" and not partition.local:
-        raise EdgetrainError(f"--sync {sync.text} trains each device on its own data: add --partition iid, "
-                             "dirichlet:ALPHA or shards:K")
+        raise EdgetrainError(f"--sync {sync.text} trains each device on its own data, which needs a partition; "
+                             "add --partition iid, dirichlet:ALPHA or shards:K")
     if not 0 < cfg.participation <= 1:
         raise EdgetrainError(f"config key 'participation' must be a fraction in (0, 1], not {cfg.participation:g}; "
                              "e.g. 0.3 samples 30% of the devices each round")
     for key, changed in (("server_opt", server_opt.text != "fedavg"), ("participation", cfg.participation != 1)):
         if changed and sync.mode != "fedavg":
-            raise EdgetrainError(f"config key '{key}' applies to federated rounds only: add --sync fedavg:E")
+            raise EdgetrainError(f"config key '{key}' applies to federated rounds only; add --sync fedavg:E")
     return RunSpec(compress, sync, link, cfg.link_mode, cfg.strategy, tiling, cfg.timeout, cfg.seed,
                    cfg.accelerator, cfg.batchnorm, partition, server_opt, cfg.participation)
 

@@ -254,7 +254,7 @@ def parse_sync(text: str | None) -> SyncSpec:
 def _parse_fedavg(rest: list[str], text: str) -> SyncSpec:
     fix = "e.g. --sync fedavg:1 (one local epoch per round) or fedavg:steps=20"
     if not rest:
-        raise EdgetrainError(f"fedavg needs the local work per round, {fix}")
+        raise EdgetrainError(f"fedavg needs the local work per round; {fix}")
     epochs, period, mu, scaffold = 0, 0, None, False
     for i, token in enumerate(rest):
         key, eq, value = token.partition("=")
@@ -312,7 +312,8 @@ def parse_server_opt(text: str | None) -> ServerOptSpec:
             raise EdgetrainError(f"option {token!r} in --server-opt {text!r} needs a number") from None
     if not (values.get("lr", 1.0) > 0 and math.isfinite(values.get("lr", 1.0)) and values.get("eps", 1.0) > 0
             and all(0 <= values.get(k, 0.0) < 1 for k in ("momentum", "beta1", "beta2"))):
-        raise EdgetrainError(f"--server-opt {text!r} needs lr > 0, eps > 0 and momentum, beta1, beta2 in [0, 1)")
+        raise EdgetrainError(f"--server-opt {text!r} is out of range; give lr > 0, eps > 0 and momentum, beta1, "
+                             "beta2 in [0, 1)")
     return ServerOptSpec(name, text=text, **values)
 
 

@@ -29,7 +29,7 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     ``strategy`` is the config's ``strategy`` key or a ``train.strategy.Strategy``
     subclass (defined at module level) to train with instead of a built-in one.
     """
-    from edgetrain.data import build_data
+    from edgetrain.data import build_data, user_datasets
     from edgetrain.data.partition import split_dataset
     from edgetrain.models import model_reference, user_models
     from edgetrain.train.loop import accelerator_device, run_worker
@@ -63,7 +63,7 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
         write_yaml(run_dir / "config.yaml", cfg.to_dict())
 
     args = (cfg, spec, devices, local_batches, speeds, str(run_dir) if run_dir else None, model, user_models(),
-            cluster_token, strategy)
+            cluster_token, strategy, user_datasets())
     if torchrun:
         return run_worker(*args)
     return launch_local(len(devices), run_worker, args, [d.label for d in devices], log_dir=str(run_dir))[0]

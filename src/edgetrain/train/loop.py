@@ -65,7 +65,7 @@ from edgetrain.cluster.profiles import DeviceSpec
 from edgetrain.cluster.throttle import Throttle, assign_cores, peak_rss_mb, pin
 from edgetrain.comm.accounting import CommStats
 from edgetrain.config import TrainConfig
-from edgetrain.data import build_data, shard_indices
+from edgetrain.data import build_data, register_dataset, shard_indices
 from edgetrain.data.partition import PartitionReport, build_sampler
 from edgetrain.errors import EdgetrainError
 from edgetrain.models import build_model, count_parameters, register_model
@@ -291,14 +291,17 @@ class RunWriter:
 def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local_batches: list[int],
                speeds: list[float | None], run_dir: str | None, user_model: nn.Module | None = None,
                registered: dict | None = None, cluster_token: str = "",
-               strategy_class: type[Strategy] | None = None) -> dict | None:
+               strategy_class: type[Strategy] | None = None, datasets: dict | None = None) -> dict | None:
     """Train on this device; rank 0 returns the run summary, the others None.
 
-    ``strategy_class``: a ``Strategy`` to train with instead of ``STRATEGIES[spec.strategy]``.
+    ``strategy_class``: a ``Strategy`` to train with instead of ``STRATEGIES[spec.strategy]``;
+    ``registered`` and ``datasets``: models and datasets registered in the launching process.
     """
     started = time.perf_counter()
     for name, factory in (registered or {}).items():
         register_model(name, factory)
+    for name, factory in (datasets or {}).items():
+        register_dataset(name, factory)
     at = set_up_device(cfg, spec, devices, speeds, cluster_token)
     rank, world = at.rank, at.world
 
