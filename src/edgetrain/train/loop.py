@@ -9,7 +9,9 @@ spawned it or ``torchrun`` did. It is four parts, in order:
   host at a time;
 - the loop: ``Strategy.train_step`` per batch (train/strategy.py: data
   parallel or tiled; the loop has no branch of its own for either), timed by
-  a ``StepRecorder``;
+  a ``StepRecorder``; batches come from ``data.partition.build_sampler``:
+  this device's share of every global batch, or with ``--partition`` its
+  own partition only (whose sizes rank 0 prints and the summary keeps);
 - a ``RunWriter``: records as they happen, then summary and checkpoint.
 
 Each step's ``StepRecord`` (records.py) says where the time went:
