@@ -80,6 +80,11 @@ TRAIN = [
     (["--batch-size", "many"], "config key 'batch_size' in command line must be an integer"),
     (["--model", "resnet19"], "unknown model 'resnet19'; did you mean 'resnet18'?"),
     (["--dataset", "cifar10"], "config key 'data_dir' is required with dataset cifar10"),
+    (["--dataset", "imagenet"], "unknown dataset 'imagenet'; known datasets: digits, cifar10, synthetic, imagefolder, "
+                                "npz (register your own with edgetrain.register_dataset)"),
+    (["--dataset", "npz"], "config key 'data_dir' is required with dataset npz"),
+    (["--sync", "fedavg:1"], "--sync fedavg:1 trains each device on its own data, which needs a partition; add --partition"),
+    (["--partition", "dirichlet:0"], "dirichlet alpha must be a finite number > 0"),
     (["--dataset", "cifar10", "--data-dir", "{tmp}/nope"], "does not exist"),
     (["--dataset", "cifar10", "--data-dir", "{partial}"], "data_batch_2, data_batch_3, data_batch_4, data_batch_5, "
                                                           "test_batch are missing"),

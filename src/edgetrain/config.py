@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from edgetrain.errors import EdgetrainError
-from edgetrain.spec import LINK_MODES, RunSpec, check_compatible, get_link, parse_compress, parse_sync, parse_tiling
+from edgetrain.spec import (LINK_MODES, RunSpec, check_compatible, get_link, parse_compress, parse_partition,
+                            parse_server_opt, parse_sync, parse_tiling)
 from edgetrain.yamlfile import read_yaml_mapping
 
 
@@ -44,12 +45,15 @@ def _opt(default: Any, help: str, choices: tuple | None = None, minimum: float |
 class TrainConfig:
     # what to train
     model: str = _opt("small_cnn", "model name from the registry: small_cnn, resnet18, yolo_tiny (or one you registered)")
-    dataset: str = _opt("digits", "digits (ships with scikit-learn), cifar10 (official python format, needs data_dir) or synthetic",
-                        choices=("digits", "cifar10", "synthetic"))
-    data_dir: str | None = _opt(None, "directory holding CIFAR-10's data_batch_1..5 and test_batch")
+    dataset: str = _opt("digits", "digits (ships with scikit-learn), cifar10 (official python format, needs data_dir), "
+                        "synthetic, imagefolder or npz (your files at data_dir), or a name you registered")
+    data_dir: str | None = _opt(None, "directory holding CIFAR-10's data_batch_1..5 and test_batch; the image folder "
+                                "(one subfolder per class) or the .npz file of dataset imagefolder or npz")
     image_size: int = _opt(32, "side of the synthetic dataset's square images", minimum=4)
     synthetic_samples: int = _opt(2048, "training images in the synthetic dataset (test set: a quarter of it)", minimum=1)
     augment: bool = _opt(True, "random crop and horizontal flip for CIFAR-10 training images")
+    partition: str = _opt("none", "each device's own data: none (one shared, globally shuffled dataset), iid, "
+                          "dirichlet:ALPHA (label skew, e.g. 0.5) or shards:K (K label-sorted shards per device)")
     workers: int = _opt(0, "data-loader worker processes per device (0 = load in the training process)", minimum=0)
 
     # the cluster
@@ -75,7 +79,11 @@ class TrainConfig:
 
     # communication over edge links
     compress: str = _opt("none", "gradient compression, e.g. none, fp16, topk:0.01, powersgd:2")
-    sync: str = _opt("sync", "synchronisation: sync, local:H, async:S, gossip")
+    sync: str = _opt("sync", "synchronisation: sync, local:H, async:S, gossip, fedavg:E (federated rounds of E local "
+                     "epochs; fedavg:steps=H; options :prox=MU, :scaffold)")
+    server_opt: str = _opt("fedavg", "federated server step: fedavg, fedavgm[:lr=1:momentum=0.9] or "
+                           "fedadam[:lr=0.01:beta1=0.9:beta2=0.99:eps=0.001]")
+    participation: float = _opt(1.0, "federated rounds: fraction of devices sampled per round, in (0, 1]")
     link: str | None = _opt(None, "link of every device: a preset (lan-1g, wifi-20m, lte-10m, wan-intercontinental) or a spec")
     link_mode: str = _opt("virtual", "link emulation: virtual (model comm time on a virtual clock) or enforced (really wait)",
                           choices=("virtual", "enforced"))
@@ -241,12 +249,25 @@ def resolve(cfg: TrainConfig) -> RunSpec:
         raise EdgetrainError(f"config key 'grid' {cfg.grid} needs strategy tiled (--strategy tiled)")
     elif cfg.groups != "auto":
         raise EdgetrainError(f"config key 'groups' {cfg.groups} needs strategy tiled (--strategy tiled)")
+    partition, server_opt = parse_partition(cfg.partition), parse_server_opt(cfg.server_opt)
+    if partition.local and cfg.strategy == "tiled":
+        raise EdgetrainError(f"config key 'partition' {partition.text} does not apply to strategy tiled, where every "
+                             "device reads the whole batch; drop --partition or use --strategy ddp")
+    if sync.mode == "fedavg" and not partition.local:
+        raise EdgetrainError(f"--sync {sync.text} trains each device on its own data, which needs a partition; "
+                             "add --partition iid, dirichlet:ALPHA or shards:K")
+    if not 0 < cfg.participation <= 1:
+        raise EdgetrainError(f"config key 'participation' must be a fraction in (0, 1], not {cfg.participation:g}; "
+                             "e.g. 0.3 samples 30% of the devices each round")
+    for key, changed in (("server_opt", server_opt.text != "fedavg"), ("participation", cfg.participation != 1)):
+        if changed and sync.mode != "fedavg":
+            raise EdgetrainError(f"config key '{key}' applies to federated rounds only; add --sync fedavg:E")
     if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
         # torch.utils.tensorboard writes the files but needs this package; a device would fail only after start-up
         raise EdgetrainError("config key 'tensorboard' needs the tensorboard package, which is not installed; "
                              "pip install tensorboard (or edgetrain[tensorboard]), or drop --tensorboard")
     return RunSpec(compress, sync, link, cfg.link_mode, cfg.strategy, tiling, cfg.timeout, cfg.seed,
-                   cfg.accelerator, cfg.batchnorm, tensorboard=cfg.tensorboard)
+                   cfg.accelerator, cfg.batchnorm, partition, server_opt, cfg.participation, tensorboard=cfg.tensorboard)
 
 
 # Kernel pseudo-filesystems: writes there fail half-way or change the system, never make a run directory.

@@ -29,6 +29,8 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     ``strategy`` is the config's ``strategy`` key or a ``train.strategy.Strategy``
     subclass (defined at module level) to train with instead of a built-in one.
     """
+    from edgetrain.data import build_data, user_datasets
+    from edgetrain.data.partition import split_dataset
     from edgetrain.models import model_reference, user_models
     from edgetrain.train.loop import accelerator_device, phase, run_worker
 
@@ -50,6 +52,8 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     rank, world = check_rank_environment() if torchrun else (0, None)
     devices = plan_devices(cfg, world)
     local_batches = split_batch(cfg, devices)
+    if spec.partition.local:  # a split that leaves a device short of a batch: refused before any device starts
+        split_dataset(build_data(cfg).train.labels, spec.partition, local_batches, spec.seed)
     needs_speed = cfg.throttle and any(d.profile.speed is not None or d.profile.gflops is not None for d in devices)
     # Measured once, before the devices start, so they do not disturb each other's measurement.
     if needs_speed:
@@ -61,7 +65,7 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
         write_yaml(run_dir / "config.yaml", cfg.to_dict())
 
     args = (cfg, spec, devices, local_batches, speeds, str(run_dir) if run_dir else None, model, user_models(),
-            cluster_token, strategy)
+            cluster_token, strategy, user_datasets())
     if torchrun:
         return run_worker(*args)
     phase(cfg, rank, f"starting {len(devices)} emulated device(s) on this host")

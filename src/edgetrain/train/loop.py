@@ -9,7 +9,9 @@ spawned it or ``torchrun`` did. It is four parts, in order:
   host at a time;
 - the loop: ``Strategy.train_step`` per batch (train/strategy.py: data
   parallel or tiled; the loop has no branch of its own for either), timed by
-  a ``StepRecorder``;
+  a ``StepRecorder``; batches come from ``data.partition.build_sampler``:
+  this device's share of every global batch, or with ``--partition`` its
+  own partition only (whose sizes rank 0 prints and the summary keeps);
 - a ``RunWriter``: records as they happen (and TensorBoard event files with
   ``--tensorboard``, ``train.tensorboard_log``), then summary and checkpoint.
 
@@ -72,7 +74,8 @@ from edgetrain.cluster.profiles import DeviceSpec
 from edgetrain.cluster.throttle import Throttle, assign_cores, keep_freed_memory, page_faults, peak_rss_mb, pin
 from edgetrain.comm.accounting import CommStats
 from edgetrain.config import TrainConfig
-from edgetrain.data import GlobalBatchSampler, build_data, shard_indices
+from edgetrain.data import build_data, register_dataset, shard_indices
+from edgetrain.data.partition import PartitionReport, build_sampler
 from edgetrain.errors import EdgetrainError
 from edgetrain.models import build_model, count_parameters, register_model
 from edgetrain.records import DeviceSummary, EvalRecord, RunSummary, StepRecord
@@ -275,7 +278,8 @@ class RunWriter:
             write_missing_devices(self.run_dir, records, world)
 
     def summary(self, cfg: TrainConfig, strategy: Strategy, optimizer, per_device: list[DeviceSummary], train_totals,
-                evals: list[EvalRecord], params, data, world, local_batches, steps, wall_s, flops_per_sample) -> dict:
+                evals: list[EvalRecord], params, data, world, local_batches, steps, wall_s, flops_per_sample,
+                partition: PartitionReport | None = None) -> dict:
         """Rank 0, last: checkpoint.pt and summary.json; returns the summary as written."""
         run_dir = self.run_dir
         for d in per_device:
@@ -304,7 +308,7 @@ class RunWriter:
             bytes_sent_per_step_per_device=bytes_sent / max(steps, 1) / world,
             peak_rss_mb_max=max(d.peak_rss_mb for d in per_device),
             wall_time_s=wall_s, batchnorm=cfg.batchnorm, per_device=per_device, checkpoint="checkpoint.pt",
-            details=strategy.summary(),
+            details={**strategy.summary(), **({"partition": partition.to_dict()} if partition else {})},
         ).to_dict()
         write_json(run_dir / "summary.json", summary)
         return summary
@@ -313,14 +317,17 @@ class RunWriter:
 def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local_batches: list[int],
                speeds: list[float | None], run_dir: str | None, user_model: nn.Module | None = None,
                registered: dict | None = None, cluster_token: str = "",
-               strategy_class: type[Strategy] | None = None) -> dict | None:
+               strategy_class: type[Strategy] | None = None, datasets: dict | None = None) -> dict | None:
     """Train on this device; rank 0 returns the run summary, the others None.
 
-    ``strategy_class``: a ``Strategy`` to train with instead of ``STRATEGIES[spec.strategy]``.
+    ``strategy_class``: a ``Strategy`` to train with instead of ``STRATEGIES[spec.strategy]``;
+    ``registered`` and ``datasets``: models and datasets registered in the launching process.
     """
     started = time.perf_counter()
     for name, factory in (registered or {}).items():
         register_model(name, factory)
+    for name, factory in (datasets or {}).items():
+        register_dataset(name, factory)
     at = set_up_device(cfg, spec, devices, speeds, cluster_token)
     rank, world = at.rank, at.world
 
@@ -335,7 +342,8 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
     model.to(at.device)
     stats = CommStats()
     strategy = (strategy_class or STRATEGIES[spec.strategy])(StrategyContext(
-        cfg, spec, rank, world, local_batches[rank], tuple(data.input_shape), stats, at.me.link, at.device))
+        cfg, spec, rank, world, local_batches[rank], tuple(data.input_shape), stats, at.me.link, at.device,
+        steps_per_epoch=len(data.train) // cfg.batch_size))
     model = strategy.adapt(model)
     throttle = Throttle(at.speed) if at.speed is not None else None
     if throttle:
@@ -346,8 +354,11 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
     phase(cfg, rank, f"setting up strategy {strategy.name}")
     strategy.setup(model)
 
-    sampler = GlobalBatchSampler(len(data.train), local_batches if strategy.shard_data else [cfg.batch_size],
-                                 rank if strategy.shard_data else 0, spec.seed)
+    sampler, partition = build_sampler(data.train.labels, spec.partition,
+                                       local_batches if strategy.shard_data else [cfg.batch_size],
+                                       rank if strategy.shard_data else 0, spec.seed)
+    if partition is not None and rank == 0:
+        print(partition.describe(), flush=True)
     if len(sampler) == 0:
         raise EdgetrainError(f"batch_size {cfg.batch_size} is larger than the {len(data.train)} training images of "
                              f"{data.name}; lower batch_size")
@@ -423,7 +434,7 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
         writer.metrics(all_records, world)
         per_device = [DeviceSummary.from_dict(d) for _, d in gathered]
         summary = writer.summary(cfg, strategy, optimizer, per_device, train_totals, evals, params, data, world,
-                                 local_batches, step, time.perf_counter() - started, flops_per_sample)
+                                 local_batches, step, time.perf_counter() - started, flops_per_sample, partition)
     dist.barrier()
     dist.destroy_process_group()
     return summary

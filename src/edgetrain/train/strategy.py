@@ -58,6 +58,7 @@ class StrategyContext:
     stats: CommStats                      # every byte and collective the strategy's exchanges count
     link: Any = None                      # this device's link from the cluster file (None: the config's)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    steps_per_epoch: int = 0              # steps of one pass over the training set (len(train) // cfg.batch_size)
 
 
 @dataclass
@@ -108,7 +109,7 @@ class Strategy(abc.ABC):
 
 class DataParallel(Strategy):
     """Every device trains a replica on its share of the batch; ``comm.build_sync`` picks how replicas agree
-    (sync, local:H, async:S, gossip; see comm/sync.py for the calls made here).
+    (sync, local:H, async:S, gossip, fedavg:E; see comm/sync.py for the calls made here).
 
     Loss scaling: device ``r`` with local batch ``b_r`` back-propagates
     ``sum(losses_r) * world / B``; DDP averages over devices, so every device
@@ -130,7 +131,7 @@ class DataParallel(Strategy):
     def setup(self, model: nn.Module) -> None:
         c = self.context
         self.model = model
-        self.sync = build_sync(self.model, c.spec, c.rank, c.world, c.stats, c.link)
+        self.sync = build_sync(self.model, c.spec, c.rank, c.world, c.stats, c.link, c.steps_per_epoch)
         self.steps = 0
 
     def parameters(self):
