@@ -463,6 +463,20 @@ STRATEGIES = ("ddp", "tiled")
 
 
 @dataclass(frozen=True)
+class CheckpointSpec:
+    """``--checkpoint-every N``, ``--keep-checkpoints K``, ``--resume RUN_DIR`` (train/checkpoint.py)."""
+
+    every_steps: int | None = None   # None: no checkpoints during the run (the final checkpoint.pt only)
+    keep: int = 2                    # the newest K checkpoints stay; older ones are removed
+    resume_dir: str | None = None    # the run directory to continue, None for a new run
+
+    @property
+    def enabled(self) -> bool:
+        """Checkpoints are written during the run (and SIGTERM stops with one)."""
+        return self.every_steps is not None
+
+
+@dataclass(frozen=True)
 class RunSpec:
     """Everything below the config needs to know about a run, parsed and checked (``config.resolve``).
 
@@ -484,3 +498,4 @@ class RunSpec:
     seed: int
     accelerator: str             # auto, cpu or cuda; passed through to the training loop
     batchnorm: str = "local"     # local or sync (DDP's broadcast of buffers is off with sync)
+    checkpoint: CheckpointSpec = CheckpointSpec()

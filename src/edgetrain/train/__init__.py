@@ -11,6 +11,7 @@ from edgetrain.cluster.launch import launch_local, refuse_nested_launch, under_t
 from edgetrain.cluster.peers import TOKEN_ENV, check_rank_environment
 from edgetrain.cluster.profiles import device_speed, plan_devices, split_batch
 from edgetrain.config import TrainConfig, load_config, resolve
+from edgetrain.errors import Terminated
 from edgetrain.preflight import check_before_launch
 from edgetrain.report.files import new_run_dir, write_yaml
 
@@ -30,6 +31,7 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     subclass (defined at module level) to train with instead of a built-in one.
     """
     from edgetrain.models import model_reference, user_models
+    from edgetrain.train.checkpoint import resume_hint
     from edgetrain.train.loop import accelerator_device, run_worker
 
     refuse_nested_launch()
@@ -54,7 +56,9 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     # Measured once, before the devices start, so they do not disturb each other's measurement.
     speeds = [device_speed(d.profile) if needs_speed else None for d in devices]
     run_dir = None
-    if rank == 0:
+    if cfg.resume:
+        run_dir = cfg.resume if rank == 0 else None  # the same directory, its config.yaml as it was
+    elif rank == 0:
         run_dir = new_run_dir(cfg.output, cfg.run_name)
         write_yaml(run_dir / "config.yaml", cfg.to_dict())
 
@@ -62,7 +66,12 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
             cluster_token, strategy)
     if torchrun:
         return run_worker(*args)
-    return launch_local(len(devices), run_worker, args, [d.label for d in devices], log_dir=str(run_dir))[0]
+    try:
+        return launch_local(len(devices), run_worker, args, [d.label for d in devices], log_dir=str(run_dir))[0]
+    except Terminated:
+        if spec.checkpoint.enabled:  # the devices stopped with a checkpoint: say how to go on
+            raise Terminated(resume_hint(run_dir)) from None
+        raise
 
 
 __all__ = ["train", "TrainConfig", "load_config"]
