@@ -32,7 +32,8 @@ from typing import Any
 import yaml
 
 from edgetrain.errors import EdgetrainError
-from edgetrain.spec import LINK_MODES, CheckpointSpec, RunSpec, check_compatible, get_link, parse_compress, parse_sync, parse_tiling
+from edgetrain.spec import (FAULT_ENV, LINK_MODES, CheckpointSpec, RunSpec, check_compatible, get_link, parse_compress,
+                            parse_fault, parse_sync, parse_tiling)
 
 
 def _opt(default: Any, help: str, choices: tuple | None = None, minimum: float | None = None, **extra) -> Any:
@@ -297,7 +298,8 @@ def resolve(cfg: TrainConfig) -> RunSpec:
         raise EdgetrainError(f"config key 'groups' {cfg.groups} needs strategy tiled (--strategy tiled)")
     return RunSpec(compress, sync, link, cfg.link_mode, cfg.strategy, tiling, cfg.timeout, cfg.seed,
                    cfg.accelerator, cfg.batchnorm,
-                   CheckpointSpec(cfg.checkpoint_every, cfg.keep_checkpoints, cfg.resume))
+                   CheckpointSpec(cfg.checkpoint_every, cfg.keep_checkpoints, cfg.resume),
+                   parse_fault(os.environ.get(FAULT_ENV)))
 
 
 # Kernel pseudo-filesystems: writes there fail half-way or change the system, never make a run directory.

@@ -457,6 +457,40 @@ def parse_tiling(grid: str | tuple[int, int] | list[int], groups: str | list[int
     return TilingSpec(parse_grid(grid), parse_groups(groups))
 
 
+# ---------------------------------------------------------------- EDGETRAIN_FAULT
+
+FAULT_ENV = "EDGETRAIN_FAULT"
+FAULT_ACTIONS = ("kill", "stop", "disconnect")
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """A fault to inject (``cluster/faults.py``): ``action`` on device ``rank`` at the start of step ``step``."""
+
+    action: str   # FAULT_ACTIONS
+    rank: int
+    step: int
+
+
+def parse_fault(text: str | None) -> FaultSpec | None:
+    """``EDGETRAIN_FAULT=kill|stop|disconnect:rank=R:step=S`` (empty or unset: no fault)."""
+    if not text or not text.strip():
+        return None
+    usage = (f"{FAULT_ENV}={text!r} must be ACTION:rank=R:step=S with ACTION kill, stop or disconnect, "
+             f"e.g. kill:rank=1:step=5")
+    action, *rest = text.strip().lower().split(":")
+    fields = dict(part.partition("=")[::2] for part in rest)
+    if action not in FAULT_ACTIONS or sorted(fields) != ["rank", "step"] or len(rest) != 2:
+        raise EdgetrainError(usage)
+    try:
+        rank, step = int(fields["rank"]), int(fields["step"])
+    except ValueError:
+        raise EdgetrainError(usage) from None
+    if rank < 0 or step < 0:
+        raise EdgetrainError(f"{usage} (rank and step >= 0)")
+    return FaultSpec(action, rank, step)
+
+
 # ---------------------------------------------------------------- the run
 
 STRATEGIES = ("ddp", "tiled")
@@ -499,3 +533,4 @@ class RunSpec:
     accelerator: str             # auto, cpu or cuda; passed through to the training loop
     batchnorm: str = "local"     # local or sync (DDP's broadcast of buffers is off with sync)
     checkpoint: CheckpointSpec = CheckpointSpec()
+    fault: FaultSpec | None = None  # from EDGETRAIN_FAULT, for tests and chaos runs

@@ -11,7 +11,7 @@ from edgetrain.cluster.launch import launch_local, refuse_nested_launch, under_t
 from edgetrain.cluster.peers import TOKEN_ENV, check_rank_environment
 from edgetrain.cluster.profiles import device_speed, plan_devices, split_batch
 from edgetrain.config import TrainConfig, load_config, resolve
-from edgetrain.errors import Terminated
+from edgetrain.errors import EdgetrainError, Terminated
 from edgetrain.preflight import check_before_launch
 from edgetrain.report.files import new_run_dir, write_yaml
 
@@ -52,6 +52,9 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     rank, world = check_rank_environment() if torchrun else (0, None)
     devices = plan_devices(cfg, world)
     local_batches = split_batch(cfg, devices)
+    if spec.fault and spec.fault.rank >= len(devices):
+        raise EdgetrainError(f"EDGETRAIN_FAULT names device {spec.fault.rank}, but the run has {len(devices)} "
+                             f"(ranks 0 to {len(devices) - 1}); name one of them or unset it")
     needs_speed = cfg.throttle and any(d.profile.speed is not None or d.profile.gflops is not None for d in devices)
     # Measured once, before the devices start, so they do not disturb each other's measurement.
     speeds = [device_speed(d.profile) if needs_speed else None for d in devices]

@@ -65,6 +65,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Subset
 
 from edgetrain.bench.flops import achieved, device_peak, training_flops_per_sample
+from edgetrain.cluster.faults import inject_fault
 from edgetrain.cluster.launch import loader_worker_init
 from edgetrain.cluster.peers import admit_peers, check_rank_environment, gather_json
 from edgetrain.cluster.profiles import DeviceSpec
@@ -394,6 +395,7 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
                     "ema_loss": ema_loss, "throttle": _throttle_state(throttle)})
                 if checkpoints.stopped:
                     break
+            inject_fault(spec.fault, rank, step, spec.timeout_s)  # EDGETRAIN_FAULT, for tests and chaos runs
             recorder.start()
             try:
                 x, y = next(batches)
