@@ -50,6 +50,11 @@ What a ``Link`` costs in time is ``cluster.links``' model, not parsing.
 ``--grid ROWSxCOLS`` and ``--groups auto|E1,E2,...`` (group ends as layer
 indices) make a ``TilingSpec``; whether they fit a model is checked on the
 model (``tiling.strategy.plan_section``), not here.
+
+``--checkpoint-every``, ``--keep-checkpoints`` and ``--resume`` make a
+``CheckpointSpec`` (train/checkpoint.py); the ``EDGETRAIN_FAULT``
+environment variable (``kill|stop|disconnect:rank=R:step=S``, a test and
+chaos hook, cluster/faults.py) a ``FaultSpec``.
 """
 from __future__ import annotations
 
