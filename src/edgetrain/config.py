@@ -99,6 +99,9 @@ class TrainConfig:
     progress: bool = _opt(True, "progress bar on rank 0")
     checkpoint_every: int | None = _opt(None, "write a checkpoint every N steps (atomic; default: only the final "
                                         "checkpoint.pt); SIGTERM then also stops with one", minimum=1)
+    checkpoint_every_s: float | None = _opt(None, "write a checkpoint every S seconds (rank 0's clock decides, "
+                                            "the devices agree at the next step); with --checkpoint-every too, "
+                                            "whichever comes first", minimum=1.0)
     keep_checkpoints: int = _opt(2, "how many of the newest checkpoints to keep", minimum=1)
     resume: str | None = _opt(None, "continue the run in this run directory from its newest checkpoint, with its "
                               "own config.yaml (options that change the training are refused)")
@@ -198,7 +201,7 @@ def load_config(source: TrainConfig | dict | str | os.PathLike | None = None, **
 
 # What a resumed run may set anew: how it is watched and stopped, not what it trains.
 RESUME_MAY_CHANGE = frozenset({"resume", "progress", "eval", "timeout", "workers", "threads", "output", "run_name",
-                               "cluster_token", "checkpoint_every", "keep_checkpoints"})
+                               "cluster_token", "checkpoint_every", "checkpoint_every_s", "keep_checkpoints"})
 
 
 def _resumed(run_dir: str, given: dict[str, Any]) -> TrainConfig:
@@ -298,7 +301,7 @@ def resolve(cfg: TrainConfig) -> RunSpec:
         raise EdgetrainError(f"config key 'groups' {cfg.groups} needs strategy tiled (--strategy tiled)")
     return RunSpec(compress, sync, link, cfg.link_mode, cfg.strategy, tiling, cfg.timeout, cfg.seed,
                    cfg.accelerator, cfg.batchnorm,
-                   CheckpointSpec(cfg.checkpoint_every, cfg.keep_checkpoints, cfg.resume),
+                   CheckpointSpec(cfg.checkpoint_every, cfg.keep_checkpoints, cfg.resume, cfg.checkpoint_every_s),
                    parse_fault(os.environ.get(FAULT_ENV)))
 
 

@@ -51,7 +51,7 @@ What a ``Link`` costs in time is ``cluster.links``' model, not parsing.
 indices) make a ``TilingSpec``; whether they fit a model is checked on the
 model (``tiling.strategy.plan_section``), not here.
 
-``--checkpoint-every``, ``--keep-checkpoints`` and ``--resume`` make a
+``--checkpoint-every``, ``--checkpoint-every-s``, ``--keep-checkpoints`` and ``--resume`` make a
 ``CheckpointSpec`` (train/checkpoint.py); the ``EDGETRAIN_FAULT``
 environment variable (``kill|stop|disconnect:rank=R:step=S``, a test and
 chaos hook, cluster/faults.py) a ``FaultSpec``.
@@ -505,14 +505,15 @@ STRATEGIES = ("ddp", "tiled")
 class CheckpointSpec:
     """``--checkpoint-every N``, ``--keep-checkpoints K``, ``--resume RUN_DIR`` (train/checkpoint.py)."""
 
-    every_steps: int | None = None   # None: no checkpoints during the run (the final checkpoint.pt only)
+    every_steps: int | None = None   # None: no checkpoints every N steps
     keep: int = 2                    # the newest K checkpoints stay; older ones are removed
     resume_dir: str | None = None    # the run directory to continue, None for a new run
+    every_s: float | None = None     # also (or only) every S seconds of rank 0's wall time
 
     @property
     def enabled(self) -> bool:
         """Checkpoints are written during the run (and SIGTERM stops with one)."""
-        return self.every_steps is not None
+        return self.every_steps is not None or self.every_s is not None
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,8 @@ def test_fault_spec_is_parsed_once_and_checked():
     assert parse_fault("kill:rank=1:step=5") == FaultSpec("kill", 1, 5)
     assert parse_fault("STOP:step=0:rank=0") == FaultSpec("stop", 0, 0)
     assert parse_fault("") is None and parse_fault(None) is None
-    for bad in ("kill", "explode:rank=1:step=2", "kill:rank=one:step=2", "kill:rank=1:step=2:rank=3", "kill:rank=-1:step=2"):
+    for bad in ("kill", "explode:rank=1:step=2", "kill:rank=one:step=2", "kill:rank=1:step=2:rank=3",
+                "kill:rank=-1:step=2"):
         with pytest.raises(EdgetrainError, match="must be ACTION:rank=R:step=S"):
             parse_fault(bad)
 
@@ -58,8 +59,8 @@ def test_device_killed_mid_run_then_resumed_ends_as_an_uninterrupted_run(tmp_pat
     ("disconnect:rank=1:step=3", "fault injected: device 1 disconnected at step 3 and gave up after 5 s"),
 ])
 def test_a_stopped_or_disconnected_device_is_the_one_blamed(tmp_path, fault, blame):
-    done = subprocess.run([sys.executable, "-m", "edgetrain", "train", "--devices", "2", "--steps", "10", "--no-progress",
-                           "--no-eval", "--no-throttle", "--timeout", "5", "--output", str(tmp_path)],
+    done = subprocess.run([sys.executable, "-m", "edgetrain", "train", "--devices", "2", "--steps", "10",
+                           "--no-progress", "--no-eval", "--no-throttle", "--timeout", "5", "--output", str(tmp_path)],
                           env={**os.environ, "EDGETRAIN_FAULT": fault}, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert done.stderr == f"edgetrain: error: device 1 (host) failed: {blame}; the other devices were stopped\n"

@@ -1,5 +1,6 @@
 """Checkpoints and --resume (train/checkpoint.py): resumed == uninterrupted, atomic files, last K kept, refusals."""
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,16 @@ def test_only_the_newest_checkpoints_are_kept(tmp_path):
     assert [checkpoint_step(p) for p in checkpoint_files(tmp_path)] == [2, 3]
 
 
+def test_a_checkpoint_is_due_every_n_steps_and_after_s_seconds(tmp_path, monkeypatch):
+    by_steps = Checkpointer(CheckpointSpec(every_steps=3), str(tmp_path), rank=0, world=1, timeout_s=5)
+    assert [s for s in range(10) if by_steps.due(s, start_step=0)] == [3, 6, 9]
+    by_time = Checkpointer(CheckpointSpec(every_s=60.0), str(tmp_path), rank=0, world=1, timeout_s=5)
+    assert not by_time.due(1, start_step=0)
+    clock = time.monotonic() + 61
+    monkeypatch.setattr(time, "monotonic", lambda: clock)
+    assert by_time.due(2, start_step=0)
+
+
 def test_a_write_that_dies_half_way_leaves_no_partial_checkpoint(tmp_path, monkeypatch):
     checkpoints = Checkpointer(CheckpointSpec(every_steps=1, keep=2), str(tmp_path), rank=0, world=1, timeout_s=5)
     checkpoints.save(1, {"step": 1}, {"weights": torch.ones(3)})
@@ -104,7 +115,8 @@ def test_resume_refuses_an_option_that_changes_the_training(tmp_path):
     run_dir.mkdir()
     (run_dir / "config.yaml").write_text("lr: 0.05\ndevices: 2\n")
     assert load_config(resume=str(run_dir), progress=False, timeout=10).devices == 2  # how it is watched: fine
-    with pytest.raises(EdgetrainError, match=r"option 'lr' is 0.1 but the run in .* was trained with 0.05; .*drop --lr"):
+    with pytest.raises(EdgetrainError, match=r"option 'lr' is 0.1 but the run in .* was trained with 0.05; "
+                                             r".*drop --lr"):
         load_config(resume=str(run_dir), lr=0.1)
     with pytest.raises(EdgetrainError, match="no checkpoint to resume from"):
         check_resumable(run_dir)

@@ -1,7 +1,9 @@
 """Checkpoints during a run, resuming from one, and stopping on SIGTERM with one.
 
-What a checkpoint holds (``--checkpoint-every N``): at the start of every
-N-th step, before the batch is taken, each device's
+What a checkpoint holds (``--checkpoint-every N`` steps and/or
+``--checkpoint-every-s S`` seconds): at the start of every N-th step (or of
+the first step after S seconds of rank 0's clock), before the batch is
+taken, each device's
 
 - ``Strategy.state_dict()``: the model and what the strategy keeps beside it
   (for data parallelism the sync mode's state: error-feedback residuals per
@@ -41,7 +43,8 @@ step when the model spans several buckets.
 
 SIGTERM. While checkpoints are on, SIGTERM no longer unwinds a device at
 once: it sets a flag, and at the start of every step the devices all-reduce
-their flags (4 bytes, outside the counted traffic). At the first step where
+their flags (8 bytes with rank 0's "S seconds have passed", outside the
+counted traffic). At the first step where
 any device has one, every device stops there together, a checkpoint is
 written, then the summary, and the run ends with one line saying how to
 resume (``resume_hint``). The all-reduce is what makes the devices agree on
@@ -54,6 +57,7 @@ import random
 import re
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -136,19 +140,26 @@ class Checkpointer:
         self.stop_requested = False   # this device got SIGTERM
         self.stopped = False          # the devices agreed to stop: the run ends at this step
         self.saved_step: int | None = None
+        self._last_save = time.monotonic()
 
     def due(self, step: int, start_step: int) -> bool:
         """Whether a checkpoint is written before ``step`` (every device calls this at every step)."""
-        self.stopped = self.spec.enabled and self._agree_to_stop()
+        if not self.spec.enabled:
+            return False
+        self.stopped, time_due = self._agree()
         every = self.spec.every_steps
-        due = self.stopped or (every is not None and step > start_step and step % every == 0)
+        due = self.stopped or time_due or (every is not None and step > start_step and step % every == 0)
         return due and step != self.saved_step  # asked again at an epoch's end: that step is saved already
 
-    def _agree_to_stop(self) -> bool:
-        flag = torch.tensor([int(self.stop_requested)], dtype=torch.int32)
+    def _agree(self) -> tuple[bool, bool]:
+        """(stop, a timed checkpoint is due), the same on every device: any device's SIGTERM, rank 0's clock."""
+        time_due = (self.rank == 0 and self.spec.every_s is not None
+                    and time.monotonic() - self._last_save >= self.spec.every_s)
+        flags = torch.tensor([int(self.stop_requested), int(time_due)], dtype=torch.int32)
         if self.world > 1:
-            wait(dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), self.timeout_s, "stop-flag all-reduce")
-        return bool(flag.item())
+            wait(dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True), self.timeout_s,
+                 "checkpoint-flag all-reduce")
+        return bool(flags[0]), bool(flags[1])
 
     def catch_sigterm(self) -> None:
         """While checkpoints are on, SIGTERM asks for a stop at the next step instead of unwinding now
@@ -167,7 +178,7 @@ class Checkpointer:
 
     def save(self, step: int, run_state: dict, device_state: dict) -> None:
         """Every device: gather the devices' states on rank 0, which writes one file and prunes old ones."""
-        self.saved_step = step
+        self.saved_step, self._last_save = step, time.monotonic()
         mine = _to_bytes(device_state)
         states = [mine]
         if self.world > 1:
