@@ -127,3 +127,14 @@ def test_resume_of_a_directory_that_is_no_run_is_one_line(tmp_path):
     assert done.returncode == 2
     assert done.stderr.startswith("edgetrain: error: --resume ") and done.stderr.count("\n") == 1, done.stderr
     assert "not a run directory" in done.stderr
+
+
+def test_resume_reads_the_newest_whole_checkpoint_and_removes_a_killed_writers_temporary(tmp_path):
+    writer = Checkpointer(CheckpointSpec(every_steps=1), str(tmp_path), rank=0, world=1, timeout_s=5)
+    writer.save(1, {"step": 1}, {"weights": torch.ones(3)})
+    killed_write = tmp_path / "checkpoints" / ".step-00000002.pt.999999999.x1y2.tmp"  # pid 999999999: gone
+    killed_write.write_bytes(b"half a checkpoint")
+    reader = Checkpointer(CheckpointSpec(resume_dir=str(tmp_path)), None, rank=0, world=1, timeout_s=5)
+    run_state, mine = reader.load()
+    assert run_state["step"] == 1 and torch.equal(mine["weights"], torch.ones(3))
+    assert not killed_write.exists()

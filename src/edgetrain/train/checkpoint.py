@@ -27,7 +27,10 @@ previous checkpoints and at most a hidden temporary, never a partial
 checkpoint. Then all but the newest ``--keep-checkpoints`` are removed.
 Resuming, rank 0 reads the newest file and broadcasts its bytes; each device
 takes its own entry (``torch.load(weights_only=True)``: tensors, numbers and
-strings only). Under torchrun only rank 0 needs the run directory.
+strings only), after removing the temporaries of writes a kill interrupted.
+Under torchrun every node reads the run's ``config.yaml`` (so every node
+needs the run directory, e.g. on a shared file system), and rank 0 alone
+reads the checkpoint.
 
 Exactness. Restoring all of the above at the same point of the loop makes a
 resumed run compute what the uninterrupted one would have, step for step, in
@@ -67,7 +70,7 @@ import torch.distributed as dist
 
 from edgetrain.comm.exchange import wait
 from edgetrain.errors import EdgetrainError
-from edgetrain.report.files import save_torch
+from edgetrain.report.files import remove_stale_temps, save_torch
 from edgetrain.spec import CheckpointSpec
 
 CHECKPOINT_DIR = "checkpoints"
@@ -201,6 +204,7 @@ class Checkpointer:
         """Every device: (the run's state, this device's state) from the newest checkpoint of the resumed run."""
         data = None
         if self.rank == 0:
+            remove_stale_temps(Path(self.spec.resume_dir) / CHECKPOINT_DIR)  # a write the kill interrupted
             data = torch.frombuffer(bytearray(checkpoint_files(self.spec.resume_dir)[-1].read_bytes()),
                                     dtype=torch.uint8)
         if self.world > 1:
