@@ -9,8 +9,10 @@ newest checkpoint. Printed, all measured:
 
 * wall time of each run (the chaos run's includes the failed attempts, the
   launcher's stop and each resume's start-up), and the ratio;
-* final test accuracy of both, and whether the final parameters are equal
-  (they should be: a resumed run is exact in this deterministic setting);
+* final test accuracy of both, and the largest difference between their
+  final parameters (float rounding only: a resumed run computes the same
+  steps, but DDP's first step after a resume sums some gradients in
+  another order);
 * per fault: the step killed, the checkpoint resumed from, the steps lost
   (trained again: fewer than ``--checkpoint-every``), and the time to
   recover (from starting ``--resume`` to the first new step on rank 0: the
@@ -125,12 +127,14 @@ def main() -> None:
 
     clean_model, clean_acc = final(clean)
     chaos_model, chaos_acc = final(run_dir)
-    same = all(torch.equal(clean_model[k], chaos_model[k]) for k in clean_model)
+    # Not bit-equal in general: DDP rebuilds its gradient buckets in a resumed run's first step, which
+    # changes the order gloo sums some gradient entries in (float rounding, ~1e-7).
+    gap = max((clean_model[k].double() - chaos_model[k].double()).abs().max().item() for k in clean_model)
     print(f"{args.devices} devices, {args.dataset}, {args.epochs} epochs ({total_steps} steps), "
           f"checkpoint every {args.checkpoint_every} steps, {args.faults} kills (seed {args.seed})")
     print(f"fault-free: {clean_s:.1f} s, test accuracy {clean_acc:.2%}")
     print(f"with kills: {chaos_s:.1f} s ({chaos_s / clean_s:.2f}x), test accuracy {chaos_acc:.2%}, "
-          f"final parameters {'identical' if same else 'DIFFERENT'} to the fault-free run")
+          f"final parameters differ from the fault-free run's by at most {gap:.2g}")
     for f in faults:
         print(f"  killed device {f['rank']} at step {f['step']}: resumed from step {f['checkpoint']}, "
               f"{f['step'] - f['checkpoint']} steps lost, {f['recover_s']:.1f} s from --resume to the first new step")
