@@ -34,15 +34,17 @@ reads the checkpoint.
 
 Exactness. Restoring all of the above at the same point of the loop makes a
 resumed run compute what the uninterrupted one would have, step for step, in
-a deterministic setting (``--workers 0``, CPU): the tests compare final
+a deterministic setting (CPU; augmentation is keyed by seed, epoch and
+sample, data/datasets.py, so loader workers change nothing): the tests compare final
 parameters for sync with top-k and error feedback and for local SGD.
 Not exact, by design or not yet: an asynchronous round in flight at the
 checkpoint is dropped (the devices agree on the last applied one and go on);
 PowerSGD's state (PyTorch's ``PowerSGDState``) is not held, so it warms up
-again; data-loader workers (``--workers > 0``) draw augmentation from their
-own seeds; DDP rebuilds its gradient buckets in the first resumed step, so a
-compressor that selects across a whole bucket may pick differently in that
-step when the model spans several buckets.
+again; DDP rebuilds its gradient buckets in the first resumed step, so
+when the model spans several buckets a compressor that selects across a
+whole bucket may pick differently in that step, and gloo's ring all-reduce
+may sum some entries in another order (float rounding: our 4-device CIFAR
+run of benchmarks/chaos.py ended within the gap it prints, not bit-equal).
 
 SIGTERM. While checkpoints are on, SIGTERM no longer unwinds a device at
 once: it sets a flag, and at the start of every step the devices all-reduce
