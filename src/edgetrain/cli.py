@@ -51,8 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("edgetrain: interrupted", file=sys.stderr)
         return 130
-    except Terminated:
-        print("edgetrain: terminated (SIGTERM); the run was stopped", file=sys.stderr)
+    except Terminated as e:
+        how_to_resume = f"; {e}" if str(e) else ""  # a run with checkpoints says where it stopped
+        print(f"edgetrain: terminated (SIGTERM); the run was stopped{how_to_resume}", file=sys.stderr)
         return 128 + signal.SIGTERM
     finally:
         if on_main_thread:

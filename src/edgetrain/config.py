@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from edgetrain.errors import EdgetrainError
-from edgetrain.spec import (LINK_MODES, RunSpec, check_compatible, get_link, parse_compress, parse_partition,
-                            parse_server_opt, parse_sync, parse_tiling)
+from edgetrain.spec import (FAULT_ENV, LINK_MODES, CheckpointSpec, RunSpec, check_compatible, get_link, parse_compress,
+                            parse_fault, parse_partition, parse_server_opt, parse_sync, parse_tiling)
 from edgetrain.yamlfile import read_yaml_mapping
 
 
@@ -106,6 +106,14 @@ class TrainConfig:
     progress: bool = _opt(True, "progress bar and start-up phase lines on rank 0")
     tensorboard: bool = _opt(False, "also write TensorBoard event files to <run>/tensorboard/ (needs the tensorboard "
                              "package: pip install tensorboard)")
+    checkpoint_every: int | None = _opt(None, "write a checkpoint every N steps (atomic; default: only the final "
+                                        "checkpoint.pt); SIGTERM then also stops with one", minimum=1)
+    checkpoint_every_s: float | None = _opt(None, "write a checkpoint every S seconds (rank 0's clock decides, "
+                                            "the devices agree at the next step); with --checkpoint-every too, "
+                                            "whichever comes first", minimum=1.0)
+    keep_checkpoints: int = _opt(2, "how many of the newest checkpoints to keep", minimum=1)
+    resume: str | None = _opt(None, "continue the run in this run directory from its newest checkpoint, with its "
+                              "own config.yaml (options that change the training are refused)")
     accelerator: str = _opt("auto", "where each device computes: auto (cuda if torch sees a GPU, else cpu), cpu or "
                             "cuda (collectives stay on gloo)", choices=("auto", "cpu", "cuda"))
 
@@ -194,6 +202,33 @@ def load_config(source: TrainConfig | dict | str | os.PathLike | None = None, **
         if key not in FIELDS:
             raise _unknown_key(key, "overrides")
         setattr(cfg, key, _coerce(key, value, "command line"))
+    if cfg.resume:
+        return _resumed(cfg.resume, {**values, **overrides})
+    validate(cfg)
+    return cfg
+
+
+# What a resumed run may set anew: how it is watched and stopped, not what it trains.
+RESUME_MAY_CHANGE = frozenset({"resume", "progress", "eval", "timeout", "workers", "threads", "output", "run_name",
+                               "cluster_token", "checkpoint_every", "checkpoint_every_s", "keep_checkpoints"})
+
+
+def _resumed(run_dir: str, given: dict[str, Any]) -> TrainConfig:
+    """The config of the run in ``run_dir`` (its config.yaml), with the options of ``given`` that may change on
+    top; an option that would change the training is refused in one line naming it."""
+    saved_path = Path(run_dir) / "config.yaml"
+    if not saved_path.is_file():
+        raise EdgetrainError(f"--resume {run_dir} is not a run directory (no config.yaml there); give the directory "
+                             f"edgetrain train made, e.g. runs/train-<timestamp>")
+    cfg = load_config(read_yaml_mapping(saved_path, "config file"))
+    for key, value in given.items():
+        value = _coerce(key, value, "command line")
+        if key not in RESUME_MAY_CHANGE and value != getattr(cfg, key):
+            raise EdgetrainError(f"option '{key}' is {value!r} but the run in {run_dir} was trained with "
+                                 f"{getattr(cfg, key)!r}; a resumed run continues as it was configured: drop "
+                                 f"--{key.replace('_', '-')} or start a new run")
+        setattr(cfg, key, value)
+    cfg.resume = str(run_dir)
     validate(cfg)
     return cfg
 
@@ -267,7 +302,9 @@ def resolve(cfg: TrainConfig) -> RunSpec:
         raise EdgetrainError("config key 'tensorboard' needs the tensorboard package, which is not installed; "
                              "pip install tensorboard (or edgetrain[tensorboard]), or drop --tensorboard")
     return RunSpec(compress, sync, link, cfg.link_mode, cfg.strategy, tiling, cfg.timeout, cfg.seed,
-                   cfg.accelerator, cfg.batchnorm, partition, server_opt, cfg.participation, tensorboard=cfg.tensorboard)
+                   cfg.accelerator, cfg.batchnorm, partition, server_opt, cfg.participation,
+                   CheckpointSpec(cfg.checkpoint_every, cfg.keep_checkpoints, cfg.resume, cfg.checkpoint_every_s),
+                   parse_fault(os.environ.get(FAULT_ENV)), tensorboard=cfg.tensorboard)
 
 
 # Kernel pseudo-filesystems: writes there fail half-way or change the system, never make a run directory.

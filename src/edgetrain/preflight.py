@@ -30,6 +30,10 @@ def check_before_launch(cfg: TrainConfig, spec: RunSpec, model: Any = None) -> N
     ``train`` instead of ``cfg.model``, if any.
     """
     check_output_dir(cfg.output, "config key 'output'")
+    if spec.checkpoint.resume_dir:
+        from edgetrain.train.checkpoint import check_resumable  # here: edgetrain.train imports this module
+
+        check_resumable(spec.checkpoint.resume_dir)
     if model is None:
         check_model(cfg.model)
     check_dataset(cfg.dataset)

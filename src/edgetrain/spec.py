@@ -63,6 +63,11 @@ What a ``Link`` costs in time is ``cluster.links``' model, not parsing.
 ``--grid ROWSxCOLS`` and ``--groups auto|E1,E2,...`` (group ends as layer
 indices) make a ``TilingSpec``; whether they fit a model is checked on the
 model (``tiling.strategy.plan_section``), not here.
+
+``--checkpoint-every``, ``--checkpoint-every-s``, ``--keep-checkpoints`` and ``--resume`` make a
+``CheckpointSpec`` (train/checkpoint.py); the ``EDGETRAIN_FAULT``
+environment variable (``kill|stop|disconnect:rank=R:step=S``, a test and
+chaos hook, cluster/faults.py) a ``FaultSpec``.
 """
 from __future__ import annotations
 
@@ -589,9 +594,58 @@ def parse_tiling(grid: str | tuple[int, int] | list[int], groups: str | list[int
     return TilingSpec(parse_grid(grid), parse_groups(groups))
 
 
+# ---------------------------------------------------------------- EDGETRAIN_FAULT
+
+FAULT_ENV = "EDGETRAIN_FAULT"
+FAULT_ACTIONS = ("kill", "stop", "disconnect")
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """A fault to inject (``cluster/faults.py``): ``action`` on device ``rank`` at the start of step ``step``."""
+
+    action: str   # FAULT_ACTIONS
+    rank: int
+    step: int
+
+
+def parse_fault(text: str | None) -> FaultSpec | None:
+    """``EDGETRAIN_FAULT=kill|stop|disconnect:rank=R:step=S`` (empty or unset: no fault)."""
+    if not text or not text.strip():
+        return None
+    usage = (f"{FAULT_ENV}={text!r} must be ACTION:rank=R:step=S with ACTION kill, stop or disconnect, "
+             f"e.g. kill:rank=1:step=5")
+    action, *rest = text.strip().lower().split(":")
+    fields = dict(part.partition("=")[::2] for part in rest)
+    if action not in FAULT_ACTIONS or sorted(fields) != ["rank", "step"] or len(rest) != 2:
+        raise EdgetrainError(usage)
+    try:
+        rank, step = int(fields["rank"]), int(fields["step"])
+    except ValueError:
+        raise EdgetrainError(usage) from None
+    if rank < 0 or step < 0:
+        raise EdgetrainError(f"{usage} (rank and step >= 0)")
+    return FaultSpec(action, rank, step)
+
+
 # ---------------------------------------------------------------- the run
 
 STRATEGIES = ("ddp", "tiled")
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    """``--checkpoint-every N``, ``--keep-checkpoints K``, ``--resume RUN_DIR`` (train/checkpoint.py)."""
+
+    every_steps: int | None = None   # None: no checkpoints every N steps
+    keep: int = 2                    # the newest K checkpoints stay; older ones are removed
+    resume_dir: str | None = None    # the run directory to continue, None for a new run
+    every_s: float | None = None     # also (or only) every S seconds of rank 0's wall time
+
+    @property
+    def enabled(self) -> bool:
+        """Checkpoints are written during the run (and SIGTERM stops with one)."""
+        return self.every_steps is not None or self.every_s is not None
 
 
 @dataclass(frozen=True)
@@ -623,4 +677,6 @@ class RunSpec:
     partition: PartitionSpec = PartitionSpec()     # each device's own data, or one shared dataset
     server_opt: ServerOptSpec = ServerOptSpec()    # fedavg rounds: the server's step
     participation: float = 1.0   # fedavg rounds: fraction of devices sampled per round
+    checkpoint: CheckpointSpec = CheckpointSpec()
+    fault: FaultSpec | None = None  # from EDGETRAIN_FAULT, for tests and chaos runs
     tensorboard: bool = False    # rank 0 also writes TensorBoard event files (train.tensorboard_log)

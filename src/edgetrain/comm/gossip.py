@@ -104,5 +104,12 @@ class Gossip(SyncMode):
         average_buffers(self.model, self.emulator, self.world_size, self.group)
         self.emulator.finish_step(ready, count=False)
 
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "steps": self.steps, "exchanges": self.exchanges}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.steps, self.exchanges = state["steps"], state["exchanges"]
+
     def summary(self) -> dict:
         return {**super().summary(), "exchanges": self.exchanges, "neighbours": self.neighbours}

@@ -133,9 +133,14 @@ class PartitionSampler(Sampler[list[tuple[int, int]]]):
     def __init__(self, indices: np.ndarray, local_batch: int, steps_per_epoch: int, rank: int, seed: int = 0):
         self.indices, self.local_batch, self.steps = np.asarray(indices), local_batch, steps_per_epoch
         self.rank, self.seed, self.epoch = rank, seed, 0
+        self.start_batch = 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
+
+    def resume_at(self, epoch: int, batch: int) -> None:
+        """The next iteration yields epoch ``epoch``'s batches from ``batch`` on (a resumed run)."""
+        self.epoch, self.start_batch = epoch, batch
 
     def __len__(self) -> int:
         return self.steps
@@ -145,7 +150,8 @@ class PartitionSampler(Sampler[list[tuple[int, int]]]):
         needed = self.steps * self.local_batch
         passes = math.ceil(needed / max(len(self.indices), 1))
         stream = np.concatenate([rng.permutation(self.indices) for _ in range(passes)]) if passes else []
-        for s in range(self.steps):
+        first, self.start_batch = self.start_batch, 0
+        for s in range(first, self.steps):
             yield [(int(i), self.epoch) for i in stream[s * self.local_batch:(s + 1) * self.local_batch]]
 
 

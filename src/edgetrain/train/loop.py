@@ -20,6 +20,12 @@ Rank 0 says each start-up phase in one line on stderr as it begins
 calibration, strategy set-up, training), unless ``--no-progress``; the
 launcher adds the host's speed measurement and the devices' start.
 
+Checkpoints during the run, ``--resume`` and the stop on SIGTERM are a
+``Checkpointer`` (train/checkpoint.py: what is held, the protocol, what is
+exact): it is asked at the start of every step, before the batch is taken.
+A resumed run restores every device's state there and rewrites the records
+files from the checkpoint's, so that no step is counted twice.
+
 Each step's ``StepRecord`` (records.py) says where the time went:
 
 - ``data_s``: waiting for the batch;
@@ -68,6 +74,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Subset
 
 from edgetrain.bench.flops import achieved, device_peak, training_flops_per_sample
+from edgetrain.cluster.faults import inject_fault
 from edgetrain.cluster.launch import loader_worker_init
 from edgetrain.cluster.peers import admit_peers, check_rank_environment, gather_json
 from edgetrain.cluster.profiles import DeviceSpec
@@ -76,11 +83,12 @@ from edgetrain.comm.accounting import CommStats
 from edgetrain.config import TrainConfig
 from edgetrain.data import build_data, register_dataset, shard_indices
 from edgetrain.data.partition import PartitionReport, build_sampler
-from edgetrain.errors import EdgetrainError
+from edgetrain.errors import EdgetrainError, Terminated
 from edgetrain.models import build_model, count_parameters, register_model
 from edgetrain.records import DeviceSummary, EvalRecord, RunSummary, StepRecord
 from edgetrain.report.files import atomic_write, save_torch, write_json
 from edgetrain.spec import RunSpec
+from edgetrain.train.checkpoint import Checkpointer, resume_hint, rng_state, set_rng_state
 from edgetrain.train.strategy import STRATEGIES, StepResult, Strategy, StrategyContext
 from edgetrain.train.tensorboard_log import TensorBoardLog, write_missing_devices
 
@@ -259,6 +267,19 @@ class RunWriter:
             if self._events:
                 self._events.evaluation(record)
 
+    def restart(self, records: list[StepRecord], evals: list[EvalRecord]) -> None:
+        """A resumed run: the records files hold exactly the checkpoint's records (a killed run may have
+        written steps after its last checkpoint), and new ones are appended after them."""
+        if not self._metrics:
+            return
+        self._metrics.close()
+        with atomic_write(self.live_metrics(self.rank)) as f:
+            f.writelines(json.dumps(r.to_dict()) + "\n" for r in records)
+        self._metrics = open(self.live_metrics(self.rank), "a", encoding="utf-8")
+        if self.rank == 0 and (evals or (self.run_dir / "evals.jsonl").exists()):
+            with atomic_write(self.run_dir / "evals.jsonl") as f:
+                f.writelines(json.dumps(e.to_dict()) + "\n" for e in evals)
+
     def close(self) -> None:
         if self._metrics:
             self._metrics.close()
@@ -330,6 +351,8 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
         register_dataset(name, factory)
     at = set_up_device(cfg, spec, devices, speeds, cluster_token)
     rank, world = at.rank, at.world
+    checkpoints = Checkpointer(spec.checkpoint, run_dir, rank, world, spec.timeout_s)
+    run_state, mine = checkpoints.load() if spec.checkpoint.resume_dir else (None, None)
 
     phase(cfg, rank, f"loading data: {cfg.dataset}")
     data = build_data(cfg)
@@ -349,7 +372,9 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
     if throttle:
         phase(cfg, rank, "calibrating the throttle: a reference pass per device, one device of this host at a time")
         batch = strategy.calibration_batch
-        calibrate_throttle(throttle, model, None if batch is None else
+        if mine:  # the resumed device keeps its calibration
+            vars(throttle).update(mine["throttle"])
+        calibrate_throttle(throttle, model, None if batch is None or mine else
                            torch.randn(batch, *data.input_shape, device=at.device), at)
     phase(cfg, rank, f"setting up strategy {strategy.name}")
     strategy.setup(model)
@@ -376,14 +401,41 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
     bar = _progress(cfg, rank, int(total_steps))
     records: list[StepRecord] = []
     evals: list[EvalRecord] = []
-    step, limit_mb = 0, at.me.profile.memory_mb
+    step, start_epoch, limit_mb = 0, 0, at.me.profile.memory_mb
     ema_loss = None
     epoch_loss = epoch_correct = epoch_seen = 0.0
-    for epoch in range(epochs):
+    if mine:
+        strategy.load_state_dict(mine["strategy"])
+        optimizer.load_state_dict(mine["optimizer"])
+        scheduler.load_state_dict(mine["scheduler"])
+        records = [StepRecord.from_dict(r) for r in mine["records"]]
+        evals = [EvalRecord.from_dict(e) for e in run_state["evals"]]
+        writer.restart(records, evals)
+        epoch_loss, epoch_correct, epoch_seen = mine["epoch_totals"]
+        ema_loss, step, start_epoch = mine["ema_loss"], run_state["step"], run_state["epoch"]
+        started -= run_state["wall_s"]  # the summary's wall time covers the whole run
+        set_rng_state(mine["rng"], at.device)  # last: nothing above may draw from it
+    resumed_step = step
+    checkpoints.catch_sigterm()
+    for epoch in range(start_epoch, epochs):
         sampler.set_epoch(epoch)
-        epoch_loss = epoch_correct = epoch_seen = 0.0
+        if step == resumed_step and mine:
+            sampler.resume_at(epoch, step - epoch * len(sampler))
+        else:
+            epoch_loss = epoch_correct = epoch_seen = 0.0
         batches = iter(loader)
         while step < total_steps:
+            if checkpoints.due(step, resumed_step):
+                checkpoints.save(step, {
+                    "step": step, "epoch": epoch, "evals": [e.to_dict() for e in evals],
+                    "wall_s": time.perf_counter() - started, "config": cfg.to_dict()}, {
+                    "strategy": strategy.state_dict(), "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(), "rng": rng_state(at.device),
+                    "records": [r.to_dict() for r in records], "epoch_totals": [epoch_loss, epoch_correct, epoch_seen],
+                    "ema_loss": ema_loss, "throttle": _throttle_state(throttle)})
+                if checkpoints.stopped:
+                    break
+            inject_fault(spec.fault, rank, step, spec.timeout_s)  # EDGETRAIN_FAULT, for tests and chaos runs
             recorder.start()
             try:
                 x, y = next(batches)
@@ -406,6 +458,8 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
             ema_loss = record.loss if ema_loss is None else 0.9 * ema_loss + 0.1 * record.loss
             if bar:
                 bar.update(step, epoch, ema_loss, epoch_correct / max(epoch_seen, 1), cfg.batch_size / record.step_s)
+        if checkpoints.stopped:
+            break
         if step >= total_steps or epoch == epochs - 1:
             strategy.finish()  # the last exchange: every device now holds the same model
         if cfg.eval:
@@ -415,6 +469,7 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
             _note(bar, rank, f"epoch {epoch + 1}/{epochs}: test accuracy {test_acc:.1%}, loss {test_loss:.3f}")
         if step >= total_steps:
             break
+    checkpoints.release_sigterm()
     if bar:
         bar.close()
     strategy.finish()  # no-op if the last epoch already called it
@@ -437,6 +492,8 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
                                  local_batches, step, time.perf_counter() - started, flops_per_sample, partition)
     dist.barrier()
     dist.destroy_process_group()
+    if checkpoints.stopped:
+        raise Terminated(resume_hint(run_dir) if run_dir else "")
     return summary
 
 
@@ -444,6 +501,14 @@ def phase(cfg: TrainConfig, rank: int, text: str) -> None:
     """A start-up phase on rank 0, one line on stderr as it begins (not with --no-progress)."""
     if cfg.progress and rank == 0:
         print(f"edgetrain: {text}", file=sys.stderr, flush=True)
+
+
+def _throttle_state(throttle: Throttle | None) -> dict | None:
+    """The throttle's calibration, which a resumed device keeps instead of measuring again."""
+    if throttle is None:
+        return None
+    return {k: getattr(throttle, k) for k in ("reference_cpu", "reference_batch", "reference_gradients",
+                                              "inflation", "inflations", "slept")}
 
 
 def _note(bar, rank: int, text: str) -> None:

@@ -12,6 +12,7 @@ drives a ``Strategy`` the same way for every kind, on every device::
     strategy.finish()               # final exchange: every device holds the same model afterwards
     strategy.eval_model             # the module to evaluate
     strategy.summary()              # extra fields for summary.json (RunSummary.details)
+    strategy.state_dict()           # what a checkpoint holds (default: the model); load_state_dict after setup
 
 ``shard_data`` says what the sampler hands each device: its own share of the
 global batch (``local_batches[rank]``, data parallel) or the whole global
@@ -106,6 +107,15 @@ class Strategy(abc.ABC):
     def summary(self) -> dict:
         return {}
 
+    def state_dict(self) -> dict:
+        """This device's part of a checkpoint (train/checkpoint.py), beside optimizer and RNG: the model,
+        and whatever else the strategy keeps between steps (override both methods to add it)."""
+        return {"model": self.eval_model.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Called after ``setup`` when a run resumes."""
+        self.eval_model.load_state_dict(state["model"])
+
 
 class DataParallel(Strategy):
     """Every device trains a replica on its share of the batch; ``comm.build_sync`` picks how replicas agree
@@ -170,6 +180,14 @@ class DataParallel(Strategy):
 
     def summary(self) -> dict:
         return self.sync.summary()
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "sync": self.sync.state_dict(), "steps": self.steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.sync.load_state_dict(state["sync"])
+        self.steps = state["steps"]
 
 
 class Tiled(Strategy):
