@@ -112,3 +112,13 @@ def test_a_device_left_short_of_a_batch_is_refused_before_any_device_starts(tmp_
         "edgetrain: error: --partition dirichlet:0.001 left a device fewer samples than its local batch in 100 "
         "draws; raise alpha, or lower --devices or --batch-size"]
     assert not out.exists()
+
+
+def test_a_resumed_partition_sampler_continues_where_the_epoch_was():
+    """A resumed run (train/checkpoint.py) starts mid-epoch: the batches after the checkpoint, then whole epochs."""
+    sampler = PartitionSampler(np.arange(40), local_batch=4, steps_per_epoch=6, rank=1, seed=3)
+    sampler.set_epoch(2)
+    whole = list(sampler)
+    sampler.resume_at(2, 4)
+    assert list(sampler) == whole[4:]
+    assert list(sampler) == whole  # the next pass over the same epoch is whole again
