@@ -6,6 +6,7 @@ through, stdin closed when the channel closes.
 """
 import asyncio
 import contextlib
+import importlib.util
 import signal
 import subprocess
 import sys
@@ -16,12 +17,11 @@ import psutil
 import pytest
 import yaml
 
+from edgetrain.cli import main
 from edgetrain.cluster.launch import _loopback_interface, free_port
 from edgetrain.cluster.ssh import load_hosts
 from edgetrain.errors import EdgetrainError
 from edgetrain_testing import run_cli
-
-asyncssh = pytest.importorskip("asyncssh")
 
 TRAIN = ["train", "--batch-size", "16", "--no-progress", "--no-eval", "--no-throttle", "--timeout", "30"]
 
@@ -55,6 +55,7 @@ async def _serve_command(process) -> None:
 @pytest.fixture(scope="module")
 def ssh_hosts(tmp_path_factory):
     """Two SSH servers on 127.0.0.1 and the files a hosts.yaml needs: (ports, client key, known_hosts)."""
+    asyncssh = pytest.importorskip("asyncssh")
     keys = tmp_path_factory.mktemp("ssh")
     host_key, client_key = asyncssh.generate_private_key("ssh-ed25519"), asyncssh.generate_private_key("ssh-ed25519")
     client_key.write_private_key(str(keys / "id_ed25519"))
@@ -78,8 +79,16 @@ def ssh_hosts(tmp_path_factory):
     public = host_key.export_public_key().decode().strip()
     (keys / "known_hosts").write_text("".join(f"[127.0.0.1]:{p} {public}\n" for p in ports))
     yield ports, keys / "id_ed25519", keys / "known_hosts"
-    for server in servers:
-        loop.call_soon_threadsafe(server.close)
+
+    async def shutdown():
+        for server in servers:
+            server.close()
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run_coroutine_threadsafe(shutdown(), loop).result(30)
     loop.call_soon_threadsafe(loop.stop)
     thread.join(10)
 
@@ -129,19 +138,30 @@ def test_two_hosts_train_and_print_with_their_prefix(tmp_path, ssh_hosts):
     assert wait_for_no_leftovers() == []
 
 
-def test_ctrl_c_stops_every_host(tmp_path, ssh_hosts):
-    launcher = subprocess.Popen([sys.executable, "-m", "edgetrain",
-                                 *launch_args(hosts_file(tmp_path, ssh_hosts), "--epochs", "1000",
-                                              "--output", str(tmp_path / "runs"))],
+def start_long_launch(tmp_path, ssh_hosts, *options: str) -> subprocess.Popen:
+    """A launch (with ``options``) of a long run on hosts a and b; returned once both hosts' workers are up."""
+    args = launch_args(hosts_file(tmp_path, ssh_hosts), "--epochs", "1000", "--output", str(tmp_path / "runs"))
+    launcher = subprocess.Popen([sys.executable, "-m", "edgetrain", args[0], *options, *args[1:]],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not steps_written(tmp_path / "runs") and time.monotonic() < deadline and launcher.poll() is None:
+        time.sleep(0.5)
+    if not steps_written(tmp_path / "runs"):
+        launcher.kill()
+        pytest.fail(f"the run did not start training: launcher exit {launcher.poll()}")
+    return launcher
+
+
+def steps_written(output, runs: int = 1) -> bool:
+    """Whether the ``runs``-th run directory under ``output`` has rank 0's record of a step (it trains)."""
+    made = sorted(output.iterdir()) if output.is_dir() else []
+    metrics = made[runs - 1] / "metrics-0.jsonl" if len(made) >= runs else None
+    return metrics is not None and metrics.is_file() and metrics.read_text().count("\n") >= 1
+
+
+def test_ctrl_c_stops_every_host(tmp_path, ssh_hosts):
+    launcher = start_long_launch(tmp_path, ssh_hosts)
     try:
-        deadline = time.monotonic() + 120
-        workers = []
-        while len(workers) < 2 and time.monotonic() < deadline and launcher.poll() is None:
-            time.sleep(0.5)
-            workers = [w for w in leftovers() if " -m edgetrain train" in w and "torch.distributed.run" not in w]
-        assert len(workers) == 2, (workers, launcher.poll())
-        time.sleep(2)  # into training
         launcher.send_signal(signal.SIGINT)
         _, err = launcher.communicate(timeout=60)
     finally:
@@ -149,6 +169,57 @@ def test_ctrl_c_stops_every_host(tmp_path, ssh_hosts):
     assert launcher.returncode == 130, err[-3000:]
     assert err.splitlines()[-1] == "edgetrain: interrupted"
     assert wait_for_no_leftovers() == []
+
+
+def kill_torchrun_of_host_b() -> None:
+    """SIGKILL host b's torchrun agent (b does not serve the rendezvous: is_host=0), as a crash would."""
+    for p in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if "torch.distributed.run" in " ".join(p.cmdline()) and "is_host=0" in " ".join(p.cmdline()):
+                p.kill()
+                return
+    pytest.fail("host b's torchrun was not found")
+
+
+@pytest.mark.slow
+def test_host_that_drops_stops_every_host_and_is_named(tmp_path, ssh_hosts):
+    launcher = start_long_launch(tmp_path, ssh_hosts)
+    try:
+        kill_torchrun_of_host_b()
+        _, err = launcher.communicate(timeout=90)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 2, err[-3000:]
+    assert err.splitlines()[-1].startswith("edgetrain: error: host b failed: its process was killed by SIGKILL")
+    assert wait_for_no_leftovers() == []
+
+
+@pytest.mark.slow
+def test_host_that_drops_is_started_again_and_training_goes_on(tmp_path, ssh_hosts):
+    launcher = start_long_launch(tmp_path, ssh_hosts, "--max-restarts", "1")
+    try:
+        kill_torchrun_of_host_b()
+        # torchrun restarts training in a new run directory once both hosts have met again: wait for its steps
+        deadline = time.monotonic() + 150
+        while not steps_written(tmp_path / "runs", runs=2) and time.monotonic() < deadline and launcher.poll() is None:
+            time.sleep(0.5)
+        launcher.send_signal(signal.SIGINT)
+        _, err = launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+    assert "edgetrain: host b dropped (its process was killed by SIGKILL); starting it again (restart 1 of 1)" in err
+    assert launcher.returncode == 130, err[-3000:]  # interrupted while training again, not failed
+    assert len(list((tmp_path / "runs").iterdir())) == 2
+    assert wait_for_no_leftovers() == []
+
+
+def test_launch_without_asyncssh_is_one_line_naming_the_extra(tmp_path, monkeypatch, capsys):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "asyncssh"
+                        else real_find_spec(name, *a))
+    assert main(["launch", "--hosts", str(tmp_path / "hosts.yaml"), "--", "train"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pip install edgetrain[ssh]" in err
 
 
 @pytest.mark.parametrize("hosts, complaint", [
