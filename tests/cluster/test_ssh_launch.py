@@ -96,7 +96,8 @@ def ssh_hosts(tmp_path_factory):
 def hosts_file(tmp_path, ssh_hosts, **extra) -> str:
     ports, key, known_hosts = ssh_hosts
     defaults = dict(address="127.0.0.1", user="edge", key=str(key), known_hosts=str(known_hosts),
-                    python=sys.executable, env={"GLOO_SOCKET_IFNAME": _loopback_interface() or "lo"}, **extra)
+                    python=sys.executable, env={"GLOO_SOCKET_IFNAME": _loopback_interface() or "lo"})
+    defaults.update(extra)
     path = tmp_path / "hosts.yaml"
     path.write_text(yaml.safe_dump({"defaults": defaults,
                                     "hosts": [{"name": "a", "port": ports[0]}, {"name": "b", "port": ports[1]}]}))
@@ -126,6 +127,7 @@ def wait_for_no_leftovers(timeout_s: float = 30) -> list[str]:
     return leftovers()
 
 
+@pytest.mark.slow
 def test_two_hosts_train_and_print_with_their_prefix(tmp_path, ssh_hosts):
     out = tmp_path / "runs"
     r = run_cli(*launch_args(hosts_file(tmp_path, ssh_hosts), "--steps", "3", "--output", str(out),
@@ -159,6 +161,7 @@ def steps_written(output, runs: int = 1) -> bool:
     return metrics is not None and metrics.is_file() and metrics.read_text().count("\n") >= 1
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_every_host(tmp_path, ssh_hosts):
     launcher = start_long_launch(tmp_path, ssh_hosts)
     try:
@@ -213,6 +216,14 @@ def test_host_that_drops_is_started_again_and_training_goes_on(tmp_path, ssh_hos
     assert wait_for_no_leftovers() == []
 
 
+def test_host_without_edgetrain_is_one_line_naming_it(tmp_path, ssh_hosts):
+    r = run_cli(*launch_args(hosts_file(tmp_path, ssh_hosts, python="/nonexistent/python3"), "--steps", "1"))
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines()[-1].startswith("edgetrain: error: host a: /nonexistent/python3 cannot import "
+                                                "edgetrain and torch (exit 127")
+    assert "set 'python:' in the hosts file" in r.stderr
+
+
 def test_launch_without_asyncssh_is_one_line_naming_the_extra(tmp_path, monkeypatch, capsys):
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "asyncssh"
@@ -256,15 +267,20 @@ def test_hosts_file_defaults_apply_and_names_come_from_addresses(tmp_path):
 
 
 @pytest.mark.parametrize("train, complaint", [
-    (["bench", "peak"], "runs a train command on the hosts"),
+    (["bench", "peak"], "runs a train command on the hosts, not 'bench peak'"),
+    ([], "runs a train command on the hosts, and none was given"),
     (["train", "--lr", "nan"], "'lr' in command line must be a finite number"),
     (["train", "--modle", "x"], "did you mean '--model'?"),
 ])
-def test_bad_launch_is_one_line_before_connecting(tmp_path, train, complaint):
-    # An address nobody answers at: a check after connecting would time out instead of naming the problem.
+def test_bad_launch_is_one_line_before_connecting(tmp_path, capsys, train, complaint):
+    # An address nobody answers at (TEST-NET-1): a check after connecting would wait out the 30 s instead.
     path = tmp_path / "hosts.yaml"
     path.write_text(yaml.safe_dump({"hosts": [{"address": "192.0.2.1", "port": 1}]}))
     started = time.monotonic()
-    r = run_cli("launch", "--hosts", str(path), "--connect-timeout", "30", "--", *train)
-    assert r.returncode == 2 and r.stderr.count("\n") == 1 and complaint in r.stderr, r.stderr
+    try:
+        code = main(["launch", "--hosts", str(path), "--connect-timeout", "30", "--", *train])
+    except SystemExit as e:  # the train command's own parser refused it
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and complaint in err, err
     assert time.monotonic() - started < 20

@@ -65,6 +65,7 @@ NODE_MODULE = "edgetrain.cluster.ssh_node"
 DEFAULT_RDZV_PORT = 29400  # torchrun's own default for the c10d endpoint
 _STOP_GRACE_S = 15.0  # ssh_node's wait for torchrun to stop before SIGKILL
 _STOP_MARGIN_S = 10.0  # on top of it: the session's own exit and the network
+_PROBE_S = 30.0  # on top of --connect-timeout: the host's python starting and reading package metadata
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 # Checked on each host before anything starts: its versions, and whether it has the node module.
 _PROBE = ("import importlib.metadata as m, importlib.util as u, json; "
@@ -210,8 +211,9 @@ def plan_launch(args: argparse.Namespace) -> LaunchSpec:
     hosts = load_hosts(args.hosts)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if command[:1] != ["train"]:
-        raise EdgetrainError(f"edgetrain launch runs a train command on the hosts, not {shlex.join(command)!r}; "
-                             f"write it after --, as in: edgetrain launch --hosts {args.hosts} -- train --epochs 5")
+        given = f"not {shlex.join(command)!r}" if command else "and none was given"
+        raise EdgetrainError(f"edgetrain launch runs a train command on the hosts, {given}; write it after --, "
+                             f"as in: edgetrain launch --hosts {args.hosts} -- train --epochs 5")
     train_args = build_parser().parse_args(command)
     overrides = {k: v for k, v in vars(train_args).items() if k in FIELDS}
     # As the hosts will see it: torchrun's world is every device of every host (the tiled grid is checked on it).
@@ -290,9 +292,15 @@ class _Host:
 
     async def probe(self) -> tuple[str, str]:
         """(edgetrain, torch) versions of the host's python; one line if it cannot start the node module."""
+        import asyncssh
+
         h = self.host
-        result = await asyncio.wait_for(self.conn.run(shlex.join([h.python, "-c", _PROBE])),
-                                        self.spec.connect_timeout + 30)
+        try:
+            result = await asyncio.wait_for(self.conn.run(shlex.join([h.python, "-c", _PROBE])),
+                                            self.spec.connect_timeout + _PROBE_S)
+        except (OSError, asyncssh.Error, asyncio.TimeoutError) as e:
+            raise EdgetrainError(f"host {h.name}: checking its edgetrain failed ({str(e) or type(e).__name__}); "
+                                 f"check that the host answers, or raise --connect-timeout") from None
         try:
             edgetrain_version, torch_version, has_node = json.loads(result.stdout.strip().splitlines()[-1])
         except (ValueError, IndexError, TypeError):
@@ -367,8 +375,8 @@ async def _launch(spec: LaunchSpec) -> None:
     running: dict[asyncio.Task, _Host] = {}
     try:
         _say(f"connecting to {len(hosts)} host(s): {', '.join(h.host.where for h in hosts)}")
-        await _first_of(asyncio.gather(*(h.connect() for h in hosts)), stop_reason)
-        versions = await _first_of(asyncio.gather(*(h.probe() for h in hosts)), stop_reason)
+        await _first_of(_on_every_host([h.connect() for h in hosts]), stop_reason)
+        versions = await _first_of(_on_every_host([h.probe() for h in hosts]), stop_reason)
         _check_versions(hosts, versions)
         first = spec.hosts[0]
         _say(f"starting torchrun on {', '.join(f'{h.name} ({h.devices} device(s))' for h in spec.hosts)}; "
@@ -397,6 +405,15 @@ async def _launch(spec: LaunchSpec) -> None:
         for task in running:
             task.cancel()
         await asyncio.gather(*running, return_exceptions=True)
+
+
+async def _on_every_host(steps: list) -> list:
+    """Run one step on every host at once; if some fail, raise the first host's error (in hosts.yaml order)."""
+    results = await asyncio.gather(*steps, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results
 
 
 async def _first_of(work: asyncio.Future, stop_reason: asyncio.Future):
