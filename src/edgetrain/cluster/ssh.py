@@ -21,6 +21,8 @@ What it does, in order (asyncssh, imported only here: ``pip install edgetrain[ss
    ``EDGETRAIN_CLUSTER_TOKEN`` here, else a fresh random one for this launch, so only the processes this
    launch started are admitted) and the host's ``env:`` travel on stdin (never on a command line, never
    written), and edgetrain's admission (cluster/peers.py) checks them as under a hand-started torchrun.
+   ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` is set too, so that a host started again can rejoin
+   (``_TORCHRUN_ENV`` says why).
 4. *Watch*. Every line a host prints is printed here as ``[name] line`` (stdout to stdout, stderr to
    stderr). A host whose command exits 0 is done; the launch ends when all are. A host whose process
    *dropped* (killed by a signal: exit code > 128, or its SSH connection lost) is started again, up to
@@ -66,6 +68,11 @@ DEFAULT_RDZV_PORT = 29400  # torchrun's own default for the c10d endpoint
 _STOP_GRACE_S = 15.0  # ssh_node's wait for torchrun to stop before SIGKILL
 _STOP_MARGIN_S = 10.0  # on top of it: the session's own exit and the network
 _PROBE_S = 30.0  # on top of --connect-timeout: the host's python starting and reading package metadata
+# torchrun's agents share their rendezvous store with the workers by default, but then a node that joins in a
+# later round (a host started again) waits for the round's MASTER_ADDR key, which a rank 0 that joined earlier
+# never publishes again: the rendezvous times out (torch 2.13, dynamic_rendezvous.next_rendezvous). Without the
+# sharing, rank 0 publishes a fresh address every round and its worker serves the store. A host's env: wins.
+_TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 # Checked on each host before anything starts: its versions, and whether it has the node module.
 _PROBE = ("import importlib.metadata as m, importlib.util as u, json; "
@@ -315,7 +322,7 @@ class _Host:
         return edgetrain_version, torch_version
 
     async def start(self) -> None:
-        env = dict(self.host.env, EDGETRAIN_CLUSTER_TOKEN=self.spec.cluster_token)
+        env = dict(_TORCHRUN_ENV, **dict(self.host.env), EDGETRAIN_CLUSTER_TOKEN=self.spec.cluster_token)
         self.process = await self.conn.create_process(node_command(self.spec, self.index), encoding="utf-8",
                                                       errors="replace")
         self.process.stdin.write(json.dumps(env) + "\n")
