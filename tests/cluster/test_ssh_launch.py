@@ -20,7 +20,7 @@ import yaml
 
 from edgetrain.cli import main
 from edgetrain.cluster.launch import _loopback_interface, free_port
-from edgetrain.cluster.ssh import load_hosts
+from edgetrain.cluster.ssh import LaunchSpec, after_exit, load_hosts
 from edgetrain.errors import EdgetrainError
 from edgetrain_testing import run_cli
 
@@ -175,6 +175,16 @@ def test_ctrl_c_stops_every_host(tmp_path, ssh_hosts):
     assert wait_for_no_leftovers() == []
 
 
+@pytest.mark.slow
+def test_launcher_killed_outright_leaves_nothing_on_the_hosts(tmp_path, ssh_hosts):
+    """SIGKILL gives the launcher no chance to stop anything: its connections close, and each host's
+    ssh_node reads its stdin's end as the order to stop."""
+    launcher = start_long_launch(tmp_path, ssh_hosts)
+    launcher.kill()
+    launcher.communicate(timeout=30)
+    assert wait_for_no_leftovers(60) == []
+
+
 def kill_torchrun_of_host_b() -> None:
     """SIGKILL host b's torchrun agent (b does not serve the rendezvous: is_host=0), as a crash would."""
     for p in psutil.Process().children(recursive=True):
@@ -223,6 +233,22 @@ def test_host_without_edgetrain_is_one_line_naming_it(tmp_path, ssh_hosts):
     assert r.stderr.splitlines()[-1].startswith("edgetrain: error: host a: /nonexistent/python3 cannot import "
                                                 "edgetrain and torch (exit 127")
     assert "set 'python:' in the hosts file" in r.stderr
+
+
+@pytest.mark.parametrize("index, restarts, code, signal_name, others, action", [
+    (1, 0, 0, None, 1, "done"),
+    (1, 0, 1, None, 1, "fail"),  # torchrun gave up (its own restarts spent): starting it again would not help
+    (1, 0, 137, None, 1, "restart"),  # its torchrun was SIGKILLed
+    (1, 0, None, "KILL", 1, "restart"),  # the remote shell itself was killed
+    (1, 0, None, None, 1, "restart"),  # the SSH connection was lost
+    (0, 0, 137, None, 1, "fail"),  # the first host served the rendezvous
+    (1, 2, 137, None, 1, "leave out"),  # restarts spent, but --min-hosts 1 remain
+    (1, 2, 137, None, 0, "fail"),
+])
+def test_what_happens_when_a_host_ends(index, restarts, code, signal_name, others, action):
+    spec = LaunchSpec(hosts=(), train_flags=(), cluster_token="", min_hosts=1, max_restarts=2, rdzv_port=1,
+                      rdzv_timeout=1, connect_timeout=1, run_id="x")
+    assert after_exit(spec, index, restarts, code, signal_name, others) == action
 
 
 def test_launch_without_asyncssh_is_one_line_naming_the_extra(tmp_path, monkeypatch, capsys):

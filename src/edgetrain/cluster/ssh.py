@@ -28,7 +28,8 @@ What it does, in order (asyncssh, imported only here: ``pip install edgetrain[ss
    *dropped* (killed by a signal: exit code > 128, or its SSH connection lost) is started again, up to
    ``--max-restarts`` times per host, and rejoins the rendezvous (torchrun's agents on the other hosts
    restart their workers, ``--max-restarts`` times too); the first host cannot be, as the rendezvous
-   store lived in its torchrun. Any other exit (torchrun gave up: a worker failed past its restarts, bad
+   store lived in its torchrun. Past its restarts, a dropped host is left out while ``--min-hosts`` remain
+   (torchrun's agents re-form the group without it). Any other exit (torchrun gave up: a worker failed past its restarts, bad
    input on that host) stops every other host and ends in one line naming the host, its exit and its
    last error line.
 5. *Stop*. Ctrl-C or SIGTERM here, or a host's failure: every host's stdin is closed, which makes its
@@ -269,6 +270,19 @@ def dropped(code: int | None, signal_name: str | None) -> bool:
     return signal_name is not None or code is None or code > 128
 
 
+def after_exit(spec: LaunchSpec, index: int, restarts: int, code: int | None, signal_name: str | None,
+               others_running: int) -> str:
+    """What to do when host ``index``'s process ended: "done", "restart", "leave out" or "fail" (the rules
+    of the module docstring's step 4)."""
+    if code == 0 and signal_name is None:
+        return "done"
+    if not dropped(code, signal_name) or index == 0:  # torchrun gave up, or the rendezvous store went with it
+        return "fail"
+    if restarts < spec.max_restarts:
+        return "restart"
+    return "leave out" if others_running >= spec.min_hosts else "fail"
+
+
 class _Host:
     """One host's SSH connection and the run's process on it (restarted in place)."""
 
@@ -396,17 +410,19 @@ async def _launch(spec: LaunchSpec) -> None:
             for task in done:
                 host = running.pop(task)
                 code, signal_name = task.result()
-                if code == 0 and signal_name is None:
-                    continue
                 why = describe_exit(code, signal_name)
-                if dropped(code, signal_name) and host.index > 0 and host.restarts < spec.max_restarts:
+                action = after_exit(spec, host.index, host.restarts, code, signal_name, len(running))
+                if action == "restart":
                     host.restarts += 1
                     _say(f"host {host.host.name} dropped ({why}); starting it again "
                          f"(restart {host.restarts} of {spec.max_restarts})")
                     running[asyncio.ensure_future(host.run())] = host
-                    continue
-                last = f" (last line: {host.last_error})" if host.last_error else ""
-                raise EdgetrainError(f"host {host.host.name} failed: {why}{last}; the other hosts were stopped")
+                elif action == "leave out":
+                    _say(f"host {host.host.name} dropped ({why}); going on with the other {len(running)} "
+                         f"host(s) (--min-hosts {spec.min_hosts})")
+                elif action == "fail":
+                    last = f" (last line: {host.last_error})" if host.last_error else ""
+                    raise EdgetrainError(f"host {host.host.name} failed: {why}{last}; the other hosts were stopped")
     finally:
         await asyncio.gather(*(h.stop() for h in hosts))
         for task in running:
