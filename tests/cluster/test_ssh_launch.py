@@ -163,15 +163,19 @@ def steps_written(output, runs: int = 1) -> bool:
 
 
 @pytest.mark.slow
-def test_ctrl_c_stops_every_host(tmp_path, ssh_hosts):
+@pytest.mark.parametrize("sig, code, last_line", [
+    (signal.SIGINT, 130, "edgetrain: interrupted"),  # Ctrl-C
+    (signal.SIGTERM, 143, "edgetrain: terminated (SIGTERM); the run was stopped"),
+])
+def test_ctrl_c_or_sigterm_stops_every_host(tmp_path, ssh_hosts, sig, code, last_line):
     launcher = start_long_launch(tmp_path, ssh_hosts)
     try:
-        launcher.send_signal(signal.SIGINT)
+        launcher.send_signal(sig)
         _, err = launcher.communicate(timeout=60)
     finally:
         launcher.kill()
-    assert launcher.returncode == 130, err[-3000:]
-    assert err.splitlines()[-1] == "edgetrain: interrupted"
+    assert launcher.returncode == code, err[-3000:]
+    assert err.splitlines()[-1] == last_line
     assert wait_for_no_leftovers() == []
 
 
