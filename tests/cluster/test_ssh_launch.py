@@ -6,6 +6,7 @@ through, stdin closed when the channel closes.
 """
 import asyncio
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import signal
@@ -18,9 +19,10 @@ import psutil
 import pytest
 import yaml
 
-from edgetrain.cli import main
+from edgetrain.cli import build_parser, main
 from edgetrain.cluster.launch import _loopback_interface, free_port
-from edgetrain.cluster.ssh import LaunchSpec, after_exit, load_hosts
+from edgetrain.cluster.ssh import LaunchSpec, after_exit, load_hosts, train_flags
+from edgetrain.config import FIELDS, load_config
 from edgetrain.errors import EdgetrainError
 from edgetrain_testing import run_cli
 
@@ -253,6 +255,17 @@ def test_what_happens_when_a_host_ends(index, restarts, code, signal_name, other
     spec = LaunchSpec(hosts=(), train_flags=(), cluster_token="", min_hosts=1, max_restarts=2, rdzv_port=1,
                       rdzv_timeout=1, connect_timeout=1, run_id="x")
     assert after_exit(spec, index, restarts, code, signal_name, others) == action
+
+
+def test_train_command_reaches_the_hosts_as_flags_that_give_the_same_config(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"lr": 0.1, "eval": False, "link": "20mbit:5ms", "cluster_token": "s3cret"}))
+    cfg = load_config(str(config), steps=7, devices=4)
+    flags = train_flags(cfg)
+    assert "s3cret" not in " ".join(flags) and not any(f.startswith("--devices") for f in flags)
+    again = build_parser().parse_args(["train", *flags])
+    assert load_config(None, **{k: v for k, v in vars(again).items() if k in FIELDS}) == \
+        dataclasses.replace(cfg, cluster_token=None, devices=1)
 
 
 def test_launch_without_asyncssh_is_one_line_naming_the_extra(tmp_path, monkeypatch, capsys):

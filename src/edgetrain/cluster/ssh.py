@@ -53,6 +53,7 @@ import getpass
 import importlib.metadata
 import importlib.util
 import json
+import math
 import os
 import re
 import secrets
@@ -248,7 +249,7 @@ def node_command(spec: LaunchSpec, index: int) -> str:
     nnodes = str(len(spec.hosts)) if spec.min_hosts == len(spec.hosts) else f"{spec.min_hosts}:{len(spec.hosts)}"
     torchrun = ["--nnodes", nnodes, "--nproc-per-node", str(host.devices), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", _endpoint(first.address, spec.rdzv_port), "--rdzv-id", spec.run_id,
-                "--rdzv-conf", f"is_host={int(index == 0)},join_timeout={int(spec.rdzv_timeout)}",
+                "--rdzv-conf", f"is_host={int(index == 0)},join_timeout={math.ceil(spec.rdzv_timeout)}",
                 "--max-restarts", str(spec.max_restarts), "--local-addr", host.address,
                 "-m", "edgetrain", "train", *spec.train_flags]
     workdir = ["--workdir", host.workdir] if host.workdir else []
