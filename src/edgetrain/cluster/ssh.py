@@ -28,10 +28,10 @@ What it does, in order (asyncssh, imported only here: ``pip install edgetrain[ss
    *dropped* (killed by a signal: exit code > 128, or its SSH connection lost) is started again, up to
    ``--max-restarts`` times per host, and rejoins the rendezvous (torchrun's agents on the other hosts
    restart their workers, ``--max-restarts`` times too); the first host cannot be, as the rendezvous
-   store lived in its torchrun. Past its restarts, a dropped host is left out while ``--min-hosts`` remain
-   (torchrun's agents re-form the group without it). Any other exit (torchrun gave up: a worker failed past its restarts, bad
-   input on that host) stops every other host and ends in one line naming the host, its exit and its
-   last error line.
+   store lived in its torchrun. Past its restarts, a dropped host is left out while ``--min-hosts``
+   remain (torchrun's agents re-form the group without it). Any other exit (torchrun gave up: a worker
+   failed past its restarts, bad input on that host) stops every other host and ends in one line naming
+   the host, its exit and its last error line. ``after_exit`` is that decision.
 5. *Stop*. Ctrl-C or SIGTERM here, or a host's failure: every host's stdin is closed, which makes its
    ssh_node SIGTERM torchrun (which stops its workers) and SIGKILL what is left after ``_STOP_GRACE_S``;
    the launcher waits that plus ``_STOP_MARGIN_S`` for each, then closes the connections. A launcher
@@ -40,7 +40,9 @@ What it does, in order (asyncssh, imported only here: ``pip install edgetrain[ss
 Limits: torchrun restarts training from step 0 in a new run directory (a later resume is the
 checkpoint's business, not the launcher's); the first host is a single point of failure for the
 rendezvous (c10d backend); gloo's traffic and the rendezvous port are unencrypted (keep them on a
-trusted LAN; the SSH sessions carry only commands, the token and output).
+trusted LAN; the SSH sessions carry only commands, the token and output). Tested against asyncssh's
+own server on 127.0.0.1 (tests/cluster/test_ssh_launch.py), which runs commands as OpenSSH's sshd does
+without a terminal; not yet against sshd on real hosts.
 """
 from __future__ import annotations
 
