@@ -22,69 +22,36 @@ images (default 8, small to keep the run to a few minutes on a 2-core host).
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import socket
 import statistics
 import sys
 import time
-import traceback
 
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from edgetrain.cluster.launch import run_group
+from edgetrain.cluster.memory import SavedTensorMeter
 from edgetrain.models.yolo_tiny import YoloTiny
 from edgetrain.spec import parse_tiling
 from edgetrain.tiling import TiledTraining
 from edgetrain.tiling.grouping import Machine, choose_groups, grouping_cost
 from edgetrain.tiling.layers import describe
 from edgetrain.tiling.plan import SectionPlan
-from edgetrain.tiling.strategy import SavedTensorMeter
 
 SHAPE = (3, 416, 416)
 
 
-def _entry(rank, world, port, cores, fn, args, queue):
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
+def _pinned(rank, world, cores, fn, *args):
     if cores:
         os.sched_setaffinity(0, {cores[rank % len(cores)]})
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
-        try:
-            queue.put((rank, fn(rank, world, *args)))
-        finally:
-            dist.destroy_process_group()
-    except BaseException:
-        queue.put((rank, traceback.format_exc()))
+    return fn(rank, world, *args)
 
 
 def on_devices(fn, world: int, *args, cores: list[int] | None = None) -> list:
     """``fn(rank, world, *args)`` in ``world`` processes, one thread each, pinned round-robin to ``cores``."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_entry, args=(r, world, port, cores, fn, args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = {}
-    try:
-        for _ in range(world):
-            rank, value = queue.get(timeout=600)
-            if isinstance(value, str):
-                raise RuntimeError(f"device {rank} failed:\n{value}")
-            results[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return [results[r] for r in range(world)]
+    return run_group(_pinned, world, cores, fn, *args, timeout_s=300, deadline_s=1800,
+                     deadline_fix="use a smaller --batch or fewer --steps")
 
 
 def data(batch: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,6 +7,18 @@ REPO = Path(__file__).resolve().parents[1]
 CIFAR = REPO.parent / "shared" / "data" / "cifar10-subset" / "cifar-10-batches-py"
 
 
+def on_devices(fn, world: int, *args):
+    """``fn(rank, world, *args)`` on ``world`` emulated devices in one gloo group; their return values by rank.
+
+    The launcher's own spawner (``edgetrain.cluster.launch.run_group``), bounded for tests: 60 s per
+    collective, 240 s in all (below pytest's 300 s, so the devices are stopped cleanly first).
+    """
+    from edgetrain.cluster.launch import run_group
+
+    return run_group(fn, world, *args, timeout_s=60, deadline_s=240,
+                     deadline_fix="a test's devices hung or the host is overloaded")
+
+
 def run_cli(*args: str, timeout: float = 120, cwd=None) -> subprocess.CompletedProcess:
     """Run ``edgetrain ARGS`` in a fresh interpreter; returns the completed process (text output)."""
     return subprocess.run([sys.executable, "-m", "edgetrain", *args], capture_output=True, text=True,

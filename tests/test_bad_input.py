@@ -80,6 +80,11 @@ TRAIN = [
     (["--batch-size", "many"], "config key 'batch_size' in command line must be an integer"),
     (["--model", "resnet19"], "unknown model 'resnet19'; did you mean 'resnet18'?"),
     (["--dataset", "cifar10"], "config key 'data_dir' is required with dataset cifar10"),
+    (["--dataset", "imagenet"], "unknown dataset 'imagenet'; known datasets: digits, cifar10, synthetic, imagefolder, "
+                                "npz (register your own with edgetrain.register_dataset)"),
+    (["--dataset", "npz"], "config key 'data_dir' is required with dataset npz"),
+    (["--sync", "fedavg:1"], "--sync fedavg:1 trains each device on its own data, which needs a partition; add --partition"),
+    (["--partition", "dirichlet:0"], "dirichlet alpha must be a finite number > 0"),
     (["--dataset", "cifar10", "--data-dir", "{tmp}/nope"], "does not exist"),
     (["--dataset", "cifar10", "--data-dir", "{partial}"], "data_batch_2, data_batch_3, data_batch_4, data_batch_5, "
                                                           "test_batch are missing"),
@@ -122,7 +127,7 @@ OTHERS = [
     (["report"], "the following arguments are required: RUN_DIR"),
     (["report", "{empty}"], "summary.json lacks key 'per_device'"),
     (["report", "{listrun}"], "summary.json must hold a JSON object, not a list"),
-    (["report", "{wrongtype}"], "summary.json: key 'per_device' must be a list, not a string"),
+    (["report", "{wrongtype}"], "summary.json: key 'per_device' must be a list of objects, not a string"),
     (["report", "{unknownbench}"], "result.json: key 'bench' must name a bench"),
     (["report", "{badrows}"], "result.json: key 'rows' must be a list of objects"),
     (["report", "{goodrun}", "-o", "/proc/edgetrain-test.html"], "kernel pseudo-filesystem"),

@@ -23,7 +23,7 @@ def test_yaml_and_overrides(tmp_path):
     ({"devices": "four"}, "config key 'devices' in config must be an integer"),
     ({"batch_size": 2.5}, "config key 'batch_size' in config must be an integer"),
     ({"lr": "fast"}, "config key 'lr' in config must be a number"),
-    ({"dataset": "imagenet"}, "config key 'dataset' in config must be one of digits, cifar10, synthetic"),
+    ({"schedule": "linear"}, "config key 'schedule' in config must be one of constant, cosine"),
     ({"augment": "maybe"}, "config key 'augment' in config must be true or false"),
     ({"local_batch": "8,8", "batch_size": 20}, "sums to 16, but batch_size is 20"),
     ({"grid": "2x2"}, "needs strategy tiled"),

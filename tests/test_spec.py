@@ -37,16 +37,42 @@ def test_spec_imports_nothing_of_edgetrain_but_errors():
 
 
 def test_config_imports_only_the_spec_layer():
-    assert edgetrain_imports(SRC / "config.py") == {"edgetrain.errors", "edgetrain.spec"}
+    assert edgetrain_imports(SRC / "config.py") == {"edgetrain.errors", "edgetrain.spec", "edgetrain.yamlfile"}
 
 
-def test_report_does_not_import_bench():
-    for path in (SRC / "report").glob("*.py"):
-        assert not {m for m in edgetrain_imports(path) if m.startswith("edgetrain.bench")}, path.name
+# The layering README.md's "Where a change goes" states. The bottom: torch-free, importing only itself.
+BOTTOM = ("errors", "spec", "records", "results", "yamlfile")
+# A package and the packages above it that it must not import.
+ABOVE = {
+    **dict.fromkeys(("cluster", "comm", "data", "models", "tiling"),
+                    {"config", "bench", "plan", "report", "train", "cli", "preflight", "ssh_launch"}),
+    "report": {"bench", "plan", "train"},  # renders runs from the bottom layer's schemas
+    "bench": {"plan", "train"},  # runs the trainer as a process (trainer_runs); train uses bench.flops/workload
+    "plan": {"bench", "train"},
+}
+
+
+def edgetrain_units(path: Path) -> set[str]:
+    """The top-level edgetrain modules and packages a file imports: ``edgetrain.cluster.links`` -> cluster."""
+    return {m.split(".")[1] for m in edgetrain_imports(path) if m.startswith("edgetrain.")}
+
+
+def test_the_bottom_layer_imports_only_itself():
+    for name in BOTTOM:
+        path = SRC / f"{name}.py"
+        assert edgetrain_units(path) <= set(BOTTOM) and "torch" not in edgetrain_imports(path), name
+
+
+@pytest.mark.parametrize("package", sorted(ABOVE))
+def test_no_package_imports_one_above_it(package):
+    for path in sorted((SRC / package).rglob("*.py")):
+        upward = edgetrain_units(path) & ABOVE[package]
+        assert not upward, f"{path.relative_to(SRC)} imports {sorted(upward)}, above {package}"
 
 
 def test_importing_edgetrain_config_spec_and_html_leaves_torch_out():
-    code = ("import sys, edgetrain, edgetrain.config, edgetrain.spec, edgetrain.report.html; "
+    code = ("import sys, edgetrain, edgetrain.config, edgetrain.spec, edgetrain.report.html, edgetrain.results, "
+            "edgetrain.report.plan_page; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

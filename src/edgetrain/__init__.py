@@ -33,9 +33,11 @@ _LAZY = {
     "EdgetrainError": "edgetrain.errors",
     "build_model": "edgetrain.models",
     "register_model": "edgetrain.models",
+    "register_dataset": "edgetrain.data",
 }
 
-__all__ = ["train", "TrainConfig", "load_config", "EdgetrainError", "build_model", "register_model", "__version__"]
+__all__ = ["train", "TrainConfig", "load_config", "EdgetrainError", "build_model", "register_model",
+           "register_dataset", "__version__"]
 
 
 def __getattr__(name: str):

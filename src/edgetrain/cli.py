@@ -1,4 +1,4 @@
-"""``edgetrain`` command line: ``train``, ``bench``, ``report``.
+"""``edgetrain`` command line: ``train``, ``bench``, ``report``, ``plan``, ``launch``.
 
 Each subcommand lives beside the code it drives and adds itself here through a
 ``register(subparsers)`` function, so this file stays a table of contents.
@@ -16,7 +16,8 @@ import threading
 from edgetrain.arguments import OneLineParser
 from edgetrain.errors import EdgetrainError, Terminated, raise_on_sigterm
 
-SUBCOMMANDS = ("edgetrain.train.cli", "edgetrain.bench.cli", "edgetrain.report.cli", "edgetrain.plan.cli")
+SUBCOMMANDS = ("edgetrain.train.cli", "edgetrain.bench.cli", "edgetrain.report.cli", "edgetrain.plan.cli",
+               "edgetrain.ssh_launch")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,8 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("edgetrain: interrupted", file=sys.stderr)
         return 130
-    except Terminated:
-        print("edgetrain: terminated (SIGTERM); the run was stopped", file=sys.stderr)
+    except Terminated as e:
+        how_to_resume = f"; {e}" if str(e) else ""  # a run with checkpoints says where it stopped
+        print(f"edgetrain: terminated (SIGTERM); the run was stopped{how_to_resume}", file=sys.stderr)
         return 128 + signal.SIGTERM
     finally:
         if on_main_thread:

@@ -10,7 +10,7 @@ a loss of nan or overflow a timeout in a device.
 (``edgetrain.spec``) and is the one place that refuses combinations that
 cannot run; ``load_config`` calls it, and the training loop, ``comm``,
 ``tiling`` and ``plan`` take the spec, not the strings. This module imports
-only ``edgetrain.spec`` and ``edgetrain.errors`` of edgetrain (no torch):
+only ``edgetrain.spec``, ``edgetrain.yamlfile`` and ``edgetrain.errors`` of edgetrain (no torch):
 checking a config is cheap, and nothing here reaches up into the packages
 that take its specs.
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import math
 import os
 import types
@@ -29,11 +30,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from edgetrain.errors import EdgetrainError
-from edgetrain.spec import (LINK_MODES, PIPELINE_SCHEDULES, STRATEGIES, PipelineSpec, RunSpec, check_compatible, get_link,
-                            parse_compress, parse_stages, parse_sync, parse_tiling)
+from edgetrain.spec import (FAULT_ENV, LINK_MODES, PIPELINE_SCHEDULES, STRATEGIES, CheckpointSpec, PipelineSpec, RunSpec,
+                            check_compatible, get_link, parse_compress, parse_fault, parse_partition, parse_server_opt,
+                            parse_stages, parse_sync, parse_tiling)
+from edgetrain.yamlfile import read_yaml_mapping
 
 
 def _opt(default: Any, help: str, choices: tuple | None = None, minimum: float | None = None, **extra) -> Any:
@@ -45,12 +46,15 @@ def _opt(default: Any, help: str, choices: tuple | None = None, minimum: float |
 class TrainConfig:
     # what to train
     model: str = _opt("small_cnn", "model name from the registry: small_cnn, resnet18, yolo_tiny (or one you registered)")
-    dataset: str = _opt("digits", "digits (ships with scikit-learn), cifar10 (official python format, needs data_dir) or synthetic",
-                        choices=("digits", "cifar10", "synthetic"))
-    data_dir: str | None = _opt(None, "directory holding CIFAR-10's data_batch_1..5 and test_batch")
+    dataset: str = _opt("digits", "digits (ships with scikit-learn), cifar10 (official python format, needs data_dir), "
+                        "synthetic, imagefolder or npz (your files at data_dir), or a name you registered")
+    data_dir: str | None = _opt(None, "directory holding CIFAR-10's data_batch_1..5 and test_batch; the image folder "
+                                "(one subfolder per class) or the .npz file of dataset imagefolder or npz")
     image_size: int = _opt(32, "side of the synthetic dataset's square images", minimum=4)
     synthetic_samples: int = _opt(2048, "training images in the synthetic dataset (test set: a quarter of it)", minimum=1)
     augment: bool = _opt(True, "random crop and horizontal flip for CIFAR-10 training images")
+    partition: str = _opt("none", "each device's own data: none (one shared, globally shuffled dataset), iid, "
+                          "dirichlet:ALPHA (label skew, e.g. 0.5) or shards:K (K label-sorted shards per device)")
     workers: int = _opt(0, "data-loader worker processes per device (0 = load in the training process)", minimum=0)
 
     # the cluster
@@ -77,7 +81,11 @@ class TrainConfig:
 
     # communication over edge links
     compress: str = _opt("none", "gradient compression, e.g. none, fp16, topk:0.01, powersgd:2")
-    sync: str = _opt("sync", "synchronisation: sync, local:H, async:S, gossip")
+    sync: str = _opt("sync", "synchronisation: sync, local:H, async:S, gossip, fedavg:E (federated rounds of E local "
+                     "epochs; fedavg:steps=H; options :prox=MU, :scaffold)")
+    server_opt: str = _opt("fedavg", "federated server step: fedavg, fedavgm[:lr=1:momentum=0.9] or "
+                           "fedadam[:lr=0.01:beta1=0.9:beta2=0.99:eps=0.001]")
+    participation: float = _opt(1.0, "federated rounds: fraction of devices sampled per round, in (0, 1]")
     link: str | None = _opt(None, "link of every device: a preset (lan-1g, wifi-20m, lte-10m, wan-intercontinental) or a spec")
     link_mode: str = _opt("virtual", "link emulation: virtual (model comm time on a virtual clock) or enforced (really wait)",
                           choices=("virtual", "enforced"))
@@ -107,7 +115,17 @@ class TrainConfig:
                                      "EDGETRAIN_CLUSTER_TOKEN); checked right after the rendezvous, never written "
                                      "to the run directory")
     timeout: float = _opt(120.0, "seconds to wait for a peer (rendezvous and every collective) before giving up", minimum=1.0)
-    progress: bool = _opt(True, "progress bar on rank 0")
+    progress: bool = _opt(True, "progress bar and start-up phase lines on rank 0")
+    tensorboard: bool = _opt(False, "also write TensorBoard event files to <run>/tensorboard/ (needs the tensorboard "
+                             "package: pip install tensorboard)")
+    checkpoint_every: int | None = _opt(None, "write a checkpoint every N steps (atomic; default: only the final "
+                                        "checkpoint.pt); SIGTERM then also stops with one", minimum=1)
+    checkpoint_every_s: float | None = _opt(None, "write a checkpoint every S seconds (rank 0's clock decides, "
+                                            "the devices agree at the next step); with --checkpoint-every too, "
+                                            "whichever comes first", minimum=1.0)
+    keep_checkpoints: int = _opt(2, "how many of the newest checkpoints to keep", minimum=1)
+    resume: str | None = _opt(None, "continue the run in this run directory from its newest checkpoint, with its "
+                              "own config.yaml (options that change the training are refused)")
     accelerator: str = _opt("auto", "where each device computes: auto (cuda if torch sees a GPU, else cpu), cpu or "
                             "cuda (collectives stay on gloo)", choices=("auto", "cpu", "cuda"))
 
@@ -196,32 +214,35 @@ def load_config(source: TrainConfig | dict | str | os.PathLike | None = None, **
         if key not in FIELDS:
             raise _unknown_key(key, "overrides")
         setattr(cfg, key, _coerce(key, value, "command line"))
+    if cfg.resume:
+        return _resumed(cfg.resume, {**values, **overrides})
     validate(cfg)
     return cfg
 
 
-def read_yaml_mapping(path: str | os.PathLike, what: str) -> dict:
-    path = Path(path)
-    if path.is_dir():
-        raise EdgetrainError(f"{what} {path} is a directory; give the YAML file in it")
-    if not path.is_file():
-        raise EdgetrainError(f"{what} {path} does not exist")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError:
-        raise EdgetrainError(f"{what} {path} is not a text file (not UTF-8); give a YAML file") from None
-    except OSError as e:
-        raise EdgetrainError(f"cannot read {what} {path}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" at line {mark.line + 1}" if mark else ""
-        raise EdgetrainError(f"{what} {path} is not valid YAML{at}: {getattr(e, 'problem', e)}; "
-                             f"fix the syntax there") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise EdgetrainError(f"{what} {path} must be a mapping of keys to values, not a {type(data).__name__}")
-    return data
+# What a resumed run may set anew: how it is watched and stopped, not what it trains.
+RESUME_MAY_CHANGE = frozenset({"resume", "progress", "eval", "timeout", "workers", "threads", "output", "run_name",
+                               "cluster_token", "checkpoint_every", "checkpoint_every_s", "keep_checkpoints"})
+
+
+def _resumed(run_dir: str, given: dict[str, Any]) -> TrainConfig:
+    """The config of the run in ``run_dir`` (its config.yaml), with the options of ``given`` that may change on
+    top; an option that would change the training is refused in one line naming it."""
+    saved_path = Path(run_dir) / "config.yaml"
+    if not saved_path.is_file():
+        raise EdgetrainError(f"--resume {run_dir} is not a run directory (no config.yaml there); give the directory "
+                             f"edgetrain train made, e.g. runs/train-<timestamp>")
+    cfg = load_config(read_yaml_mapping(saved_path, "config file"))
+    for key, value in given.items():
+        value = _coerce(key, value, "command line")
+        if key not in RESUME_MAY_CHANGE and value != getattr(cfg, key):
+            raise EdgetrainError(f"option '{key}' is {value!r} but the run in {run_dir} was trained with "
+                                 f"{getattr(cfg, key)!r}; a resumed run continues as it was configured: drop "
+                                 f"--{key.replace('_', '-')} or start a new run")
+        setattr(cfg, key, value)
+    cfg.resume = str(run_dir)
+    validate(cfg)
+    return cfg
 
 
 def validate(cfg: TrainConfig) -> None:
@@ -266,6 +287,9 @@ def resolve(cfg: TrainConfig) -> RunSpec:
                                      f"{own_exchanges[cfg.strategy]} are uncompressed, synchronous and not "
                                      f"link-emulated; drop --{key} or use --strategy ddp")
     pipeline = _resolve_pipeline(cfg) if cfg.strategy == "pipeline" else None
+    if cfg.strategy in own_exchanges and (cfg.checkpoint_every or cfg.checkpoint_every_s or cfg.resume):
+        raise EdgetrainError(f"checkpoints and --resume do not support strategy {cfg.strategy} yet (its state is "
+                             f"sharded or split over the devices); drop --checkpoint-every/--resume or use --strategy ddp")
     if pipeline is None and cfg.stages != "auto":
         raise EdgetrainError(f"config key 'stages' {cfg.stages} needs strategy pipeline (--strategy pipeline)")
     tiling = None
@@ -289,8 +313,29 @@ def resolve(cfg: TrainConfig) -> RunSpec:
         raise EdgetrainError(f"config key 'grid' {cfg.grid} needs strategy tiled (--strategy tiled)")
     elif cfg.groups != "auto":
         raise EdgetrainError(f"config key 'groups' {cfg.groups} needs strategy tiled (--strategy tiled)")
+    partition, server_opt = parse_partition(cfg.partition), parse_server_opt(cfg.server_opt)
+    if partition.local and cfg.strategy in ("tiled", "pipeline"):
+        raise EdgetrainError(f"config key 'partition' {partition.text} does not apply to strategy {cfg.strategy}, "
+                             "where every device reads the whole batch; drop --partition or use --strategy ddp")
+    if sync.mode == "fedavg" and not partition.local:
+        raise EdgetrainError(f"--sync {sync.text} trains each device on its own data, which needs a partition; "
+                             "add --partition iid, dirichlet:ALPHA or shards:K")
+    if not 0 < cfg.participation <= 1:
+        raise EdgetrainError(f"config key 'participation' must be a fraction in (0, 1], not {cfg.participation:g}; "
+                             "e.g. 0.3 samples 30% of the devices each round")
+    for key, changed in (("server_opt", server_opt.text != "fedavg"), ("participation", cfg.participation != 1)):
+        if changed and sync.mode != "fedavg":
+            raise EdgetrainError(f"config key '{key}' applies to federated rounds only; add --sync fedavg:E")
+    if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        # torch.utils.tensorboard writes the files but needs this package; a device would fail only after start-up
+        raise EdgetrainError("config key 'tensorboard' needs the tensorboard package, which is not installed; "
+                             "pip install tensorboard (or edgetrain[tensorboard]), or drop --tensorboard")
     return RunSpec(compress, sync, link, cfg.link_mode, cfg.strategy, tiling, cfg.timeout, cfg.seed,
-                   cfg.accelerator, cfg.batchnorm, pipeline)
+                   cfg.accelerator, cfg.batchnorm, pipeline=pipeline, partition=partition, server_opt=server_opt,
+                   participation=cfg.participation,
+                   checkpoint=CheckpointSpec(cfg.checkpoint_every, cfg.keep_checkpoints, cfg.resume,
+                                             cfg.checkpoint_every_s),
+                   fault=parse_fault(os.environ.get(FAULT_ENV)), tensorboard=cfg.tensorboard)
 
 
 def _resolve_pipeline(cfg: TrainConfig) -> PipelineSpec:

@@ -1,7 +1,8 @@
 """What ``config.validate`` cannot see in the values, checked before a run starts.
 
-The output directory can be written, the model is registered, the CIFAR-10
-files are there, a tiling grid fits the feature maps
+The output directory can be written, the model and the dataset are
+registered, the CIFAR-10 files are there, an image folder or ``.npz`` reads
+(every file), a tiling grid fits the feature maps
 (``tiling.strategy.plan_section`` on the model, built here once), a pipeline
 can cut the model where ``--stages`` says (``plan.stages``). ``train``
 calls ``check_before_launch`` before it makes the run directory and before any
@@ -17,7 +18,9 @@ import torch
 
 from edgetrain.bench.workload import dataset_shape
 from edgetrain.config import TrainConfig, check_output_dir
+from edgetrain.data import build_data
 from edgetrain.data.cifar import check_cifar10_dir
+from edgetrain.data.datasets import check_dataset
 from edgetrain.errors import EdgetrainError
 from edgetrain.models import build_model, check_model
 from edgetrain.plan.stages import check_sequential, pipeline_layers, stage_bounds
@@ -32,13 +35,23 @@ def check_before_launch(cfg: TrainConfig, spec: RunSpec, model: Any = None) -> N
     ``train`` instead of ``cfg.model``, if any.
     """
     check_output_dir(cfg.output, "config key 'output'")
+    if spec.checkpoint.resume_dir:
+        from edgetrain.train.checkpoint import check_resumable  # here: edgetrain.train imports this module
+
+        check_resumable(spec.checkpoint.resume_dir)
     if model is None:
         check_model(cfg.model)
+    check_dataset(cfg.dataset)
     if cfg.dataset == "cifar10":
         if not cfg.data_dir:
             raise EdgetrainError("config key 'data_dir' is required with dataset cifar10; "
                                  "point it at cifar-10-batches-py")
         check_cifar10_dir(cfg.data_dir)
+    if cfg.dataset in ("imagefolder", "npz"):
+        if not cfg.data_dir:
+            raise EdgetrainError(f"config key 'data_dir' is required with dataset {cfg.dataset}; point it at "
+                                 f"{'the image folder' if cfg.dataset == 'imagefolder' else 'the .npz file'}")
+        build_data(cfg)  # reads every file once here, so a bad one is reported before any device starts
     if spec.tiling is None and spec.pipeline is None:
         return
     (channels, height, width), classes = dataset_shape(cfg.dataset)

@@ -116,11 +116,19 @@ def _plain(value: Any) -> Any:
 
 
 def _build(hint: Any, value: Any, where: str) -> Any:
-    """Nested records (``list[DeviceSummary]``) become dataclasses; everything else stays as JSON gave it."""
+    """Nested records (``list[DeviceSummary]``, ``PlanScaling | None``) become dataclasses; everything else
+    stays as JSON gave it."""
     args = typing.get_args(hint)
-    if typing.get_origin(hint) is list and args and isinstance(args[0], type) and issubclass(args[0], Record):
+    if typing.get_origin(hint) is list and args and _is_record(args[0]):
         return [args[0].from_dict(v, where) for v in value]
+    record = next((a for a in (hint, *args) if _is_record(a)), None)
+    if record is not None and isinstance(value, dict):
+        return record.from_dict(value, where)
     return value
+
+
+def _is_record(hint: Any) -> bool:
+    return isinstance(hint, type) and issubclass(hint, Record)
 
 
 def json_name(value: Any) -> str:
@@ -133,11 +141,18 @@ def _describe(hint: Any) -> str:
     origin = typing.get_origin(hint)
     if origin in (types.UnionType, typing.Union):
         return " or ".join(_describe(a) for a in typing.get_args(hint))
+    args = typing.get_args(hint)
+    if origin is list and args and _describe(args[0]) in PLURALS:
+        return f"a list of {PLURALS[_describe(args[0])]}"
     if origin is not None:
         hint = origin
     if dataclasses.is_dataclass(hint):
         hint = dict
     return JSON_NAMES.get(hint, "any value")
+
+
+PLURALS = {"an object": "objects", "a list": "lists", "a string": "strings", "an integer": "integers",
+           "a number": "numbers"}
 
 
 @dataclass
@@ -166,14 +181,15 @@ class StepRecord(Record):
     cpu_s: float
     lr: float
     peak_rss_mb: float
+    page_faults: int | None = None
     virtual_s: float | None = None
     virtual_compute_s: float | None = None
     virtual_comm_s: float | None = None
     staleness: int | None = None
     local_steps: int | None = None
 
-    omit_when_none: ClassVar[tuple[str, ...]] = ("virtual_s", "virtual_compute_s", "virtual_comm_s", "staleness",
-                                                 "local_steps")
+    omit_when_none: ClassVar[tuple[str, ...]] = ("page_faults", "virtual_s", "virtual_compute_s", "virtual_comm_s",
+                                                 "staleness", "local_steps")
 
 
 @dataclass
@@ -211,12 +227,14 @@ class DeviceSummary(Record):
     bytes_sent: int | None = None
     bytes_recv: int | None = None
     peak_rss_mb: float | None = None
+    page_faults: float | None = None
     throttle_slept_s: float | None = None
     throttle_reference_pass_s: float | None = None
     throttle_inflation: float | None = None
     details: dict = field(default_factory=dict)
 
     details_field: ClassVar[str | None] = "details"
+    omit_when_none: ClassVar[tuple[str, ...]] = ("page_faults",)
 
 
 @dataclass(kw_only=True)

@@ -41,7 +41,20 @@ refuses combinations that cannot run (``RunSpec``'s docstring lists them).
                                                compressor (not ``threshold``, ``powersgd``, ``dgc``)
 ``gossip[:H]``                                 ring gossip every ``H`` steps (default 1);
                                                ``--compress none`` only
+``fedavg:E``, ``fedavg:steps=H``               federated rounds of ``E`` local epochs (or
+``...:prox=MU``, ``...:scaffold``              ``H`` steps); FedProx term, SCAFFOLD control
+                                               variates; as ``local:H``'s compressors; needs
+                                               ``--partition``
 =============================================  ===========================================
+
+``--server-opt`` (federated rounds only): ``fedavg`` (the mean of the models),
+``fedavgm[:lr=1.0][:momentum=0.9]`` (Hsu et al. 2019) or
+``fedadam[:lr=0.01][:beta1=0.9][:beta2=0.99][:eps=0.001]`` (Reddi et al.
+2021), applied to the pseudo-gradient ``global - mean(client models)``.
+
+``--partition none|iid|dirichlet:ALPHA|shards:K``: ``none`` shares one
+globally shuffled dataset (data parallel); the others give each device its
+own part of the training set (``data.partition``).
 
 ``--link``: a preset (``PRESETS``) or ``BANDWIDTH:LATENCY[:jitter=T][:loss=P]``,
 e.g. ``20mbit:5ms:jitter=1ms:loss=0.01``; a cluster file may give a mapping.
@@ -55,6 +68,11 @@ pipeline stages 1, 2, ... start), ``--microbatches M`` and ``--pipeline-schedule
 ``--grid ROWSxCOLS`` and ``--groups auto|E1,E2,...`` (group ends as layer
 indices) make a ``TilingSpec``; whether they fit a model is checked on the
 model (``tiling.strategy.plan_section``), not here.
+
+``--checkpoint-every``, ``--checkpoint-every-s``, ``--keep-checkpoints`` and ``--resume`` make a
+``CheckpointSpec`` (train/checkpoint.py); the ``EDGETRAIN_FAULT``
+environment variable (``kill|stop|disconnect:rank=R:step=S``, a test and
+chaos hook, cluster/faults.py) a ``FaultSpec``.
 """
 from __future__ import annotations
 
@@ -174,18 +192,21 @@ def _number(value: str, token: str, text: str) -> float:
 
 # ---------------------------------------------------------------- --sync
 
-SYNC_MODES = ("sync", "local", "async", "gossip")
+SYNC_MODES = ("sync", "local", "async", "gossip", "fedavg")
 
 
 @dataclass(frozen=True)
 class SyncSpec:
     mode: str
-    period: int = 1            # local / gossip: steps between exchanges
+    period: int = 1            # local / gossip / fedavg:steps=H: steps between exchanges
     staleness: int = 0         # async: bound in steps
     nesterov: bool = False     # local: DiLoCo outer step
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     text: str = "sync"
+    local_epochs: int = 0      # fedavg:E: a round is E epochs of local steps (0: ``period`` steps)
+    prox_mu: float | None = None   # fedavg:...:prox=MU: FedProx's proximal term (None: not FedProx)
+    scaffold: bool = False     # fedavg:...:scaffold: SCAFFOLD's control variates
 
 
 def parse_sync(text: str | None) -> SyncSpec:
@@ -193,7 +214,10 @@ def parse_sync(text: str | None) -> SyncSpec:
     text = (text or "sync").strip().lower()
     mode, *rest = text.split(":")
     if mode not in SYNC_MODES:
-        raise EdgetrainError(f"unknown sync mode {mode!r} in --sync {text!r}; use sync, local:H, async:S or gossip")
+        raise EdgetrainError(f"unknown sync mode {mode!r} in --sync {text!r}; use sync, local:H, async:S, gossip "
+                             "or fedavg:E")
+    if mode == "fedavg":
+        return _parse_fedavg(rest, text)
     if mode == "sync":
         if rest:
             raise EdgetrainError(f"--sync sync takes no arguments, got {text!r}")
@@ -237,6 +261,72 @@ def parse_sync(text: str | None) -> SyncSpec:
     return SyncSpec("gossip", period=period, text=text)
 
 
+def _parse_fedavg(rest: list[str], text: str) -> SyncSpec:
+    fix = "e.g. --sync fedavg:1 (one local epoch per round) or fedavg:steps=20"
+    if not rest:
+        raise EdgetrainError(f"fedavg needs the local work per round; {fix}")
+    epochs, period, mu, scaffold = 0, 0, None, False
+    for i, token in enumerate(rest):
+        key, eq, value = token.partition("=")
+        if i == 0 and not eq:
+            epochs = _int(token, "fedavg", text)
+        elif i == 0 and key == "steps":
+            period = _int(value, "fedavg", text)
+        elif i > 0 and key == "prox" and eq:
+            mu = _float(value, token, text)
+        elif i > 0 and token == "scaffold":
+            scaffold = True
+        else:
+            raise EdgetrainError(f"unknown fedavg option {token!r} in --sync {text!r}; write fedavg:E or "
+                                 "fedavg:steps=H, then optionally :prox=MU and :scaffold")
+    if max(epochs, period) < 1:
+        raise EdgetrainError(f"fedavg needs at least one local epoch or step per round, got {text!r}; {fix}")
+    if mu is not None and not (mu >= 0 and math.isfinite(mu)):
+        raise EdgetrainError(f"fedavg prox=MU must be a finite number >= 0, got {mu:g} in {text!r}; e.g. prox=0.01")
+    return SyncSpec("fedavg", period=period, local_epochs=epochs, prox_mu=mu, scaffold=scaffold, text=text)
+
+
+SERVER_OPTIMIZERS = {"fedavg": {}, "fedavgm": {"lr": 1.0, "momentum": 0.9},
+                     "fedadam": {"lr": 0.01, "beta1": 0.9, "beta2": 0.99, "eps": 0.001}}
+
+
+@dataclass(frozen=True)
+class ServerOptSpec:
+    """``--server-opt``: how the server steps the global model with ``global - mean(client models)``."""
+
+    name: str = "fedavg"
+    lr: float = 1.0
+    momentum: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.99
+    eps: float = 0.001
+    text: str = "fedavg"
+
+
+def parse_server_opt(text: str | None) -> ServerOptSpec:
+    """Parse ``fedavg``, ``fedavgm[:lr=..][:momentum=..]`` or ``fedadam[:lr=..][:beta1=..][:beta2=..][:eps=..]``."""
+    text = (text or "fedavg").strip().lower()
+    name, *rest = text.split(":")
+    if name not in SERVER_OPTIMIZERS:
+        raise EdgetrainError(f"unknown server optimizer {name!r} in --server-opt {text!r}; use fedavg, "
+                             "fedavgm[:lr=1:momentum=0.9] or fedadam[:lr=0.01]")
+    values = dict(SERVER_OPTIMIZERS[name])
+    for token in rest:
+        key, eq, value = token.partition("=")
+        if not eq or key not in values:
+            allowed = ", ".join(f"{k}=" for k in values) or "none"
+            raise EdgetrainError(f"unknown option {token!r} for {name} in --server-opt {text!r}; options: {allowed}")
+        try:
+            values[key] = float(value)
+        except ValueError:
+            raise EdgetrainError(f"option {token!r} in --server-opt {text!r} needs a number") from None
+    if not (values.get("lr", 1.0) > 0 and math.isfinite(values.get("lr", 1.0)) and values.get("eps", 1.0) > 0
+            and all(0 <= values.get(k, 0.0) < 1 for k in ("momentum", "beta1", "beta2"))):
+        raise EdgetrainError(f"--server-opt {text!r} is out of range; give lr > 0, eps > 0 and momentum, beta1, "
+                             "beta2 in [0, 1)")
+    return ServerOptSpec(name, text=text, **values)
+
+
 def check_compatible(sync: SyncSpec, compress: CompressSpec) -> None:
     """Refuse combinations that do not make sense, saying why and what works."""
     if sync.mode == "sync":
@@ -267,6 +357,53 @@ def _float(value: str, opt: str, text: str) -> float:
         return float(value)
     except ValueError:
         raise EdgetrainError(f"option {opt!r} in --sync {text!r} needs a number") from None
+
+
+# ---------------------------------------------------------------- --partition
+
+PARTITIONS = ("none", "iid", "dirichlet", "shards")
+
+
+@dataclass(frozen=True)
+class PartitionSpec:
+    """``--partition``: ``none`` (one shared dataset), ``iid``, ``dirichlet:ALPHA`` or ``shards:K`` per device."""
+
+    kind: str = "none"
+    alpha: float | None = None   # dirichlet: concentration (small: each device holds few classes)
+    shards: int | None = None    # shards: label-sorted shards per device (McMahan et al. 2017)
+    text: str = "none"
+
+    @property
+    def local(self) -> bool:
+        """Whether each device holds its own part of the data (any kind but ``none``)."""
+        return self.kind != "none"
+
+
+def parse_partition(text: str | None) -> PartitionSpec:
+    """Parse and validate a ``--partition`` spec; raise ``EdgetrainError`` with the fix if it is wrong."""
+    text = (text or "none").strip().lower()
+    kind, *rest = text.split(":")
+    if kind not in PARTITIONS:
+        raise EdgetrainError(f"unknown partition {kind!r} in --partition {text!r}; use none, iid, "
+                             "dirichlet:ALPHA (e.g. dirichlet:0.5) or shards:K (e.g. shards:2)")
+    if kind in ("none", "iid"):
+        if rest:
+            raise EdgetrainError(f"--partition {kind} takes no argument, got {text!r}")
+        return PartitionSpec(kind, text=text)
+    if len(rest) != 1:
+        example = "dirichlet:0.5" if kind == "dirichlet" else "shards:2"
+        raise EdgetrainError(f"--partition {kind} needs one number, e.g. {example}; got {text!r}")
+    if kind == "dirichlet":
+        alpha = float(rest[0]) if _is_number(rest[0]) else math.nan
+        if not (alpha > 0 and math.isfinite(alpha)):
+            raise EdgetrainError(f"dirichlet alpha must be a finite number > 0, got {rest[0]!r}; e.g. dirichlet:0.5 "
+                                 "(smaller: more skewed labels per device)")
+        return PartitionSpec(kind, alpha=alpha, text=text)
+    shards = int(rest[0]) if rest[0].isdigit() else 0
+    if shards < 1:
+        raise EdgetrainError(f"shards:K needs a whole number K >= 1 of shards per device, got {rest[0]!r}; "
+                             "e.g. shards:2")
+    return PartitionSpec(kind, shards=shards, text=text)
 
 
 # ---------------------------------------------------------------- links
@@ -500,9 +637,58 @@ def parse_stages(text: str) -> tuple[int, ...] | None:
     return starts
 
 
+# ---------------------------------------------------------------- EDGETRAIN_FAULT
+
+FAULT_ENV = "EDGETRAIN_FAULT"
+FAULT_ACTIONS = ("kill", "stop", "disconnect")
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """A fault to inject (``cluster/faults.py``): ``action`` on device ``rank`` at the start of step ``step``."""
+
+    action: str   # FAULT_ACTIONS
+    rank: int
+    step: int
+
+
+def parse_fault(text: str | None) -> FaultSpec | None:
+    """``EDGETRAIN_FAULT=kill|stop|disconnect:rank=R:step=S`` (empty or unset: no fault)."""
+    if not text or not text.strip():
+        return None
+    usage = (f"{FAULT_ENV}={text!r} must be ACTION:rank=R:step=S with ACTION kill, stop or disconnect, "
+             f"e.g. kill:rank=1:step=5")
+    action, *rest = text.strip().lower().split(":")
+    fields = dict(part.partition("=")[::2] for part in rest)
+    if action not in FAULT_ACTIONS or sorted(fields) != ["rank", "step"] or len(rest) != 2:
+        raise EdgetrainError(usage)
+    try:
+        rank, step = int(fields["rank"]), int(fields["step"])
+    except ValueError:
+        raise EdgetrainError(usage) from None
+    if rank < 0 or step < 0:
+        raise EdgetrainError(f"{usage} (rank and step >= 0)")
+    return FaultSpec(action, rank, step)
+
+
 # ---------------------------------------------------------------- the run
 
 STRATEGIES = ("ddp", "tiled", "fsdp", "pipeline")
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    """``--checkpoint-every N``, ``--keep-checkpoints K``, ``--resume RUN_DIR`` (train/checkpoint.py)."""
+
+    every_steps: int | None = None   # None: no checkpoints every N steps
+    keep: int = 2                    # the newest K checkpoints stay; older ones are removed
+    resume_dir: str | None = None    # the run directory to continue, None for a new run
+    every_s: float | None = None     # also (or only) every S seconds of rank 0's wall time
+
+    @property
+    def enabled(self) -> bool:
+        """Checkpoints are written during the run (and SIGTERM stops with one)."""
+        return self.every_steps is not None or self.every_s is not None
 
 
 @dataclass(frozen=True)
@@ -514,9 +700,14 @@ class RunSpec:
     than ``sync``; DGC with optimizer momentum (applied twice); with
     ``strategy: tiled`` any ``compress``, ``sync`` or ``link`` (tiled training
     exchanges halos, feature maps and gradients uncompressed and unemulated,
-    step by step); with ``strategy: fsdp`` the same three (FSDP2's own
-    collectives, counted but not compressed or emulated); ``grid`` or
-    ``groups`` without ``strategy: tiled``.
+    step by step); with ``strategy: fsdp`` or ``pipeline`` the same three (PyTorch's own
+    collectives, counted but not compressed or emulated), a ``partition`` with
+    ``pipeline`` and checkpoints or ``resume`` with either (not supported yet);
+    ``grid`` or ``groups`` without ``strategy: tiled``;
+    ``partition`` with ``strategy: tiled`` (every device reads the whole
+    batch); ``sync: fedavg`` without a ``partition`` (federated devices train on
+    their own data); ``server_opt`` or ``participation`` without ``sync: fedavg``;
+    ``tensorboard`` where the tensorboard package is not installed.
     """
 
     compress: CompressSpec
@@ -530,3 +721,9 @@ class RunSpec:
     accelerator: str             # auto, cpu or cuda; passed through to the training loop
     batchnorm: str = "local"     # local or sync (DDP's broadcast of buffers is off with sync)
     pipeline: PipelineSpec | None = None  # set exactly when strategy is pipeline
+    partition: PartitionSpec = PartitionSpec()     # each device's own data, or one shared dataset
+    server_opt: ServerOptSpec = ServerOptSpec()    # fedavg rounds: the server's step
+    participation: float = 1.0   # fedavg rounds: fraction of devices sampled per round
+    checkpoint: CheckpointSpec = CheckpointSpec()
+    fault: FaultSpec | None = None  # from EDGETRAIN_FAULT, for tests and chaos runs
+    tensorboard: bool = False    # rank 0 also writes TensorBoard event files (train.tensorboard_log)

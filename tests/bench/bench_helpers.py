@@ -4,9 +4,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from edgetrain.results import BenchResult
+
 
 def read_result(run_dir) -> dict:
-    return json.loads((Path(run_dir) / "result.json").read_text())
+    """A bench's result.json as written, after checking it against its typed schema (``results.BenchResult``)."""
+    path = Path(run_dir) / "result.json"
+    data = json.loads(path.read_text())
+    assert BenchResult.from_dict(data, str(path)).to_dict() == data  # every key known, of its type
+    return data
 
 
 def assert_png(path) -> None:

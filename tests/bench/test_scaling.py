@@ -2,15 +2,16 @@ import pytest
 
 from edgetrain.bench import scaling, trainer_runs
 from edgetrain.cli import main
+from edgetrain.records import StepRecord
 
 from bench_helpers import assert_png, read_result
 
 
 def test_split_separates_transfer_from_waiting():
     records = [  # step 0 is start-up and skipped
-        {"step": 0, "rank": 0, "step_s": 9.0, "data_s": 9.0, "compute_s": 0.0, "comm_s": 0.0},
-        {"step": 1, "rank": 0, "step_s": 1.0, "data_s": 0.1, "compute_s": 0.4, "comm_s": 0.5},
-        {"step": 1, "rank": 1, "step_s": 1.0, "data_s": 0.1, "compute_s": 0.7, "comm_s": 0.2},
+        _step(0, 0, 9.0, data_s=9.0, compute_s=0.0, comm_s=0.0),
+        _step(1, 0, 1.0, data_s=0.1, compute_s=0.4, comm_s=0.5),
+        _step(1, 1, 1.0, data_s=0.1, compute_s=0.7, comm_s=0.2),
     ]
     split = trainer_runs.split_per_step(records)
     assert split["comm"] == pytest.approx(0.2)  # the last device to arrive only pays for the transfer
@@ -24,6 +25,44 @@ def test_devices_must_include_one(tmp_path):
 
     with pytest.raises(EdgetrainError, match="including 1"):
         scaling.run({"model": "small_cnn"}, [2, 4], output=str(tmp_path))
+
+
+def test_a_failed_training_run_is_one_line_naming_it(tmp_path):
+    from edgetrain.errors import EdgetrainError
+
+    with pytest.raises(EdgetrainError) as e:
+        trainer_runs.train_in_subprocess({"lr": -1.0, "output": str(tmp_path), "run_name": "devices-1"})
+    assert str(e.value).startswith(f"training run {tmp_path / 'devices-1'} failed: config key 'lr'")
+    assert "\n" not in str(e.value) and not (tmp_path / "devices-1").exists()
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_bench_stops_its_trainer_and_devices(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    bench = subprocess.Popen([sys.executable, "-m", "edgetrain", "bench", "scaling", "--devices", "1,2", "--model",
+                              "small_cnn", "--dataset", "digits", "--steps", "100000", "--output", str(tmp_path)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and not any(  # the trainer has started its device
+                "spawn_main" in " ".join(c.cmdline()) for c in psutil.Process(bench.pid).children(recursive=True)):
+            time.sleep(0.5)
+        family = psutil.Process(bench.pid).children(recursive=True)
+        assert family, "the bench started no trainer within 90 s"
+        bench.send_signal(signal.SIGTERM)
+        _, err = bench.communicate(timeout=60)
+        assert bench.returncode == 128 + signal.SIGTERM and "terminated (SIGTERM)" in err
+        gone, alive = psutil.wait_procs(family, timeout=30)
+        assert not alive, [p.cmdline() for p in alive]
+    finally:
+        if bench.poll() is None:
+            bench.kill()
 
 
 @pytest.mark.slow
@@ -47,10 +86,17 @@ def test_scaling_runs_the_trainer(tmp_path):
     assert_png(tmp_path / "s" / "scaling.png")
 
 
-def _records(devices: int, step_s: list[float], local_batch: int = 8) -> list[dict]:
+def _step(step: int, rank: int, step_s: float, samples: int = 8, **times: float) -> StepRecord:
+    """One metrics.jsonl line; what a test does not set is zero."""
+    times = {"data_s": 0.0, "compute_s": step_s, "comm_s": 0.0, **times}
+    return StepRecord(step=step, epoch=0, rank=rank, loss=1.0, samples=samples, samples_per_s=samples / step_s,
+                      step_s=step_s, comm_busy_s=None, bytes_sent=0, bytes_recv=0, cpu_s=0.0, lr=0.1,
+                      peak_rss_mb=100.0, **times)
+
+
+def _records(devices: int, step_s: list[float], local_batch: int = 8) -> list[StepRecord]:
     """metrics.jsonl records of a run whose devices all take ``step_s[i]`` at step ``i``."""
-    return [{"step": i, "rank": r, "samples": local_batch, "step_s": s, "data_s": 0.0, "compute_s": s, "comm_s": 0.0}
-            for i, s in enumerate(step_s) for r in range(devices)]
+    return [_step(i, r, s, local_batch) for i, s in enumerate(step_s) for r in range(devices)]
 
 
 def test_a_noisy_baseline_and_a_superlinear_efficiency_are_flagged():

@@ -1,5 +1,6 @@
 """Stopping an emulated run from outside: SIGTERM, SIGKILL of the launcher, a stopped device."""
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -82,6 +83,26 @@ def test_sigterm_stops_the_run_with_one_line_and_no_leftovers(tmp_path, started)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 143
     assert err == "edgetrain: terminated (SIGTERM); the run was stopped\n"  # no resource-tracker warnings either
+    assert_all_gone(descendants, within_s=5)
+
+
+@pytest.mark.slow
+def test_sigterm_with_checkpoints_on_stops_with_a_checkpoint_summary_and_how_to_resume(tmp_path, started):
+    proc, descendants = start_run(tmp_path, started, "--checkpoint-every", "100000", "--run-name", "r")
+    run_dir = tmp_path / "r"
+    live, deadline = run_dir / "metrics-1.jsonl", time.monotonic() + 60
+    while not (live.exists() and live.stat().st_size):  # device 1 has trained a step
+        assert time.monotonic() < deadline, "no step was trained within 60 s"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 143
+    step = int(err.split("checkpoint of step ")[1].split()[0])
+    assert err == (f"edgetrain: terminated (SIGTERM); the run was stopped; checkpoint of step {step} written; "
+                   f"resume with: edgetrain train --resume {run_dir}\n")
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == [f"step-{step:08d}.pt"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == step and (run_dir / "metrics.jsonl").read_text().count("\n") == 2 * step
     assert_all_gone(descendants, within_s=5)
 
 

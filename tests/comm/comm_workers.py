@@ -1,51 +1,15 @@
-"""Helpers for the distributed tests: spawn a gloo group of processes, and the code each one runs.
+"""What each device runs in the distributed comm tests (started by ``edgetrain_testing.on_devices``).
 
 Worker functions live here (not in the test files) so that spawned processes
 can import them by name.
 """
 from __future__ import annotations
 
-import datetime
-import os
-import socket
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, fn, world: int, port: int, out: str, args: tuple) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        result = fn(rank, world, *args)
-        torch.save(result, os.path.join(out, f"{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def spawn(fn, world: int = 2, *args, timeout: float = 120.0) -> list:
-    """Run ``fn(rank, world, *args)`` in ``world`` processes of one gloo group; their return values."""
-    with tempfile.TemporaryDirectory() as out:
-        ctx = mp.start_processes(_entry, args=(fn, world, free_port(), out, args), nprocs=world, join=False,
-                                 start_method="spawn")
-        deadline = time.monotonic() + timeout
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    p.kill()
-                raise TimeoutError(f"distributed test did not finish in {timeout:g} s")
-        return [torch.load(os.path.join(out, f"{r}.pt"), weights_only=False) for r in range(world)]
 
 
 # -- tiny task -------------------------------------------------------------------------

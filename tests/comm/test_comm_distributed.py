@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 from comm_workers import (exchange_exactness, link_time_checks, memory_over_reordered_bucket, overlapping_paths,
-                          plain_ddp_training, spawn, sync_modes)
+                          plain_ddp_training, sync_modes)
+from edgetrain_testing import on_devices
 
 from edgetrain.comm.accounting import ring_allreduce_bytes
 
@@ -13,7 +14,7 @@ DDP_SPECS = ["none", "fp16", "bf16", "int8", "qsgd", "topk:0.1", "topk:0.05:dgc:
 
 
 def test_compressors_train_a_plain_ddp_model():
-    ranks = spawn(plain_ddp_training, 2, DDP_SPECS)
+    ranks = on_devices(plain_ddp_training, 2, DDP_SPECS)
     for spec in DDP_SPECS:
         a, b = ranks[0][spec], ranks[1][spec]
         assert a["last"] < 0.6 * a["first"], f"{spec} did not train: {a['first']:.3f} -> {a['last']:.3f}"
@@ -33,7 +34,7 @@ def test_compressors_train_a_plain_ddp_model():
 
 @pytest.mark.slow
 def test_without_a_link_the_allreduce_overlaps_backward_and_bytes_stay_counted():
-    ranks = spawn(overlapping_paths, 2)
+    ranks = on_devices(overlapping_paths, 2)
     for r in ranks:
         none, fp16 = r["none"], r["fp16"]
         assert none["comm_hook"] is None  # DDP's own all-reduce: nothing of edgetrain's inside backward
@@ -46,14 +47,14 @@ def test_without_a_link_the_allreduce_overlaps_backward_and_bytes_stay_counted()
 
 
 def test_exchange_is_exact_and_counts_payload_bytes():
-    for rank_result in spawn(exchange_exactness, 2):
+    for rank_result in on_devices(exchange_exactness, 2):
         for name, r in rank_result.items():
             assert r["max_error"] <= r["tol"], name
             assert r["bytes"] == r["want_bytes"], name
 
 
 def test_link_model_matches_enforced_run():
-    ranks = spawn(link_time_checks, 2, "8mbit:60ms")
+    ranks = on_devices(link_time_checks, 2, "8mbit:60ms")
     for r in ranks:
         # one all-reduce: the enforced wall time is the model's prediction
         assert r["allreduce_wall_s"] == pytest.approx(r["allreduce_model_s"], rel=0.10)
@@ -73,7 +74,7 @@ SYNC_CASES = [("local:4", "none", *LTE), ("local:4:nesterov", "topk:0.2", *LTE),
 
 
 def test_sync_modes_train_and_agree():
-    ranks = spawn(sync_modes, 2, SYNC_CASES)
+    ranks = on_devices(sync_modes, 2, SYNC_CASES)
     for case in SYNC_CASES:
         a, b = ranks[0][case], ranks[1][case]
         assert a["last"] < 0.7 * a["first"], f"{case} did not train: {a['first']:.3f} -> {a['last']:.3f}"
@@ -102,7 +103,7 @@ def test_error_feedback_follows_parameters_when_ddp_reorders_its_bucket():
     DGC runs at momentum 0, where its accumulation is plain error feedback; its
     momentum is checked under reordering in test_comm_compressors.py.
     """
-    ranks = spawn(memory_over_reordered_bucket, 2, EF_SPECS)
+    ranks = on_devices(memory_over_reordered_bucket, 2, EF_SPECS)
     for spec in EF_SPECS:
         layouts = ranks[0][spec]["layouts"]
         assert len(set(layouts[0])) == len(layouts[0]) == 6 and len(layouts) == 7, "expected one bucket per step"

@@ -64,10 +64,11 @@ def small_cluster_outputs(tmp: Path) -> dict:
             "prediction": {k: d[k] for k in ("exchange_s", "step_s", "throughput_samples_per_s", "comm_fraction",
                                              "compute_s_max", "memory_total_mb_max")},
             "per_device": [[r["batch"], r["compute_s"], r["step_s"], r["wait_s"], r["link"]] for r in d["per_device"]],
-            "groups": device_groups(pred),
+            "groups": [g.to_dict() for g in device_groups(pred)],
             "simulation": simulate(pred, steps=12, compute_cv=0.1, straggler_prob=0.05, jitter=True, seed=3).to_dict(),
             "simulation_without_jitter": simulate(pred, steps=12, compute_cv=0.1, jitter=False, seed=3).to_dict(),
-            "scaling": scaling(lambda n: predict_inputs(inputs, n, runtime_mb=100), [1, 2, 7, 13], 8, seed=1),
+            "scaling": [r.to_dict() for r in scaling(lambda n: predict_inputs(inputs, n, runtime_mb=100),
+                                                     [1, 2, 7, 13], 8, seed=1)],
         }
     return json.loads(json.dumps(out))  # as stored: tuples become lists
 
@@ -101,7 +102,7 @@ def test_100k_devices_plan_in_seconds(sync):
     result = simulate(pred, steps=20, seed=0)
     groups = device_groups(pred)
     spent = time.process_time() - started
-    assert len(pred.devices) == 100_000 and len(groups) == 1 and groups[0]["count"] == 100_000
+    assert len(pred.devices) == 100_000 and len(groups) == 1 and groups[0].count == 100_000
     assert result.mean_step_s >= pred.step_s  # jitter and compute noise only ever delay a synchronising step
     assert spent < 8.0, f"planning 100,000 devices took {spent:.1f} s of CPU time"
 

@@ -77,8 +77,8 @@ def test_4096_devices_simulate_every_step():
 
 def test_scaling_rows():
     rows = scaling(lambda n: plan(n), [1, 2, 4, 8], steps=20, **EXACT)
-    assert [r["devices"] for r in rows] == [1, 2, 4, 8]
-    assert rows[0]["analytic_speedup"] == 1 and rows[0]["comm_fraction"] == 0
-    effs = [r["analytic_efficiency"] for r in rows]
+    assert [r.devices for r in rows] == [1, 2, 4, 8]
+    assert rows[0].analytic_speedup == 1 and rows[0].comm_fraction == 0
+    effs = [r.analytic_efficiency for r in rows]
     assert effs == sorted(effs, reverse=True) and effs[-1] < 1  # communication costs efficiency
-    assert all(r["simulated_step_s"] == pytest.approx(r["analytic_step_s"]) for r in rows)
+    assert all(r.simulated_step_s == pytest.approx(r.analytic_step_s) for r in rows)

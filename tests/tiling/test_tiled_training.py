@@ -10,9 +10,9 @@ from edgetrain.errors import EdgetrainError
 from edgetrain.spec import parse_grid, parse_tiling
 from edgetrain.tiling import TiledTraining
 
-from ._dist import run_devices
+from edgetrain_testing import on_devices
 from .models import PLAIN_SHAPE, batch, build, plain_net, reference_grads, rel_err
-from .workers import run
+from .workers import first_broadcast_to_a_silent_peer, run
 
 # (model, groups, dtype): one fused group, several groups, residual blocks tiled, auto, float32.
 CASES = {
@@ -29,7 +29,7 @@ CASES = {
 def test_loss_and_gradients_equal_single_device(grid):
     """One step per case; on 2x2 the same processes then train 3 steps (checked below)."""
     rows, cols = parse_grid(grid)
-    results = run_devices(run, rows * cols, grid, CASES[grid], ("resnet", [3, 5], 3) if grid == "2x2" else None)
+    results = on_devices(run, rows * cols, grid, CASES[grid], ("resnet", [3, 5], 3) if grid == "2x2" else None)
     for device in results:
         for r in device["cases"]:
             tolerance = 1e-9 if "float64" in r["case"] else 1e-4
@@ -118,7 +118,15 @@ def test_wrong_input_shape_is_one_clear_error():
         tiled.forward_backward(torch.randn(2, 3, 24, 19), torch.zeros(2, dtype=torch.long), F.cross_entropy)
 
 
+def test_a_silent_peer_is_one_line_naming_the_tiled_collective():
+    # the model broadcast waited on gloo's Work directly: its timeout was a raw C++ RuntimeError
+    device0, _ = on_devices(first_broadcast_to_a_silent_peer, 2, 1.0)
+    assert device0["error"] is not None and "\n" not in device0["error"]
+    assert device0["error"].startswith("tiled training: initial model broadcast timed out after 1 s")
+    assert "raise --timeout" in device0["error"]
+
+
 def test_collectives_wait_as_long_as_the_run_timeout():
     # --timeout bounds every tiled exchange (it was a fixed 300 s whatever the run said)
     tiled = TiledTraining(plain_net(), parse_tiling("1x1", [14]), PLAIN_SHAPE, timeout_s=7)
-    assert tiled.comm.timeout.total_seconds() == 7
+    assert tiled.comm.timeout_s == 7

@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import json
 import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +14,20 @@ from edgetrain.spec import parse_tiling
 from edgetrain.tiling import TiledTraining
 
 from .models import batch, build, reference_grads, rel_err
+
+
+def first_broadcast_to_a_silent_peer(rank: int, world: int, timeout_s: float) -> dict | None:
+    """Device 0 builds a 1x2 ``TiledTraining`` (its first collective is the model broadcast); device 1 never
+    does and stays up past device 0's deadline."""
+    if rank == 1:
+        time.sleep(timeout_s + 2)
+        return None
+    model, shape = build("plain", torch.float32)
+    try:
+        TiledTraining(model, parse_tiling("1x2", [14]), shape, timeout_s=timeout_s)
+    except EdgetrainError as e:
+        return {"error": str(e)}
+    return {"error": None}
 
 
 def run(rank: int, world: int, grid: str, cases: list[tuple[str, object, str]], train: tuple | None = None) -> dict:

@@ -6,11 +6,10 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from edgetrain_testing import FAST
+from edgetrain_testing import FAST, on_devices
 from edgetrain import train
 from edgetrain.config import TrainConfig, resolve
 from edgetrain.errors import EdgetrainError
-from tiling._dist import run_devices
 
 
 def _checkpoint(summary):
@@ -61,5 +60,5 @@ def _evaluate_sharded(rank, world):
 
 
 def test_evaluation_of_a_sharded_model_does_not_hang_on_uneven_shards():
-    first, second = run_devices(_evaluate_sharded, 2, timeout=60)
+    first, second = on_devices(_evaluate_sharded, 2)
     assert first == second and 0 <= first[1] <= 1

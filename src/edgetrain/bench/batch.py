@@ -34,6 +34,7 @@ from edgetrain.arguments import non_negative_int, positive_float, positive_int
 from edgetrain.bench.common import (ABOVE_PEAK_NOTE, NOISY_NOTE, percent_of_peak, print_table, save_result, say,
                                     spread_cell, start_run)
 from edgetrain.errors import EdgetrainError
+from edgetrain.results import BatchResult
 
 
 def batch_sizes(start: int, max_batch: int) -> list[int]:
@@ -48,7 +49,7 @@ def run(model: str = "resnet18", dataset: str = "cifar10", profile: str = "host"
         start_batch: int = 1, max_batch: int = 512, steps: int = 3, warmup: int = 1,
         threads: int | None = None, memory_limit_mb: float | None = None, throttle: bool = True,
         peak_size: int = 1024, output: str = "runs", name: str | None = None,
-        timeout_s: float = 600, min_time_s: float = 1.0) -> dict[str, Any]:
+        timeout_s: float = 600, min_time_s: float = 1.0) -> BatchResult:
     from edgetrain.cluster.profiles import device_speed, get_profile
 
     if start_batch < 1 or max_batch < start_batch:
@@ -106,16 +107,16 @@ def run(model: str = "resnet18", dataset: str = "cifar10", profile: str = "host"
                   min_time_s=min_time_s, warmup=warmup, start_batch=start_batch, max_batch=max_batch,
                   data="synthetic tensors in memory (no loader; see bench stalls)")
     run_dir = start_run(output, name, "batch")
-    result = save_result(
-        run_dir, "batch", params,
+    result = save_result(run_dir, BatchResult(
+        params=params,
         profile={"name": prof.name, "memory_limit_mb": limit, "limit_source": limit_source,
                  "cores": prof.cores, "nominal_gflops": prof.gflops, "emulated_speed": speed},
         flops_per_sample=counted, peak_source=peak_source,
         rows=rows, best=best["batch_size"], largest_fitting_batch=ok[-1]["batch_size"],
-        limit_hit=limit_hit, notes=notes)
+        limit_hit=limit_hit, notes=notes))
     from edgetrain.report import plots
 
-    plots.plot_batch(result, run_dir / "batch.png")
+    plots.plot_batch(result.to_dict(), run_dir / "batch.png")
     table = [(r["batch_size"], r["status"], r.get("samples_per_s"), r.get("step_s_median"),
               spread_cell(r.get("spread"), r.get("noisy", False)), r.get("peak_rss_mb") or r.get("rss_mb"),
               r.get("achieved_gflops"), r.get("peak_gflops_median"), percent_of_peak(r.get("fraction_of_peak")))
@@ -136,7 +137,6 @@ def run(model: str = "resnet18", dataset: str = "cifar10", profile: str = "host"
     print_table(f"bench batch: {model} on {prof.name} ({threads} threads) -> {run_dir}",
                 ["batch", "status", "samples/s", "median step s", "spread", "peak RSS MB", "GFLOPS", "peak GFLOPS",
                  "% of peak"], table, printed_notes)
-    result["run_dir"] = str(run_dir)
     return result
 
 

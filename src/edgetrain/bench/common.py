@@ -1,9 +1,10 @@
 """What every bench shares: the run directory, the result file, the table it prints.
 
-Each bench writes ``RUN_DIR/result.json`` (``{"bench": NAME, "environment":
-..., "params": ..., ...}``) and one or more PNGs beside it, then prints a short
-table. ``edgetrain report`` reads those files back, so the layout is the
-contract between the two.
+Each bench builds its typed result (``edgetrain.results``: ``PeakResult``,
+``BatchResult``...), writes it as ``RUN_DIR/result.json`` (``{"bench": NAME,
+"environment": ..., "params": ..., ...}``) and one or more PNGs beside it,
+then prints a short table. ``edgetrain report`` reads those files back through
+the same classes, so the schema is the contract between the two.
 
 One statistic throughout: a timing is summarised by its median, and every
 rate printed beside it is derived from that same median (samples/s = batch /
@@ -26,10 +27,10 @@ from typing import Any, Iterable, Sequence
 from edgetrain.report.cells import (ABOVE_PEAK_NOTE, NOISY_NOTE, NOISY_SPREAD, fmt,  # noqa: F401  (benches' names)
                                     percent_of_peak, spread_cell)
 from edgetrain.report.files import new_run_dir, write_json
+from edgetrain.results import BENCH_FILE, BenchResult
 
-RESULT_FILE = "result.json"
-# IQR / median above which a timing is flagged as noise: the middle half of the steps then spans more than
-# a quarter of the typical step, more than most of the differences a bench is run to see.
+
+
 def relative_spread(values: Sequence[float]) -> float | None:
     """Interquartile range over the median; None for fewer than two values."""
     if len(values) < 2:
@@ -76,9 +77,11 @@ def start_run(output: str | os.PathLike, name: str | None, bench: str) -> Path:
     return new_run_dir(output, name, prefix=f"bench-{bench}")
 
 
-def save_result(run_dir: Path, bench: str, params: dict, **sections: Any) -> dict:
-    result = {"bench": bench, "environment": environment(), "params": params, **sections}
-    write_json(run_dir / RESULT_FILE, result)
+def save_result(run_dir: Path, result: BenchResult) -> BenchResult:
+    """Stamp ``result`` with where it was measured and where it is written, and write ``RUN_DIR/result.json``."""
+    result.environment = environment()
+    result.run_dir = str(run_dir)
+    write_json(run_dir / BENCH_FILE, result.to_dict())
     return result
 
 

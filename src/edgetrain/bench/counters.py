@@ -22,11 +22,11 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
 from edgetrain.arguments import non_negative_int, positive_int
 from edgetrain.bench import workload
 from edgetrain.bench.common import print_table, save_result, say, start_run
+from edgetrain.results import CountersResult
 
 HARDWARE_EVENTS = ["instructions", "cycles", "cache-references", "cache-misses", "branches",
                    "branch-misses", "L1-dcache-loads", "L1-dcache-load-misses"]
@@ -115,7 +115,7 @@ def _paranoid() -> str:
 
 def run(model: str = "resnet18", dataset: str = "cifar10", *, batch_size: int = 32, steps: int = 3,
         warmup: int = 1, threads: int | None = None, timeout_s: float = 600,
-        output: str = "runs", name: str | None = None) -> dict[str, Any]:
+        output: str = "runs", name: str | None = None) -> CountersResult:
     threads = threads or os.cpu_count() or 1
     spec = dict(model=model, dataset=dataset, batch_size=batch_size, steps=steps, warmup=warmup, threads=threads)
     perf = shutil.which("perf")
@@ -149,20 +149,19 @@ def run(model: str = "resnet18", dataset: str = "cifar10", *, batch_size: int = 
     per_sample = {e: (v / samples if v is not None else None) for e, v in counts.items()}
     available = any(counts.get(e) is not None for e in HARDWARE_EVENTS)
     run_dir = start_run(output, name, "counters")
-    result = save_result(run_dir, "counters", dict(spec, perf=perf), available=available, message=message,
-                         counts=counts, per_sample=per_sample, ratios=ratios(counts),
-                         samples_per_s=timing["samples_per_s"], step_s=timing["step_s"])
+    result = save_result(run_dir, CountersResult(
+        params=dict(spec, perf=perf), available=available, message=message, counts=counts, per_sample=per_sample,
+        ratios=ratios(counts), samples_per_s=timing["samples_per_s"], step_s=timing["step_s"]))
     from edgetrain.report import plots
 
-    plots.plot_counters(result, run_dir / "counters.png")
+    plots.plot_counters(result.to_dict(), run_dir / "counters.png")
     rows = [(e + (" (ms)" if e == "task-clock" else ""), counts.get(e), per_sample.get(e)) for e in HARDWARE_EVENTS + SOFTWARE_EVENTS if e in counts]
-    rows += [(k, v, None) for k, v in result["ratios"].items()]
+    rows += [(k, v, None) for k, v in result.ratios.items()]
     if message:
         say(f"bench counters: {message}")
     print_table(f"bench counters: {model}, batch {batch_size}, {steps} steps -> {run_dir}",
                 ["event", "count", "per sample"], rows,
                 [f"step time measured: {timing['samples_per_s']:.1f} samples/s (batch / median step)"])
-    result["run_dir"] = str(run_dir)
     return result
 
 

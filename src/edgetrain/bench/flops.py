@@ -1,20 +1,10 @@
-"""Training FLOPs per sample of a model, forward and backward, counted by PyTorch.
+"""FLOPs achieved by training, and the peak a device is rated against.
 
-``torch.utils.flop_counter.FlopCounterMode`` intercepts every aten operator
-during one real training step and sums the flops of the ones it has formulas
-for: matrix products and convolutions (a multiply-add counts 2), which is
-where almost all of a CNN's arithmetic is and exactly what a GEMM peak
-measures. Element-wise work (BatchNorm, ReLU, the optimizer) is not counted:
-it costs time, not flops, which is why achieved GFLOPS stay below the GEMM
-peak. Backward is roughly twice forward (gradients for inputs and weights).
-
-The count is taken at the input shape actually trained (a 416x416 tiled run
-costs 169 times a 32x32 one) on the model actually trained (a registered one
-or the user's own ``nn.Module``); every FLOP figure in edgetrain, the trainer's
-``summary.json`` and ``bench batch`` alike, comes from
-``training_flops_per_sample``. The counting step runs on a deep copy of the
-model with the global RNG state saved and restored, so it changes neither the
-weights, the BatchNorm statistics nor the random stream the run trains with.
+The count itself is ``models.flops.count_training_flops`` (the one counter,
+shared with the trainer and ``plan``: see there what it counts);
+``training_flops_per_sample`` adds the nominal input shape of a dataset for
+benches that name one. Every FLOP figure in edgetrain, the trainer's
+``summary.json`` and ``bench batch`` alike, comes from that counter.
 
 Achieved GFLOPS = flops per sample x samples/s; dividing by the GEMM peak
 measured with the same thread count gives the fraction of peak that training
@@ -30,19 +20,18 @@ an unthrottled device against this host's measured GEMM peak, if there is one.
 """
 from __future__ import annotations
 
-import copy
 from typing import Any, Sequence
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 from edgetrain.bench.workload import dataset_shape
+from edgetrain.models.flops import count_training_flops
 
 
 def training_flops_per_sample(model: torch.nn.Module, dataset: str = "cifar10", batch_size: int = 2, *,
                               input_shape: Sequence[int] | None = None,
                               num_classes: int | None = None) -> dict[str, Any]:
-    """Forward, backward and total flops of one training sample (counted on a ``batch_size`` batch).
+    """Forward, backward and total flops of one training sample (``models.flops.count_training_flops``).
 
     ``input_shape`` (channels, height, width) and ``num_classes`` override ``dataset``'s nominal ones:
     pass the run's real shape. ``model`` itself is left untouched (a deep copy is counted).
@@ -50,22 +39,7 @@ def training_flops_per_sample(model: torch.nn.Module, dataset: str = "cifar10", 
     if input_shape is None or num_classes is None:
         nominal_shape, nominal_classes = dataset_shape(dataset)
         input_shape, num_classes = input_shape or nominal_shape, num_classes or nominal_classes
-    shape = tuple(input_shape)
-    counted = copy.deepcopy(model).train()
-    loss_fn = torch.nn.CrossEntropyLoss()
-    with torch.random.fork_rng(devices=[]):  # dropout and the fake batch must not move the run's RNG
-        x = torch.randn(batch_size, *shape)
-        y = torch.randint(0, num_classes, (batch_size,))
-        with FlopCounterMode(display=False) as forward_counter:
-            loss = loss_fn(counted(x), y)
-        with FlopCounterMode(display=False) as backward_counter:
-            loss.backward()
-    fwd = forward_counter.get_total_flops() / batch_size
-    bwd = backward_counter.get_total_flops() / batch_size
-    return {"forward_flops": fwd, "backward_flops": bwd, "total_flops": fwd + bwd, "input_shape": list(shape),
-            "model": type(model).__name__,
-            "counted_ops": "matmul and convolution (multiply-add = 2 flops)",
-            "counter": "torch.utils.flop_counter.FlopCounterMode"}
+    return count_training_flops(model, input_shape, num_classes, batch_size)
 
 
 def achieved(flops_per_sample: float, samples_per_s: float, peak_gflops: float | None) -> dict[str, Any]:

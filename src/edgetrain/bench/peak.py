@@ -33,6 +33,7 @@ import torch
 
 from edgetrain.arguments import non_negative_float, positive_int
 from edgetrain.errors import EdgetrainError
+from edgetrain.results import PeakResult
 
 RESIDUAL_THRESHOLD = 16.0  # HPL's acceptance bound on the scaled residual
 
@@ -167,54 +168,18 @@ def aggregate(per_device: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return out
 
 
-def _device_worker(rank: int, world: int, port: int, kwargs: dict, queue) -> None:
+def _device_sweep(rank: int, world: int, kwargs: dict) -> list[dict[str, Any]]:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
-    try:
-        rows = sweep(**kwargs, barrier=dist.barrier)
-        queue.put((rank, rows))
-    finally:
-        dist.destroy_process_group()
+    return sweep(**kwargs, barrier=dist.barrier)
 
 
 def concurrent_sweep(devices: int, timeout_s: float = 600, **kwargs: Any) -> list[list[dict[str, Any]]]:
     """``sweep`` on ``devices`` emulated devices (processes) at once; one row list per device."""
-    import multiprocessing as mp
-    import socket
+    from edgetrain.cluster.launch import run_group
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_device_worker, args=(r, devices, port, kwargs, queue), daemon=True)
-             for r in range(devices)]
-    for p in procs:
-        p.start()
-    results: dict[int, list] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(results) < devices:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise EdgetrainError(f"peak on {devices} emulated devices did not finish in {timeout_s:.0f}s; "
-                                     "use smaller --gemm-sizes/--linpack-sizes")
-            try:
-                rank, rows = queue.get(timeout=min(remaining, 5))
-                results[rank] = rows
-            except Exception:  # queue.Empty: check that no device died
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    raise EdgetrainError(f"an emulated device exited with code {dead[0].exitcode} "
-                                         "during bench peak") from None
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return [results[r] for r in range(devices)]
+    return run_group(_device_sweep, devices, kwargs, threads=None, deadline_s=timeout_s,
+                     deadline_fix="use smaller --gemm-sizes/--linpack-sizes")
 
 
 def distributed_sweep(**kwargs: Any) -> list[list[dict[str, Any]]] | None:
@@ -245,7 +210,7 @@ def _ints(text: str) -> list[int]:
 
 
 def run(gemm_sizes: list[int], linpack_sizes: list[int], threads: list[int], devices: int = 1,
-        min_time_s: float = 0.3, output: str = "runs", name: str | None = None) -> dict[str, Any] | None:
+        min_time_s: float = 0.3, output: str = "runs", name: str | None = None) -> PeakResult | None:
     from edgetrain.bench.common import NOISY_NOTE, print_table, save_result, spread_cell, start_run
 
     kwargs = dict(gemm_sizes=gemm_sizes, linpack_sizes=linpack_sizes, threads=threads, min_time_s=min_time_s)
@@ -264,11 +229,11 @@ def run(gemm_sizes: list[int], linpack_sizes: list[int], threads: list[int], dev
     agg = aggregate(per_device) if len(per_device) > 1 else []
     params = dict(kwargs, devices=len(per_device), mode=mode)
     run_dir = start_run(output, name, "peak")
-    result = save_result(run_dir, "peak", params, rows=rows, best=best_by_threads(rows),
-                         per_device=per_device if len(per_device) > 1 else None, aggregate=agg)
+    result = save_result(run_dir, PeakResult(params=params, rows=rows, best=best_by_threads(rows),
+                                             per_device=per_device if len(per_device) > 1 else None, aggregate=agg))
     from edgetrain.report import plots
 
-    plots.plot_peak(result, run_dir / "peak.png")
+    plots.plot_peak(result.to_dict(), run_dir / "peak.png")
     note = ("rows are device 0's, measured while every device ran the same; "
             "'all devices' sums their medians") if agg else "best = fastest repeat, median over repeats"
     notes = [note, "spread = interquartile range / median of the repeats' times"]
@@ -281,7 +246,6 @@ def run(gemm_sizes: list[int], linpack_sizes: list[int], threads: list[int], dev
           spread_cell(r["spread"], r["noisy"]), r.get("max_scaled_residual"))
          + ((a["gflops_median_sum"],) if agg else ()) for r, a in zip(rows, agg or [{}] * len(rows))],
         notes)
-    result["run_dir"] = str(run_dir)
     return result
 
 

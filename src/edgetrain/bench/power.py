@@ -35,6 +35,7 @@ from edgetrain.arguments import non_negative_int, positive_int
 from edgetrain.bench import workload
 from edgetrain.bench.common import print_table, save_result, say, start_run
 from edgetrain.errors import EdgetrainError
+from edgetrain.results import PowerResult
 
 RAPL_ROOT = "/sys/class/powercap"
 INA_ROOTS = ("/sys/bus/i2c/drivers/ina3221x", "/sys/bus/i2c/drivers/ina3221")
@@ -253,7 +254,7 @@ def _measure(net, batch_size: int, steps: int, warmup: int, dataset: str, thread
 def run(model: str = "resnet18", dataset: str = "cifar10", *, threads: list[int] | None = None,
         batch_size: int = 32, steps: int = 5, warmup: int = 1, epoch_samples: int = 50000,
         power_model: str | None = None, rapl_root: str = RAPL_ROOT, ina_roots: tuple[str, ...] = INA_ROOTS,
-        cpu_root: str = CPU_ROOT, output: str = "runs", name: str | None = None) -> dict[str, Any]:
+        cpu_root: str = CPU_ROOT, output: str = "runs", name: str | None = None) -> PowerResult:
     threads = threads or list(range(1, (os.cpu_count() or 1) + 1))
     source = energy_source(rapl_root, ina_roots, parse_power_model(power_model))
     notes = []
@@ -300,10 +301,11 @@ def run(model: str = "resnet18", dataset: str = "cifar10", *, threads: list[int]
     params = dict(model=model, dataset=dataset, threads=threads, batch_size=batch_size, steps=steps,
                   warmup=warmup, epoch_samples=epoch_samples, frequencies_khz=freqs, nvpmodel_modes=modes)
     run_dir = start_run(output, name, "power")
-    result = save_result(run_dir, "power", params, energy_source=source, rows=rows, pareto=front, notes=notes)
+    result = save_result(run_dir, PowerResult(params=params, energy_source=source, rows=rows, pareto=front,
+                                              notes=notes))
     from edgetrain.report import plots
 
-    plots.plot_power(result, run_dir / "power.png")
+    plots.plot_power(result.to_dict(), run_dir / "power.png")
     tag = " (modelled)" if source["modelled"] else ""
     on_front = {r["setting"] for r in front}
     if source["kind"] == "none":
@@ -313,7 +315,6 @@ def run(model: str = "resnet18", dataset: str = "cifar10", *, threads: list[int]
                 [(r["setting"], r["samples_per_s"], r["epoch_s"], r["energy_j_per_epoch"], r["avg_power_w"],
                   r["setting"] in on_front if r["energy_j_per_epoch"] is not None else None) for r in rows],
                 notes)
-    result["run_dir"] = str(run_dir)
     return result
 
 

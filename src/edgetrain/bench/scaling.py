@@ -32,10 +32,13 @@ from edgetrain.arguments import non_negative_int, positive_int
 from edgetrain.bench import trainer_runs
 from edgetrain.bench.common import print_table, save_result, spread_cell, start_run
 from edgetrain.errors import EdgetrainError
+from edgetrain.records import RunSummary, StepRecord
 from edgetrain.report.cells import efficiency_cell, flag_notes
+from edgetrain.results import ScalingResult
 
 
-def scaling_rows(metrics: dict[int, list[dict]], summaries: dict[int, dict] | None = None) -> list[dict[str, Any]]:
+def scaling_rows(metrics: dict[int, list[StepRecord]],
+                 summaries: dict[int, RunSummary] | None = None) -> list[dict[str, Any]]:
     """One row per device count from each run's metrics.jsonl records, ``speedup = throughput_N / throughput_1``."""
     summaries = summaries or {}
     timings = {n: trainer_runs.cluster_timing(records) for n, records in metrics.items()}
@@ -46,13 +49,13 @@ def scaling_rows(metrics: dict[int, list[dict]], summaries: dict[int, dict] | No
         speedup = timing["samples_per_s"] / base["samples_per_s"]
         flags = [f for f, on in (("noisy", timing["noisy"]), ("noisy baseline", n != 1 and base["noisy"]),
                                  ("superlinear", speedup / n > 1)) if on]
+        summary = summaries.get(n)
         rows.append({"devices": n, "throughput_samples_per_s": timing["samples_per_s"],
                      "step_s_median": timing["step_s_median"], "spread": timing["spread"], "noisy": timing["noisy"],
                      "speedup": speedup, "efficiency": speedup / n, "flags": flags,
                      "split_s_per_step": trainer_runs.split_per_step(metrics[n]),
-                     "bytes_sent_per_device": _mean([d.get("bytes_sent")
-                                                     for d in summaries.get(n, {}).get("per_device", [])]),
-                     "run_dir": summaries.get(n, {}).get("run_dir")})
+                     "bytes_sent_per_device": _mean([d.bytes_sent for d in summary.per_device] if summary else []),
+                     "run_dir": summary and summary.run_dir})
     return rows
 
 
@@ -62,29 +65,28 @@ def _mean(values: list) -> float | None:
 
 
 def run(config: dict[str, Any], devices: list[int], *, mode: str = "weak", output: str = "runs",
-        name: str | None = None, train_fn: trainer_runs.TrainFn | None = None) -> dict[str, Any]:
+        name: str | None = None, train_fn: trainer_runs.TrainFn | None = None) -> ScalingResult:
     if mode not in ("weak", "strong"):
         raise EdgetrainError(f"--mode must be weak or strong, got {mode!r}")
     if not devices or min(devices) < 1 or 1 not in devices:
         raise EdgetrainError(f"--devices needs positive device counts including 1 (the baseline), e.g. 1,2,4; "
                              f"got {devices}")
-    train_fn = train_fn or trainer_runs.default_train_fn()
+    train_fn = train_fn or trainer_runs.train_in_subprocess
     run_dir = start_run(output, name, "scaling")
     local_batch = int(config.get("batch_size", 32))
     summaries, metrics = {}, {}
     for n in sorted(set(devices)):
         cfg = dict(config, devices=n, output=str(run_dir / "runs"), run_name=f"devices-{n}", progress=False,
                    eval=False, batch_size=local_batch * n if mode == "weak" else local_batch)
-        summary = train_fn(cfg)
-        summaries[n] = summary
-        metrics[n] = trainer_runs.read_metrics(summary["run_dir"])
+        summaries[n] = train_fn(cfg)
+        metrics[n] = trainer_runs.read_metrics(summaries[n].run_dir)
     rows = scaling_rows(metrics, summaries)
     params = dict(config, devices=sorted(set(devices)), mode=mode,
                   batch_size_note="per device" if mode == "weak" else "global")
-    result = save_result(run_dir, "scaling", params, rows=rows)
+    result = save_result(run_dir, ScalingResult(params=params, rows=rows))
     from edgetrain.report import plots
 
-    plots.plot_scaling(result, run_dir / "scaling.png")
+    plots.plot_scaling(result.to_dict(), run_dir / "scaling.png")
     print_table(f"bench scaling ({mode}): {config.get('model')} -> {run_dir}",
                 ["devices", "samples/s", "median step ms", "spread", "speedup", "efficiency", "data ms", "compute ms",
                  "comm ms", "wait ms"],
@@ -97,7 +99,6 @@ def run(config: dict[str, Any], devices: list[int], *, mode: str = "weak", outpu
                  "the rest of a device's comm time, spent waiting for peers",
                  "emulated devices share this host's cores: speedup is bounded by the cores there are",
                  *flag_notes(rows)])
-    result["run_dir"] = str(run_dir)
     return result
 
 
@@ -124,8 +125,9 @@ def add_parser(sub) -> None:
 
 
 def _config(a) -> dict[str, Any]:
-    from edgetrain.config import load_config, read_yaml_mapping, resolve
+    from edgetrain.config import load_config, resolve
     from edgetrain.preflight import check_before_launch
+    from edgetrain.yamlfile import read_yaml_mapping
 
     config = read_yaml_mapping(a.config, "--config") if a.config else {}
     config.setdefault("model", "small_cnn")

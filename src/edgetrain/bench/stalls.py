@@ -38,7 +38,6 @@ import os
 import statistics
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -50,6 +49,7 @@ from edgetrain.bench.common import print_table, save_result, start_run
 from edgetrain.data import cifar
 from edgetrain.data.datasets import random_crop_flip
 from edgetrain.errors import EdgetrainError
+from edgetrain.results import StallsResult
 
 def cifar_files(data_dir: str | os.PathLike) -> list[Path]:
     d = Path(data_dir)
@@ -161,7 +161,7 @@ def limiting_stage(ingest: float, prep: float, fetch: float, threshold: float) -
 
 def run(data_dir: str, model: str = "resnet18", *, batch_size: int = 64, epoch_samples: int = 1024,
         max_workers: int = 2, threads: int | None = None, threshold: float = 0.05, seed: int = 0,
-        output: str = "runs", name: str | None = None) -> dict[str, Any]:
+        output: str = "runs", name: str | None = None) -> StallsResult:
     files = cifar_files(data_dir)
     ds = CifarFiles(files, seed=seed)
     if epoch_samples < batch_size or epoch_samples > len(ds):
@@ -225,12 +225,12 @@ def run(data_dir: str, model: str = "resnet18", *, batch_size: int = 64, epoch_s
                   max_workers=max_workers, threads=threads, stall_threshold=threshold, seed=seed)
     run_dir = start_run(output, name, "stalls")
     ingestion = statistics.median(r["ingestion_samples_per_s"] for r in rows)
-    result = save_result(run_dir, "stalls", params, ingestion_samples_per_s=ingestion,
-                         read_mb_per_s={"cold": cold_read, "cached": cached_read},
-                         rows=rows, stall_removed_at_workers=removes, verdict=verdict)
+    result = save_result(run_dir, StallsResult(params=params, ingestion_samples_per_s=ingestion,
+                                               read_mb_per_s={"cold": cold_read, "cached": cached_read},
+                                               rows=rows, stall_removed_at_workers=removes, verdict=verdict))
     from edgetrain.report import plots
 
-    plots.plot_stalls(result, run_dir / "stalls.png")
+    plots.plot_stalls(result.to_dict(), run_dir / "stalls.png")
     print_table(f"bench stalls: {model}, batch {batch_size}, {samples} samples/epoch -> {run_dir}",
                 ["workers", "ingestion/s", "loader cached/s", "loader cold/s", "train cached/s", "train cold/s", "prep stall s",
                  "fetch stall s", "stall %", "limiting"],
@@ -244,7 +244,6 @@ def run(data_dir: str, model: str = "resnet18", *, batch_size: int = 64, epoch_s
                  "limiting = the slowest of ingestion, loader cached (prep) and loader cold (fetch + prep) rates; "
                  "stall seconds = measured training epochs' differences (on a shared machine they include "
                  "interference: workers and other processes competing for the cores)", verdict])
-    result["run_dir"] = str(run_dir)
     return result
 
 

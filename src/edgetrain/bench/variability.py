@@ -11,7 +11,8 @@ repeats a short run ``R`` times, each in a fresh process, and reports
 
 CVs use the sample standard deviation. With one device the runs are this
 bench's own isolated step loop (``workload``); with several, the trainer
-(``edgetrain.train.train``), whose ``metrics.jsonl`` gives each device's steps.
+(``edgetrain train`` in its own process, ``trainer_runs``), whose
+``metrics.jsonl`` gives each device's steps.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from edgetrain.arguments import non_negative_int, positive_int
 from edgetrain.bench import trainer_runs, workload
 from edgetrain.bench.common import print_table, save_result, start_run
 from edgetrain.errors import EdgetrainError
+from edgetrain.results import VariabilityResult
 
 
 def cv(values: list[float]) -> float | None:
@@ -58,7 +60,7 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def run(model: str = "resnet18", dataset: str = "cifar10", *, repeats: int = 3, devices: int = 1,
         batch_size: int = 32, steps: int = 10, warmup: int = 2, threads: int | None = None,
         config: dict[str, Any] | None = None, output: str = "runs", name: str | None = None,
-        train_fn: trainer_runs.TrainFn | None = None) -> dict[str, Any]:
+        train_fn: trainer_runs.TrainFn | None = None) -> VariabilityResult:
     if repeats < 2:
         raise EdgetrainError("--repeats must be at least 2 to measure variability across runs")
     if steps < 2:
@@ -79,23 +81,23 @@ def run(model: str = "resnet18", dataset: str = "cifar10", *, repeats: int = 3, 
             runs.append({"run": i, "samples_per_s": r["samples_per_s_mean"],
                          "devices": [{"rank": 0, "step_s": r["step_s"]}]})
     else:
-        train_fn = train_fn or trainer_runs.default_train_fn()
-        source = "edgetrain.train.train, metrics.jsonl"
+        train_fn = train_fn or trainer_runs.train_in_subprocess
+        source = "edgetrain train (one process per run), metrics.jsonl"
         for i in range(repeats):
             cfg = dict(config or {}, model=model, dataset=dataset, devices=devices, batch_size=batch_size * devices,
                        steps=steps + warmup, output=str(run_dir / "runs"), run_name=f"repeat-{i}", progress=False,
                        eval=False)
-            summary = train_fn(cfg)
-            by_rank = trainer_runs.step_times_by_rank(trainer_runs.read_metrics(summary["run_dir"]), skip=warmup)
-            runs.append({"run": i, "samples_per_s": summary["throughput_samples_per_s"],
+            trained = train_fn(cfg)
+            by_rank = trainer_runs.step_times_by_rank(trainer_runs.read_metrics(trained.run_dir), skip=warmup)
+            runs.append({"run": i, "samples_per_s": trained.throughput_samples_per_s,
                          "devices": [{"rank": k, "step_s": v} for k, v in by_rank.items()]})
     summary = summarise(runs)
     params = dict(model=model, dataset=dataset, repeats=repeats, devices=devices, batch_size=batch_size,
                   steps=steps, warmup=warmup, threads=threads, source=source)
-    result = save_result(run_dir, "variability", params, runs=runs, summary=summary)
+    result = save_result(run_dir, VariabilityResult(params=params, runs=runs, summary=summary))
     from edgetrain.report import plots
 
-    plots.plot_variability(result, run_dir / "variability.png")
+    plots.plot_variability(result.to_dict(), run_dir / "variability.png")
     rows = [(f"run {run['run']} dev {d['rank']}", 1000 * d["mean_step_s"],
              None if d["cv_within"] is None else 100 * d["cv_within"], run["samples_per_s"])
             for run in runs for d in run["devices"]]
@@ -104,7 +106,6 @@ def run(model: str = "resnet18", dataset: str = "cifar10", *, repeats: int = 3, 
                 ["run / device", "mean step ms", "CV within %", "run samples/s"], rows,
                 [f"CV within a run (mean) {pct(summary['cv_within_mean'])}; across runs "
                  f"{pct(summary['cv_across_runs'])}; across devices {pct(summary['cv_across_devices'])}"])
-    result["run_dir"] = str(run_dir)
     return result
 
 

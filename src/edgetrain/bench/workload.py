@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import subprocess
 import sys
 import threading
@@ -110,11 +109,6 @@ def rss_mb() -> float:
     return psutil.Process().memory_info().rss / 2**20
 
 
-def peak_rss_mb() -> float:
-    """This process's peak resident set so far (Linux reports ``ru_maxrss`` in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def _start_memory_watchdog(limit_mb: float) -> None:
     """Exit with ``MEMORY_LIMIT_EXIT`` as soon as resident memory passes ``limit_mb``."""
 
@@ -135,6 +129,8 @@ def _child_main(spec: dict) -> dict:
     if spec.get("memory_limit_mb"):
         _start_memory_watchdog(spec["memory_limit_mb"])
     import torch
+
+    from edgetrain.cluster.throttle import peak_rss_mb
 
     torch.set_num_threads(spec["threads"])
     model = build_model(spec["model"], spec["dataset"])
@@ -157,15 +153,16 @@ def _child_main(spec: dict) -> dict:
     return out
 
 
-def child_env(threads: int) -> dict[str, str]:
-    """Environment for a measuring child: finds this package, uses exactly ``threads`` threads."""
+def child_env(threads: int | None) -> dict[str, str]:
+    """Environment for a child process: finds this package; uses exactly ``threads`` threads if given."""
     import edgetrain
 
     env = dict(os.environ)
     src = str(Path(edgetrain.__file__).resolve().parents[1])
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env["OMP_NUM_THREADS"] = str(threads)
-    env["MKL_NUM_THREADS"] = str(threads)
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+        env["MKL_NUM_THREADS"] = str(threads)
     return env
 
 

@@ -42,6 +42,18 @@ launcher says what to do in one line.
 
 *Real devices*: ``torchrun`` starts the worker on every node and
 ``edgetrain train`` sees ``RANK`` in its environment (``under_torchrun``).
+
+*The one spawner*: every set of emulated devices on this host is started by
+``launch_local``: the trainer's, ``bench peak --devices``'s, the benchmarks'
+and the tests' gloo groups. (A single measurement in a fresh interpreter,
+``bench/workload.py``, and ``torchrun`` itself are not device sets.)
+``run_group`` is the short form for code that is not a training run:
+``fn(rank, world, *args)`` in each process, inside one gloo group joined
+through the launcher's store, with the return values sent back through
+``torch.save`` (tensors travel as bytes, not as shared-memory handles that die
+with the process that made them). ``deadline_s`` bounds a whole launch: past
+it every device is stopped as above and one line names the devices that did
+not finish.
 """
 from __future__ import annotations
 
@@ -49,6 +61,7 @@ import atexit
 import contextlib
 import ctypes
 import gc
+import io
 import multiprocessing as mp
 import os
 import pickle
@@ -58,6 +71,7 @@ import socket
 import sys
 import time
 import traceback
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
@@ -263,10 +277,13 @@ def _quiet_resource_tracker() -> None:
 
 
 def launch_local(world: int, target: Callable, args: tuple, labels: list[str], log_dir: str | None = None,
-                 grace_s: float = 1.0) -> list[Any]:
+                 grace_s: float = 1.0, deadline_s: float | None = None,
+                 deadline_fix: str = "give it more time") -> list[Any]:
     """Run ``target(*args)`` in ``world`` spawned processes; return their results in rank order.
 
-    A device that fails with an unexpected exception leaves its traceback in ``log_dir/device-<rank>.log``.
+    A device that fails with an unexpected exception leaves its traceback in ``log_dir/device-<rank>.log``
+    (without ``log_dir`` it prints it). Devices still running ``deadline_s`` after the start are stopped and
+    reported in one line ending with ``deadline_fix``.
     """
     try:
         pickle.dumps(args)
@@ -283,6 +300,8 @@ def launch_local(world: int, target: Callable, args: tuple, labels: list[str], l
     failures: list[tuple[int, str, bool]] = []
     first_failure: float | None = None
     silent: dict[int, str] = {}
+    late: list[int] = []
+    started = time.monotonic()
     try:
         os.environ[_DEVICE_ENV] = str(os.getpid())  # the devices inherit the environment at start
         try:
@@ -314,6 +333,9 @@ def launch_local(world: int, target: Callable, args: tuple, labels: list[str], l
                 silent = {rank: _status(p) for rank, p in enumerate(procs)
                           if rank not in done and p.is_alive() and not any(f[0] == rank for f in failures)}
                 break
+            if deadline_s is not None and not failures and time.monotonic() - started > deadline_s:
+                late = [r for r in range(world) if r not in done]
+                break
             if all(p.exitcode is not None for p in procs) and len(done) < world and not failures:
                 # Everyone exited but a result went missing (e.g. the queue's feeder died).
                 missing = [r for r in range(world) if r not in done]
@@ -327,4 +349,41 @@ def launch_local(world: int, target: Callable, args: tuple, labels: list[str], l
     if failures:
         rank, msg = _root_cause(failures, silent)
         raise EdgetrainError(f"{labels[rank]} failed: {msg}; the other devices were stopped")
+    if late:
+        raise EdgetrainError(f"{', '.join(labels[r] for r in late)} did not finish within {deadline_s:g} s "
+                             f"and {'were' if len(late) > 1 else 'was'} stopped; {deadline_fix}")
     return [done[r] for r in range(world)]
+
+
+def _in_gloo_group(fn: Callable, args: tuple, timeout_s: float, threads: int | None) -> bytes:
+    """A ``run_group`` device: join the launcher's gloo group, run ``fn``, leave; the result as bytes."""
+    import torch
+    import torch.distributed as dist
+
+    if threads:
+        torch.set_num_threads(threads)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+    try:
+        result = fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()  # a process that exits inside a group can abort in C++ teardown
+    buffer = io.BytesIO()
+    torch.save(result, buffer)
+    return buffer.getvalue()
+
+
+def run_group(fn: Callable, world: int, *args: Any, timeout_s: float = 120.0, threads: int | None = 1,
+              deadline_s: float | None = None, deadline_fix: str = "give it more time") -> list[Any]:
+    """``fn(rank, world, *args)`` on ``world`` emulated devices in one gloo group; the return values by rank.
+
+    ``fn`` must be importable by name (defined at module level). ``timeout_s`` bounds the rendezvous and
+    every collective of the group, ``threads`` sets each device's torch threads (``None``: leave them),
+    ``deadline_s`` the whole run (see ``launch_local``). A device that fails stops the others and is
+    named in one ``EdgetrainError``; nothing it started is left running.
+    """
+    import torch
+
+    results = launch_local(world, _in_gloo_group, (fn, args, timeout_s, threads),
+                           [f"device {r}" for r in range(world)], deadline_s=deadline_s, deadline_fix=deadline_fix)
+    return [torch.load(io.BytesIO(r), weights_only=False) for r in results]  # our own devices' pickles

@@ -29,6 +29,15 @@ exchange:
    timeout, left out). On a mismatch the configs themselves are exchanged as
    JSON and the error names the first key that differs, instead of DDP's raw
    shape error or a hang in a collective that only some devices run.
+
+Waiting (``wait``): every collective edgetrain starts asynchronously (comm
+modes, compressors' hooks, tiling exchanges) is waited on through this one
+function, bounded by the run's ``--timeout``. A ``Work`` is waited on with
+gloo's own timeout; a ``Future`` (a DDP hook's, e.g. PowerSGD's) through its
+done callback. A timeout becomes one line naming what timed out and the fix;
+any other failure (a peer that closed its connection) is raised as it is: it
+is the echo of another device's failure, and the launcher's blame picks the
+cause (``cluster/launch.py``), rather than being called a timeout.
 """
 from __future__ import annotations
 
@@ -37,6 +46,8 @@ import hmac
 import json
 import os
 import secrets
+import threading
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -47,7 +58,7 @@ from edgetrain.errors import EdgetrainError
 TOKEN_ENV = "EDGETRAIN_CLUSTER_TOKEN"
 # Keys that are each node's own business: where its files are, how it reports, how long it waits.
 NODE_LOCAL_KEYS = frozenset({"data_dir", "output", "run_name", "progress", "workers", "threads", "devices",
-                             "timeout", "cluster_token"})
+                             "timeout", "cluster_token", "tensorboard"})
 _DIGEST_BYTES = 32
 
 
@@ -73,6 +84,29 @@ def check_rank_environment() -> tuple[int, int]:
     if local_rank is not None and local_rank < 0:
         raise EdgetrainError(f"environment variable LOCAL_RANK={local_rank} must be >= 0")
     return rank, world
+
+
+def wait(pending: dist.Work | torch.futures.Future, timeout_s: float, what: str) -> Any:
+    """Wait at most ``timeout_s`` for a collective's ``Work`` or ``Future``; the future's value (``None`` for a Work).
+
+    A timeout raises one ``EdgetrainError`` naming ``what``; other failures are raised unchanged.
+    """
+    cause = None
+    try:
+        if isinstance(pending, dist.Work):
+            pending.wait(timeout=timedelta(seconds=timeout_s))  # gloo's own timeout, raised as a RuntimeError
+            return None
+        done = threading.Event()
+        pending.add_done_callback(lambda _: done.set())
+        if done.wait(timeout_s):
+            return pending.value()
+    except RuntimeError as e:
+        if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+            raise
+        cause = e
+    raise EdgetrainError(f"{what} timed out after {timeout_s:g} s: a device stopped responding or is far slower "
+                         f"than the rest; check the other devices' logs, or raise --timeout if it is only slow"
+                         ) from cause
 
 
 def _all_lengths(payload: bytes, group=None) -> list[int]:

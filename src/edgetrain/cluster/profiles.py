@@ -148,7 +148,7 @@ def get_profile(name: str, extra: dict[str, DeviceProfile] | None = None) -> Dev
 
 def load_cluster(path: str | os.PathLike) -> list[DeviceSpec]:
     """Devices listed in a cluster file, ranks in file order."""
-    from edgetrain.config import read_yaml_mapping
+    from edgetrain.yamlfile import read_yaml_mapping
 
     source = str(path)
     data = read_yaml_mapping(Path(path), "cluster file")

@@ -31,6 +31,20 @@ Three knobs make one host process behave like an edge device:
 3. **Memory.** The peak resident set (``ru_maxrss``) is compared with the
    profile's memory after every step; exceeding it stops the run with a clear
    message, as an out-of-memory kill would on the device.
+4. **Freed memory kept for reuse** (``keep_freed_memory``, every device, throttled
+   or not). glibc's malloc hands large blocks back to the kernel when they are
+   freed (``mmap``/``munmap`` above a threshold it adapts as it goes, heap
+   trimming above twice that). A training step frees its activations at the end
+   and allocates them again in the next one, so a device whose threshold stayed
+   low pays a fresh zeroed page for every activation byte of every step. It
+   depends on the history of the process: measured on ResNet-18, batch 64, one
+   core, the device process took 70,000-85,000 minor page faults per step
+   (0.12 s of system time and about 7% more CPU per step than a plain loop,
+   which happened to settle at 0), and none after ``keep_freed_memory``. It
+   fixes the thresholds (``mallopt``: mmap above 32 MiB, glibc's largest, and
+   trim above 1 GiB) so freed blocks are reused, as PyTorch's caching allocator
+   does on a GPU. The peak resident set, which the memory check reads, is a peak
+   either way. Each ``StepRecord`` carries the step's ``page_faults``.
 
 Limits, stated plainly: CPU time counts every thread of the process, so the
 communication library's own CPU work is stretched too; the host's caches,
@@ -47,6 +61,7 @@ training) raw CPU time is charged.
 from __future__ import annotations
 
 import copy
+import ctypes
 import os
 import resource
 import statistics
@@ -203,6 +218,25 @@ def _scalar(output) -> torch.Tensor:
         return output.float().sum()
     items = output.values() if isinstance(output, dict) else output
     return sum(_scalar(o) for o in items if isinstance(o, (torch.Tensor, tuple, list, dict)))
+
+
+def keep_freed_memory() -> bool:
+    """Fix glibc malloc's thresholds so freed activations are reused, not returned to the kernel (knob 4 above).
+
+    False where the C library has no ``mallopt`` (musl, macOS): nothing changes there.
+    """
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's <malloc.h>
+    return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 1 << 30))
+
+
+def page_faults() -> int:
+    """Page faults of this process so far (minor + major)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_minflt + usage.ru_majflt
 
 
 def peak_rss_mb() -> float:

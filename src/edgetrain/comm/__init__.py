@@ -16,7 +16,7 @@ Map: ``cluster/links.py`` (link model), ``emulation.py`` (enforced / virtual
 clock), ``compress/`` (one module per method, ``memory.py`` for error
 feedback), ``exchange.py`` (the compressed average every mode uses),
 ``hook.py`` (DDP hook), ``sync.py`` / ``local_sgd.py`` / ``asynchronous.py`` /
-``gossip.py`` (modes); the specs themselves are parsed in ``edgetrain.spec``.
+``gossip.py``, ``federated.py`` (modes); the specs themselves are parsed in ``edgetrain.spec``.
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ from edgetrain.comm.compress.memory import NoMemory
 from edgetrain.comm.compress.powersgd import PowerSGDHookState, powersgd_hook
 from edgetrain.comm.compress.spec import build_compressor
 from edgetrain.comm.emulation import LinkEmulator
+from edgetrain.comm.federated import FederatedAveraging
 from edgetrain.comm.gossip import Gossip
 from edgetrain.comm.hook import CompressionState, compression_hook
 from edgetrain.comm.local_sgd import LocalSGD
@@ -38,7 +39,8 @@ from edgetrain.comm.sync import Synchronous, SyncMode
 from edgetrain.spec import PRESETS, CompressSpec, Link, RunSpec, get_link, parse_compress, parse_sync
 
 __all__ = ["build_sync", "make_hook", "build_hook", "parse_compress", "parse_sync",
-           "CommStats", "LinkEmulator", "SyncMode", "Synchronous", "LocalSGD", "BoundedStaleness", "Gossip"]
+           "CommStats", "LinkEmulator", "SyncMode", "Synchronous", "LocalSGD", "BoundedStaleness", "Gossip",
+           "FederatedAveraging"]
 
 
 def build_hook(spec: CompressSpec, emulator: LinkEmulator, link: Link | None = None, seed: int = 0,
@@ -83,13 +85,14 @@ def gather_links(link: Link | None, world_size: int) -> list[Link] | None:
 
 
 def build_sync(model: nn.Module, spec: RunSpec, rank: int, world_size: int, stats: CommStats | None = None,
-               link: str | Link | dict | None = None, **ddp_kwargs) -> SyncMode:
+               link: str | Link | dict | None = None, steps_per_epoch: int = 0, **ddp_kwargs) -> SyncMode:
     """The sync object for this worker, as ``spec.sync`` / ``spec.compress`` / links say.
 
     ``link``: this device's link (from the cluster file, checked by ``plan_devices``);
     ``None`` falls back to ``spec.link``. Every device must call this (it runs setup
     collectives). ``ddp_kwargs`` (``broadcast_buffers``, ``bucket_cap_mb``) go to DDP in
     sync mode; ``broadcast_buffers`` defaults to on unless ``spec.batchnorm`` is ``sync``.
+    ``steps_per_epoch`` turns ``fedavg:E``'s local epochs into steps per round.
     """
     compress, sync, seed = spec.compress, spec.sync, spec.seed
     my_link = get_link(link) if link is not None else spec.link
@@ -112,6 +115,12 @@ def build_sync(model: nn.Module, spec: RunSpec, rank: int, world_size: int, stat
     if sync.mode == "gossip":
         return Gossip(model, world_size, rank, emulator, sync.period, group=group, **common)
     compressor, memory = build_compressor(compress, my_link, seed, rank)
+    if sync.mode == "fedavg":
+        period = sync.period or sync.local_epochs * steps_per_epoch
+        if period < 1:
+            raise ValueError(f"--sync {sync.text} needs steps_per_epoch to count its local epochs in steps")
+        return FederatedAveraging(model, world_size, rank, emulator, period, compressor, memory, spec.server_opt,
+                                  spec.participation, sync.prox_mu, sync.scaffold, seed, group=group, **common)
     if sync.mode == "local":
         return LocalSGD(model, world_size, emulator, sync.period, compressor, memory, sync.nesterov,
                         sync.outer_lr, sync.outer_momentum, group=group, **common)

@@ -40,6 +40,10 @@ round shows every flag set. All devices see the same round results, so they
 stop on the same round, and the model of that round (no local progress left)
 is the final one, identical everywhere.
 
+Checkpoints hold ``ref``, the counters and the error-feedback memory, not a
+round in flight: a resumed run starts with no round pending (so it is not
+bit-identical to an uninterrupted one).
+
 Compressors: any with a fixed payload size (all but ``threshold``, whose
 length varies and would need a second, chained collective); PowerSGD and DGC
 are gradient hooks and do not apply.
@@ -54,10 +58,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from edgetrain.cluster.peers import wait
 from edgetrain.comm.accounting import ring_allgather_bytes, ring_allreduce_bytes
 from edgetrain.comm.compress.base import Compressor, Payload, unpack
 from edgetrain.comm.emulation import LinkEmulator
-from edgetrain.comm.exchange import wait
 from edgetrain.comm.params import average_buffers, flatten, unflatten
 from edgetrain.comm.sync import SyncMode
 
@@ -234,6 +238,19 @@ class BoundedStaleness(SyncMode):
 
     def _all_done(self, r: _Round) -> bool:
         return bool((r.clocks[self.world_size:] > 0.5).all())
+
+    def state_dict(self) -> dict:
+        """A round in flight is not held: the resumed devices start from the last applied round."""
+        return {**super().state_dict(), "codec": self._codec_state(self.compressor, self.memory),
+                "ref": self.ref.clone(), "steps": self.steps, "rounds": self.rounds,
+                "staleness_seen": list(self.staleness_seen), "blocking_waits": self.blocking_waits}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self._load_codec_state(self.compressor, self.memory, state["codec"])
+        self.ref = state["ref"].clone()
+        self.steps, self.rounds, self.blocking_waits = state["steps"], state["rounds"], state["blocking_waits"]
+        self.staleness_seen = list(state["staleness_seen"])
 
     def summary(self) -> dict:
         seen = self.staleness_seen

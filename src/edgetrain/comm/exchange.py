@@ -11,31 +11,18 @@ and charges every collective to the device's ``LinkEmulator``: bytes from the
 packed payload actually handed to gloo, times the traffic of the algorithm
 (``edgetrain.comm.accounting``), and modelled time from the link model.
 
-Collectives block until done (with a timeout) before the function returns;
-see ``emulation.py`` for why.
+Collectives block until done (``cluster.peers.wait``, bounded by the run's
+``--timeout``) before the function returns; see ``emulation.py`` for why.
 """
 from __future__ import annotations
-
-import datetime
 
 import torch
 import torch.distributed as dist
 
+from edgetrain.cluster.peers import wait
 from edgetrain.comm.accounting import ring_allgather_bytes, ring_allreduce_bytes
 from edgetrain.comm.compress.base import Compressor, Payload, unpack
 from edgetrain.comm.emulation import LinkEmulator
-from edgetrain.errors import EdgetrainError
-
-
-def wait(work: dist.Work, timeout_s: float, what: str) -> None:
-    """Wait for a collective, turning gloo's timeout into one clear error."""
-    try:
-        work.wait(timeout=datetime.timedelta(seconds=timeout_s))
-    except RuntimeError as e:
-        if "timed out" in str(e).lower() or "timeout" in str(e).lower():
-            raise EdgetrainError(f"{what} timed out after {timeout_s:g} s: a device stopped responding or is "
-                                 "far slower than the rest; check the other workers' logs") from e
-        raise
 
 
 def average(x: torch.Tensor, compressor: Compressor, memory, emulator: LinkEmulator, key: object = 0,

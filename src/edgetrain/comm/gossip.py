@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from edgetrain.cluster.peers import wait
 from edgetrain.comm.accounting import ring_allreduce_bytes
 from edgetrain.comm.emulation import LinkEmulator
-from edgetrain.comm.exchange import wait
 from edgetrain.comm.params import average_buffers, flatten, unflatten
 from edgetrain.comm.sync import SyncMode
 
@@ -103,6 +103,13 @@ class Gossip(SyncMode):
         unflatten(flat / self.world_size, self.params)
         average_buffers(self.model, self.emulator, self.world_size, self.group)
         self.emulator.finish_step(ready, count=False)
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "steps": self.steps, "exchanges": self.exchanges}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.steps, self.exchanges = state["steps"], state["exchanges"]
 
     def summary(self) -> dict:
         return {**super().summary(), "exchanges": self.exchanges, "neighbours": self.neighbours}

@@ -86,6 +86,20 @@ class LocalSGD(SyncMode):
         average_buffers(self.model, self.emulator, self.world_size, self.group)
         self.emulator.finish_step(ready, count=False)
 
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "codec": self._codec_state(self.compressor, self.memory),
+                "ref": self.ref.detach().clone(), "outer": self.outer.state_dict() if self.outer else None,
+                "local_steps": self.local_steps, "averages": self.averages}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self._load_codec_state(self.compressor, self.memory, state["codec"])
+        with torch.no_grad():
+            self.ref.copy_(state["ref"])
+        if self.outer is not None:
+            self.outer.load_state_dict(state["outer"])
+        self.local_steps, self.averages = state["local_steps"], state["averages"]
+
     def summary(self) -> dict:
         return {**super().summary(), "averages": self.averages,
                 "staleness_max_steps": self.period - 1}

@@ -6,9 +6,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.utils import parameters_to_vector
 
+from edgetrain.cluster.peers import wait
 from edgetrain.comm.accounting import ring_allreduce_bytes
 from edgetrain.comm.emulation import LinkEmulator
-from edgetrain.comm.exchange import wait
 
 
 def broadcast_model(model: nn.Module, emulator: LinkEmulator, group=None) -> None:

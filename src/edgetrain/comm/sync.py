@@ -23,6 +23,15 @@ relies on, inside its ``train_step``, ``finish`` and ``summary``::
     ...
     sync.finish()                # every device, after the last step: final exchange
     sync.summary()               # extra fields for summary.json
+    sync.state_dict()            # for a checkpoint (train/checkpoint.py); load_state_dict after setup
+
+State for checkpoints: every mode holds the device clock and byte tally (so a
+resumed run's summary covers the whole run), plus its own: the compression
+hook's error-feedback memory and compressor counters (sync), the reference
+model, outer optimizer and step counters (local SGD), the reference model
+and counters (async; a round in flight is not held), counters (gossip).
+Memory is keyed by parameter identity in a process (``compress/memory.py``);
+a checkpoint keys it by parameter name instead.
 
 Every mode keeps the device's clock (``emulation.LinkEmulator``): a step
 starts at the first training-mode forward of ``sync.model`` and ends in
@@ -42,12 +51,22 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from edgetrain.cluster.peers import all_gather_json
+from edgetrain.cluster.peers import all_gather_json, wait
 from edgetrain.comm.accounting import CommStats, ring_allreduce_bytes
 from edgetrain.comm.allreduce import allreduce_hook
 from edgetrain.comm.emulation import LinkEmulator
-from edgetrain.comm.exchange import wait
+from edgetrain.comm.hook import CompressionState
 from edgetrain.comm.params import broadcast_model
+
+_CLOCK = ("virtual_s", "compute_s", "comm_model_s", "comm_blocked_s", "steps", "collectives")  # LinkEmulator's
+_TALLY = ("bytes_sent", "bytes_recv", "collectives", "comm_s")  # CommStats'
+
+
+def _renamed(key: object, names: dict) -> object:
+    """``key`` with every part found in ``names`` replaced (memory keys: a parameter, or a tuple of them)."""
+    if isinstance(key, tuple):
+        return tuple(_renamed(k, names) for k in key)
+    return names.get(key, key)
 
 
 class SyncMode:
@@ -67,6 +86,7 @@ class SyncMode:
         self.fp32_step_bytes = ring_allreduce_bytes(4 * numel, world_size)
         self._metrics: dict = {}
         self._devices: list[dict] | None = None
+        self._param_names = {id(p): name for name, p in model.named_parameters()}
 
     def _start_together(self, model: nn.Module, group=None) -> None:
         """Every device starts from rank 0's model; keep the trainable parameters the mode exchanges."""
@@ -124,6 +144,29 @@ class SyncMode:
 
     def _final_exchange(self) -> None:
         """What the mode must still send so that every device ends with the same model."""
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs of this mode (see the module docstring); modes add their own."""
+        return {"clock": {k: getattr(self.emulator, k) for k in _CLOCK},
+                "tally": {k: getattr(self.stats, k) for k in _TALLY}}
+
+    def load_state_dict(self, state: dict) -> None:
+        for k, v in state["clock"].items():
+            setattr(self.emulator, k, v)
+        for k, v in state["tally"].items():
+            setattr(self.stats, k, v)
+
+    def _codec_state(self, compressor, memory) -> dict:
+        """The compressor's counters and the memory's state, keyed by parameter name."""
+        kept = {store: {_renamed(k, self._param_names): v for k, v in parts.items()}
+                for store, parts in memory.state_dict().items()}
+        return {"compressor": compressor.state_dict(), "memory": kept}
+
+    def _load_codec_state(self, compressor, memory, state: dict) -> None:
+        ids = {name: i for i, name in self._param_names.items()}
+        compressor.load_state_dict(state["compressor"])
+        memory.load_state_dict({store: {_renamed(k, ids): v for k, v in parts.items()}
+                                for store, parts in state["memory"].items()})
 
     def summary(self) -> dict:
         steps = max(1, self.emulator.steps)
@@ -192,7 +235,19 @@ class Synchronous(SyncMode):
             self._last_gradient_s = 0.0
             for p in self.params_with_grad(model):
                 p.register_post_accumulate_grad_hook(self._gradient_ready)
+        self.hook_state = hook_state
         self._watch(self.model)
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        if isinstance(self.hook_state, CompressionState):
+            state["codec"] = self._codec_state(self.hook_state.compressor, self.hook_state.memory)
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        if "codec" in state:
+            self._load_codec_state(self.hook_state.compressor, self.hook_state.memory, state["codec"])
 
     @staticmethod
     def params_with_grad(model: nn.Module) -> list[nn.Parameter]:

@@ -1,6 +1,7 @@
-"""Datasets (CIFAR-10, scikit-learn digits, synthetic) and per-device sharding."""
-from edgetrain.data.datasets import DataSplit, TensorImages, build_data, cifar10, digits, synthetic
+"""Datasets (CIFAR-10, scikit-learn digits, synthetic), per-device sharding and partitions (``partition.py``)."""
+from edgetrain.data.datasets import (DataSplit, TensorImages, build_data, cifar10, digits, register_dataset,
+                                     synthetic, user_datasets)
 from edgetrain.data.sampler import GlobalBatchSampler, shard_indices
 
 __all__ = ["DataSplit", "TensorImages", "build_data", "cifar10", "digits", "synthetic", "GlobalBatchSampler",
-           "shard_indices"]
+           "shard_indices", "register_dataset", "user_datasets"]

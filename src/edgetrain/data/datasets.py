@@ -8,6 +8,7 @@ handles it: that is what makes N-device runs reproduce 1-device runs.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -103,12 +104,51 @@ def synthetic(samples: int = 2048, image_size: int = 32, channels: int = 3, clas
     return DataSplit(make(samples), make(max(samples // 4, 1)), classes, "synthetic")
 
 
+BUILTIN = ("digits", "cifar10", "synthetic", "imagefolder", "npz")
+DatasetFactory = Callable[[Optional[str], int], Any]
+DATASETS: dict[str, DatasetFactory] = {}  # registered with register_dataset
+
+
+def register_dataset(name: str, factory: DatasetFactory) -> None:
+    """Make ``name`` usable as ``dataset:``. ``factory(data_dir, seed)`` returns a ``DataSplit`` or the arrays
+    ``(x_train, y_train, x_test, y_test)``, images (N, C, H, W) uint8 or float, labels 0..K-1. The factory
+    travels to device processes by pickle, so define it at module level (not a lambda)."""
+    if name in BUILTIN:
+        raise EdgetrainError(f"dataset name '{name}' is built in; register yours under another name")
+    DATASETS[name] = factory
+
+
+def user_datasets() -> dict[str, DatasetFactory]:
+    """Datasets registered in this process, to re-register in the device processes."""
+    return dict(DATASETS)
+
+
+def check_dataset(name: str) -> None:
+    if name not in BUILTIN and name not in DATASETS:
+        known = ", ".join([*BUILTIN, *sorted(DATASETS)])
+        raise EdgetrainError(f"unknown dataset '{name}'; known datasets: {known} (register your own with "
+                             "edgetrain.register_dataset)")
+
+
 def build_data(cfg) -> DataSplit:
     """The dataset a ``TrainConfig`` names."""
+    from edgetrain.data.formats import arrays_split, image_folder, npz_arrays
+
+    check_dataset(cfg.dataset)
     if cfg.dataset == "digits":
         return digits(cfg.seed)
     if cfg.dataset == "cifar10":
         return cifar10(cfg.data_dir, augment=cfg.augment, seed=cfg.seed)
     if cfg.dataset == "synthetic":
         return synthetic(cfg.synthetic_samples, cfg.image_size, seed=cfg.seed)
-    raise EdgetrainError(f"unknown dataset '{cfg.dataset}'; choose digits, cifar10 or synthetic")
+    if cfg.dataset == "imagefolder":
+        return image_folder(cfg.data_dir, cfg.seed)
+    if cfg.dataset == "npz":
+        return npz_arrays(cfg.data_dir, cfg.seed)
+    made = DATASETS[cfg.dataset](cfg.data_dir, cfg.seed)
+    if isinstance(made, DataSplit):
+        return made
+    if not (isinstance(made, tuple) and len(made) == 4):
+        raise EdgetrainError(f"dataset factory of '{cfg.dataset}' returned a {type(made).__name__}; return a "
+                             "DataSplit or (x_train, y_train, x_test, y_test)")
+    return arrays_split(*made, name=cfg.dataset)

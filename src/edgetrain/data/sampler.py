@@ -7,6 +7,10 @@ devices is exactly the batch one device would see, so N devices compute the
 gradient of the same global batch as one (``DistributedSampler`` gives the
 same guarantee only for equal batches). The last incomplete global batch is
 dropped, as every device must take part in every step.
+
+A resumed run (train/checkpoint.py) continues mid-epoch with ``resume_at``:
+the next iteration starts at that batch of that epoch's order, without
+loading the batches before it.
 """
 from __future__ import annotations
 
@@ -25,9 +29,14 @@ class GlobalBatchSampler(Sampler[list[tuple[int, int]]]):
         self.offset = sum(local_batches[:rank])
         self.local_batch = local_batches[rank]
         self.epoch = 0
+        self.start_batch = 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
+
+    def resume_at(self, epoch: int, batch: int) -> None:
+        """The next iteration yields epoch ``epoch``'s batches from ``batch`` on; later ones start at 0."""
+        self.epoch, self.start_batch = epoch, batch
 
     def __len__(self) -> int:
         return self.size // self.global_batch
@@ -37,7 +46,8 @@ class GlobalBatchSampler(Sampler[list[tuple[int, int]]]):
             order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed * 100003 + self.epoch))
         else:
             order = torch.arange(self.size)
-        for b in range(len(self)):
+        first, self.start_batch = self.start_batch, 0
+        for b in range(first, len(self)):
             start = b * self.global_batch + self.offset
             yield [(int(i), self.epoch) for i in order[start:start + self.local_batch]]
 

@@ -7,8 +7,8 @@ cluster (same names, same validation), plus the model's knobs::
         --batch-size 128 --compress topk:0.01 --scale 1,2,4,...,4096
 
 Prints the per-device prediction, the simulation and (``--scale``) the
-scaling table; writes ``plan.json`` and ``scaling.png`` into a new run
-directory. Every number is modelled except the counted model costs.
+scaling table; writes ``plan.json`` (a ``results.PlanResult``, which
+``edgetrain report`` renders) and ``scaling.png`` into a new run directory. Every number is modelled except the counted model costs.
 Options are checked when parsed (finite numbers, fractions in [0, 1],
 positive counts) and the output directory before anything is computed.
 ``--dataset cifar10`` needs no ``--data-dir``: without one, the data set's
@@ -23,6 +23,7 @@ import sys
 from edgetrain.arguments import fraction, non_negative_float, positive_float, positive_int
 from edgetrain.config import add_config_arguments, check_output_dir, load_config
 from edgetrain.errors import EdgetrainError
+from edgetrain.results import PLAN_FILE, PlanPrediction, PlanResult, PlanScaling, PlanSimulation
 
 # The TrainConfig options that describe what is planned (the rest only matter to a real run).
 PLAN_FIELDS = ("model", "dataset", "data_dir", "image_size", "synthetic_samples", "devices", "profile", "cluster",
@@ -117,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     steps = args.sim_steps
     if pred.traffic.mode in ("local", "gossip"):  # whole periods, or the mean would miss part of an exchange
         steps = math.ceil(steps / pred.traffic.period) * pred.traffic.period
-    sim = simulate(pred, steps=steps, **sim_options).to_dict()
+    sim = PlanSimulation.from_dict(simulate(pred, steps=steps, **sim_options).to_dict())
     rows = scaling(lambda n: predict_inputs(inputs, n, **knobs), counts, steps, **sim_options) if counts else None
 
     out = console()
@@ -127,18 +128,14 @@ def run(args: argparse.Namespace) -> int:
         print_scaling(rows, out)
 
     run_dir = new_run_dir(cfg.output, cfg.run_name, prefix="plan")
-    result = {
-        "kind": "modelled",
-        "note": "predictions of the analytic model and the simulator; only the model costs are counted",
-        "argv": sys.argv[1:],
-        "config": {k: getattr(cfg, k) for k in PLAN_FIELDS},
-        "prediction": pred.to_dict(per_device=len(pred.devices) <= 1024) | {"device_groups": device_groups(pred)},
-        "simulation": sim,
-        "scaling": {"kind": "modelled", "mode": "weak", "rows": rows} if rows else None,
-    }
-    write_json(run_dir / "plan.json", result)
+    # The model's own dict, less the groups, checked and typed by the schema the report reads.
+    prediction = PlanPrediction.from_dict(pred.to_dict(per_device=len(pred.devices) <= 1024)
+                                          | {"device_groups": [g.to_dict() for g in device_groups(pred)]})
+    result = PlanResult(argv=sys.argv[1:], config={k: getattr(cfg, k) for k in PLAN_FIELDS}, prediction=prediction,
+                        simulation=sim, scaling=PlanScaling(mode="weak", rows=rows) if rows else None)
+    write_json(run_dir / PLAN_FILE, result.to_dict())
     if rows:
         title = f"{cfg.model}, {pred.devices[0].profile}, {pred.devices[0].link}, {cfg.sync}, compress {cfg.compress}"
         plot_scaling(rows, run_dir / "scaling.png", title)
-    out.print(f"wrote {run_dir / 'plan.json'}" + (f" and {run_dir / 'scaling.png'}" if rows else ""))
+    out.print(f"wrote {run_dir / PLAN_FILE}" + (f" and {run_dir / 'scaling.png'}" if rows else ""))
     return 0

@@ -3,17 +3,17 @@
 Nothing here is estimated from layer formulas: every number comes from
 running the model once.
 
-* **FLOPs per sample** (forward + backward): ``torch.utils.flop_counter.FlopCounterMode``
-  around a forward, the cross-entropy loss and ``backward()`` at batch 2, divided by 2.
+* **FLOPs per sample** (forward + backward): the trainer's own counter,
+  ``models.flops.count_training_flops`` (``FlopCounterMode``) around a forward, the cross-entropy loss and ``backward()`` at batch 2, divided by 2.
   PyTorch counts matrix products and convolutions (2 FLOPs per multiply-add,
   backward convolutions only for the gradients autograd really computes);
   element-wise work (BatchNorm, ReLU, the optimizer step) is not counted.
   That uncounted work is one reason a device reaches only a fraction of its
   GEMM rate, which ``edgetrain.plan.model`` calls the efficiency.
-* **Activation bytes per sample**: the tensors autograd saves for backward,
-  seen through ``torch.autograd.graph.saved_tensors_hooks`` during one forward
-  (with the loss) at batch 2, each storage counted once, parameters and
-  buffers excluded (they are counted as weights), divided by 2.
+* **Activation bytes per sample**: the tensors autograd saves for backward
+  during one forward (with the loss) at batch 2, measured by the one
+  activation meter ``cluster.memory.SavedTensorMeter`` (each storage once),
+  parameters and buffers excluded (they are counted as weights), divided by 2.
 * **Parameter bytes** and the **DDP gradient buckets**, which set how many
   all-reduces a synchronous step makes: PyTorch's own bucket assignment
   (``torch.distributed._compute_bucket_assignment_by_size``, as DDP calls it)
@@ -32,9 +32,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
+from edgetrain.cluster.memory import SavedTensorMeter
 from edgetrain.errors import EdgetrainError
+from edgetrain.models.flops import count_training_flops
 
 DDP_BUCKET_CAP_MB = 25.0  # edgetrain.comm.sync.Synchronous passes this to DDP
 
@@ -75,37 +76,19 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def count_flops(model: nn.Module, input_shape: tuple[int, ...], num_classes: int, batch: int = 2) -> tuple[float, float]:
-    """(train, forward) FLOPs per sample, counted by ``FlopCounterMode`` at ``batch``."""
-    x, y = _batch(input_shape, num_classes, batch)
-    model.train()
-    model.zero_grad(set_to_none=True)
-    with FlopCounterMode(display=False) as forward_counter:
-        loss = F.cross_entropy(model(x), y)
-    with FlopCounterMode(display=False) as backward_counter:
-        loss.backward()
-    model.zero_grad(set_to_none=True)
-    forward = forward_counter.get_total_flops() / batch
-    return forward + backward_counter.get_total_flops() / batch, forward
+    """(train, forward) FLOPs per sample: ``models.flops.count_training_flops``, the trainer's own counter."""
+    counted = count_training_flops(model, input_shape, num_classes, batch)
+    return counted["total_flops"], counted["forward_flops"]
 
 
 def count_activation_bytes(model: nn.Module, input_shape: tuple[int, ...], num_classes: int, batch: int = 2) -> float:
     """Bytes autograd saves for backward per sample: distinct storages, parameters and buffers excluded."""
     x, y = _batch(input_shape, num_classes, batch)
     model.train()
-    excluded = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in excluded:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return t  # the graph keeps it alive, so no two live storages share an address
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedTensorMeter([*model.parameters(), *model.buffers()]) as meter:
         loss = F.cross_entropy(model(x), y)
-    total = sum(storages.values())
     del loss
-    return total / batch
+    return meter.bytes / batch
 
 
 def ddp_buckets(model: nn.Module, cap_mb: float = DDP_BUCKET_CAP_MB) -> tuple[tuple[int, ...], ...]:

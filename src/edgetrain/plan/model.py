@@ -64,6 +64,7 @@ from edgetrain.cluster.profiles import DeviceProfile, DeviceSpec, host_core_gflo
 from edgetrain.errors import EdgetrainError
 from edgetrain.plan.costs import ModelCosts
 from edgetrain.plan.traffic import Traffic
+from edgetrain.results import PlanDevice
 
 DEFAULT_EFFICIENCY = 0.6
 MIB = 2**20
@@ -127,23 +128,11 @@ def gossip_seconds(traffic: Traffic, links: list[Link], rank: int) -> float:
     return sum(collective_time(members, kind, sent) for kind, sent in traffic.collectives)
 
 
-@dataclass
-class DevicePrediction:
+@dataclass(kw_only=True)
+class DevicePrediction(PlanDevice):
+    """One device's prediction: ``plan.json``'s fields of a device (``results.PlanDevice``) and its rank."""
+
     rank: int
-    profile: str
-    gflops: float
-    gflops_source: str
-    batch: int
-    link: str
-    compute_s: float
-    comm_s: float                 # exposed communication per step
-    wait_s: float                 # idle, waiting for slower devices (or an async round)
-    step_s: float
-    samples_per_s: float
-    memory_mb: dict               # the parts, MiB
-    memory_total_mb: float
-    memory_limit_mb: int | None
-    over_limit: bool
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Tables and the scaling plot of ``edgetrain plan``. Every title says the numbers are modelled."""
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 
 from rich import box
@@ -8,8 +9,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from edgetrain.plan.model import Prediction
+from edgetrain.plan.model import DevicePrediction, Prediction
 from edgetrain.report.files import atomic_write
+from edgetrain.results import PlanDevice, PlanDeviceGroup, PlanScalingRow, PlanSimulation
 
 
 def console() -> Console:
@@ -27,7 +29,7 @@ def _ranks(ranks: list[int]) -> str:
     return ",".join(parts)
 
 
-def device_groups(pred: Prediction) -> list[dict]:
+def device_groups(pred: Prediction) -> list[PlanDeviceGroup]:
     """Devices with identical predictions, merged (a cluster of 4096 identical devices is one row)."""
     exact: dict[tuple, dict] = {}  # first by exact values: rounding once per distinct row, not per device
     for d in pred.devices:
@@ -42,14 +44,11 @@ def device_groups(pred: Prediction) -> list[dict]:
             groups[key]["ranks"] = sorted(groups[key]["ranks"] + group["ranks"])
         else:
             groups[key] = group
-    return [{"ranks": _ranks(g["ranks"]), "count": len(g["ranks"]), **_row(g["device"])} for g in groups.values()]
+    return [_group(_ranks(g["ranks"]), len(g["ranks"]), g["device"]) for g in groups.values()]
 
 
-def _row(d) -> dict:
-    return {"profile": d.profile, "gflops": d.gflops, "gflops_source": d.gflops_source, "batch": d.batch,
-            "link": d.link, "compute_s": d.compute_s, "comm_s": d.comm_s, "wait_s": d.wait_s, "step_s": d.step_s,
-            "samples_per_s": d.samples_per_s, "memory_mb": d.memory_mb, "memory_total_mb": d.memory_total_mb,
-            "memory_limit_mb": d.memory_limit_mb, "over_limit": d.over_limit}
+def _group(ranks: str, count: int, d: DevicePrediction) -> PlanDeviceGroup:
+    return PlanDeviceGroup(ranks=ranks, count=count, **{f.name: getattr(d, f.name) for f in fields(PlanDevice)})
 
 
 def print_prediction(pred: Prediction, out: Console) -> None:
@@ -64,11 +63,11 @@ def print_prediction(pred: Prediction, out: Console) -> None:
                 "samples/s", "memory MiB", "limit MiB", ""):
         table.add_column(col, justify="left" if col in ("ranks", "profile", "link", "") else "right", no_wrap=True)
     for g in device_groups(pred):
-        limit = g["memory_limit_mb"]
-        table.add_row(g["ranks"], g["profile"], f"{g['gflops']:,.1f}", str(g["batch"]), g["link"],
-                      f"{g['compute_s']:,.3f}", f"{g['comm_s']:,.3f}", f"{g['wait_s']:,.3f}", f"{g['step_s']:,.3f}",
-                      f"{g['samples_per_s']:,.2f}", f"{g['memory_total_mb']:,.0f}",
-                      "-" if limit is None else f"{limit:,}", "[red]OVER LIMIT[/]" if g["over_limit"] else "")
+        limit = g.memory_limit_mb
+        table.add_row(g.ranks, g.profile, f"{g.gflops:,.1f}", str(g.batch), g.link, f"{g.compute_s:,.3f}",
+                      f"{g.comm_s:,.3f}", f"{g.wait_s:,.3f}", f"{g.step_s:,.3f}", f"{g.samples_per_s:,.2f}",
+                      f"{g.memory_total_mb:,.0f}", "-" if limit is None else f"{limit:,}",
+                      "[red]OVER LIMIT[/]" if g.over_limit else "")
     out.print(table)
     m = pred.devices[0].memory_mb
     out.print("memory per device (rank 0), MiB: " + ", ".join(f"{k} {v:,.1f}" for k, v in m.items())
@@ -87,50 +86,41 @@ def print_prediction(pred: Prediction, out: Console) -> None:
         out.print(f"[red]devices {_ranks(pred.over_limit)} need more memory than their profile has[/]")
 
 
-def print_simulation(sim: dict, out: Console) -> None:
-    s = sim["cluster_step_s"]
-    stragglers = (f", stragglers p={sim['straggler_prob']:g} x{sim['straggler_factor']:g}"
-                  if sim["straggler_prob"] else "")
-    out.print(f"[bold]simulated[/] ({sim['steps']} steps, compute CV {sim['compute_cv']:g}{stragglers}, "
-              f"link jitter {'on' if sim['link_jitter'] else 'off'}, seed {sim['seed']}): "
-              f"step mean {s['mean']:,.3f} s, p50 {s['p50']:,.3f} s, p99 {s['p99']:,.3f} s, "
-              f"throughput {sim['throughput_samples_per_s']:,.2f} samples/s; time: compute "
-              f"{sim['compute_fraction']:.1%}, communication {sim['comm_fraction']:.1%}, "
-              f"waiting {sim['wait_fraction']:.1%}")
+def print_simulation(sim: PlanSimulation, out: Console) -> None:
+    out.print("[bold]simulated[/]" + escape(sim.describe().removeprefix("simulated")))
 
 
-def print_scaling(rows: list[dict], out: Console) -> None:
+def print_scaling(rows: list[PlanScalingRow], out: Console) -> None:
     table = Table(title="scaling, modelled (weak: every device keeps its local batch)", title_justify="left",
                   box=box.SIMPLE_HEAD, pad_edge=False)
     for col in ("devices", "step s", "samples/s", "speedup", "efficiency", "sim step s", "sim p99 s",
                 "sim samples/s", "sim speedup", "sim eff.", "comm %", "wait %"):
         table.add_column(col, justify="right", no_wrap=True)
     for r in rows:
-        table.add_row(f"{r['devices']:,}", f"{r['analytic_step_s']:,.3f}", f"{r['analytic_throughput']:,.2f}",
-                      f"{r['analytic_speedup']:,.2f}", f"{r['analytic_efficiency']:.3f}",
-                      f"{r['simulated_step_s']:,.3f}", f"{r['simulated_p99_step_s']:,.3f}",
-                      f"{r['simulated_throughput']:,.2f}", f"{r['simulated_speedup']:,.2f}",
-                      f"{r['simulated_efficiency']:.3f}", f"{100 * r['comm_fraction']:.0f}",
-                      f"{100 * r['wait_fraction']:.0f}")
+        table.add_row(f"{r.devices:,}", f"{r.analytic_step_s:,.3f}", f"{r.analytic_throughput:,.2f}",
+                      f"{r.analytic_speedup:,.2f}", f"{r.analytic_efficiency:.3f}", f"{r.simulated_step_s:,.3f}",
+                      f"{r.simulated_p99_step_s:,.3f}", f"{r.simulated_throughput:,.2f}",
+                      f"{r.simulated_speedup:,.2f}", f"{r.simulated_efficiency:.3f}", f"{100 * r.comm_fraction:.0f}",
+                      f"{100 * r.wait_fraction:.0f}")
     out.print(table)
 
 
-def plot_scaling(rows: list[dict], path: Path, title: str) -> None:
+def plot_scaling(rows: list[PlanScalingRow], path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import ScalarFormatter
 
-    n = [r["devices"] for r in rows]
+    n = [r.devices for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    ideal = [rows[0]["analytic_throughput"] * k / n[0] for k in n]
+    ideal = [rows[0].analytic_throughput * k / n[0] for k in n]
     ax1.plot(n, ideal, "k:", label="linear")
-    ax1.plot(n, [r["analytic_throughput"] for r in rows], "o-", label="analytic")
-    ax1.plot(n, [r["simulated_throughput"] for r in rows], "s--", label="simulated")
+    ax1.plot(n, [r.analytic_throughput for r in rows], "o-", label="analytic")
+    ax1.plot(n, [r.simulated_throughput for r in rows], "s--", label="simulated")
     ax1.set(xscale="log", yscale="log", xlabel="devices", ylabel="samples/s (modelled)", title="throughput")
-    ax2.plot(n, [r["analytic_efficiency"] for r in rows], "o-", label="analytic")
-    ax2.plot(n, [r["simulated_efficiency"] for r in rows], "s--", label="simulated")
+    ax2.plot(n, [r.analytic_efficiency for r in rows], "o-", label="analytic")
+    ax2.plot(n, [r.simulated_efficiency for r in rows], "s--", label="simulated")
     ax2.set(xscale="log", ylim=(0, 1.05), xlabel="devices", ylabel="speedup / devices (modelled)",
             title="scaling efficiency")
     for ax in (ax1, ax2):

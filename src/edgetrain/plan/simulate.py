@@ -39,7 +39,6 @@ seed.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,6 +47,7 @@ import torch
 from edgetrain.cluster.links import ROUNDS
 from edgetrain.errors import EdgetrainError
 from edgetrain.plan.model import Prediction
+from edgetrain.results import PlanScalingRow
 
 
 @dataclass
@@ -320,37 +320,23 @@ def _async(rng: np.random.Generator, pred: Prediction, compute: np.ndarray, jitt
     return ends
 
 
-@dataclass
-class ScalePoint:
-    devices: int
-    analytic_step_s: float
-    analytic_throughput: float
-    simulated_step_s: float
-    simulated_throughput: float
-    simulated_p99_step_s: float
-    comm_fraction: float          # simulated
-    wait_fraction: float          # simulated
-    over_limit: bool
-
-
-def scaling(predict_for, counts: list[int], steps: int = 100, **sim) -> list[dict]:
-    """Speedup and efficiency over device counts. ``predict_for(n)`` gives the ``Prediction`` for ``n`` devices."""
-    points: list[ScalePoint] = []
+def scaling(predict_for, counts: list[int], steps: int = 100, **sim) -> list[PlanScalingRow]:
+    """Speedup and efficiency over device counts, against the first. ``predict_for(n)`` gives the ``Prediction``
+    for ``n`` devices; only each count's figures are kept, not its (possibly million-device) prediction."""
+    rows: list[PlanScalingRow] = []
     for n in counts:
         pred = predict_for(n)
         result = simulate(pred, steps=steps, **sim)
         summary = result.to_dict()
-        points.append(ScalePoint(n, pred.step_s, pred.throughput, result.mean_step_s, result.throughput,
-                                 summary["cluster_step_s"]["p99"], summary["comm_fraction"],
-                                 summary["wait_fraction"], bool(pred.over_limit)))
-    base = points[0]
-    rows = []
-    for pt in points:
-        scale = pt.devices / base.devices
-        row = dataclasses.asdict(pt)
-        row["analytic_speedup"] = pt.analytic_throughput / base.analytic_throughput
-        row["simulated_speedup"] = pt.simulated_throughput / base.simulated_throughput
-        row["analytic_efficiency"] = row["analytic_speedup"] / scale
-        row["simulated_efficiency"] = row["simulated_speedup"] / scale
-        rows.append(row)
+        base = rows[0] if rows else None
+        analytic_speedup = pred.throughput / base.analytic_throughput if base else 1.0
+        simulated_speedup = result.throughput / base.simulated_throughput if base else 1.0
+        scale = n / base.devices if base else 1.0
+        rows.append(PlanScalingRow(
+            devices=n, analytic_step_s=pred.step_s, analytic_throughput=pred.throughput,
+            simulated_step_s=result.mean_step_s, simulated_throughput=result.throughput,
+            simulated_p99_step_s=summary["cluster_step_s"]["p99"], comm_fraction=summary["comm_fraction"],
+            wait_fraction=summary["wait_fraction"], over_limit=bool(pred.over_limit),
+            analytic_speedup=analytic_speedup, simulated_speedup=simulated_speedup,
+            analytic_efficiency=analytic_speedup / scale, simulated_efficiency=simulated_speedup / scale))
     return rows

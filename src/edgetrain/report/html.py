@@ -1,9 +1,15 @@
 """One self-contained HTML page for one run or a comparison of runs.
 
 Everything is inline: CSS, and plots as base64 PNGs, so the page can be
-mailed or archived as one file. A run directory is either a bench run
-(``result.json``, written by ``edgetrain bench``) or a training run
-(``summary.json``, written by ``edgetrain train``).
+mailed or archived as one file. A run directory is a bench run
+(``result.json``, written by ``edgetrain bench``), a training run
+(``summary.json``, written by ``edgetrain train``) or a plan
+(``plan.json``, written by ``edgetrain plan``; its section is
+``plan_page.plan_section``). Training runs add a
+section of loss and accuracy curves, every training run shown overlaid on
+shared axes, and in each run's section a chart of the devices' time split and
+bytes per step and the parameter table (``report.training`` says what each
+point is).
 
 The radar chart compares configurations on up to five axes, as the Raspberry Pi
 study compared frameworks, and only on the axes every configuration shown
@@ -13,12 +19,14 @@ against the best configuration shown, so 1 is the best and outward is better;
 a configuration with no value on an axis sits at 0 and reads "n/a" in the
 table beside it.
 
-``load_run`` checks what it loads before anything is drawn: the file must
-hold a JSON object, a bench result must name a known bench, and the keys its
-section reads (``RUN_KEYS``) must be there with the right JSON types; a
-training run's ``summary.json`` is read as a ``records.RunSummary``, which
-checks every key it knows. Any other content is one error naming the file
-and the key. Values inside the rows are shown as written.
+``load_run`` reads each file through its typed schema before anything is
+drawn (``RUN_FILES``): ``summary.json`` as a ``records.RunSummary``,
+``result.json`` as the ``results.BenchResult`` its ``"bench"`` key names,
+``plan.json`` as a ``results.PlanResult``. Each checks every key it knows
+and refuses unknown ones, so any other content is one error naming the file
+and the key; a training run's ``metrics.jsonl`` and ``evals.jsonl`` are
+read line by line as ``StepRecord`` and ``EvalRecord`` (``report.training``).
+Values inside a bench's rows are shown as written.
 """
 from __future__ import annotations
 
@@ -30,9 +38,11 @@ from pathlib import Path
 from typing import Any
 
 from edgetrain.errors import EdgetrainError
-from edgetrain.records import JSON_NAMES, RunSummary, json_name, modelled_throughput
+from edgetrain.records import RunSummary, modelled_throughput
+from edgetrain.report import training
 from edgetrain.report.cells import (ABOVE_PEAK_NOTE, NOISY_NOTE, efficiency_cell, flag_notes, fmt, percent_of_peak,
                                     spread_cell)
+from edgetrain.results import BenchResult, PeakResult, PlanResult
 
 AXES = [  # (key, label, unit, higher is better)
     ("throughput", "throughput", "samples/s", True),
@@ -68,37 +78,23 @@ document.body.setAttribute('data-broken-images',String(bad));});
 """
 
 
-_NUMBER = (int, float)
-_ROWS = (list, dict)  # a list of JSON objects (dict: what each element must be)
-# The keys each bench's section reads, with their JSON types; None: the key may hold null.
-# (A training run's summary.json is checked as a records.RunSummary.)
-RUN_KEYS: dict[str, dict[str, Any]] = {
-    "peak": {"rows": _ROWS},
-    "batch": {"rows": _ROWS, "best": (int, type(None)), "largest_fitting_batch": (int, type(None)),
-              "profile": dict, "flops_per_sample": dict, "peak_source": str},
-    "scaling": {"rows": _ROWS},
-    "stalls": {"rows": _ROWS, "ingestion_samples_per_s": _NUMBER, "verdict": str},
-    "counters": {"counts": dict, "per_sample": dict, "ratios": dict},
-    "power": {"rows": _ROWS, "pareto": _ROWS, "energy_source": dict},
-    "variability": {"runs": _ROWS, "summary": dict},
-}
-BENCH_KINDS = tuple(kind for kind in RUN_KEYS if kind != "train")  # the benches this report can render
+RUN_FILES = (("result.json", "bench", BenchResult), ("summary.json", "train", RunSummary),
+             ("plan.json", "plan", PlanResult))  # what each kind of run directory holds, and its schema
 
 
 def load_run(run_dir: str | Path) -> dict[str, Any]:
     d = Path(run_dir)
-    for name, kind in (("result.json", "bench"), ("summary.json", "train")):
+    for name, kind, schema in RUN_FILES:
         path = d / name
         if path.is_file():
             try:
                 data = json.loads(path.read_text(encoding="utf-8"))
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise EdgetrainError(f"{path} is not valid JSON ({e}); was the run interrupted?") from None
+            run = {"dir": d, "kind": kind, "data": schema.from_dict(data, str(path)), "pngs": sorted(d.glob("*.png"))}
             if kind == "train":
-                data = RunSummary.from_dict(data, str(path))
-            else:
-                check_run_data(path, kind, data)
-            return {"dir": d, "kind": kind, "data": data, "pngs": sorted(d.glob("*.png"))}
+                run.update(training.load_training(d, run["data"]))  # steps, evals, config: checked here too
+            return run
     if (d / "config.yaml").is_file():
         from edgetrain.report.files import remove_stale_temps
 
@@ -106,29 +102,7 @@ def load_run(run_dir: str | Path) -> dict[str, Any]:
         note = f"; removed {len(removed)} partial file(s) it left" if removed else ""
         raise EdgetrainError(f"{run_dir} is an incomplete run: config.yaml but no summary.json, so the run was stopped "
                              f"before it ended{note}; rerun it to get a report")
-    raise EdgetrainError(f"{run_dir} is not an edgetrain run directory (no result.json or summary.json)")
-
-
-def check_run_data(path: Path, kind: str, data: Any) -> None:
-    """Fail in one line naming ``path`` and the key unless ``data`` holds what its section reads."""
-    fix = "re-run it or give another run directory"
-    if not isinstance(data, dict):
-        raise EdgetrainError(f"{path} must hold a JSON object, not {json_name(data)}; {fix}")
-    if kind == "bench":
-        if data.get("bench") not in BENCH_KINDS:
-            raise EdgetrainError(f"{path}: key 'bench' must name a bench ({', '.join(BENCH_KINDS)}), "
-                                 f"not {data.get('bench')!r}; {fix}")
-        kind = data["bench"]
-    for key, types in RUN_KEYS[kind].items():
-        value = data.get(key)
-        expected = (list,) if types is _ROWS else types if isinstance(types, tuple) else (types,)
-        want = " or ".join(JSON_NAMES[t] for t in expected)
-        if key not in data:
-            raise EdgetrainError(f"{path} lacks key '{key}' ({want}); {fix}")
-        if isinstance(value, bool) or not isinstance(value, expected):
-            raise EdgetrainError(f"{path}: key '{key}' must be {want}, not {json_name(value)}; {fix}")
-        if types is _ROWS and not all(isinstance(row, dict) for row in value):
-            raise EdgetrainError(f"{path}: key '{key}' must be a list of objects; {fix}")
+    raise EdgetrainError(f"{run_dir} is not an edgetrain run directory (no result.json, summary.json or plan.json)")
 
 
 def _img(png: bytes, alt: str) -> str:
@@ -153,13 +127,13 @@ def peak_reference(runs: list[dict[str, Any]]) -> tuple[float, str] | None:
     best: tuple[float, str] | None = None
     for run in runs:
         d = run["data"]
-        if run["kind"] != "bench" or d.get("bench") != "peak":
+        if not isinstance(d, PeakResult):
             continue
-        for a in d.get("aggregate") or []:
+        for a in d.aggregate:
             if a["kind"] == "gemm" and (best is None or a["gflops_median_sum"] > best[0]):
                 best = (a["gflops_median_sum"], f"GEMM n={a['n']}, {a['devices']} devices at once ({run['dir'].name})")
-        if not d.get("aggregate"):
-            for r in d["rows"]:
+        if not d.aggregate:
+            for r in d.rows:
                 if r["kind"] == "gemm" and (best is None or r["gflops_best"] > best[0]):
                     best = (r["gflops_best"], f"GEMM n={r['n']}, {r['threads']} thread(s) ({run['dir'].name})")
     return best
@@ -210,57 +184,57 @@ def headline(run: dict[str, Any], peak: tuple[float, str] | None = None) -> tupl
                          if p.details.get("peak_source")})
         notes += [ABOVE_PEAK_NOTE] if any(p.details.get("above_peak") for p in per_device) else []
         return cols, rows, notes
-    bench = d["bench"]
-    notes = list(d.get("notes", []))
+    bench = d.name
+    notes = list(d.notes)
     if bench == "peak":
         cols = ["kind", "n", "threads", "GFLOPS best", "GFLOPS median", "scaled residual"]
         rows = [[r["kind"], r["n"], r["threads"], r["gflops_best"], r["gflops_median"],
-                 r.get("max_scaled_residual")] for r in d["rows"]]
+                 r.get("max_scaled_residual")] for r in d.rows]
         notes += [f"{a['devices']} devices at once, {a['kind']} n={a['n']}: {a['gflops_median_sum']:.1f} GFLOPS"
-                  for a in d.get("aggregate") or []]
+                  for a in d.aggregate]
     elif bench == "batch":
         cols = ["batch", "status", "samples/s", "median step s", "spread", "peak RSS MB", "GFLOPS", "peak GFLOPS",
                 "% of peak"]
         rows = [[r["batch_size"], r["status"], r.get("samples_per_s"), r.get("step_s_median"),
                  spread_cell(r.get("spread"), r.get("noisy", False)), r.get("peak_rss_mb") or r.get("rss_mb"),
                  r.get("achieved_gflops"), r.get("peak_gflops_median"), percent_of_peak(r.get("fraction_of_peak"))]
-                for r in d["rows"]]
-        notes += [ABOVE_PEAK_NOTE] if any(r.get("above_peak") for r in d["rows"]) else []
-        notes += [NOISY_NOTE] if any(r.get("noisy") for r in d["rows"]) else []
-        notes.append(f"best batch {d['best']}; largest that fits {d['largest_fitting_batch']}; memory limit "
-                     f"{d['profile']['memory_limit_mb']:.0f} MB ({d['profile']['limit_source']}); "
-                     f"{d['flops_per_sample']['total_flops'] / 1e9:.3f} GFLOP per training sample; peak: "
-                     f"{d['peak_source']}")
+                for r in d.rows]
+        notes += [ABOVE_PEAK_NOTE] if any(r.get("above_peak") for r in d.rows) else []
+        notes += [NOISY_NOTE] if any(r.get("noisy") for r in d.rows) else []
+        notes.append(f"best batch {d.best}; largest that fits {d.largest_fitting_batch}; memory limit "
+                     f"{d.profile['memory_limit_mb']:.0f} MB ({d.profile['limit_source']}); "
+                     f"{d.flops_per_sample['total_flops'] / 1e9:.3f} GFLOP per training sample; peak: "
+                     f"{d.peak_source}")
     elif bench == "scaling":
         cols = ["devices", "samples/s", "speedup", "efficiency", "data ms", "compute ms", "comm ms", "wait ms"]
         rows = [[r["devices"], r["throughput_samples_per_s"], r["speedup"],
                  efficiency_cell(r) if "flags" in r else _pct(r["efficiency"]),
-                 *(1000 * r["split_s_per_step"][k] for k in ("data", "compute", "comm", "wait"))] for r in d["rows"]]
-        notes += flag_notes(d["rows"]) if all("flags" in r for r in d["rows"]) else []
+                 *(1000 * r["split_s_per_step"][k] for k in ("data", "compute", "comm", "wait"))] for r in d.rows]
+        notes += flag_notes(d.rows) if all("flags" in r for r in d.rows) else []
     elif bench == "stalls":
         cols = ["workers", "loader cached/s", "loader cold/s", "train cached/s", "train cold/s", "prep stall s",
                 "fetch stall s", "limiting"]
         rows = [[r["workers"], r["prep_samples_per_s"], r["fetch_samples_per_s"], r["train_cached_samples_per_s"],
                  r["train_cold_samples_per_s"], r["prep_stall_s"], r["fetch_stall_s"], r["limiting_stage"]]
-                for r in d["rows"]]
-        notes += [f"ingestion rate (no stall) {d['ingestion_samples_per_s']:.1f} samples/s", d["verdict"]]
+                for r in d.rows]
+        notes += [f"ingestion rate (no stall) {d.ingestion_samples_per_s:.1f} samples/s", d.verdict]
     elif bench == "counters":
         cols = ["event", "count", "per sample"]
-        rows = [[k, v, d["per_sample"].get(k)] for k, v in d["counts"].items()]
-        rows += [[k, v, None] for k, v in d["ratios"].items()]
-        notes += [d["message"]] if d.get("message") else []
+        rows = [[k, v, d.per_sample.get(k)] for k, v in d.counts.items()]
+        rows += [[k, v, None] for k, v in d.ratios.items()]
+        notes += [d.message] if d.message else []
     elif bench == "power":
-        m = " (modelled)" if d["energy_source"]["modelled"] else ""
+        m = " (modelled)" if d.energy_source["modelled"] else ""
         cols = ["setting", "samples/s", "s/epoch", f"J/epoch{m}", f"avg W{m}", "Pareto"]
-        front = {r["setting"] for r in d["pareto"]}
+        front = {r["setting"] for r in d.pareto}
         rows = [[r["setting"], r["samples_per_s"], r["epoch_s"], r["energy_j_per_epoch"], r["avg_power_w"],
-                 r["setting"] in front] for r in d["rows"]]
-        notes.insert(0, f"energy source: {d['energy_source']['kind']}")
+                 r["setting"] in front] for r in d.rows]
+        notes.insert(0, f"energy source: {d.energy_source['kind']}")
     elif bench == "variability":
         cols = ["run", "device", "mean step ms", "CV within"]
         rows = [[run_["run"], dev["rank"], 1000 * dev["mean_step_s"], _pct(dev["cv_within"])]
-                for run_ in d["runs"] for dev in run_["devices"]]
-        s = d["summary"]
+                for run_ in d.runs for dev in run_["devices"]]
+        s = d.summary
         notes.append(f"CV within a run {_pct(s['cv_within_mean'])}, across runs {_pct(s['cv_across_runs'])}, "
                      f"across devices {_pct(s['cv_across_devices'])}")
     else:
@@ -280,18 +254,20 @@ def configurations(run: dict[str, Any]) -> list[tuple[str, dict[str, float | Non
                         "energy": d.energy_j_per_epoch,
                         "communication": 100 * sum(comm) / len(comm) if comm else None,
                         "accuracy": None if d.test_accuracy is None else 100 * d.test_accuracy})]
-    bench = d["bench"]
+    if run["kind"] == "plan":
+        return []  # modelled, not measured: the radar compares what runs measured
+    bench = d.name
     if bench == "batch":
         return [(f"{name} b={r['batch_size']}", {"throughput": r["samples_per_s"], "memory": r["peak_rss_mb"]})
-                for r in d["rows"] if r["status"] == "ok"]
+                for r in d.rows if r["status"] == "ok"]
     if bench == "power":
         return [(f"{name} {r['setting']}", {"throughput": r["samples_per_s"], "energy": r["energy_j_per_epoch"]})
-                for r in d["rows"]]
+                for r in d.rows]
     if bench == "scaling":
         return [(f"{name} N={r['devices']}", {
             "throughput": r["throughput_samples_per_s"],
             "communication": 100 * r["split_s_per_step"]["comm"] / r["split_s_per_step"]["step"]
-            if r["split_s_per_step"].get("step") else None}) for r in d["rows"]]
+            if r["split_s_per_step"].get("step") else None}) for r in d.rows]
     return []
 
 
@@ -349,15 +325,35 @@ def shared_axes(configs: list[tuple[str, dict]]) -> list[str]:
     return [key for key, _, _, _ in AXES if all((m.get(key) or 0) > 0 for _, m in configs)]
 
 
+def training_curves(runs: list[dict[str, Any]]) -> str:
+    """Loss and accuracy of every training run shown, on shared axes (``report.training``)."""
+    curves = [training.curves(r["dir"].name, r["data"], r["steps"], r["evals"]) for r in runs if r["kind"] == "train"]
+    curves = [c for c in curves if c.steps or c.eval_steps]
+    if not curves:
+        return ""
+    from edgetrain.report import plots
+
+    modelled = any(c.modelled_s for c in curves)
+    meta = (f"{len(curves)} training run(s); train loss: mean over the devices at each step, thin, with a running "
+            f"mean; test loss and accuracy at each evaluation; host time is measured (sum of the slowest device's "
+            f"step times)" + ("; time on the device clocks is modelled (this host's compute plus the link model)"
+                              if modelled else ""))
+    return (f'<section><h2>Training curves</h2><div class="meta">{html.escape(meta)}</div><div class="imgs">'
+            f'{_img(plots.png_bytes(plots.plot_training_curves(curves)), "loss and accuracy curves")}</div></section>')
+
+
 def run_section(run: dict[str, Any], peak: tuple[float, str] | None = None) -> str:
+    if run["kind"] == "plan":
+        from edgetrain.report.plan_page import plan_section
+
+        return plan_section(run)
     d = run["data"]
-    title = f"bench {d['bench']}" if run["kind"] == "bench" else "training run"
-    env = d.get("environment", {}) if run["kind"] == "bench" else {}
+    title = f"bench {d.name}" if run["kind"] == "bench" else "training run"
+    env = d.environment if run["kind"] == "bench" else {}
     meta = " · ".join(str(v) for v in (run["dir"], env.get("cpu"), env.get("logical_cpus") and
                                          f"{env['logical_cpus']} CPUs", env.get("torch"), env.get("created")) if v)
     cols, rows, notes = headline(run, peak)
-    params = d.get("params") if run["kind"] == "bench" else {k: getattr(d, k) for k in (
-        "model", "dataset", "devices", "strategy", "global_batch", "steps") if getattr(d, k) is not None}
+    params = d.params if run["kind"] == "bench" else training.parameters(d, run["config"])
     parts = [f"<section><h2>{html.escape(title)}</h2><div class='meta'>{html.escape(meta)}</div>"]
     for n in notes:
         cls = " modelled" if "modelled" in n.lower() else ""
@@ -368,6 +364,12 @@ def run_section(run: dict[str, Any], peak: tuple[float, str] | None = None) -> s
     parts.append("</div><div><h3>Parameters</h3>" + _kv(params or {}) + "</div></div>")
     if run["pngs"]:
         parts.append('<div class="imgs">' + "".join(_img(p.read_bytes(), p.name) for p in run["pngs"]) + "</div>")
+    split = training.device_split(d, run["steps"]) if run["kind"] == "train" else None
+    if split:
+        from edgetrain.report import plots
+
+        parts.append('<div class="imgs">' + _img(plots.png_bytes(plots.plot_device_split(*split)),
+                                                 "time split and bytes per device") + "</div>")
     parts.append("</section>")
     return "".join(parts)
 
@@ -378,7 +380,7 @@ def render(run_dirs: list[str | Path]) -> str:
     runs = [load_run(d) for d in run_dirs]
     when = _dt.datetime.now().strftime("%Y-%m-%d %H:%M")
     peak = peak_reference(runs)
-    body = comparison(runs) + "".join(run_section(r, peak) for r in runs)
+    body = comparison(runs) + training_curves(runs) + "".join(run_section(r, peak) for r in runs)
     return (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>edgetrain report</title>"
             f"<meta name='viewport' content='width=device-width,initial-scale=1'><style>{CSS}</style></head>"
             f"<body><header><h1>edgetrain report</h1><p>{len(runs)} run(s) · generated {when}</p></header>"
@@ -386,7 +388,8 @@ def render(run_dirs: list[str | Path]) -> str:
 
 
 def _mb(b: float | None) -> float | None:
-    return None if b is None else b / 2**20
+    """Bytes in MB (10^6), as the terminal's table and the charts count them."""
+    return None if b is None else b / 1e6
 
 
 def _pct(v: float | None) -> str:

@@ -1,13 +1,16 @@
-"""One plot per bench, drawn from its ``result.json``, and the radar chart of the report.
+"""One plot per bench, drawn from its ``result.json``, the training run's charts and the radar chart of the report.
 
 matplotlib with the Agg backend (no display needed); every figure has a
 title, labelled axes with units and a legend, and is written atomically.
+Training charts take series that ``report.training`` builds from the run's
+typed records (what each point is: see that module).
 """
 from __future__ import annotations
 
 import io
 import math
 import os
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import matplotlib
@@ -20,6 +23,7 @@ from edgetrain.report.files import atomic_write  # noqa: E402
 plt.rcParams.update({"figure.dpi": 110, "axes.grid": True, "grid.alpha": 0.3, "font.size": 10,
                      "axes.spines.top": False, "axes.spines.right": False})
 COLORS = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+LINE_STYLES = ("-", "--", ":", "-.")
 
 
 def save(fig, path: str | os.PathLike) -> None:
@@ -124,16 +128,21 @@ def plot_scaling(result: dict[str, Any], path) -> None:
               frameon=False)
     ax.set_title("Speedup and efficiency")
     ax = axes[1]
-    bottom = [0.0] * len(rows)
-    for i, part in enumerate(("data", "compute", "comm", "wait")):
-        vals = [r["split_s_per_step"][part] * 1000 for r in rows]
-        ax.bar([str(x) for x in n], vals, bottom=bottom, color=COLORS[i], label=part)
-        bottom = [b + v for b, v in zip(bottom, vals)]
+    stacked_bars(ax, [str(x) for x in n], {part: [r["split_s_per_step"][part] * 1000 for r in rows]
+                                           for part in ("data", "compute", "comm", "wait")})
     ax.set_xlabel("devices")
     ax.set_ylabel("time per step (ms, mean over devices)")
     ax.set_title("Where a step's time goes")
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=4, frameon=False)
     save(fig, path)
+
+
+def stacked_bars(ax, labels: Sequence[str], parts: dict[str, Sequence[float]]) -> None:
+    """One bar per label, ``parts`` stacked bottom to top in order, a colour and a legend entry each."""
+    bottom = [0.0] * len(labels)
+    for i, (part, values) in enumerate(parts.items()):
+        ax.bar(labels, values, bottom=bottom, color=COLORS[i], label=part)
+        bottom = [b + v for b, v in zip(bottom, values)]
 
 
 def plot_stalls(result: dict[str, Any], path) -> None:
@@ -252,4 +261,97 @@ def radar(labels: Sequence[str], configs: Sequence[tuple[str, Sequence[float | N
     ax.set_yticklabels(["0.25", "0.5", "0.75", "1"], fontsize=7)
     ax.set_title(title, pad=18)
     ax.legend(loc="upper right", bbox_to_anchor=(1.35, 1.1), fontsize=8)
+    return fig
+
+
+@dataclass
+class RunCurves:
+    """One training run's loss and accuracy series (``report.training.curves`` builds it)."""
+
+    name: str
+    steps: list[int]                # steps done after each step (1, 2, ...)
+    train_loss: list[float]
+    host_s: list[float]             # measured host time after each step
+    modelled_s: list[float] | None  # modelled device-clock time after each step; None: not a virtual link run
+    eval_steps: list[int]           # steps done at each evaluation
+    eval_loss: list[float]
+    eval_accuracy: list[float]
+
+    def at(self, xs: list[float], steps: list[int]) -> list[float]:
+        """``xs`` (a time series over ``self.steps``) at the given step counts."""
+        index = {s: i for i, s in enumerate(self.steps)}
+        return [xs[index[s]] if s in index else math.nan for s in steps]
+
+
+def running_mean(values: Sequence[float], window: int) -> list[float]:
+    """The mean of the last ``window`` values at each point (fewer at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def plot_training_curves(runs: Sequence[RunCurves]):
+    """Loss and accuracy against step, host time and (where a run has one) modelled time; one colour per run."""
+    axes_x = [("step", "steps", None), ("host", "host time (s, measured; evaluation excluded)", "host_s")]
+    if any(r.modelled_s for r in runs):
+        axes_x.append(("modelled", "time on the device clocks (s, MODELLED: host compute + link model)",
+                       "modelled_s"))
+    fig, axes = plt.subplots(len(axes_x), 2, figsize=(11, 3.4 * len(axes_x)), squeeze=False)
+    for row, (kind, xlabel, field) in zip(axes, axes_x):
+        loss_ax, acc_ax = row
+        for i, run in enumerate(runs):
+            color = COLORS[i % 10]
+            xs = run.steps if field is None else getattr(run, field)
+            if xs is None:
+                continue
+            window = max(1, len(run.steps) // 20)
+            loss_ax.plot(xs, run.train_loss, color=color, lw=0.6, alpha=0.35)
+            mean = "" if window == 1 else f" (mean of {window} steps)"
+            loss_ax.plot(xs, running_mean(run.train_loss, window), color=color, lw=1.6,
+                         label=f"{run.name}: train loss{mean}")
+            eval_x = run.eval_steps if field is None else run.at(xs, run.eval_steps)
+            if run.eval_steps:
+                loss_ax.plot(eval_x, run.eval_loss, "o--", color=color, ms=4, label=f"{run.name}: test loss")
+                acc_ax.plot(eval_x, [100 * a for a in run.eval_accuracy], "o-", color=color, ms=4,
+                            label=f"{run.name}: test accuracy")
+        loss_ax.set_ylabel("loss (cross-entropy)")
+        acc_ax.set_ylabel("test accuracy (%)")
+        for ax in row:
+            ax.set_xlabel(xlabel)
+            ax.set_xlim(left=0)
+        loss_ax.set_ylim(bottom=0)
+        loss_ax.set_title(f"Loss vs {kind}" + (" time" if field else ""))
+        acc_ax.set_title(f"Test accuracy vs {kind}" + (" time" if field else ""))
+        if not any(r.eval_steps for r in runs):
+            acc_ax.text(0.5, 0.5, "no evaluation (the run had --no-eval)", ha="center", va="center",
+                        transform=acc_ax.transAxes)
+        for ax in row:
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=7)
+    return fig
+
+
+def plot_device_split(ranks: Sequence[str], split_ms: dict[str, Sequence[float]],
+                      bytes_per_step: dict[str, tuple[list[int], list[float]]]):
+    """Left: each device's time per step, stacked by part; right: bytes each device sent at every step."""
+    fig, (split_ax, bytes_ax) = plt.subplots(1, 2, figsize=(11, 3.8))
+    stacked_bars(split_ax, ranks, split_ms)
+    split_ax.set_xlabel("device (rank: profile)")
+    split_ax.set_ylabel("time per step (ms, measured mean)")
+    split_ax.set_title("Where each device's step goes (after the first step)", fontsize=10)
+    split_ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=3, frameon=False)
+    largest = max((max(sent, default=0) for _, sent in bytes_per_step.values()), default=0)
+    unit, scale = ("MB", 1e6) if largest >= 1e6 else ("kB", 1e3)
+    for i, (rank, (steps, sent)) in enumerate(bytes_per_step.items()):
+        # dashes differ too: devices that send the same bytes draw the same line
+        bytes_ax.plot(steps, [b / scale for b in sent], color=COLORS[i % 10], lw=1.2, ls=LINE_STYLES[i % 4],
+                      label=f"{rank}: {sum(sent) / 1e6:,.2f} MB in all")
+    bytes_ax.set_xlabel("step")
+    bytes_ax.set_ylabel(f"{unit} sent in the step")
+    bytes_ax.set_ylim(bottom=0)
+    bytes_ax.set_title("Bytes sent per step, per device (counted)", fontsize=10)
+    if bytes_per_step:
+        bytes_ax.legend(fontsize=8)
     return fig

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from edgetrain.cluster.peers import wait
 from edgetrain.tiling.plan import SectionPlan
 
 
@@ -139,8 +140,8 @@ def measure_machine(comm, device_flops: float | None, bandwidth: float | None, l
             values[1] = bandwidth if bandwidth is not None else measured[0]
             values[2] = latency if latency is not None else measured[1]
     if comm.world > 1:
-        work = dist.broadcast(values, src=comm._global(0), group=comm.group, async_op=True)
-        work.wait(comm.timeout)
+        wait(dist.broadcast(values, src=comm._global(0), group=comm.group, async_op=True), comm.timeout_s,
+             "tiled training: machine measurement broadcast")
     if device_flops is None:
         source["device_flops"] = "measured: 3x3 conv on device 0"
     for key, given, i in (("bandwidth", bandwidth, 1), ("latency", latency, 2)):
@@ -175,12 +176,9 @@ def _ping_pong(comm) -> tuple[float, float]:
         best = float("inf")
         for _ in range(reps):
             start = time.perf_counter()
-            if comm.rank == 0:
-                dist.send(t, dst=peer, group=comm.group)
-                dist.recv(t, src=peer, group=comm.group)
-            else:
-                dist.recv(t, src=peer, group=comm.group)
-                dist.send(t, dst=peer, group=comm.group)
+            for sending in ((True, False) if comm.rank == 0 else (False, True)):  # device 0 serves first
+                work = (dist.isend if sending else dist.irecv)(t, peer, group=comm.group)
+                wait(work, comm.timeout_s, "tiled training: link measurement (ping-pong)")
             best = min(best, time.perf_counter() - start)
         return best
 

@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from edgetrain.cluster.memory import SavedTensorMeter
+from edgetrain.cluster.peers import wait
 from edgetrain.errors import EdgetrainError
 from edgetrain.models.batchnorm import convert_batchnorm
 from edgetrain.spec import TilingSpec
@@ -32,36 +34,6 @@ from edgetrain.tiling.grouping import Machine, choose_groups, grouping_cost, mea
 from edgetrain.tiling.layers import Unit, check_sequence, describe, model_layers
 from edgetrain.tiling.plan import SectionPlan
 from edgetrain.tiling.tiled import Comm, batch_bounds, hand_off, section_forward
-
-
-class SavedTensorMeter:
-    """Bytes of activations autograd saves for backward inside a ``with`` block.
-
-    Counted once per storage (views share one); parameters and the input batch
-    are left out, they are not the tiled section's activations.
-    """
-
-    def __init__(self, exclude: list[torch.Tensor]):
-        self.exclude = {t.untyped_storage().data_ptr() for t in exclude}
-        self.storages: dict[int, int] = {}
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s.data_ptr() not in self.exclude:
-            self.storages[s.data_ptr()] = s.nbytes()
-        return t
-
-    def __enter__(self) -> "SavedTensorMeter":
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._hooks.__exit__(*exc)
-
-    @property
-    def bytes(self) -> int:
-        return sum(self.storages.values())
 
 
 class TiledTraining:
@@ -122,7 +94,8 @@ class TiledTraining:
             return
         tensors = [t.data for t in self._params] + [b for b in self.model.buffers() if b.is_floating_point()]
         flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
-        dist.broadcast(flat, src=self.comm._global(0), group=self.comm.group, async_op=True).wait(self.comm.timeout)
+        wait(dist.broadcast(flat, src=self.comm._global(0), group=self.comm.group, async_op=True), self.comm.timeout_s,
+             "tiled training: initial model broadcast")
         offset = 0
         for t in tensors:
             t.copy_(flat[offset:offset + t.numel()].view_as(t))

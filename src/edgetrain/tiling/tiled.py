@@ -26,11 +26,10 @@ Communication is three autograd functions, each with its adjoint as backward:
   applies the statistics' gradient to owned elements only. This is the
   gradient of whole-map BatchNorm, worked out for duplicated elements.
 
-Every wait is bounded by ``Comm.timeout``.
+Every wait is bounded by ``Comm.timeout_s`` (the run's ``--timeout``, through ``cluster.peers.wait``).
 """
 from __future__ import annotations
 
-import datetime as _dt
 import time
 from collections import Counter
 
@@ -38,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from edgetrain.errors import EdgetrainError
+from edgetrain.cluster.peers import wait
 from edgetrain.models.batchnorm import cross_device_moments
 from edgetrain.tiling.layers import Block, Layer, Unit
 from edgetrain.tiling.plan import Rect, SectionPlan, intersect_rect
@@ -55,7 +54,7 @@ class Comm:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(group) if self.distributed else 0
         self.world = dist.get_world_size(group) if self.distributed else 1
-        self.timeout = _dt.timedelta(seconds=timeout_s)
+        self.timeout_s = timeout_s
         self.bytes_sent: Counter[str] = Counter()
         self.bytes_recv = 0
         self.seconds: Counter[str] = Counter()
@@ -80,7 +79,7 @@ class Comm:
             works.append(dist.isend(t, dst=self._global(peer), group=self.group))
             self.bytes_sent[kind] += t.numel() * t.element_size()
         for w in works:
-            _wait(w, self.timeout, kind)
+            wait(w, self.timeout_s, f"tiled training: {kind} exchange")
         self.bytes_recv += sum(buf.numel() * buf.element_size() for _, buf in recvs)
         self.seconds[kind] += time.perf_counter() - start
 
@@ -89,19 +88,11 @@ class Comm:
         if self.world == 1:
             return t
         start = time.perf_counter()
-        _wait(dist.all_reduce(t, group=self.group, async_op=True), self.timeout, kind)
+        wait(dist.all_reduce(t, group=self.group, async_op=True), self.timeout_s, f"tiled training: {kind} all-reduce")
         self.bytes_sent[kind] += t.numel() * t.element_size()
         self.bytes_recv += t.numel() * t.element_size()
         self.seconds[kind] += time.perf_counter() - start
         return t
-
-
-def _wait(work, timeout: _dt.timedelta, kind: str) -> None:
-    try:
-        work.wait(timeout)
-    except RuntimeError as e:
-        raise EdgetrainError(f"tiled training: {kind} did not complete within {timeout.total_seconds():.0f} s "
-                             f"({str(e).splitlines()[0]}); is every device running the same step?") from None
 
 
 class Exchange(torch.autograd.Function):

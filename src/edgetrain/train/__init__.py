@@ -11,6 +11,7 @@ from edgetrain.cluster.launch import launch_local, refuse_nested_launch, under_t
 from edgetrain.cluster.peers import TOKEN_ENV, check_rank_environment
 from edgetrain.cluster.profiles import device_speed, plan_devices, split_batch
 from edgetrain.config import TrainConfig, load_config, resolve
+from edgetrain.errors import EdgetrainError, Terminated
 from edgetrain.preflight import check_before_launch
 from edgetrain.report.files import new_run_dir, write_yaml
 
@@ -29,8 +30,11 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     ``strategy`` is the config's ``strategy`` key or a ``train.strategy.Strategy``
     subclass (defined at module level) to train with instead of a built-in one.
     """
+    from edgetrain.data import build_data, user_datasets
+    from edgetrain.data.partition import split_dataset
     from edgetrain.models import model_reference, user_models
-    from edgetrain.train.loop import accelerator_device, run_worker
+    from edgetrain.train.checkpoint import resume_hint
+    from edgetrain.train.loop import accelerator_device, phase, run_worker
 
     refuse_nested_launch()
     if isinstance(model, str):
@@ -50,19 +54,34 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     rank, world = check_rank_environment() if torchrun else (0, None)
     devices = plan_devices(cfg, world)
     local_batches = split_batch(cfg, devices)
+    if spec.partition.local:  # a split that leaves a device short of a batch: refused before any device starts
+        split_dataset(build_data(cfg).train.labels, spec.partition, local_batches, spec.seed)
+    if spec.fault and spec.fault.rank >= len(devices):
+        raise EdgetrainError(f"EDGETRAIN_FAULT names device {spec.fault.rank}, but the run has {len(devices)} "
+                             f"(ranks 0 to {len(devices) - 1}); name one of them or unset it")
     needs_speed = cfg.throttle and any(d.profile.speed is not None or d.profile.gflops is not None for d in devices)
     # Measured once, before the devices start, so they do not disturb each other's measurement.
+    if needs_speed:
+        phase(cfg, rank, "measuring this host's core speed (GFLOPS) to throttle the devices to their profiles")
     speeds = [device_speed(d.profile) if needs_speed else None for d in devices]
     run_dir = None
-    if rank == 0:
+    if cfg.resume:
+        run_dir = cfg.resume if rank == 0 else None  # the same directory, its config.yaml as it was
+    elif rank == 0:
         run_dir = new_run_dir(cfg.output, cfg.run_name)
         write_yaml(run_dir / "config.yaml", cfg.to_dict())
 
     args = (cfg, spec, devices, local_batches, speeds, str(run_dir) if run_dir else None, model, user_models(),
-            cluster_token, strategy)
+            cluster_token, strategy, user_datasets())
     if torchrun:
         return run_worker(*args)
-    return launch_local(len(devices), run_worker, args, [d.label for d in devices], log_dir=str(run_dir))[0]
+    phase(cfg, rank, f"starting {len(devices)} emulated device(s) on this host")
+    try:
+        return launch_local(len(devices), run_worker, args, [d.label for d in devices], log_dir=str(run_dir))[0]
+    except Terminated:
+        if spec.checkpoint.enabled:  # the devices stopped with a checkpoint: say how to go on
+            raise Terminated(resume_hint(run_dir)) from None
+        raise
 
 
 __all__ = ["train", "TrainConfig", "load_config"]

@@ -9,8 +9,22 @@ spawned it or ``torchrun`` did. It is four parts, in order:
   host at a time;
 - the loop: ``Strategy.train_step`` per batch (train/strategy.py: data
   parallel or tiled; the loop has no branch of its own for either), timed by
-  a ``StepRecorder``;
-- a ``RunWriter``: records as they happen, then summary and checkpoint.
+  a ``StepRecorder``; batches come from ``data.partition.build_sampler``:
+  this device's share of every global batch, or with ``--partition`` its
+  own partition only (whose sizes rank 0 prints and the summary keeps);
+- a ``RunWriter``: records as they happen (and TensorBoard event files with
+  ``--tensorboard``, ``train.tensorboard_log``), then summary and checkpoint.
+
+Rank 0 says each start-up phase in one line on stderr as it begins
+(``phase``: rendezvous, peer admission, data, FLOP count, throttle
+calibration, strategy set-up, training), unless ``--no-progress``; the
+launcher adds the host's speed measurement and the devices' start.
+
+Checkpoints during the run, ``--resume`` and the stop on SIGTERM are a
+``Checkpointer`` (train/checkpoint.py: what is held, the protocol, what is
+exact): it is asked at the start of every step, before the batch is taken.
+A resumed run restores every device's state there and rewrites the records
+files from the checkpoint's, so that no step is counted twice.
 
 Each step's ``StepRecord`` (records.py) says where the time went:
 
@@ -48,6 +62,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,33 +74,39 @@ from torch import nn
 from torch.utils.data import DataLoader, Subset
 
 from edgetrain.bench.flops import achieved, device_peak, training_flops_per_sample
+from edgetrain.cluster.faults import inject_fault
 from edgetrain.cluster.launch import loader_worker_init
 from edgetrain.cluster.peers import admit_peers, check_rank_environment, gather_json
 from edgetrain.cluster.profiles import DeviceSpec
-from edgetrain.cluster.throttle import Throttle, assign_cores, peak_rss_mb, pin
+from edgetrain.cluster.throttle import Throttle, assign_cores, keep_freed_memory, page_faults, peak_rss_mb, pin
 from edgetrain.comm.accounting import CommStats
 from edgetrain.config import TrainConfig
-from edgetrain.data import GlobalBatchSampler, build_data, shard_indices
-from edgetrain.errors import EdgetrainError
+from edgetrain.data import build_data, register_dataset, shard_indices
+from edgetrain.data.partition import PartitionReport, build_sampler
+from edgetrain.errors import EdgetrainError, Terminated
 from edgetrain.models import build_model, count_parameters, register_model
 from edgetrain.records import DeviceSummary, EvalRecord, RunSummary, StepRecord
 from edgetrain.report.files import atomic_write, save_torch, write_json
 from edgetrain.spec import RunSpec
+from edgetrain.train.checkpoint import Checkpointer, resume_hint, rng_state, set_rng_state
 from edgetrain.train.strategy import STRATEGIES, StepResult, Strategy, StrategyContext
+from edgetrain.train.tensorboard_log import TensorBoardLog, write_missing_devices
 
 
 def init_distributed(cfg: TrainConfig, cluster_token: str = "") -> tuple[int, int]:
     """Join the run's process group, then admit the peers (same cluster token, same config; see cluster/peers)."""
     rank, world = check_rank_environment()
     if not dist.is_initialized():
+        addr = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        phase(cfg, rank, f"rendezvous: {world} device(s) at {addr} (waiting up to {cfg.timeout:g} s)")
         try:
             dist.init_process_group("gloo", rank=rank, world_size=world,
                                     timeout=dt.timedelta(seconds=cfg.timeout))
         except (RuntimeError, TimeoutError, ValueError) as e:
-            addr = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
             raise EdgetrainError(f"rendezvous at {addr} failed for rank {rank} of {world} within {cfg.timeout:g} s "
                                  f"({str(e).splitlines()[0]}); start every device, check MASTER_ADDR/MASTER_PORT "
                                  f"and the firewall, or raise --timeout") from None
+        phase(cfg, rank, "admitting peers: cluster token and config hash of every device")
         try:
             admit_peers(cfg.to_dict(), cluster_token, rank, world)
         except EdgetrainError:
@@ -170,6 +191,7 @@ def set_up_device(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], sp
         # in OpenMP spin-waits, which the throttle would then stretch as if it were work.
         cores = cores[:max(1, math.ceil(speed))]
     pin(cores)
+    keep_freed_memory()  # activations freed at the end of a step are reused by the next (cluster/throttle.py)
     threads = cfg.threads or (min(len(cores), me.profile.cores) if me.profile.cores else len(cores))
     torch.set_num_threads(threads)
     torch.manual_seed(spec.seed)
@@ -200,7 +222,7 @@ class StepRecorder:
         self.stats, self.rank = stats, rank
 
     def start(self) -> None:
-        self.t0, self.cpu0 = time.perf_counter(), time.process_time()
+        self.t0, self.cpu0, self.faults0 = time.perf_counter(), time.process_time(), page_faults()
         self.before = self.stats.snapshot()
 
     def data_ready(self) -> None:
@@ -217,19 +239,23 @@ class StepRecorder:
             compute_s=max(step_s - data_s - result.comm_s, 0.0), comm_s=result.comm_s,
             bytes_sent=after["bytes_sent"] - self.before["bytes_sent"],
             bytes_recv=after["bytes_recv"] - self.before["bytes_recv"],
-            cpu_s=time.process_time() - self.cpu0, lr=lr, peak_rss_mb=peak_rss_mb(), **extra)
+            cpu_s=time.process_time() - self.cpu0, lr=lr, peak_rss_mb=peak_rss_mb(),
+            page_faults=page_faults() - self.faults0, **extra)
 
 
 class RunWriter:
     """The run directory's files: records as they happen, then metrics.jsonl, checkpoint and summary.
 
     A device without the run directory (``run_dir`` None: ranks > 0 under torchrun) writes nothing.
+    ``tensorboard``: TensorBoard event files beside them (``train.tensorboard_log``).
     """
 
-    def __init__(self, run_dir: str | None, rank: int):
+    def __init__(self, run_dir: str | None, rank: int, tensorboard: bool = False):
         self.run_dir = Path(run_dir) if run_dir else None
         self.rank = rank
         self._metrics = open(self.live_metrics(rank), "a", encoding="utf-8") if self.run_dir else None
+        self.tensorboard = tensorboard
+        self._events = TensorBoardLog(self.run_dir, rank) if tensorboard and self.run_dir else None
 
     def live_metrics(self, rank: int) -> Path:
         return self.run_dir / f"metrics-{rank}.jsonl"
@@ -238,16 +264,36 @@ class RunWriter:
         if self._metrics:
             self._metrics.write(json.dumps(record.to_dict()) + "\n")
             self._metrics.flush()  # a killed run keeps its steps; one small write per step
+        if self._events:
+            self._events.step(record)
 
     def evaluation(self, record: EvalRecord) -> None:
         if self.run_dir and self.rank == 0:
             with open(self.run_dir / "evals.jsonl", "a", encoding="utf-8") as f:
                 f.write(json.dumps(record.to_dict()) + "\n")
+            if self._events:
+                self._events.evaluation(record)
+
+    def restart(self, records: list[StepRecord], evals: list[EvalRecord]) -> None:
+        """A resumed run: the records files hold exactly the checkpoint's records (a killed run may have
+        written steps after its last checkpoint), and new ones are appended after them."""
+        if not self._metrics:
+            return
+        self._metrics.close()
+        with atomic_write(self.live_metrics(self.rank)) as f:
+            f.writelines(json.dumps(r.to_dict()) + "\n" for r in records)
+        self._metrics = open(self.live_metrics(self.rank), "a", encoding="utf-8")
+        if self.rank == 0 and (evals or (self.run_dir / "evals.jsonl").exists()):
+            with atomic_write(self.run_dir / "evals.jsonl") as f:
+                f.writelines(json.dumps(e.to_dict()) + "\n" for e in evals)
 
     def close(self) -> None:
         if self._metrics:
             self._metrics.close()
             self._metrics = None
+        if self._events:
+            self._events.close()
+            self._events = None
 
     def metrics(self, records: list[StepRecord], world: int) -> None:
         """Rank 0, after every device closed its file: one sorted metrics.jsonl replaces the per-device ones."""
@@ -256,9 +302,12 @@ class RunWriter:
                 f.write(json.dumps(r.to_dict()) + "\n")
         for rank in range(world):
             self.live_metrics(rank).unlink(missing_ok=True)
+        if self.tensorboard:
+            write_missing_devices(self.run_dir, records, world)
 
     def summary(self, cfg: TrainConfig, strategy: Strategy, optimizer, per_device: list[DeviceSummary], train_totals,
-                evals: list[EvalRecord], params, data, world, local_batches, steps, wall_s, flops_per_sample) -> dict:
+                evals: list[EvalRecord], params, data, world, local_batches, steps, wall_s, flops_per_sample,
+                partition: PartitionReport | None = None) -> dict:
         """Rank 0, last: checkpoint.pt and summary.json; returns the summary as written."""
         run_dir = self.run_dir
         for d in per_device:
@@ -286,7 +335,7 @@ class RunWriter:
             bytes_sent_per_step_per_device=bytes_sent / max(steps, 1) / world,
             peak_rss_mb_max=max(d.peak_rss_mb for d in per_device),
             wall_time_s=wall_s, batchnorm=cfg.batchnorm, per_device=per_device, checkpoint="checkpoint.pt",
-            details=strategy.summary(),
+            details={**strategy.summary(), **({"partition": partition.to_dict()} if partition else {})},
         ).to_dict()
         write_json(run_dir / "summary.json", summary)
         return summary
@@ -295,37 +344,52 @@ class RunWriter:
 def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local_batches: list[int],
                speeds: list[float | None], run_dir: str | None, user_model: nn.Module | None = None,
                registered: dict | None = None, cluster_token: str = "",
-               strategy_class: type[Strategy] | None = None) -> dict | None:
+               strategy_class: type[Strategy] | None = None, datasets: dict | None = None) -> dict | None:
     """Train on this device; rank 0 returns the run summary, the others None.
 
-    ``strategy_class``: a ``Strategy`` to train with instead of ``STRATEGIES[spec.strategy]``.
+    ``strategy_class``: a ``Strategy`` to train with instead of ``STRATEGIES[spec.strategy]``;
+    ``registered`` and ``datasets``: models and datasets registered in the launching process.
     """
     started = time.perf_counter()
     for name, factory in (registered or {}).items():
         register_model(name, factory)
+    for name, factory in (datasets or {}).items():
+        register_dataset(name, factory)
     at = set_up_device(cfg, spec, devices, speeds, cluster_token)
     rank, world = at.rank, at.world
+    checkpoints = Checkpointer(spec.checkpoint, run_dir, rank, world, spec.timeout_s)
+    run_state, mine = checkpoints.load() if spec.checkpoint.resume_dir else (None, None)
 
+    phase(cfg, rank, f"loading data: {cfg.dataset}")
     data = build_data(cfg)
     model = user_model if user_model is not None else build_model(cfg.model, data.input_shape[0], data.num_classes)
     params = count_parameters(model)
     # The model actually trained at the input shape actually fed (counted on a copy, RNG untouched).
+    phase(cfg, rank, f"counting FLOPs: {cfg.model} at {'x'.join(map(str, data.input_shape))}")
     flops_per_sample = training_flops_per_sample(model, input_shape=data.input_shape,
                                                  num_classes=data.num_classes) if rank == 0 else None
     model.to(at.device)
     stats = CommStats()
     strategy = (strategy_class or STRATEGIES[spec.strategy])(StrategyContext(
-        cfg, spec, rank, world, local_batches[rank], tuple(data.input_shape), stats, at.me.link, at.device))
+        cfg, spec, rank, world, local_batches[rank], tuple(data.input_shape), stats, at.me.link, at.device,
+        steps_per_epoch=len(data.train) // cfg.batch_size))
     model = strategy.adapt(model)
     throttle = Throttle(at.speed) if at.speed is not None else None
     if throttle:
+        phase(cfg, rank, "calibrating the throttle: a reference pass per device, one device of this host at a time")
         batch = strategy.calibration_batch
-        calibrate_throttle(throttle, model, None if batch is None else
+        if mine:  # the resumed device keeps its calibration
+            vars(throttle).update(mine["throttle"])
+        calibrate_throttle(throttle, model, None if batch is None or mine else
                            torch.randn(batch, *data.input_shape, device=at.device), at)
+    phase(cfg, rank, f"setting up strategy {strategy.name}")
     strategy.setup(model)
 
-    sampler = GlobalBatchSampler(len(data.train), local_batches if strategy.shard_data else [cfg.batch_size],
-                                 rank if strategy.shard_data else 0, spec.seed)
+    sampler, partition = build_sampler(data.train.labels, spec.partition,
+                                       local_batches if strategy.shard_data else [cfg.batch_size],
+                                       rank if strategy.shard_data else 0, spec.seed)
+    if partition is not None and rank == 0:
+        print(partition.describe(), flush=True)
     if len(sampler) == 0:
         raise EdgetrainError(f"batch_size {cfg.batch_size} is larger than the {len(data.train)} training images of "
                              f"{data.name}; lower batch_size")
@@ -337,19 +401,47 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
     epochs = math.ceil(total_steps / len(sampler))
     optimizer, scheduler = make_optimizer(cfg, strategy.parameters(), int(total_steps))
 
-    writer = RunWriter(run_dir, rank)
+    writer = RunWriter(run_dir, rank, spec.tensorboard)
+    phase(cfg, rank, f"training: {int(total_steps)} steps, {epochs} epoch(s)")
     recorder = StepRecorder(stats, rank)
     bar = _progress(cfg, rank, int(total_steps))
     records: list[StepRecord] = []
     evals: list[EvalRecord] = []
-    step, limit_mb = 0, at.me.profile.memory_mb
+    step, start_epoch, limit_mb = 0, 0, at.me.profile.memory_mb
     ema_loss = None
     epoch_loss = epoch_correct = epoch_seen = 0.0
-    for epoch in range(epochs):
+    if mine:
+        strategy.load_state_dict(mine["strategy"])
+        optimizer.load_state_dict(mine["optimizer"])
+        scheduler.load_state_dict(mine["scheduler"])
+        records = [StepRecord.from_dict(r) for r in mine["records"]]
+        evals = [EvalRecord.from_dict(e) for e in run_state["evals"]]
+        writer.restart(records, evals)
+        epoch_loss, epoch_correct, epoch_seen = mine["epoch_totals"]
+        ema_loss, step, start_epoch = mine["ema_loss"], run_state["step"], run_state["epoch"]
+        started -= run_state["wall_s"]  # the summary's wall time covers the whole run
+        set_rng_state(mine["rng"], at.device)  # last: nothing above may draw from it
+    resumed_step = step
+    checkpoints.catch_sigterm()
+    for epoch in range(start_epoch, epochs):
         sampler.set_epoch(epoch)
-        epoch_loss = epoch_correct = epoch_seen = 0.0
+        if step == resumed_step and mine:
+            sampler.resume_at(epoch, step - epoch * len(sampler))
+        else:
+            epoch_loss = epoch_correct = epoch_seen = 0.0
         batches = iter(loader)
         while step < total_steps:
+            if checkpoints.due(step, resumed_step):
+                checkpoints.save(step, {
+                    "step": step, "epoch": epoch, "evals": [e.to_dict() for e in evals],
+                    "wall_s": time.perf_counter() - started, "config": cfg.to_dict()}, {
+                    "strategy": strategy.state_dict(), "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(), "rng": rng_state(at.device),
+                    "records": [r.to_dict() for r in records], "epoch_totals": [epoch_loss, epoch_correct, epoch_seen],
+                    "ema_loss": ema_loss, "throttle": _throttle_state(throttle)})
+                if checkpoints.stopped:
+                    break
+            inject_fault(spec.fault, rank, step, spec.timeout_s)  # EDGETRAIN_FAULT, for tests and chaos runs
             recorder.start()
             try:
                 x, y = next(batches)
@@ -372,6 +464,8 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
             ema_loss = record.loss if ema_loss is None else 0.9 * ema_loss + 0.1 * record.loss
             if bar:
                 bar.update(step, epoch, ema_loss, epoch_correct / max(epoch_seen, 1), cfg.batch_size / record.step_s)
+        if checkpoints.stopped:
+            break
         if step >= total_steps or epoch == epochs - 1:
             strategy.finish()  # the last exchange: every device now holds the same model
         if cfg.eval:
@@ -381,6 +475,7 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
             _note(bar, rank, f"epoch {epoch + 1}/{epochs}: test accuracy {test_acc:.1%}, loss {test_loss:.3f}")
         if step >= total_steps:
             break
+    checkpoints.release_sigterm()
     if bar:
         bar.close()
     strategy.finish()  # no-op if the last epoch already called it
@@ -400,10 +495,26 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
         writer.metrics(all_records, world)
         per_device = [DeviceSummary.from_dict(d) for _, d in gathered]
         summary = writer.summary(cfg, strategy, optimizer, per_device, train_totals, evals, params, data, world,
-                                 local_batches, step, time.perf_counter() - started, flops_per_sample)
+                                 local_batches, step, time.perf_counter() - started, flops_per_sample, partition)
     dist.barrier()
     dist.destroy_process_group()
+    if checkpoints.stopped:
+        raise Terminated(resume_hint(run_dir) if run_dir else "")
     return summary
+
+
+def phase(cfg: TrainConfig, rank: int, text: str) -> None:
+    """A start-up phase on rank 0, one line on stderr as it begins (not with --no-progress)."""
+    if cfg.progress and rank == 0:
+        print(f"edgetrain: {text}", file=sys.stderr, flush=True)
+
+
+def _throttle_state(throttle: Throttle | None) -> dict | None:
+    """The throttle's calibration, which a resumed device keeps instead of measuring again."""
+    if throttle is None:
+        return None
+    return {k: getattr(throttle, k) for k in ("reference_cpu", "reference_batch", "reference_gradients",
+                                              "inflation", "inflations", "slept")}
 
 
 def _note(bar, rank: int, text: str) -> None:
@@ -427,6 +538,7 @@ def _device_summary(records: list[StepRecord], at: DeviceSetup, local_batch: int
         speed=at.speed, cores=list(at.cores), threads=at.threads,
         samples_per_s=sum(r.samples for r in timed) / total, step_s=total / len(timed),
         data_s=mean("data_s"), compute_s=mean("compute_s"), comm_s=mean("comm_s"), cpu_s=mean("cpu_s"),
+        page_faults=mean("page_faults"),
         # None where the strategy could not measure it (DDP's own all-reduce)
         comm_busy_s=None if any(r.comm_busy_s is None for r in timed) else mean("comm_busy_s"),
         bytes_sent=sum(r.bytes_sent for r in records), bytes_recv=sum(r.bytes_recv for r in records),

@@ -12,6 +12,7 @@ drives a ``Strategy`` the same way for every kind, on every device::
     strategy.finish()               # final exchange: every device holds the same model afterwards
     strategy.eval_model             # the module to evaluate
     strategy.summary()              # extra fields for summary.json (RunSummary.details)
+    strategy.state_dict()           # what a checkpoint holds (default: the model); load_state_dict after setup
     strategy.checkpoint_state(opt)  # rank 0: model and optimizer state for checkpoint.pt
 
 ``shard_data`` says what the sampler hands each device: its own share of the
@@ -62,6 +63,7 @@ class StrategyContext:
     stats: CommStats                      # every byte and collective the strategy's exchanges count
     link: Any = None                      # this device's link from the cluster file (None: the config's)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    steps_per_epoch: int = 0              # steps of one pass over the training set (len(train) // cfg.batch_size)
 
 
 @dataclass
@@ -109,6 +111,15 @@ class Strategy(abc.ABC):
     def summary(self) -> dict:
         return {}
 
+    def state_dict(self) -> dict:
+        """This device's part of a checkpoint (train/checkpoint.py), beside optimizer and RNG: the model,
+        and whatever else the strategy keeps between steps (override both methods to add it)."""
+        return {"model": self.eval_model.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Called after ``setup`` when a run resumes."""
+        self.eval_model.load_state_dict(state["model"])
+
     def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> dict:
         """Rank 0, after ``finish``: the whole model's and optimizer's state for checkpoint.pt."""
         return {"model": self.eval_model.state_dict(), "optimizer": optimizer.state_dict()}
@@ -116,7 +127,7 @@ class Strategy(abc.ABC):
 
 class DataParallel(Strategy):
     """Every device trains a replica on its share of the batch; ``comm.build_sync`` picks how replicas agree
-    (sync, local:H, async:S, gossip; see comm/sync.py for the calls made here).
+    (sync, local:H, async:S, gossip, fedavg:E; see comm/sync.py for the calls made here).
 
     Loss scaling: device ``r`` with local batch ``b_r`` back-propagates
     ``sum(losses_r) * world / B``; DDP averages over devices, so every device
@@ -138,7 +149,7 @@ class DataParallel(Strategy):
     def setup(self, model: nn.Module) -> None:
         c = self.context
         self.model = model
-        self.sync = build_sync(self.model, c.spec, c.rank, c.world, c.stats, c.link)
+        self.sync = build_sync(self.model, c.spec, c.rank, c.world, c.stats, c.link, c.steps_per_epoch)
         self.steps = 0
 
     def parameters(self):
@@ -177,6 +188,14 @@ class DataParallel(Strategy):
 
     def summary(self) -> dict:
         return self.sync.summary()
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "sync": self.sync.state_dict(), "steps": self.steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.sync.load_state_dict(state["sync"])
+        self.steps = state["steps"]
 
 
 class Tiled(Strategy):

@@ -116,3 +116,12 @@ class Compressor:
 
     def describe(self) -> str:
         return self.name
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs to encode as this one would have: per-key call counts, where the
+        compressor keeps them (top-k's warm-up, random-k's shared index sequence)."""
+        return {"calls": dict(self.calls)} if hasattr(self, "calls") else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "calls" in state:
+            self.calls = dict(state["calls"])

@@ -31,6 +31,10 @@ one piece of state per name, assembled into the layout of the call at hand.
 Without ``parts`` the whole tensor is one part named ``key`` (local SGD and
 async, whose flat vector of all parameters never changes order). A part whose
 length changes starts afresh.
+
+Checkpoints: ``state_dict()`` is the stored pieces by name (the caller turns
+names that are parameter identities into parameter names, see
+``comm/sync.py``); ``load_state_dict`` puts them back.
 """
 from __future__ import annotations
 
@@ -59,7 +63,20 @@ def _store(store: dict, parts: Parts, flat: torch.Tensor) -> None:
         store[name] = piece
 
 
-class NoMemory:
+class Memory:
+    """What every memory shares: its per-part state for checkpoints."""
+
+    stores: tuple[str, ...] = ()  # the names of the dicts of per-part state a checkpoint holds
+
+    def state_dict(self) -> dict:
+        return {store: dict(getattr(self, store)) for store in self.stores}
+
+    def load_state_dict(self, state: dict) -> None:
+        for store in self.stores:
+            setattr(self, store, dict(state[store]))
+
+
+class NoMemory(Memory):
     name = "none"
 
     def compensate(self, x: torch.Tensor, key: object = 0, parts: Parts | None = None) -> torch.Tensor:
@@ -70,8 +87,9 @@ class NoMemory:
         pass
 
 
-class ResidualMemory:
+class ResidualMemory(Memory):
     name = "residual"
+    stores = ("residuals",)
 
     def __init__(self) -> None:
         self.residuals: dict[object, torch.Tensor] = {}
@@ -84,8 +102,9 @@ class ResidualMemory:
         _store(self.residuals, _parts(compensated, key, parts), compensated - sent)
 
 
-class DGCMemory:
+class DGCMemory(Memory):
     name = "dgc"
+    stores = ("velocity", "accumulated")
 
     def __init__(self, momentum: float = 0.9) -> None:
         if not 0 <= momentum < 1:

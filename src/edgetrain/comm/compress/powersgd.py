@@ -1,8 +1,9 @@
 """PowerSGD (Vogels et al., NeurIPS 2019), as PyTorch implements it, with bytes and link time counted.
 
 ``powersgd_hook`` calls PyTorch's own ``powerSGD_hook`` unchanged and waits
-for it. Bytes come from PyTorch's own tally: the hook adds the numbers of
-values it all-reduces (uncompressed vectors, then ``P``, then ``Q``) to
+for it (``cluster.peers.wait``, bounded by ``--timeout``). Bytes come from
+PyTorch's own tally: the hook adds the numbers of values it all-reduces
+(uncompressed vectors, then ``P``, then ``Q``) to
 ``total_numel_after_compression``; during its first ``start_powerSGD_iter``
 iterations it all-reduces the whole bucket. Each all-reduce is charged as a
 ring all-reduce: three per bucket once compression starts, so PowerSGD pays
@@ -14,16 +15,15 @@ per-element bound.
 """
 # No "from __future__ import annotations": DDP checks the hook's annotations are the real types.
 
-import threading
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
+from edgetrain.cluster.peers import wait
 from edgetrain.comm.accounting import ring_allreduce_bytes
 from edgetrain.comm.emulation import LinkEmulator
-from edgetrain.errors import EdgetrainError
 
 
 @dataclass
@@ -58,12 +58,7 @@ def powersgd_hook(state: PowerSGDHookState, bucket: dist.GradBucket) -> torch.fu
     before = psgd.total_numel_after_compression
     started = emulator.begin()
     fut = powerSGD_hook(psgd, bucket)
-    done = threading.Event()
-    fut.add_done_callback(lambda _: done.set())
-    if not done.wait(emulator.timeout_s):
-        raise EdgetrainError(f"PowerSGD all-reduce timed out after {emulator.timeout_s:g} s: a device stopped "
-                             "responding; check the other workers' logs")
-    result = fut.value()
+    result = wait(fut, emulator.timeout_s, "PowerSGD all-reduce")
     if vanilla:
         parts = [bucket.buffer().numel()]
     else:

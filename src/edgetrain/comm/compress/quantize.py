@@ -55,6 +55,12 @@ class QSGD(Compressor):
         if seed is not None:
             self.generator.manual_seed(seed)
 
+    def state_dict(self) -> dict:
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])
+
     def encode(self, x: torch.Tensor, key: object = 0, segments: tuple[int, ...] | None = None) -> Payload:
         x = x.detach().reshape(-1).float()
         parts = segments or (x.numel(),)

@@ -1,0 +1,168 @@
+"""Each device's own part of the training set (``--partition``), and the sampler that reads only it.
+
+In federated settings data is born on the devices and never leaves them.
+Emulated on one host, every device loads the dataset file but draws its
+batches only from its own partition: the indices ``split_dataset`` gives it.
+The split is a pure function of the labels, the device count, the spec and
+the seed, so every device computes the same split on its own (nothing about
+data crosses the network) and a run is reproducible.
+
+Kinds (the usual federated-learning benchmarks; Flower Datasets offers the same):
+
+- ``iid``: a seeded permutation cut into near-equal parts.
+- ``dirichlet:ALPHA`` (Hsu, Qi and Brown, "Measuring the Effects of
+  Non-Identical Data Distribution", 2019): for every class, proportions
+  ``p ~ Dir(ALPHA, ..., ALPHA)`` over the devices, and the class's samples
+  are cut by them. Small ALPHA gives each device few classes; large ALPHA
+  approaches IID. A draw that leaves a device fewer samples than its local
+  batch is redrawn (as Flower's ``min_partition_size``), at most
+  ``DIRICHLET_DRAWS`` times, then refused in one line.
+- ``shards:K`` (McMahan et al., "Communication-Efficient Learning", 2017):
+  the samples sorted by label are cut into ``devices x K`` shards, and each
+  device gets ``K`` of them at random: at most ``K`` classes per device when
+  shards do not straddle classes.
+
+``PartitionSampler``: a step's batch is ``local_batch`` samples of the
+device's partition, in a seeded shuffle that is redrawn each time the
+partition is used up. Every device takes the same number of steps per epoch
+as a data-parallel run would (``len(train) // global batch``), because the
+devices step in lockstep; a device whose partition is smaller than its share
+of an epoch passes over it more than once, a larger one less than once.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+from torch.utils.data import Sampler
+
+from edgetrain.data.sampler import GlobalBatchSampler
+from edgetrain.errors import EdgetrainError
+from edgetrain.spec import PartitionSpec
+
+DIRICHLET_DRAWS = 100
+
+
+def split_dataset(labels: np.ndarray, spec: PartitionSpec, min_sizes: list[int], seed: int = 0) -> list[np.ndarray]:
+    """The sorted sample indices of every device's partition (``len(min_sizes)`` devices), disjoint and
+    covering ``labels``; device ``d`` gets at least ``min_sizes[d]`` samples or the spec is refused."""
+    labels = np.asarray(labels)
+    devices = len(min_sizes)
+    rng = np.random.default_rng(seed)
+    if spec.kind == "iid":
+        parts = np.array_split(rng.permutation(len(labels)), devices)
+    elif spec.kind == "shards":
+        parts = _shards(labels, devices, spec.shards, rng)
+    elif spec.kind == "dirichlet":
+        parts = _dirichlet(labels, min_sizes, spec, rng)
+    else:
+        raise ValueError(f"partition {spec.kind!r} gives no per-device split")
+    parts = [np.sort(p) for p in parts]
+    small = [d for d, (p, need) in enumerate(zip(parts, min_sizes)) if len(p) < need]
+    if small:
+        d = small[0]
+        raise EdgetrainError(f"--partition {spec.text} gives device {d} {len(parts[d])} training samples, fewer than "
+                             f"its local batch of {min_sizes[d]}; lower --devices or --batch-size, or use more shards")
+    return parts
+
+
+def _shards(labels: np.ndarray, devices: int, per_device: int, rng: np.random.Generator) -> list[np.ndarray]:
+    # shuffle first, then a stable sort by label: each class's samples come in a random order
+    order = rng.permutation(len(labels))
+    order = order[np.argsort(labels[order], kind="stable")]
+    shards = np.array_split(order, devices * per_device)
+    owner = rng.permutation(devices * per_device)
+    return [np.concatenate([shards[s] for s in owner[d * per_device:(d + 1) * per_device]]) for d in range(devices)]
+
+
+def _dirichlet(labels: np.ndarray, min_sizes: list[int], spec: PartitionSpec,
+               rng: np.random.Generator) -> list[np.ndarray]:
+    devices = len(min_sizes)
+    for _ in range(DIRICHLET_DRAWS):
+        parts: list[list[np.ndarray]] = [[] for _ in range(devices)]
+        for c in np.unique(labels):
+            members = rng.permutation(np.flatnonzero(labels == c))
+            cuts = (np.cumsum(rng.dirichlet([spec.alpha] * devices))[:-1] * len(members)).astype(int)
+            for d, piece in enumerate(np.split(members, cuts)):
+                parts[d].append(piece)
+        result = [np.concatenate(p) for p in parts]
+        if all(len(p) >= need for p, need in zip(result, min_sizes)):
+            return result
+    raise EdgetrainError(f"--partition {spec.text} left a device fewer samples than its local batch in "
+                         f"{DIRICHLET_DRAWS} draws; raise alpha, or lower --devices or --batch-size")
+
+
+@dataclass(frozen=True)
+class PartitionReport:
+    """What ``split_dataset`` gave each device: sizes, label counts, label entropy (bits)."""
+
+    spec: str
+    sizes: list[int]
+    label_counts: list[list[int]]
+    label_entropy_bits: list[float]
+
+    @classmethod
+    def of(cls, labels: np.ndarray, parts: list[np.ndarray], spec: PartitionSpec) -> "PartitionReport":
+        classes = int(np.max(labels)) + 1 if len(labels) else 0
+        counts = [np.bincount(labels[p], minlength=classes) for p in parts]
+        return cls(spec.text, [len(p) for p in parts], [c.tolist() for c in counts],
+                   [round(label_entropy(c), 4) for c in counts])
+
+    def describe(self) -> str:
+        entropy = ", ".join(f"{e:.2f}" for e in self.label_entropy_bits)
+        return (f"partition {self.spec}: {len(self.sizes)} devices hold {', '.join(map(str, self.sizes))} training "
+                f"samples; label entropy {entropy} bits")
+
+    def to_dict(self) -> dict:
+        return {"spec": self.spec, "sizes": self.sizes, "label_counts": self.label_counts,
+                "label_entropy_bits": self.label_entropy_bits}
+
+
+def label_entropy(counts: np.ndarray) -> float:
+    """Shannon entropy in bits of a label histogram (log2 of the class count for a uniform one)."""
+    p = np.asarray(counts, dtype=np.float64)
+    p = p[p > 0] / p.sum()
+    return float(-(p * np.log2(p)).sum()) if len(p) else 0.0
+
+
+class PartitionSampler(Sampler[list[tuple[int, int]]]):
+    """This device's batches, drawn only from ``indices`` (its partition), as ``(index, epoch)`` pairs."""
+
+    def __init__(self, indices: np.ndarray, local_batch: int, steps_per_epoch: int, rank: int, seed: int = 0):
+        self.indices, self.local_batch, self.steps = np.asarray(indices), local_batch, steps_per_epoch
+        self.rank, self.seed, self.epoch = rank, seed, 0
+        self.start_batch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def resume_at(self, epoch: int, batch: int) -> None:
+        """The next iteration yields epoch ``epoch``'s batches from ``batch`` on (a resumed run)."""
+        self.epoch, self.start_batch = epoch, batch
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        rng = np.random.default_rng((self.seed, self.rank, self.epoch))
+        needed = self.steps * self.local_batch
+        passes = math.ceil(needed / max(len(self.indices), 1))
+        stream = np.concatenate([rng.permutation(self.indices) for _ in range(passes)]) if passes else []
+        first, self.start_batch = self.start_batch, 0
+        for s in range(first, self.steps):
+            yield [(int(i), self.epoch) for i in stream[s * self.local_batch:(s + 1) * self.local_batch]]
+
+
+def build_sampler(labels, partition: PartitionSpec, local_batches: list[int], rank: int,
+                  seed: int) -> tuple[Sampler, PartitionReport | None]:
+    """The loop's sampler for this device: its share of every global batch of one shared dataset
+    (``GlobalBatchSampler``), or, with a partition, batches of its own partition only."""
+    size = len(labels)
+    if not partition.local:
+        return GlobalBatchSampler(size, local_batches, rank, seed), None
+    labels = np.asarray(labels)
+    parts = split_dataset(labels, partition, local_batches, seed)
+    sampler = PartitionSampler(parts[rank], local_batches[rank], size // sum(local_batches), rank, seed)
+    return sampler, PartitionReport.of(labels, parts, partition)

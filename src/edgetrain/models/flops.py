@@ -1,0 +1,49 @@
+"""The one FLOP counter: training FLOPs per sample of a model, forward and backward, counted by PyTorch.
+
+``torch.utils.flop_counter.FlopCounterMode`` intercepts every aten operator
+during one real training step and sums the flops of the ones it has formulas
+for: matrix products and convolutions (a multiply-add counts 2), which is
+where almost all of a CNN's arithmetic is and exactly what a GEMM peak
+measures. Element-wise work (BatchNorm, ReLU, the optimizer) is not counted:
+it costs time, not flops. Backward is roughly twice forward (gradients for
+inputs and weights).
+
+Every FLOP figure in edgetrain comes from here: the trainer's
+``summary.json``, ``bench batch`` (through ``bench.flops``, which adds the
+peaks a count is rated against) and ``plan``'s model costs. It lives beside
+the models so that all three can use it without importing one another.
+
+The count is taken at the input shape given (a 416x416 tiled run costs 169
+times a 32x32 one) on a deep copy of the model, with the global RNG state
+saved and restored, so it changes neither the weights, the BatchNorm
+statistics, the gradients nor the random stream of the run that asks.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Sequence
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+
+def count_training_flops(model: torch.nn.Module, input_shape: Sequence[int], num_classes: int,
+                         batch_size: int = 2) -> dict[str, Any]:
+    """Forward, backward and total flops of one training sample (counted on a ``batch_size`` batch)."""
+    shape = tuple(input_shape)
+    counted = copy.deepcopy(model).train()
+    counted.zero_grad(set_to_none=True)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    with torch.random.fork_rng(devices=[]):  # dropout and the fake batch must not move the run's RNG
+        x = torch.randn(batch_size, *shape)
+        y = torch.randint(0, num_classes, (batch_size,))
+        with FlopCounterMode(display=False) as forward_counter:
+            loss = loss_fn(counted(x), y)
+        with FlopCounterMode(display=False) as backward_counter:
+            loss.backward()
+    fwd = forward_counter.get_total_flops() / batch_size
+    bwd = backward_counter.get_total_flops() / batch_size
+    return {"forward_flops": fwd, "backward_flops": bwd, "total_flops": fwd + bwd, "input_shape": list(shape),
+            "model": type(model).__name__,
+            "counted_ops": "matmul and convolution (multiply-add = 2 flops)",
+            "counter": "torch.utils.flop_counter.FlopCounterMode"}
