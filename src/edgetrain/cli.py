@@ -1,4 +1,4 @@
-"""``edgetrain`` command line: ``train``, ``bench``, ``report``.
+"""``edgetrain`` command line: ``train``, ``bench``, ``report``, ``plan``, ``data``.
 
 Each subcommand lives beside the code it drives and adds itself here through a
 ``register(subparsers)`` function, so this file stays a table of contents.
@@ -16,7 +16,8 @@ import threading
 from edgetrain.arguments import OneLineParser
 from edgetrain.errors import EdgetrainError, Terminated, raise_on_sigterm
 
-SUBCOMMANDS = ("edgetrain.train.cli", "edgetrain.bench.cli", "edgetrain.report.cli", "edgetrain.plan.cli")
+SUBCOMMANDS = ("edgetrain.train.cli", "edgetrain.bench.cli", "edgetrain.report.cli", "edgetrain.plan.cli",
+               "edgetrain.data.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:

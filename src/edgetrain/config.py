@@ -33,7 +33,9 @@ from typing import Any
 import yaml
 
 from edgetrain.errors import EdgetrainError
-from edgetrain.spec import LINK_MODES, RunSpec, check_compatible, get_link, parse_compress, parse_sync, parse_tiling
+from edgetrain.spec import (DEDUP_DEFAULT_THRESHOLD, DEDUP_HASH_BITS, DEDUP_MAX_THRESHOLD, LINK_MODES,
+                            RunSpec, check_compatible, get_link, parse_compress, parse_dedup, parse_sync,
+                            parse_tiling)
 
 
 def _opt(default: Any, help: str, choices: tuple | None = None, minimum: float | None = None, **extra) -> Any:
@@ -51,6 +53,9 @@ class TrainConfig:
     image_size: int = _opt(32, "side of the synthetic dataset's square images", minimum=4)
     synthetic_samples: int = _opt(2048, "training images in the synthetic dataset (test set: a quarter of it)", minimum=1)
     augment: bool = _opt(True, "random crop and horizontal flip for CIFAR-10 training images")
+    dedup: str = _opt("off", "drop near-duplicate training images before sampling: off, on (perceptual hashes within "
+                      f"{DEDUP_DEFAULT_THRESHOLD} of {DEDUP_HASH_BITS} bits) or that Hamming distance "
+                      f"0..{DEDUP_MAX_THRESHOLD} (higher drops more)")
     workers: int = _opt(0, "data-loader worker processes per device (0 = load in the training process)", minimum=0)
 
     # the cluster
@@ -271,7 +276,8 @@ def resolve(cfg: TrainConfig) -> RunSpec:
         raise EdgetrainError("config key 'tensorboard' needs the tensorboard package, which is not installed; "
                              "pip install tensorboard (or edgetrain[tensorboard]), or drop --tensorboard")
     return RunSpec(compress, sync, link, cfg.link_mode, cfg.strategy, tiling, cfg.timeout, cfg.seed,
-                   cfg.accelerator, cfg.batchnorm, tensorboard=cfg.tensorboard)
+                   cfg.accelerator, cfg.batchnorm, tensorboard=cfg.tensorboard,
+                   dedup=parse_dedup(cfg.dedup))
 
 
 # Kernel pseudo-filesystems: writes there fail half-way or change the system, never make a run directory.

@@ -29,11 +29,7 @@ def check_before_launch(cfg: TrainConfig, spec: RunSpec, model: Any = None) -> N
     check_output_dir(cfg.output, "config key 'output'")
     if model is None:
         check_model(cfg.model)
-    if cfg.dataset == "cifar10":
-        if not cfg.data_dir:
-            raise EdgetrainError("config key 'data_dir' is required with dataset cifar10; "
-                                 "point it at cifar-10-batches-py")
-        check_cifar10_dir(cfg.data_dir)
+    check_data(cfg)
     tiling = spec.tiling
     if tiling is not None:
         (channels, height, width), classes = dataset_shape(cfg.dataset)
@@ -41,3 +37,12 @@ def check_before_launch(cfg: TrainConfig, spec: RunSpec, model: Any = None) -> N
             height = width = cfg.image_size
         plan_section(model if model is not None else build_model(cfg.model, channels, classes), tiling,
                      (channels, height, width))
+
+
+def check_data(cfg: TrainConfig) -> None:
+    """The dataset's files are there (CIFAR-10's batches); also used by ``edgetrain data``."""
+    if cfg.dataset == "cifar10":
+        if not cfg.data_dir:
+            raise EdgetrainError("config key 'data_dir' is required with dataset cifar10; "
+                                 "point it at cifar-10-batches-py")
+        check_cifar10_dir(cfg.data_dir)
