@@ -96,7 +96,7 @@ def filtering(images, planted, kinds) -> dict:
             "hash_bits": report.hash_bits}
 
 
-def training(name: str, data_dir: Path, args, dedup: str) -> dict:
+def training(name: str, data_dir: Path, dedup: str, args) -> dict:
     started = time.perf_counter()
     s = train(dict(dataset="cifar10", data_dir=str(data_dir), model=args.model, devices=args.devices,
                    profile=args.profile, epochs=args.epochs, batch_size=args.batch_size, seed=0, dedup=dedup,
@@ -115,6 +115,7 @@ def main() -> None:
     ap.add_argument("--model", default="small_cnn")
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--no-training", action="store_true", help="only the filtering measurements")
+    ap.add_argument("--runs", default="clean,planted,planted-dedup", help="which training runs, in order")
     ap.add_argument("--work", type=Path, default=Path("/tmp/edgetrain-dedup-bench"), help="planted data and runs")
     ap.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
     args = ap.parse_args()
@@ -126,10 +127,11 @@ def main() -> None:
     if not args.no_training:
         planted_dir = args.work / "cifar-planted"
         write_cifar(planted_dir, images, labels, (xt.numpy(), yt.numpy()))
-        result["training"] = [training("clean", CIFAR, args, "off"), training("planted", planted_dir, args, "off"),
-                              training("planted-dedup", planted_dir, args, "on")]
-        for run in result["training"]:
-            print(json.dumps(run), flush=True)
+        runs = {"clean": (CIFAR, "off"), "planted": (planted_dir, "off"), "planted-dedup": (planted_dir, "on")}
+        result["training"] = []
+        for name in args.runs.split(","):
+            result["training"].append(training(name, *runs[name], args))
+            print(json.dumps(result["training"][-1]), flush=True)
     result["settings"] = {k: str(v) for k, v in vars(args).items()}
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
