@@ -1,4 +1,4 @@
-"""``edgetrain`` command line: ``train``, ``bench``, ``report``, ``plan``, ``launch``.
+"""``edgetrain`` command line: ``train``, ``bench``, ``report``, ``plan``, ``launch``, ``data``.
 
 Each subcommand lives beside the code it drives and adds itself here through a
 ``register(subparsers)`` function, so this file stays a table of contents.
@@ -17,7 +17,8 @@ from edgetrain.arguments import OneLineParser
 from edgetrain.errors import EdgetrainError, Terminated, raise_on_sigterm
 
 SUBCOMMANDS = ("edgetrain.train.cli", "edgetrain.bench.cli", "edgetrain.report.cli", "edgetrain.plan.cli",
-               "edgetrain.ssh_launch")
+               "edgetrain.ssh_launch",
+               "edgetrain.data_cli")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -31,8 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from edgetrain.errors import EdgetrainError
-from edgetrain.spec import (FAULT_ENV, LINK_MODES, PIPELINE_SCHEDULES, STRATEGIES, CheckpointSpec, PipelineSpec, RunSpec,
-                            check_compatible, get_link, parse_compress, parse_fault, parse_partition, parse_server_opt,
+from edgetrain.spec import (DEDUP_DEFAULT_THRESHOLD, DEDUP_HASH_BITS, DEDUP_MAX_THRESHOLD,
+                            FAULT_ENV, LINK_MODES, PIPELINE_SCHEDULES, STRATEGIES, CheckpointSpec, PipelineSpec, RunSpec,
+                            check_compatible, get_link, parse_compress, parse_dedup, parse_fault, parse_partition, parse_server_opt,
                             parse_stages, parse_sync, parse_tiling)
 from edgetrain.yamlfile import read_yaml_mapping
 
@@ -55,6 +56,9 @@ class TrainConfig:
     augment: bool = _opt(True, "random crop and horizontal flip for CIFAR-10 training images")
     partition: str = _opt("none", "each device's own data: none (one shared, globally shuffled dataset), iid, "
                           "dirichlet:ALPHA (label skew, e.g. 0.5) or shards:K (K label-sorted shards per device)")
+    dedup: str = _opt("off", "drop near-duplicate training images before sampling: off, on (perceptual hashes within "
+                      f"{DEDUP_DEFAULT_THRESHOLD} of {DEDUP_HASH_BITS} bits) or that Hamming distance "
+                      f"0..{DEDUP_MAX_THRESHOLD} (higher drops more)")
     workers: int = _opt(0, "data-loader worker processes per device (0 = load in the training process)", minimum=0)
 
     # the cluster
@@ -335,7 +339,8 @@ def resolve(cfg: TrainConfig) -> RunSpec:
                    participation=cfg.participation,
                    checkpoint=CheckpointSpec(cfg.checkpoint_every, cfg.keep_checkpoints, cfg.resume,
                                              cfg.checkpoint_every_s),
-                   fault=parse_fault(os.environ.get(FAULT_ENV)), tensorboard=cfg.tensorboard)
+                   fault=parse_fault(os.environ.get(FAULT_ENV)), tensorboard=cfg.tensorboard,
+                   dedup=parse_dedup(cfg.dedup))
 
 
 def _resolve_pipeline(cfg: TrainConfig) -> PipelineSpec:

@@ -42,16 +42,7 @@ def check_before_launch(cfg: TrainConfig, spec: RunSpec, model: Any = None) -> N
     if model is None:
         check_model(cfg.model)
     check_dataset(cfg.dataset)
-    if cfg.dataset == "cifar10":
-        if not cfg.data_dir:
-            raise EdgetrainError("config key 'data_dir' is required with dataset cifar10; "
-                                 "point it at cifar-10-batches-py")
-        check_cifar10_dir(cfg.data_dir)
-    if cfg.dataset in ("imagefolder", "npz"):
-        if not cfg.data_dir:
-            raise EdgetrainError(f"config key 'data_dir' is required with dataset {cfg.dataset}; point it at "
-                                 f"{'the image folder' if cfg.dataset == 'imagefolder' else 'the .npz file'}")
-        build_data(cfg)  # reads every file once here, so a bad one is reported before any device starts
+    check_data(cfg)
     if spec.tiling is None and spec.pipeline is None:
         return
     (channels, height, width), classes = dataset_shape(cfg.dataset)
@@ -64,3 +55,18 @@ def check_before_launch(cfg: TrainConfig, spec: RunSpec, model: Any = None) -> N
         check_sequential(model, torch.randn(2, channels, height, width), f"model {cfg.model}")
         if not cfg.cluster and "WORLD_SIZE" not in os.environ:  # else the devices check it, knowing their number
             stage_bounds(spec.pipeline, pipeline_layers(model), cfg.devices)
+
+
+def check_data(cfg: TrainConfig) -> None:
+    """The dataset's files are there and read (CIFAR-10's batches, an image folder, a ``.npz``); also used by
+    ``edgetrain data``."""
+    if cfg.dataset == "cifar10":
+        if not cfg.data_dir:
+            raise EdgetrainError("config key 'data_dir' is required with dataset cifar10; "
+                                 "point it at cifar-10-batches-py")
+        check_cifar10_dir(cfg.data_dir)
+    if cfg.dataset in ("imagefolder", "npz"):
+        if not cfg.data_dir:
+            raise EdgetrainError(f"config key 'data_dir' is required with dataset {cfg.dataset}; point it at "
+                                 f"{'the image folder' if cfg.dataset == 'imagefolder' else 'the .npz file'}")
+        build_data(cfg)  # reads every file once here, so a bad one is reported before any device starts

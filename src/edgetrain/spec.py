@@ -671,6 +671,35 @@ def parse_fault(text: str | None) -> FaultSpec | None:
     return FaultSpec(action, rank, step)
 
 
+# ---------------------------------------------------------------- dedup
+
+# ``--dedup``: a perceptual hash of HASH_BITS bits per image (data/dedup.py); images whose hashes differ in at
+# most ``threshold`` bits are near duplicates. Half the bits is what unrelated images differ by on average.
+DEDUP_HASH_BITS = 144
+DEDUP_DEFAULT_THRESHOLD = 36
+DEDUP_MAX_THRESHOLD = DEDUP_HASH_BITS // 2
+
+
+@dataclass(frozen=True)
+class DedupSpec:
+    """``--dedup``: drop training images within ``threshold`` bits (Hamming) of an earlier image's hash."""
+
+    threshold: int = DEDUP_DEFAULT_THRESHOLD
+
+
+def parse_dedup(text: str | int | None) -> DedupSpec | None:
+    """``off`` (or None) -> None; ``on`` -> the default threshold; ``N`` -> at most N differing bits."""
+    value = str(text if text is not None else "off").strip().lower()
+    if value in ("off", "none", "false", "no"):
+        return None
+    if value in ("on", "true", "yes"):
+        return DedupSpec()
+    if not value.isdigit() or int(value) > DEDUP_MAX_THRESHOLD:
+        raise EdgetrainError(f"dedup {text!r} is not off, on or a Hamming distance 0..{DEDUP_MAX_THRESHOLD} (bits of "
+                             f"the {DEDUP_HASH_BITS}-bit image hash); e.g. --dedup on (= {DEDUP_DEFAULT_THRESHOLD})")
+    return DedupSpec(int(value))
+
+
 # ---------------------------------------------------------------- the run
 
 STRATEGIES = ("ddp", "tiled", "fsdp", "pipeline")
@@ -727,3 +756,4 @@ class RunSpec:
     checkpoint: CheckpointSpec = CheckpointSpec()
     fault: FaultSpec | None = None  # from EDGETRAIN_FAULT, for tests and chaos runs
     tensorboard: bool = False    # rank 0 also writes TensorBoard event files (train.tensorboard_log)
+    dedup: DedupSpec | None = None  # drop near-duplicate training images first (data/dedup.py)

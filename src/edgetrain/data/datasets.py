@@ -7,7 +7,7 @@ handles it: that is what makes N-device runs reproduce 1-device runs.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -62,6 +62,7 @@ class DataSplit:
     test: TensorImages
     num_classes: int
     name: str
+    details: dict = field(default_factory=dict)  # what was done to it, for the summary (e.g. dedup)
 
     @property
     def input_shape(self) -> tuple[int, int, int]:

@@ -16,8 +16,9 @@ spawned it or ``torchrun`` did. It is four parts, in order:
   ``--tensorboard``, ``train.tensorboard_log``), then summary and checkpoint.
 
 Rank 0 says each start-up phase in one line on stderr as it begins
-(``phase``: rendezvous, peer admission, data, FLOP count, throttle
-calibration, strategy set-up, training), unless ``--no-progress``; the
+(``phase``: rendezvous, peer admission, data, near-duplicate filtering
+(``--dedup``, ``data.dedup``), FLOP count, throttle calibration, strategy
+set-up, training), unless ``--no-progress``; the
 launcher adds the host's speed measurement and the devices' start.
 
 Checkpoints during the run, ``--resume`` and the stop on SIGTERM are a
@@ -82,6 +83,7 @@ from edgetrain.cluster.throttle import Throttle, assign_cores, keep_freed_memory
 from edgetrain.comm.accounting import CommStats
 from edgetrain.config import TrainConfig
 from edgetrain.data import build_data, register_dataset, shard_indices
+from edgetrain.data.dedup import drop_near_duplicates
 from edgetrain.data.partition import PartitionReport, build_sampler
 from edgetrain.errors import EdgetrainError, Terminated
 from edgetrain.models import build_model, count_parameters, register_model
@@ -335,7 +337,7 @@ class RunWriter:
             bytes_sent_per_step_per_device=bytes_sent / max(steps, 1) / world,
             peak_rss_mb_max=max(d.peak_rss_mb for d in per_device),
             wall_time_s=wall_s, batchnorm=cfg.batchnorm, per_device=per_device, checkpoint="checkpoint.pt",
-            details={**strategy.summary(), **({"partition": partition.to_dict()} if partition else {})},
+            details={**strategy.summary(), **data.details, **({"partition": partition.to_dict()} if partition else {})},
         ).to_dict()
         write_json(run_dir / "summary.json", summary)
         return summary
@@ -362,6 +364,11 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
 
     phase(cfg, rank, f"loading data: {cfg.dataset}")
     data = build_data(cfg)
+    if spec.dedup is not None:
+        phase(cfg, rank, f"dropping near-duplicate training images (pHash within {spec.dedup.threshold} bits)")
+        data, dedup = drop_near_duplicates(data, spec.dedup)
+        if rank == 0:
+            print(dedup.describe(), flush=True)
     model = user_model if user_model is not None else build_model(cfg.model, data.input_shape[0], data.num_classes)
     params = count_parameters(model)
     # The model actually trained at the input shape actually fed (counted on a copy, RNG untouched).

@@ -1,0 +1,69 @@
+"""``edgetrain data dedup``: which images of a dataset are near duplicates, before training or distribution.
+
+The dataset options are ``edgetrain train``'s own (``config.add_config_arguments``)
+and are checked by ``config.load_config`` and ``preflight``'s CIFAR-10 check,
+so a bad dataset or directory is the same one line as in training; the
+threshold is checked when parsed. With ``--output DIR`` the kept indices and,
+for each removed image, the index of the kept image it duplicates go to
+``DIR/dedup-<dataset>-<split>.json`` (what to load or ship instead of the whole set).
+"""
+from __future__ import annotations
+
+import argparse
+
+from edgetrain.arguments import OneLineParser
+from edgetrain.config import add_config_arguments
+from edgetrain.spec import DEDUP_DEFAULT_THRESHOLD, DEDUP_HASH_BITS, DEDUP_MAX_THRESHOLD
+
+DATASET_OPTIONS = ("dataset", "data_dir", "synthetic_samples", "image_size", "seed")
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("data", help="inspect and reduce datasets before training or distribution",
+                                   description="Dataset tools.")
+    sub = parser.add_subparsers(dest="data_command", metavar="COMMAND", required=True, parser_class=OneLineParser)
+    p = sub.add_parser("dedup", help="find near-duplicate images (perceptual hash) and report what they cost",
+                       description="Hash every image (pHash, 144 bits) and count the images within --threshold bits "
+                                   "of an earlier kept one: how many, how many bytes, how long it took.",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_config_arguments(p, DATASET_OPTIONS)
+    p.add_argument("--threshold", type=_threshold, default=DEDUP_DEFAULT_THRESHOLD,
+                   help=f"near duplicates differ in at most this many of the {DEDUP_HASH_BITS} hash bits "
+                        f"(0..{DEDUP_MAX_THRESHOLD}); higher removes more")
+    p.add_argument("--split", choices=("train", "test"), default="train", help="which part of the dataset")
+    p.add_argument("--output", metavar="DIR", default=None,
+                   help="also write the kept indices and each removed image's original to DIR (default: print only)")
+    p.set_defaults(func=run)
+
+
+def _threshold(text: str) -> int:
+    if not text.strip().isdigit() or int(text) > DEDUP_MAX_THRESHOLD:
+        raise argparse.ArgumentTypeError(f"expected a number of bits 0..{DEDUP_MAX_THRESHOLD}, got {text!r}")
+    return int(text)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import numpy as np
+
+    from edgetrain.config import TrainConfig, check_output_dir, load_config
+    from edgetrain.data import build_data
+    from edgetrain.data.dedup import find_near_duplicates, images_of
+    from edgetrain.preflight import check_data
+    from edgetrain.report.files import write_json
+
+    cfg = load_config(TrainConfig(), **{k: v for k, v in vars(args).items() if k in DATASET_OPTIONS})
+    check_data(cfg)
+    if args.output is not None:
+        check_output_dir(args.output, "--output")
+    data = build_data(cfg)
+    report = find_near_duplicates(images_of(getattr(data, args.split)), args.threshold)
+    print(f"{data.name} {args.split}: {report.describe()}")
+    if args.output is not None:
+        path = Path(args.output) / f"dedup-{data.name}-{args.split}.json"
+        removed = {int(i): int(report.duplicate_of[i]) for i in np.flatnonzero(report.duplicate_of >= 0)}
+        write_json(path, {**report.to_dict(), "dataset": data.name, "split": args.split,
+                          "kept": report.kept.tolist(), "duplicate_of": removed})
+        print(f"kept indices and duplicates written to {path}")
+    return 0
