@@ -58,6 +58,7 @@ a profile it is also rated against that profile's peak (``device_peak``).
 """
 from __future__ import annotations
 
+import copy
 import datetime as dt
 import json
 import math
@@ -353,6 +354,10 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
     ``registered`` and ``datasets``: models and datasets registered in the launching process.
     """
     started = time.perf_counter()
+    if user_model is not None:
+        # Our own copy before anything else: spawn pickles the model with torch's reducers, which hand every
+        # device (and the caller) the same shared-memory storage, so the devices would all train one tensor.
+        user_model = copy.deepcopy(user_model)
     for name, factory in (registered or {}).items():
         register_model(name, factory)
     for name, factory in (datasets or {}).items():
