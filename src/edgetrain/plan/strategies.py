@@ -156,7 +156,8 @@ def pipeline_strategy(inputs: PlanInputs, pred: Prediction, microbatches: int, s
     cfg, costs = inputs.cfg, inputs.costs
     model = _build(inputs)
     what = f"model {cfg.model}"
-    check_sequential(model, torch.zeros(2, *costs.input_shape), what)
+    # random, not zeros: a residual x + f(x) equals f(x) at x = 0 and would pass as a sequence
+    check_sequential(model, torch.randn(2, *costs.input_shape, generator=torch.Generator().manual_seed(0)), what)
     layers = layer_costs(pipeline_layers(model), costs.input_shape)
     rows, links = pred.devices, pred.links
     stage_devices = [StageDevice(f"device {d.rank} ({d.profile})", device_gflops(spec.profile)[0] * pred.efficiency,
