@@ -155,3 +155,19 @@ def test_bad_strategy_combinations_are_one_line_and_exit_2(tmp_path, capsys, wid
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
     assert not list(tmp_path.iterdir())  # refused before anything was written
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["fsdp", "pipeline"])
+def test_planned_bytes_per_step_are_what_a_real_run_sends(tmp_path, strategy):
+    from edgetrain import train
+
+    from edgetrain_testing import FAST
+
+    options = dict(model="small_cnn", dataset="synthetic", image_size=8, synthetic_samples=64, batch_size=16,
+                   devices=2)
+    _, comparison = _plan((strategy,), microbatches=2, link="lan-1g", **options)
+    summary = train(dict(options, steps=2, microbatches=2, output=str(tmp_path), **FAST), strategy=strategy,
+                    run_name=strategy)
+    planned = comparison.strategies[0].sent_bytes_per_step_max
+    assert summary["bytes_sent_per_step_per_device"] == planned  # both devices send the same here
