@@ -75,7 +75,8 @@ def test_fsdp_memory_is_below_ddp_and_matches_the_shard_formula(wide):
     assert fsdp.memory_total_mb_max < ddp.memory_total_mb_max - 200
     # per unit two all-gathers of (p-1) shards and a reduce-scatter of (p-1)/p of the padded gradients
     assert fsdp.sent_bytes_per_step_max == 3 * (p - 1) * shard
-    assert fsdp.sent_bytes_per_step_max == pytest.approx(3 * (p - 1) / p * inputs.costs.param_bytes, rel=1e-3)  # padding
+    # about 3(p-1)/p of the parameter bytes: more by the padding of the classifier's rows
+    assert fsdp.sent_bytes_per_step_max == pytest.approx(3 * (p - 1) / p * inputs.costs.param_bytes, rel=1e-3)
     assert fsdp.step_s > fsdp.devices[0].compute_s  # the collectives cost link time
 
 

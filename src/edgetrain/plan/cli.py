@@ -32,7 +32,9 @@ from edgetrain.results import PLAN_FILE, PlanPrediction, PlanResult, PlanScaling
 PLAN_FIELDS = ("model", "dataset", "data_dir", "image_size", "synthetic_samples", "devices", "profile", "cluster",
                "batch_size", "local_batch", "optimizer", "momentum", "compress", "sync", "link", "seed", "output",
                "run_name", "microbatches", "pipeline_schedule")
-PLAN_STRATEGIES = {"ddp": ("ddp",), "fsdp": ("fsdp",), "pipeline": ("pipeline",), "compare": ("ddp", "fsdp", "pipeline")}
+# --strategy: the strategies each choice predicts
+PLAN_STRATEGIES = {"ddp": ("ddp",), "fsdp": ("fsdp",), "pipeline": ("pipeline",),
+                   "compare": ("ddp", "fsdp", "pipeline")}
 MAX_DEVICES = 1 << 20
 
 

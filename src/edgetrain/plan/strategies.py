@@ -175,8 +175,9 @@ def pipeline_strategy(inputs: PlanInputs, pred: Prediction, microbatches: int, s
     for s, (first, end) in enumerate(split.bounds):
         out_bytes = layers[end - 1].output_bytes if s < stages - 1 else 0.0   # activation to stage s+1
         in_bytes = layers[first - 1].output_bytes if s > 0 else 0.0           # its gradient back to stage s-1
-        slots.append(split.stage_s[s] / microbatches + p2p_s(s, min(s + 1, stages - 1), out_bytes * batch / microbatches)
-                     + p2p_s(s, max(s - 1, 0), in_bytes * batch / microbatches))
+        per_microbatch = batch / microbatches
+        slots.append(split.stage_s[s] / microbatches + p2p_s(s, min(s + 1, stages - 1), out_bytes * per_microbatch)
+                     + p2p_s(s, max(s - 1, 0), in_bytes * per_microbatch))
         sent.append(round((out_bytes + in_bytes) * batch))
         in_flight = batch if schedule == "gpipe" else min(microbatches, stages - s) * batch / microbatches
         params = sum(layer.param_bytes for layer in layers[first:end])
@@ -212,7 +213,8 @@ def _strategy(name: str, devices: list[PlanStrategyDevice], step_s: float, throu
         worst = max(over, key=lambda d: d.memory_total_mb - (d.memory_limit_mb or 0))
         refused = (f"{name} does not fit: device {worst.rank} ({worst.profile}) needs {worst.memory_total_mb:,.0f} MiB "
                    f"of its {worst.memory_limit_mb:,.0f} MiB ({len(over)} of {len(devices)} devices over their limit)")
-    return PlanStrategy(strategy=name, fits=not over, refused=refused, step_s=step_s, throughput_samples_per_s=throughput,
+    return PlanStrategy(strategy=name, fits=not over, refused=refused, step_s=step_s,
+                        throughput_samples_per_s=throughput,
                         memory_total_mb_max=max(d.memory_total_mb for d in devices),
                         sent_bytes_per_step_max=max(d.sent_bytes_per_step for d in devices), devices=devices,
                         notes=notes)
