@@ -126,6 +126,14 @@ def test_compare_refuses_a_model_that_cannot_be_cut_and_plans_the_others(wide):
     assert rows["pipeline"].step_s is None and comparison.recommended == "ddp"
 
 
+def test_plan_fsdp_alone_ignores_the_pipelines_microbatches(tmp_path):
+    proc = run_cli("plan", "--model", "small_cnn", "--dataset", "synthetic", "--image-size", "8", "--devices", "2",
+                   "--link", "lan-1g", "--batch-size", "6", "--strategy", "fsdp", "--runtime-mb", "200",
+                   "--sim-steps", "2", "--output", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr  # the default 4 micro-batches do not divide 6, and need not
+    assert "fsdp, modelled on link lan-1g" in proc.stdout
+
+
 def test_plan_compare_writes_the_comparison_and_the_report_renders_it(tmp_path):
     proc = run_cli("plan", "--model", "small_cnn", "--dataset", "synthetic", "--image-size", "8", "--devices", "2",
                    "--profile", "smart-speaker-2g", "--link", "lte-10m", "--batch-size", "16", "--strategy", "compare",
@@ -145,6 +153,7 @@ def test_plan_compare_writes_the_comparison_and_the_report_renders_it(tmp_path):
     (["--strategy", "fsdp", "--compress", "fp16"], "config key 'compress' fp16 does not apply to strategy fsdp"),
     (["--strategy", "compare", "--sync", "local:4"], "config key 'sync' local:4 does not apply to strategy fsdp"),
     (["--strategy", "pipeline", "--microbatches", "3"], "config key 'microbatches' 3 does not divide batch_size"),
+    (["--strategy", "compare", "--microbatches", "3"], "config key 'microbatches' 3 does not divide batch_size"),
     (["--strategy", "pipeline", "--model", "skipnet"], "model skipnet cannot be cut into pipeline stages"),
     (["--strategy", "pipeline", "--devices", "20", "--batch-size", "40"], "too few for 20 pipeline stages"),
 ])

@@ -108,8 +108,8 @@ def parse_stragglers(text: str) -> tuple[float, float]:
 
 def run(args: argparse.Namespace) -> int:
     from edgetrain.plan.config import plan_inputs, predict_inputs
-    from edgetrain.plan.report import console, device_groups, plot_scaling, print_prediction, print_scaling, print_simulation
-    from edgetrain.plan.report import print_strategies
+    from edgetrain.plan.report import (console, device_groups, plot_scaling, print_prediction, print_scaling,
+                                       print_simulation, print_strategies)
     from edgetrain.plan.simulate import scaling, simulate
     from edgetrain.plan.strategies import compare
     from edgetrain.report.files import new_run_dir, write_json
@@ -120,8 +120,8 @@ def run(args: argparse.Namespace) -> int:
     straggler_prob, straggler_factor = parse_stragglers(args.stragglers)
     counts = parse_scale(args.scale) if args.scale else None
     strategies = PLAN_STRATEGIES[args.strategy]
-    for name in strategies:  # the checks edgetrain train --strategy NAME makes (link aside: here it is modelled)
-        resolve(dataclasses.replace(cfg, strategy=name, link=None))
+    # the checks edgetrain train --strategy NAME makes (link aside: here it is modelled)
+    specs = {name: resolve(dataclasses.replace(cfg, strategy=name, link=None)) for name in strategies}
     sim_options = dict(compute_cv=args.compute_cv, straggler_prob=straggler_prob, straggler_factor=straggler_factor,
                        jitter=args.jitter, seed=cfg.seed)
 
@@ -142,8 +142,9 @@ def run(args: argparse.Namespace) -> int:
         print_scaling(rows, out)
     comparison = None
     if strategies != ("ddp",):
-        spec = resolve(dataclasses.replace(cfg, strategy="pipeline", link=None)).pipeline
-        comparison = compare(inputs, pred, strategies, spec.microbatches, spec.schedule)
+        pipeline = specs["pipeline"].pipeline if "pipeline" in specs else None
+        comparison = compare(inputs, pred, strategies, pipeline.microbatches if pipeline else cfg.microbatches,
+                             pipeline.schedule if pipeline else cfg.pipeline_schedule)
         print_strategies(comparison, out)
 
     run_dir = new_run_dir(cfg.output, cfg.run_name, prefix="plan")
