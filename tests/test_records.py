@@ -5,8 +5,8 @@ import pytest
 
 from edgetrain.errors import EdgetrainError
 from edgetrain.records import DeviceSummary, EvalRecord, RunSummary, StepRecord
-from edgetrain.results import (BENCH_RESULTS, BenchResult, PeakResult, PlanDeviceGroup, PlanResult, PlanScalingRow,
-                               PlanSimulation)
+from edgetrain.results import (BENCH_RESULTS, BenchResult, PeakResult, PlanComparison, PlanDeviceGroup, PlanResult,
+                               PlanScalingRow, PlanSimulation, PlanStrategy, PlanStrategyDevice)
 
 STEP = dict(step=3, epoch=0, rank=1, loss=2.3, samples=32, samples_per_s=1000.0, step_s=0.032, data_s=0.001,
             compute_s=0.021, comm_s=0.01, comm_busy_s=None, bytes_sent=376744, bytes_recv=376744, cpu_s=0.02,
@@ -93,6 +93,27 @@ def test_a_plan_result_round_trips_with_typed_groups_simulation_and_scaling():
     assert _round_trip(PlanResult, {**PLAN, "scaling": None}).scaling is None  # a plan without --scale
 
 
+STAGE = dict(rank=1, profile="smart-speaker-2g", role="stage 1: layers 4-12", compute_s=0.8, comm_s=1.2, step_s=2.0,
+             memory_mb={"weights": 1.5, "runtime": 312.0}, memory_total_mb=313.5, memory_limit_mb=2048,
+             over_limit=False, sent_bytes_per_step=16777216)
+COMPARISON = dict(link="lte-10m", recommended="pipeline", reason="pipeline: it fits every device",
+                  strategies=[dict(strategy="pipeline", fits=True, step_s=2.0, throughput_samples_per_s=32.0,
+                                   memory_total_mb_max=313.5, sent_bytes_per_step_max=16777216, bubble_fraction=0.2,
+                                   devices=[STAGE], notes=["gpipe"]),
+                              dict(strategy="fsdp", fits=False, refused="cannot be cut")])
+
+
+def test_a_plan_result_round_trips_with_its_strategy_comparison():
+    plan = PlanResult.from_dict(json.loads(json.dumps({**PLAN, "strategies": COMPARISON})))
+    assert PlanResult.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan  # defaults written, read back
+    assert plan.to_dict()["strategies"]["strategies"][0]["devices"] == [STAGE]
+    assert isinstance(plan.strategies, PlanComparison) and isinstance(plan.strategies.strategies[0], PlanStrategy)
+    assert isinstance(plan.strategies.strategies[0].devices[0], PlanStrategyDevice)
+    refused = plan.strategies.strategies[1]
+    assert refused.step_s is None and refused.devices == [] and refused.describe() == "fsdp: refused: cannot be cut"
+    assert _round_trip(PlanResult, PLAN).strategies is None  # a plan without --strategy: the file as before
+
+
 @pytest.mark.parametrize("cls, data, message", [
     (BenchResult, {"bench": "nosuch", "rows": []}, "BenchResult: key 'bench' must name a bench (peak, batch, "),
     (BenchResult, ["peak"], "BenchResult must hold a JSON object, not a list"),
@@ -104,6 +125,8 @@ def test_a_plan_result_round_trips_with_typed_groups_simulation_and_scaling():
     (PlanResult, {**PLAN, "prediction": {**PREDICTION, "device_groups": [{**GROUP, "ranks": [0, 1]}]}},
      "key 'device_groups': key 'ranks' must be a string, not a list"),
     (PlanResult, {**PLAN, "scaling": {"rows": [{**SCALE_ROW, "speedup": 1}]}}, "has unknown key 'speedup'"),
+    (PlanResult, {**PLAN, "strategies": {**COMPARISON, "strategies": [{**COMPARISON["strategies"][0], "fits": "yes"}]}},
+     "key 'strategies': key 'fits' must be true or false"),
     (StepRecord, {**STEP, "bogus": 1}, "StepRecord has unknown key 'bogus'"),
     (StepRecord, {**STEP, "samples": "32"}, "StepRecord: key 'samples' must be an integer, not a string"),
     (StepRecord, {**STEP, "loss": True}, "StepRecord: key 'loss' must be a number, not true or false"),

@@ -11,7 +11,9 @@ Files and the record each holds:
 - ``RUN_DIR/plan.json`` of a plan: one ``PlanResult``, with the prediction
   (``PlanPrediction``: the analytic model, merged device groups as
   ``PlanDeviceGroup``), the simulation (``PlanSimulation``) and, with
-  ``--scale``, the scaling table (``PlanScaling`` of ``PlanScalingRow``).
+  ``--scale``, the scaling table (``PlanScaling`` of ``PlanScalingRow``);
+  with ``--strategy fsdp|pipeline|compare``, the strategies side by side
+  (``PlanComparison`` of ``PlanStrategy`` of ``PlanStrategyDevice``).
   Every number in it is modelled except the model costs, which are counted.
 
 Same rules as ``records`` (whose ``Record`` base these use): ``to_dict()``
@@ -251,6 +253,61 @@ class PlanScaling(Record):
 
 
 @dataclass(kw_only=True)
+class PlanStrategyDevice(Record):
+    """One device under one strategy (``plan.strategies``): its role, time, memory and bytes, modelled."""
+
+    rank: int
+    profile: str
+    role: str                     # "shard 1/4 of every unit", "stage 1: layers 3-5 (...)", "batch 32"
+    compute_s: float
+    comm_s: float                 # communication and, for a pipeline, the bubble
+    step_s: float
+    memory_mb: dict               # the parts, MiB
+    memory_total_mb: float
+    memory_limit_mb: float | None
+    over_limit: bool
+    sent_bytes_per_step: int
+
+
+@dataclass(kw_only=True)
+class PlanStrategy(Record):
+    """One strategy's prediction (``--strategy ddp|fsdp|pipeline``), or why it cannot run (``refused``)."""
+
+    kind: str = "modelled"
+    strategy: str
+    fits: bool                    # every device within its memory limit
+    refused: str | None = None    # one line: why it does not fit or cannot run here
+    step_s: float | None = None
+    throughput_samples_per_s: float | None = None
+    memory_total_mb_max: float | None = None
+    sent_bytes_per_step_max: int | None = None
+    bubble_fraction: float | None = None  # pipeline: (S-1)/(M+S-1)
+    devices: list[PlanStrategyDevice] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        """The strategy in one line, as ``edgetrain plan`` prints it and ``edgetrain report`` shows it."""
+        if self.step_s is None:
+            return f"{self.strategy}: refused: {self.refused}"
+        bubble = "" if self.bubble_fraction is None else f", bubble {self.bubble_fraction:.1%}"
+        return (f"{self.strategy}: step {self.step_s:,.3f} s, {self.throughput_samples_per_s:,.2f} samples/s, "
+                f"memory up to {self.memory_total_mb_max:,.0f} MiB per device, "
+                f"{self.sent_bytes_per_step_max / 1e6:,.3f} MB sent per device per step{bubble}"
+                + (f"; refused: {self.refused}" if self.refused else ""))
+
+
+@dataclass(kw_only=True)
+class PlanComparison(Record):
+    """The strategies planned side by side and, for ``--strategy compare``, the one recommended and why."""
+
+    kind: str = "modelled"
+    link: str
+    strategies: list[PlanStrategy]
+    recommended: str | None = None
+    reason: str = ""
+
+
+@dataclass(kw_only=True)
 class PlanResult(Record):
     """``plan.json``: what was planned (``config``, ``argv``) and what the model and simulator predict."""
 
@@ -261,3 +318,4 @@ class PlanResult(Record):
     prediction: PlanPrediction
     simulation: PlanSimulation
     scaling: PlanScaling | None = None
+    strategies: PlanComparison | None = None   # --strategy fsdp, pipeline or compare

@@ -10,6 +10,9 @@ Read in this order:
   model, step time per sync mode, memory per device);
 * ``simulate.py``: a numpy step simulator with compute variability, stragglers
   and link jitter, fast enough for thousands of devices; scaling curves;
+* ``split.py`` / ``stages.py``: where a pipeline cuts the model (the split planner);
+* ``strategies.py``: fsdp's and the pipeline's memory, step time and bytes beside
+  data parallelism's, and which strategy a cluster should use;
 * ``config.py``: from a ``TrainConfig`` to the above; ``cli.py`` / ``report.py``:
   ``edgetrain plan``.
 

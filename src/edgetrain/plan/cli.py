@@ -7,7 +7,9 @@ cluster (same names, same validation), plus the model's knobs::
         --batch-size 128 --compress topk:0.01 --scale 1,2,4,...,4096
 
 Prints the per-device prediction, the simulation and (``--scale``) the
-scaling table; writes ``plan.json`` (a ``results.PlanResult``, which
+scaling table; ``--strategy fsdp|pipeline`` adds that strategy's per-device
+memory and step time, ``compare`` all three and the one to use
+(``plan.strategies``); writes ``plan.json`` (a ``results.PlanResult``, which
 ``edgetrain report`` renders) and ``scaling.png`` into a new run directory. Every number is modelled except the counted model costs.
 Options are checked when parsed (finite numbers, fractions in [0, 1],
 positive counts) and the output directory before anything is computed.
@@ -17,18 +19,22 @@ memory is counted from CIFAR-10's published size (``plan.config``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 
 from edgetrain.arguments import fraction, non_negative_float, positive_float, positive_int
-from edgetrain.config import add_config_arguments, check_output_dir, load_config
+from edgetrain.config import add_config_arguments, check_output_dir, load_config, resolve
 from edgetrain.errors import EdgetrainError
 from edgetrain.results import PLAN_FILE, PlanPrediction, PlanResult, PlanScaling, PlanSimulation
 
 # The TrainConfig options that describe what is planned (the rest only matter to a real run).
 PLAN_FIELDS = ("model", "dataset", "data_dir", "image_size", "synthetic_samples", "devices", "profile", "cluster",
                "batch_size", "local_batch", "optimizer", "momentum", "compress", "sync", "link", "seed", "output",
-               "run_name")
+               "run_name", "microbatches", "pipeline_schedule")
+# --strategy: the strategies each choice predicts
+PLAN_STRATEGIES = {"ddp": ("ddp",), "fsdp": ("fsdp",), "pipeline": ("pipeline",),
+                   "compare": ("ddp", "fsdp", "pipeline")}
 MAX_DEVICES = 1 << 20
 
 
@@ -57,6 +63,9 @@ def register(sub) -> None:
                    help="probability that a device's step is a straggler, and how much slower it is (default x3)")
     p.add_argument("--jitter", action=argparse.BooleanOptionalAction, default=True,
                    help="simulate the links' latency jitter")
+    p.add_argument("--strategy", default="ddp", choices=PLAN_STRATEGIES,
+                   help="what to predict: ddp (data parallel), fsdp, pipeline (stages from the split planner), or "
+                        "compare: all three side by side and the one to use (edgetrain.plan.strategies)")
     p.add_argument("--scale", default=None, metavar="N,N,...",
                    help="device counts for the scaling table, e.g. 1,2,4,...,4096 ('...' keeps doubling)")
     p.set_defaults(func=run)
@@ -99,8 +108,10 @@ def parse_stragglers(text: str) -> tuple[float, float]:
 
 def run(args: argparse.Namespace) -> int:
     from edgetrain.plan.config import plan_inputs, predict_inputs
-    from edgetrain.plan.report import console, device_groups, plot_scaling, print_prediction, print_scaling, print_simulation
+    from edgetrain.plan.report import (console, device_groups, plot_scaling, print_prediction, print_scaling,
+                                       print_simulation, print_strategies)
     from edgetrain.plan.simulate import scaling, simulate
+    from edgetrain.plan.strategies import compare
     from edgetrain.report.files import new_run_dir, write_json
 
     overrides = {k: v for k, v in vars(args).items() if k in PLAN_FIELDS}
@@ -108,6 +119,9 @@ def run(args: argparse.Namespace) -> int:
     check_output_dir(cfg.output, "config key 'output'")
     straggler_prob, straggler_factor = parse_stragglers(args.stragglers)
     counts = parse_scale(args.scale) if args.scale else None
+    strategies = PLAN_STRATEGIES[args.strategy]
+    # the checks edgetrain train --strategy NAME makes (link aside: here it is modelled)
+    specs = {name: resolve(dataclasses.replace(cfg, strategy=name, link=None)) for name in strategies}
     sim_options = dict(compute_cv=args.compute_cv, straggler_prob=straggler_prob, straggler_factor=straggler_factor,
                        jitter=args.jitter, seed=cfg.seed)
 
@@ -126,13 +140,20 @@ def run(args: argparse.Namespace) -> int:
     print_simulation(sim, out)
     if rows:
         print_scaling(rows, out)
+    comparison = None
+    if strategies != ("ddp",):
+        pipeline = specs["pipeline"].pipeline if "pipeline" in specs else None
+        comparison = compare(inputs, pred, strategies, pipeline.microbatches if pipeline else cfg.microbatches,
+                             pipeline.schedule if pipeline else cfg.pipeline_schedule)
+        print_strategies(comparison, out)
 
     run_dir = new_run_dir(cfg.output, cfg.run_name, prefix="plan")
     # The model's own dict, less the groups, checked and typed by the schema the report reads.
     prediction = PlanPrediction.from_dict(pred.to_dict(per_device=len(pred.devices) <= 1024)
                                           | {"device_groups": [g.to_dict() for g in device_groups(pred)]})
     result = PlanResult(argv=sys.argv[1:], config={k: getattr(cfg, k) for k in PLAN_FIELDS}, prediction=prediction,
-                        simulation=sim, scaling=PlanScaling(mode="weak", rows=rows) if rows else None)
+                        simulation=sim, scaling=PlanScaling(mode="weak", rows=rows) if rows else None,
+                        strategies=comparison)
     write_json(run_dir / PLAN_FILE, result.to_dict())
     if rows:
         title = f"{cfg.model}, {pred.devices[0].profile}, {pred.devices[0].link}, {cfg.sync}, compress {cfg.compress}"

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from edgetrain.plan.model import DevicePrediction, Prediction
 from edgetrain.report.files import atomic_write
-from edgetrain.results import PlanDevice, PlanDeviceGroup, PlanScalingRow, PlanSimulation
+from edgetrain.results import PlanComparison, PlanDevice, PlanDeviceGroup, PlanScalingRow, PlanSimulation
 
 
 def console() -> Console:
@@ -88,6 +88,29 @@ def print_prediction(pred: Prediction, out: Console) -> None:
 
 def print_simulation(sim: PlanSimulation, out: Console) -> None:
     out.print("[bold]simulated[/]" + escape(sim.describe().removeprefix("simulated")))
+
+
+def print_strategies(comparison: PlanComparison, out: Console) -> None:
+    """Each strategy's devices (role, time, memory against the limit, bytes), its line, and the recommendation."""
+    for strategy in comparison.strategies:
+        out.print(f"[bold]{strategy.strategy}[/], modelled on link {escape(comparison.link)}: "
+                  + escape(strategy.describe().removeprefix(f"{strategy.strategy}: ")))
+        if not strategy.devices:
+            continue
+        table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+        for col in ("rank", "profile", "role", "compute s", "comm+wait s", "step s", "memory MiB", "limit MiB",
+                    "sent MB/step", ""):
+            table.add_column(col, justify="left" if col in ("profile", "role", "") else "right")
+        for d in strategy.devices:
+            table.add_row(str(d.rank), d.profile, escape(d.role), f"{d.compute_s:,.3f}", f"{d.comm_s:,.3f}",
+                          f"{d.step_s:,.3f}", f"{d.memory_total_mb:,.0f}",
+                          "-" if d.memory_limit_mb is None else f"{d.memory_limit_mb:,.0f}",
+                          f"{d.sent_bytes_per_step / 1e6:,.3f}", "[red]OVER LIMIT[/]" if d.over_limit else "")
+        out.print(table)
+        for note in strategy.notes:
+            out.print(f"  [dim]{escape(note)}[/]")
+    if comparison.reason:
+        out.print(f"[bold]recommended (modelled)[/]: {escape(comparison.reason)}")
 
 
 def print_scaling(rows: list[PlanScalingRow], out: Console) -> None:

@@ -11,6 +11,10 @@ Rendered from the typed ``results.PlanResult`` that ``html.load_run`` read:
   of the step spent communicating or waiting;
 - the scaling table of ``--scale`` (analytic and simulated), and the
   ``scaling.png`` the plan drew, if any;
+- with ``--strategy fsdp|pipeline|compare``, the strategies side by side
+  (step time, throughput, memory against the limits, bytes per step, the
+  pipeline's bubble, why one is refused), the recommendation and every
+  device's role (shard or stage) under each;
 - what was planned (``config``) and the model's knobs.
 
 Every number on it is modelled (the model costs are counted): the section
@@ -24,7 +28,7 @@ from typing import Any
 
 from edgetrain.report.cells import fmt
 from edgetrain.report.html import _img, _kv, _table
-from edgetrain.results import PlanResult
+from edgetrain.results import PlanComparison, PlanResult
 
 
 def plan_section(run: dict[str, Any]) -> str:
@@ -51,6 +55,8 @@ def plan_section(run: dict[str, Any]) -> str:
                               r.simulated_throughput, r.simulated_speedup, r.simulated_efficiency,
                               f"{100 * r.comm_fraction:.0f}%", f"{100 * r.wait_fraction:.0f}%"]
                              for r in plan.scaling.rows]))
+    if plan.strategies:
+        parts.append(strategies_section(plan.strategies))
     knobs = {"efficiency": pred.efficiency, "overlap": pred.overlap, "runtime_mb": pred.runtime_mb,
              "sim_steps": sim.steps, "compute_cv": sim.compute_cv, "stragglers": sim.straggler_prob or None,
              "link_jitter": sim.link_jitter}
@@ -58,6 +64,28 @@ def plan_section(run: dict[str, Any]) -> str:
     if run["pngs"]:
         parts.append('<div class="imgs">' + "".join(_img(p.read_bytes(), p.name) for p in run["pngs"]) + "</div>")
     parts.append("</section>")
+    return "".join(parts)
+
+
+def strategies_section(comparison: PlanComparison) -> str:
+    """``--strategy fsdp|pipeline|compare``: each strategy in one row, the recommendation, then every device."""
+    parts = [f"<h3>Strategies, modelled (link {html.escape(comparison.link)}, the same global batch)</h3>"]
+    if comparison.reason:
+        parts.append(f'<div class="note modelled">recommended: {html.escape(comparison.reason)}</div>')
+    parts.append(_table(["strategy", "fits", "step s", "samples/s", "memory MiB (max)", "sent MB/step (max)",
+                         "bubble", "refused"],
+                        [[s.strategy, "yes" if s.fits else "NO", s.step_s, s.throughput_samples_per_s,
+                          s.memory_total_mb_max, None if s.step_s is None else s.sent_bytes_per_step_max / 1e6,
+                          None if s.bubble_fraction is None else f"{s.bubble_fraction:.1%}", s.refused or ""]
+                         for s in comparison.strategies]))
+    parts.append(_table(["strategy", "rank", "profile", "role", "compute s", "comm+wait s", "step s", "memory MiB",
+                         "limit MiB", "sent MB/step"],
+                        [[s.strategy, d.rank, d.profile, d.role, d.compute_s, d.comm_s, d.step_s, d.memory_total_mb,
+                          fmt(d.memory_limit_mb) + (" OVER LIMIT" if d.over_limit else ""),
+                          d.sent_bytes_per_step / 1e6]
+                         for s in comparison.strategies for d in s.devices]))
+    parts += [f'<div class="note modelled">{html.escape(s.strategy)}: {html.escape(n)}</div>'
+              for s in comparison.strategies for n in s.notes]
     return "".join(parts)
 
 
