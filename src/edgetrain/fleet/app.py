@@ -53,7 +53,11 @@ from edgetrain.comm.compress.base import Compressor, unpack
 from edgetrain.comm.compress.spec import build_compressor
 from edgetrain.comm.federated import server_optimizer, server_step
 from edgetrain.comm.params import flatten, unflatten
+from edgetrain.config import TrainConfig
+from edgetrain.data.datasets import build_data, check_dataset
+from edgetrain.data.partition import split_dataset
 from edgetrain.errors import EdgetrainError
+from edgetrain.models import build_model, check_model
 from edgetrain.spec import CompressSpec, PartitionSpec, ServerOptSpec, parse_compress, parse_partition, \
     parse_server_opt
 
@@ -72,6 +76,7 @@ DEFAULTS: dict[str, bool | float | int | str] = {
     "local-steps": 5, "batch-size": 16, "lr": 0.05, "compress": "none", "server-opt": "fedavg",
     "fraction-train": 1.0, "min-nodes": 2, "round-timeout": 600.0, "seed": 0,
 }
+TYPE_NAMES = {int: "whole number", float: "number", str: "string", bool: "true or false"}
 # compressors whose payload the server cannot decode without state the client keeps to itself
 SERVER_CANNOT_DECODE = {"randk": "its shared random indices", "powersgd": "its low-rank state (a DDP hook)"}
 
@@ -101,44 +106,50 @@ def fleet_spec(run_config: dict) -> FleetSpec:
     unknown = sorted(set(run_config) - set(DEFAULTS))
     if unknown:
         raise EdgetrainError(f"unknown run-config key {unknown[0]!r}; known keys: {', '.join(DEFAULTS)}")
-    cfg = {**DEFAULTS, **run_config}
+    cfg = {key: _typed(key, value) for key, value in {**DEFAULTS, **run_config}.items()}
     for key in ("num-rounds", "local-steps", "batch-size", "min-nodes"):
-        if not isinstance(cfg[key], int) or cfg[key] < 1:
+        if cfg[key] < 1:
             raise EdgetrainError(f"run-config {key} must be a whole number >= 1, got {cfg[key]!r}")
-    if not 0.0 < float(cfg["fraction-train"]) <= 1.0:
+    if not 0.0 < cfg["fraction-train"] <= 1.0:
         raise EdgetrainError(f"run-config fraction-train must be in (0, 1], got {cfg['fraction-train']!r}")
-    partition = parse_partition(str(cfg["partition"]))
+    if cfg["lr"] < 0 or cfg["round-timeout"] <= 0:
+        raise EdgetrainError(f"run-config lr must be >= 0 and round-timeout > 0, got {cfg['lr']!r} and "
+                             f"{cfg['round-timeout']!r}")
+    check_model(cfg["model"])
+    check_dataset(cfg["dataset"])
+    partition = parse_partition(cfg["partition"])
     if not partition.local:
         raise EdgetrainError("run-config partition none gives no device its own data; use iid, dirichlet:ALPHA "
                              "or shards:K")
-    compress = parse_compress(str(cfg["compress"]))
+    compress = parse_compress(cfg["compress"])
     if compress.method in SERVER_CANNOT_DECODE:
         raise EdgetrainError(f"run-config compress {compress.text}: the server cannot decode it without "
                              f"{SERVER_CANNOT_DECODE[compress.method]}; use none, fp16, bf16, int8, qsgd, topk, "
                              "sign or threshold")
-    return FleetSpec(str(cfg["model"]), str(cfg["dataset"]), str(cfg["data-dir"]) or None, partition,
-                     int(cfg["num-rounds"]), int(cfg["local-steps"]), int(cfg["batch-size"]), float(cfg["lr"]),
-                     compress, parse_server_opt(str(cfg["server-opt"])), float(cfg["fraction-train"]),
-                     int(cfg["min-nodes"]), float(cfg["round-timeout"]), int(cfg["seed"]))
+    return FleetSpec(cfg["model"], cfg["dataset"], cfg["data-dir"] or None, partition, cfg["num-rounds"],
+                     cfg["local-steps"], cfg["batch-size"], cfg["lr"], compress,
+                     parse_server_opt(cfg["server-opt"]), cfg["fraction-train"], cfg["min-nodes"],
+                     cfg["round-timeout"], cfg["seed"])
+
+
+def _typed(key: str, value):
+    """``value`` as the type of ``key``'s default (TOML gives 1 for 1.0; a string is a mistake for a number)."""
+    kind = type(DEFAULTS[key])
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, kind) or isinstance(value, bool) != (kind is bool):
+        raise EdgetrainError(f"run-config {key} must be a {TYPE_NAMES[kind]}, got {value!r}")
+    return value
 
 
 def load_data(spec: FleetSpec):
     """The dataset the spec names, built as ``edgetrain train`` builds it."""
-    from edgetrain.config import TrainConfig
-    from edgetrain.data.datasets import build_data
-
     return build_data(TrainConfig(dataset=spec.dataset, data_dir=spec.data_dir, seed=spec.seed))
 
 
 def global_model(spec: FleetSpec, data) -> nn.Module:
-    """The model every client and the server build: same seed, same initial weights."""
+    """The model, its initial weights from the seed (a client overwrites them with the global ones)."""
     torch.manual_seed(spec.seed)
-    return build_model_for(spec, data)
-
-
-def build_model_for(spec: FleetSpec, data) -> nn.Module:
-    from edgetrain.models import build_model
-
     return build_model(spec.model, data.input_shape[0], data.num_classes)
 
 
@@ -183,8 +194,6 @@ def client_partition(spec: FleetSpec, data, node_config: dict) -> tuple[int, np.
                              "--node-config 'partition-id=0 num-partitions=N'") from None
     if not 0 <= partition_id < partitions:
         raise EdgetrainError(f"partition-id {partition_id} is outside 0..{partitions - 1} (num-partitions)")
-    from edgetrain.data.partition import split_dataset
-
     parts = split_dataset(data.train.labels.numpy(), spec.partition, [spec.batch_size] * partitions, spec.seed)
     return partition_id, parts[partition_id]
 
@@ -197,7 +206,7 @@ def train(msg: Message, context: Context) -> Message:
     spec = fleet_spec(context.run_config)
     data = load_data(spec)
     partition_id, partition = client_partition(spec, data, context.node_config)
-    model = build_model_for(spec, data)
+    model = global_model(spec, data)
     load_parameters(model, msg.content["arrays"])
     update, loss = local_update(spec, model, data, partition, int(msg.content["config"]["server-round"]),
                                 partition_id)
