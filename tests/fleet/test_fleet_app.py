@@ -142,6 +142,18 @@ def test_compressed_updates_are_decoded_on_the_server():
     torch.testing.assert_close(final, exact, rtol=0, atol=1e-3)  # ...and nothing else
 
 
+@pytest.mark.parametrize("compress", ["none", "fp16", "bf16", "int8", "qsgd", "topk:0.1", "sign", "threshold"])
+def test_every_decodable_compressor_crosses_the_wire_as_edgetrain_decodes_it(compress):
+    spec = fleet.fleet_spec({"compress": compress})
+    client, direct = fleet.compressor_for(spec, 1, 0), fleet.compressor_for(spec, 1, 0)  # same noise (QSGD)
+    update = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    wire = fleet.to_wire(client, update)
+    payload = direct.encode(update)
+    assert wire.dtype == np.uint8 and wire.nbytes == payload.nbytes
+    server = fleet.compressor_for(spec)
+    torch.testing.assert_close(fleet.from_wire(server, wire, update.numel()), direct.decode(payload), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("run_config, message", [
     ({"rounds": 2}, "unknown run-config key 'rounds'"),
     ({"compress": "randk:0.1"}, "cannot decode it"),

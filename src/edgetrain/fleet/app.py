@@ -162,8 +162,10 @@ def load_parameters(model: nn.Module, record: ArrayRecord) -> None:
     model.load_state_dict(record.to_torch_state_dict(), strict=False)
 
 
-def compressor_for(spec: FleetSpec) -> Compressor:
-    compressor, _memory = build_compressor(spec.compress, seed=spec.seed)  # no state between rounds: no memory
+def compressor_for(spec: FleetSpec, server_round: int = 0, partition_id: int = 0) -> Compressor:
+    """The update's compressor, without its error-feedback memory (no state between rounds); QSGD's rounding
+    noise differs between clients and rounds. Decoding needs neither (randk, which would, is refused)."""
+    compressor, _memory = build_compressor(spec.compress, seed=spec.seed + server_round, rank=partition_id)
     return compressor
 
 
@@ -198,6 +200,17 @@ def client_partition(spec: FleetSpec, data, node_config: dict) -> tuple[int, np.
     return partition_id, parts[partition_id]
 
 
+def to_wire(compressor: Compressor, update: torch.Tensor) -> np.ndarray:
+    """The encoded update as one byte array: edgetrain's wire format (``Payload.pack``)."""
+    return compressor.encode(update).pack().numpy()
+
+
+def from_wire(compressor: Compressor, wire: np.ndarray, numel: int) -> torch.Tensor:
+    """Inverse of ``to_wire`` for an update of ``numel`` values."""
+    buffer = torch.from_numpy(wire.copy())
+    return compressor.decode(unpack(buffer, compressor.layout(numel, buffer.numel()), numel))
+
+
 client_app = ClientApp()
 
 
@@ -208,10 +221,9 @@ def train(msg: Message, context: Context) -> Message:
     partition_id, partition = client_partition(spec, data, context.node_config)
     model = global_model(spec, data)
     load_parameters(model, msg.content["arrays"])
-    update, loss = local_update(spec, model, data, partition, int(msg.content["config"]["server-round"]),
-                                partition_id)
-    payload = compressor_for(spec).encode(update)
-    wire = payload.pack().numpy()
+    server_round = int(msg.content["config"]["server-round"])
+    update, loss = local_update(spec, model, data, partition, server_round, partition_id)
+    wire = to_wire(compressor_for(spec, server_round, partition_id), update)
     content = RecordDict({"arrays": ArrayRecord(numpy_ndarrays=[wire]),
                           "metrics": MetricRecord({"num-examples": len(partition), "train-loss": loss,
                                                    "payload-bytes": int(wire.nbytes)})})
@@ -230,9 +242,7 @@ class EdgetrainStrategy(FedAvg):
         self.optimizer = server_optimizer(self.global_flat, spec.server_opt)
 
     def decode(self, reply: Message) -> torch.Tensor:
-        wire = torch.from_numpy(reply.content["arrays"].to_numpy_ndarrays()[0].copy())
-        numel = self.global_flat.numel()
-        return self.compressor.decode(unpack(wire, self.compressor.layout(numel, wire.numel()), numel))
+        return from_wire(self.compressor, reply.content["arrays"].to_numpy_ndarrays()[0], self.global_flat.numel())
 
     def aggregate_train(self, server_round: int, replies) -> tuple[ArrayRecord | None, MetricRecord | None]:
         valid, _failed = self._check_and_log_replies(list(replies), is_train=True)
