@@ -38,7 +38,7 @@ from typing import Iterator
 import numpy as np
 from torch.utils.data import Sampler
 
-from edgetrain.data.sampler import GlobalBatchSampler
+from edgetrain.data.sampler import EpochSampler, GlobalBatchSampler
 from edgetrain.errors import EdgetrainError
 from edgetrain.spec import PartitionSpec
 
@@ -127,20 +127,12 @@ def label_entropy(counts: np.ndarray) -> float:
     return float(-(p * np.log2(p)).sum()) if len(p) else 0.0
 
 
-class PartitionSampler(Sampler[list[tuple[int, int]]]):
+class PartitionSampler(EpochSampler):
     """This device's batches, drawn only from ``indices`` (its partition), as ``(index, epoch)`` pairs."""
 
     def __init__(self, indices: np.ndarray, local_batch: int, steps_per_epoch: int, rank: int, seed: int = 0):
         self.indices, self.local_batch, self.steps = np.asarray(indices), local_batch, steps_per_epoch
-        self.rank, self.seed, self.epoch = rank, seed, 0
-        self.start_batch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def resume_at(self, epoch: int, batch: int) -> None:
-        """The next iteration yields epoch ``epoch``'s batches from ``batch`` on (a resumed run)."""
-        self.epoch, self.start_batch = epoch, batch
+        self.rank, self.seed = rank, seed
 
     def __len__(self) -> int:
         return self.steps
@@ -150,8 +142,7 @@ class PartitionSampler(Sampler[list[tuple[int, int]]]):
         needed = self.steps * self.local_batch
         passes = math.ceil(needed / max(len(self.indices), 1))
         stream = np.concatenate([rng.permutation(self.indices) for _ in range(passes)]) if passes else []
-        first, self.start_batch = self.start_batch, 0
-        for s in range(first, self.steps):
+        for s in range(self.first_batch(), self.steps):
             yield [(int(i), self.epoch) for i in stream[s * self.local_batch:(s + 1) * self.local_batch]]
 
 

@@ -20,16 +20,12 @@ import torch
 from torch.utils.data import Sampler
 
 
-class GlobalBatchSampler(Sampler[list[tuple[int, int]]]):
-    """Yields this device's share of each global batch as ``(index, epoch)`` pairs."""
+class EpochSampler(Sampler[list[tuple[int, int]]]):
+    """What the loop's samplers share: the epoch whose order they yield next, and the batch a resumed run
+    starts that epoch at (``resume_at``; later epochs start at 0)."""
 
-    def __init__(self, size: int, local_batches: list[int], rank: int, seed: int = 0, shuffle: bool = True):
-        self.size, self.rank, self.seed, self.shuffle = size, rank, seed, shuffle
-        self.global_batch = sum(local_batches)
-        self.offset = sum(local_batches[:rank])
-        self.local_batch = local_batches[rank]
-        self.epoch = 0
-        self.start_batch = 0
+    epoch = 0
+    start_batch = 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -37,6 +33,21 @@ class GlobalBatchSampler(Sampler[list[tuple[int, int]]]):
     def resume_at(self, epoch: int, batch: int) -> None:
         """The next iteration yields epoch ``epoch``'s batches from ``batch`` on; later ones start at 0."""
         self.epoch, self.start_batch = epoch, batch
+
+    def first_batch(self) -> int:
+        """Where this iteration starts: ``resume_at``'s batch once, then 0."""
+        first, self.start_batch = self.start_batch, 0
+        return first
+
+
+class GlobalBatchSampler(EpochSampler):
+    """Yields this device's share of each global batch as ``(index, epoch)`` pairs."""
+
+    def __init__(self, size: int, local_batches: list[int], rank: int, seed: int = 0, shuffle: bool = True):
+        self.size, self.rank, self.seed, self.shuffle = size, rank, seed, shuffle
+        self.global_batch = sum(local_batches)
+        self.offset = sum(local_batches[:rank])
+        self.local_batch = local_batches[rank]
 
     def __len__(self) -> int:
         return self.size // self.global_batch
@@ -46,8 +57,7 @@ class GlobalBatchSampler(Sampler[list[tuple[int, int]]]):
             order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed * 100003 + self.epoch))
         else:
             order = torch.arange(self.size)
-        first, self.start_batch = self.start_batch, 0
-        for b in range(first, len(self)):
+        for b in range(self.first_batch(), len(self)):
             start = b * self.global_batch + self.offset
             yield [(int(i), self.epoch) for i in order[start:start + self.local_batch]]
 
