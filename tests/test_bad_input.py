@@ -85,7 +85,6 @@ TRAIN = [
     (["--dataset", "npz"], "config key 'data_dir' is required with dataset npz"),
     (["--sync", "fedavg:1"], "--sync fedavg:1 trains each device on its own data, which needs a partition; add --partition"),
     (["--partition", "dirichlet:0"], "dirichlet alpha must be a finite number > 0"),
-    (["--strategy", "fsdp", "--checkpoint-every", "5"], "checkpoints and --resume do not support strategy fsdp yet"),
     (["--strategy", "pipeline", "--partition", "iid"], "config key 'partition' iid does not apply to strategy pipeline"),
     (["--dataset", "cifar10", "--data-dir", "{tmp}/nope"], "does not exist"),
     (["--dataset", "cifar10", "--data-dir", "{partial}"], "data_batch_2, data_batch_3, data_batch_4, data_batch_5, "

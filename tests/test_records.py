@@ -129,7 +129,7 @@ def test_a_plan_result_round_trips_with_its_strategy_comparison():
      "key 'strategies': key 'fits' must be true or false"),
     (StepRecord, {**STEP, "bogus": 1}, "StepRecord has unknown key 'bogus'"),
     (StepRecord, {**STEP, "samples": "32"}, "StepRecord: key 'samples' must be an integer, not a string"),
-    (StepRecord, {**STEP, "loss": True}, "StepRecord: key 'loss' must be a number, not true or false"),
+    (StepRecord, {**STEP, "loss": True}, "StepRecord: key 'loss' must be a number or null, not true or false"),
     (EvalRecord, {"epoch": 0}, "EvalRecord lacks key 'step' (an integer)"),
     (RunSummary, {"per_device": [{"rank": 0}], "throughput_samples_per_s": 1.0},
      "RunSummary: key 'per_device' lacks key 'profile'"),

@@ -33,8 +33,8 @@ from typing import Any
 from edgetrain.errors import EdgetrainError
 from edgetrain.spec import (DEDUP_DEFAULT_THRESHOLD, DEDUP_HASH_BITS, DEDUP_MAX_THRESHOLD,
                             FAULT_ENV, LINK_MODES, PIPELINE_SCHEDULES, STRATEGIES, CheckpointSpec, PipelineSpec, RunSpec,
-                            check_compatible, get_link, parse_compress, parse_dedup, parse_fault, parse_partition, parse_server_opt,
-                            parse_stages, parse_sync, parse_tiling)
+                            check_compatible, get_link, parse_compress, parse_dedup, parse_faults, parse_partition, parse_server_opt,
+                            parse_round_deadline, parse_stages, parse_sync, parse_tiling)
 from edgetrain.yamlfile import read_yaml_mapping
 
 
@@ -90,6 +90,9 @@ class TrainConfig:
     server_opt: str = _opt("fedavg", "federated server step: fedavg, fedavgm[:lr=1:momentum=0.9] or "
                            "fedadam[:lr=0.01:beta1=0.9:beta2=0.99:eps=0.001]")
     participation: float = _opt(1.0, "federated rounds: fraction of devices sampled per round, in (0, 1]")
+    round_deadline: str = _opt("off", "rounds of local:H and fedavg:E: a device that has not finished its local steps "
+                               "by then is left out of the round: off, auto (2x the median round time of recent "
+                               "rounds) or SECONDS on the device's clock (virtual time with --link)")
     link: str | None = _opt(None, "link of every device: a preset (lan-1g, wifi-20m, lte-10m, wan-intercontinental) or a spec")
     link_mode: str = _opt("virtual", "link emulation: virtual (model comm time on a virtual clock) or enforced (really wait)",
                           choices=("virtual", "enforced"))
@@ -128,6 +131,9 @@ class TrainConfig:
                                             "the devices agree at the next step); with --checkpoint-every too, "
                                             "whichever comes first", minimum=1.0)
     keep_checkpoints: int = _opt(2, "how many of the newest checkpoints to keep", minimum=1)
+    min_devices: int | None = _opt(None, "elastic membership of emulated devices: when a device dies the others go on "
+                                   "as long as this many remain, and a returning device rejoins (default: all "
+                                   "devices, i.e. one lost device stops the run)", minimum=1)
     resume: str | None = _opt(None, "continue the run in this run directory from its newest checkpoint, with its "
                               "own config.yaml (options that change the training are refused)")
     accelerator: str = _opt("auto", "where each device computes: auto (cuda if torch sees a GPU, else cpu), cpu or "
@@ -224,9 +230,11 @@ def load_config(source: TrainConfig | dict | str | os.PathLike | None = None, **
     return cfg
 
 
-# What a resumed run may set anew: how it is watched and stopped, not what it trains.
+# What a resumed run may set anew: how it is watched and stopped, not what it trains; and the number of devices,
+# over which the same global batch is re-split (train/checkpoint.py, "Another number of devices").
 RESUME_MAY_CHANGE = frozenset({"resume", "progress", "eval", "timeout", "workers", "threads", "output", "run_name",
-                               "cluster_token", "checkpoint_every", "checkpoint_every_s", "keep_checkpoints"})
+                               "cluster_token", "checkpoint_every", "checkpoint_every_s", "keep_checkpoints",
+                               "devices"})
 
 
 def _resumed(run_dir: str, given: dict[str, Any]) -> TrainConfig:
@@ -280,20 +288,20 @@ def resolve(cfg: TrainConfig) -> RunSpec:
         raise EdgetrainError(f"--compress {compress.text} applies momentum inside the hook (DGC momentum "
                              "correction); set --momentum 0 so that it is not applied twice")
     # FSDP2's collectives and the pipeline's sends are PyTorch's own (train/fsdp.py and train/pipeline.py count
-    # their bytes): they do not pass through edgetrain's compressors, sync modes or link emulation yet.
+    # their bytes and charge them to the link emulation), not edgetrain's compressors or sync modes.
     own_exchanges = {"fsdp": "parameter all-gathers and gradient reduce-scatters",
                      "pipeline": "activation and gradient sends between stages"}
     if cfg.strategy in own_exchanges:
         for key, text, ignored in (("compress", compress.text, compress.method != "none"),
-                                   ("sync", sync.text, sync.mode != "sync"), ("link", cfg.link, link is not None)):
+                                   ("sync", sync.text, sync.mode != "sync")):
             if ignored:
                 raise EdgetrainError(f"config key '{key}' {text} does not apply to strategy {cfg.strategy}, whose "
-                                     f"{own_exchanges[cfg.strategy]} are uncompressed, synchronous and not "
-                                     f"link-emulated; drop --{key} or use --strategy ddp")
+                                     f"{own_exchanges[cfg.strategy]} are uncompressed and synchronous; "
+                                     f"drop --{key} or use --strategy ddp")
+    if cfg.strategy == "pipeline" and cfg.link_mode == "enforced":
+        raise EdgetrainError("link mode enforced does not apply to strategy pipeline, whose sends are charged on a "
+                             "timeline of micro-batches (train/pipeline.py); use --link-mode virtual")
     pipeline = _resolve_pipeline(cfg) if cfg.strategy == "pipeline" else None
-    if cfg.strategy in own_exchanges and (cfg.checkpoint_every or cfg.checkpoint_every_s or cfg.resume):
-        raise EdgetrainError(f"checkpoints and --resume do not support strategy {cfg.strategy} yet (its state is "
-                             f"sharded or split over the devices); drop --checkpoint-every/--resume or use --strategy ddp")
     if pipeline is None and cfg.stages != "auto":
         raise EdgetrainError(f"config key 'stages' {cfg.stages} needs strategy pipeline (--strategy pipeline)")
     tiling = None
@@ -321,7 +329,7 @@ def resolve(cfg: TrainConfig) -> RunSpec:
     if partition.local and cfg.strategy in ("tiled", "pipeline"):
         raise EdgetrainError(f"config key 'partition' {partition.text} does not apply to strategy {cfg.strategy}, "
                              "where every device reads the whole batch; drop --partition or use --strategy ddp")
-    if sync.mode == "fedavg" and not partition.local:
+    if sync.mode == "fedavg" and not partition.local and not cfg.cluster:  # a cluster file may give devices data
         raise EdgetrainError(f"--sync {sync.text} trains each device on its own data, which needs a partition; "
                              "add --partition iid, dirichlet:ALPHA or shards:K")
     if not 0 < cfg.participation <= 1:
@@ -330,17 +338,59 @@ def resolve(cfg: TrainConfig) -> RunSpec:
     for key, changed in (("server_opt", server_opt.text != "fedavg"), ("participation", cfg.participation != 1)):
         if changed and sync.mode != "fedavg":
             raise EdgetrainError(f"config key '{key}' applies to federated rounds only; add --sync fedavg:E")
+    round_deadline = parse_round_deadline(cfg.round_deadline)
+    if round_deadline is not None and (sync.mode not in ("local", "fedavg") or cfg.strategy != "ddp"):
+        # sync and tiled step together every step; gossip's pairwise and async's background exchanges have no
+        # round for a deadline to close (comm/deadline.py says how async's staleness bound relates)
+        raise EdgetrainError(f"config key 'round_deadline' {round_deadline.text} bounds the rounds of --sync local:H "
+                             f"and fedavg:E, which --sync {sync.text} with strategy {cfg.strategy} does not have; "
+                             "drop --round-deadline or use --sync local:H or fedavg:E")
     if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
         # torch.utils.tensorboard writes the files but needs this package; a device would fail only after start-up
         raise EdgetrainError("config key 'tensorboard' needs the tensorboard package, which is not installed; "
                              "pip install tensorboard (or edgetrain[tensorboard]), or drop --tensorboard")
+    faults = parse_faults(os.environ.get(FAULT_ENV))
+    min_devices = _resolve_min_devices(cfg, sync, partition, faults)
     return RunSpec(compress, sync, link, cfg.link_mode, cfg.strategy, tiling, cfg.timeout, cfg.seed,
                    cfg.accelerator, cfg.batchnorm, pipeline=pipeline, partition=partition, server_opt=server_opt,
-                   participation=cfg.participation,
+                   participation=cfg.participation, round_deadline=round_deadline,
                    checkpoint=CheckpointSpec(cfg.checkpoint_every, cfg.keep_checkpoints, cfg.resume,
                                              cfg.checkpoint_every_s),
-                   fault=parse_fault(os.environ.get(FAULT_ENV)), tensorboard=cfg.tensorboard,
-                   dedup=parse_dedup(cfg.dedup))
+                   faults=faults, tensorboard=cfg.tensorboard,
+                   dedup=parse_dedup(cfg.dedup), min_devices=min_devices)
+
+
+def _resolve_min_devices(cfg: TrainConfig, sync, partition, faults) -> int | None:
+    """``--min-devices K`` below the device count (elastic membership, train/elastic.py), else None (fail-stop).
+
+    A cluster file's device count is only known after planning: ``train`` checks K against it."""
+    k = cfg.min_devices
+    back = next((f for f in faults if f.back_s is not None), None)
+    if back is not None and (k is None or k >= cfg.devices):
+        raise EdgetrainError(f"{FAULT_ENV} brings device {back.rank} back after {back.back_s:g} s, which needs an "
+                             f"elastic run; add --min-devices below --devices or drop :back=")
+    if k is None or (not cfg.cluster and k == cfg.devices):
+        return None
+    if "WORLD_SIZE" in os.environ:
+        raise EdgetrainError("--min-devices is for emulated devices on this host; under torchrun use its elastic "
+                             "restarts (--nnodes MIN:MAX)")
+    if not cfg.cluster and k > cfg.devices:
+        raise EdgetrainError(f"--min-devices {k} is more than the {cfg.devices} devices of the run; give 1 to "
+                             f"{cfg.devices}")
+    refusals = (
+        (cfg.strategy != "ddp", f"strategy {cfg.strategy} splits the model or the images over the devices; "
+                                f"use --strategy ddp"),
+        (sync.mode not in ("sync", "local"), f"--sync {sync.text} is not elastic yet; use --sync sync or local:H"),
+        (bool(cfg.checkpoint_every or cfg.checkpoint_every_s or cfg.resume),
+         "survivors restore from a peer, not from checkpoints; drop --checkpoint-every/--resume"),
+        (partition.local, f"--partition {partition.text} would lose a departed device's data; drop --partition"),
+        (cfg.local_batch not in ("even", "balanced"), f"local_batch {cfg.local_batch} cannot be re-split over the "
+                                                       f"devices that remain; use even or balanced"),
+    )
+    for refused, why in refusals:
+        if refused:
+            raise EdgetrainError(f"--min-devices {k} (elastic membership) does not apply here: {why}")
+    return k
 
 
 def _resolve_pipeline(cfg: TrainConfig) -> PipelineSpec:

@@ -6,6 +6,8 @@ Files of a run directory and the record each line or file holds:
   (step, rank) when the run ends; while it runs each device appends its own
   lines to ``metrics-<rank>.jsonl`` (see ``train.loop``);
 - ``evals.jsonl``: one ``EvalRecord`` per evaluation, appended as it happens;
+- ``membership.jsonl``: one ``MembershipRecord`` per membership change of an
+  elastic run (``--min-devices``, train/elastic.py), appended as it happens;
 - ``summary.json``: one ``RunSummary`` (with a ``DeviceSummary`` per device).
 
 Every record is a dataclass with ``to_dict()`` (JSON-able) and
@@ -162,13 +164,16 @@ class StepRecord(Record):
     ``comm_busy_s`` is None where the strategy cannot see its collectives;
     the ``virtual_*`` fields are the device clock's (modelled in virtual link
     mode), ``staleness`` (async) and ``local_steps`` (local SGD) only where
-    the sync mode has them.
+    the sync mode has them. ``round_status`` (local SGD and federated rounds,
+    at a round's last step): ``joined``, ``missed_deadline`` or ``not_sampled``.
+    A step the device sat out (not sampled, or past the round's deadline) has
+    0 samples and ``loss`` None.
     """
 
     step: int
     epoch: int
     rank: int
-    loss: float
+    loss: float | None
     samples: int
     samples_per_s: float
     step_s: float
@@ -187,9 +192,10 @@ class StepRecord(Record):
     virtual_comm_s: float | None = None
     staleness: int | None = None
     local_steps: int | None = None
+    round_status: str | None = None
 
     omit_when_none: ClassVar[tuple[str, ...]] = ("page_faults", "virtual_s", "virtual_compute_s", "virtual_comm_s",
-                                                 "staleness", "local_steps")
+                                                 "staleness", "local_steps", "round_status")
 
 
 @dataclass
@@ -200,6 +206,27 @@ class EvalRecord(Record):
     step: int
     test_loss: float
     test_accuracy: float
+
+
+@dataclass
+class MembershipRecord(Record):
+    """A device set change of an elastic run (a line of ``membership.jsonl``, and ``RunSummary.membership``).
+
+    ``step``: the step the new set runs first (a failed step is redone, not counted twice); ``devices``: the
+    devices that left or joined, by their rank at the start of the run; ``state_from``: ``peer`` (a
+    survivor's memory) or ``checkpoint`` (a resume: ``--resume`` or a torchrun restart, whose ``cause``
+    says which); ``took_s``: from the change being noticed to the state restored, measured on the new
+    set's rank 0 (for a resume: reading and spreading the checkpoint).
+    """
+
+    wall_s: float
+    step: int
+    kind: str            # leave, join, or restart (a resume on as many devices)
+    devices: list[int]
+    world: int           # devices training after the change
+    state_from: str
+    took_s: float
+    cause: str = ""      # a resume's: "resume" or "torchrun restart"
 
 
 @dataclass(kw_only=True)
@@ -263,6 +290,7 @@ class RunSummary(Record):
     test_loss: float | None = None
     test_accuracy: float | None = None
     evals: list[EvalRecord] = field(default_factory=list)
+    membership: list[MembershipRecord] = field(default_factory=list)
     per_device: list[DeviceSummary]
     throughput_samples_per_s: float
     achieved_gflops: float | None = None

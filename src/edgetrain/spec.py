@@ -52,6 +52,9 @@ refuses combinations that cannot run (``RunSpec``'s docstring lists them).
 ``fedadam[:lr=0.01][:beta1=0.9][:beta2=0.99][:eps=0.001]`` (Reddi et al.
 2021), applied to the pseudo-gradient ``global - mean(client models)``.
 
+``--round-deadline off|auto|SECONDS`` (rounds of ``local:H`` and ``fedavg:E`` only): a
+``DeadlineSpec``; what it does is ``comm/deadline.py``'s docstring.
+
 ``--partition none|iid|dirichlet:ALPHA|shards:K``: ``none`` shares one
 globally shuffled dataset (data parallel); the others give each device its
 own part of the training set (``data.partition``).
@@ -71,8 +74,9 @@ model (``tiling.strategy.plan_section``), not here.
 
 ``--checkpoint-every``, ``--checkpoint-every-s``, ``--keep-checkpoints`` and ``--resume`` make a
 ``CheckpointSpec`` (train/checkpoint.py); the ``EDGETRAIN_FAULT``
-environment variable (``kill|stop|disconnect:rank=R:step=S``, a test and
-chaos hook, cluster/faults.py) a ``FaultSpec``.
+environment variable (``kill|stop|disconnect:rank=R:step=S``, several
+separated by ``;``, a test and chaos hook, cluster/faults.py) a tuple of
+``FaultSpec``.
 """
 from __future__ import annotations
 
@@ -637,6 +641,40 @@ def parse_stages(text: str) -> tuple[int, ...] | None:
     return starts
 
 
+# ---------------------------------------------------------------- round deadline
+
+@dataclass(frozen=True)
+class DeadlineSpec:
+    """``--round-deadline``: how long a round of local steps may take on a device's clock (comm/deadline.py).
+
+    ``seconds`` fixes it; ``None`` is ``auto``: ``factor`` x the median of the
+    sampled devices' round times over the last ``window`` rounds, at least ``floor_s``.
+    """
+
+    seconds: float | None = None
+    factor: float = 2.0
+    floor_s: float = 0.05
+    window: int = 5
+    text: str = "auto"
+
+
+def parse_round_deadline(text: str | float | None) -> DeadlineSpec | None:
+    """``off`` (or None) -> None; ``auto`` -> the adaptive deadline; ``SECONDS`` (> 0) -> a fixed one."""
+    value = str(text if text is not None else "off").strip().lower()
+    if value in ("off", "none", "no", "false"):
+        return None
+    if value == "auto":
+        return DeadlineSpec()
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise EdgetrainError(f"round deadline {text!r} is not off, auto or a number of seconds > 0; e.g. "
+                             "--round-deadline auto (2x the median round time) or --round-deadline 1.5")
+    return DeadlineSpec(seconds=seconds, text=value)
+
+
 # ---------------------------------------------------------------- EDGETRAIN_FAULT
 
 FAULT_ENV = "EDGETRAIN_FAULT"
@@ -645,30 +683,56 @@ FAULT_ACTIONS = ("kill", "stop", "disconnect")
 
 @dataclass(frozen=True)
 class FaultSpec:
-    """A fault to inject (``cluster/faults.py``): ``action`` on device ``rank`` at the start of step ``step``."""
+    """A fault to inject (``cluster/faults.py``): ``action`` on device ``rank`` at the start of step ``step``;
+    ``back_s``: the launcher starts the killed device again that many seconds later (elastic runs only)."""
 
     action: str   # FAULT_ACTIONS
     rank: int
     step: int
+    back_s: float | None = None
 
 
 def parse_fault(text: str | None) -> FaultSpec | None:
-    """``EDGETRAIN_FAULT=kill|stop|disconnect:rank=R:step=S`` (empty or unset: no fault)."""
+    """``EDGETRAIN_FAULT=kill|stop|disconnect:rank=R:step=S[:back=SECONDS]`` (empty or unset: no fault)."""
     if not text or not text.strip():
         return None
     usage = (f"{FAULT_ENV}={text!r} must be ACTION:rank=R:step=S with ACTION kill, stop or disconnect, "
-             f"e.g. kill:rank=1:step=5")
+             f"e.g. kill:rank=1:step=5 (kill may add :back=SECONDS)")
     action, *rest = text.strip().lower().split(":")
     fields = dict(part.partition("=")[::2] for part in rest)
-    if action not in FAULT_ACTIONS or sorted(fields) != ["rank", "step"] or len(rest) != 2:
+    optional = ["back"] if action == "kill" and "back" in fields else []
+    if action not in FAULT_ACTIONS or sorted(fields) != sorted(["rank", "step", *optional]) \
+            or len(rest) != 2 + len(optional):
         raise EdgetrainError(usage)
     try:
         rank, step = int(fields["rank"]), int(fields["step"])
+        back_s = float(fields["back"]) if optional else None
     except ValueError:
         raise EdgetrainError(usage) from None
-    if rank < 0 or step < 0:
-        raise EdgetrainError(f"{usage} (rank and step >= 0)")
-    return FaultSpec(action, rank, step)
+    if rank < 0 or step < 0 or (back_s is not None and not back_s >= 0):
+        raise EdgetrainError(f"{usage} (rank, step and back >= 0)")
+    return FaultSpec(action, rank, step, back_s)
+
+
+def parse_faults(text: str | None) -> tuple[FaultSpec, ...]:
+    """``EDGETRAIN_FAULT=FAULT[;FAULT...]``, each as ``parse_fault`` reads it (empty or unset: none).
+
+    A device can do only one fault at a step, and the launcher starts every lost device again after one
+    delay (``ElasticLaunch.back_s``), so two faults of one device at one step, or kills with different
+    ``back``, are refused."""
+    faults = tuple(parse_fault(part) for part in (text or "").split(";") if part.strip())
+    where = [(f.rank, f.step) for f in faults]
+    if len(set(where)) < len(where):
+        raise EdgetrainError(f"{FAULT_ENV}={text!r} gives one device two faults at one step; keep one of them")
+    if len({f.back_s for f in faults if f.back_s is not None}) > 1:
+        raise EdgetrainError(f"{FAULT_ENV}={text!r} brings killed devices back after different delays; "
+                             f"give every kill the same :back=SECONDS")
+    return faults
+
+
+def back_after_s(faults: tuple[FaultSpec, ...]) -> float | None:
+    """How long after a device is lost the launcher starts it again (None: never); one value, see above."""
+    return next((f.back_s for f in faults if f.back_s is not None), None)
 
 
 # ---------------------------------------------------------------- dedup
@@ -735,7 +799,9 @@ class RunSpec:
     ``grid`` or ``groups`` without ``strategy: tiled``;
     ``partition`` with ``strategy: tiled`` (every device reads the whole
     batch); ``sync: fedavg`` without a ``partition`` (federated devices train on
-    their own data); ``server_opt`` or ``participation`` without ``sync: fedavg``;
+    their own data) nor a cluster file (whose devices' ``data`` the launcher
+    checks: data/device_data.py); ``server_opt`` or ``participation`` without ``sync: fedavg``;
+    ``round_deadline`` without ``sync: local`` or ``fedavg`` (no rounds to bound);
     ``tensorboard`` where the tensorboard package is not installed.
     """
 
@@ -753,7 +819,9 @@ class RunSpec:
     partition: PartitionSpec = PartitionSpec()     # each device's own data, or one shared dataset
     server_opt: ServerOptSpec = ServerOptSpec()    # fedavg rounds: the server's step
     participation: float = 1.0   # fedavg rounds: fraction of devices sampled per round
+    round_deadline: DeadlineSpec | None = None  # local / fedavg rounds: leave late devices out (None: off)
     checkpoint: CheckpointSpec = CheckpointSpec()
-    fault: FaultSpec | None = None  # from EDGETRAIN_FAULT, for tests and chaos runs
+    faults: tuple[FaultSpec, ...] = ()  # from EDGETRAIN_FAULT, for tests and chaos runs
+    min_devices: int | None = None  # elastic membership (train/elastic.py) below all devices; None: fail-stop
     tensorboard: bool = False    # rank 0 also writes TensorBoard event files (train.tensorboard_log)
     dedup: DedupSpec | None = None  # drop near-duplicate training images first (data/dedup.py)

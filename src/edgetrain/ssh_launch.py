@@ -37,8 +37,10 @@ What it does, in order (asyncssh, imported only here: ``pip install edgetrain[ss
    the launcher waits that plus ``_STOP_MARGIN_S`` for each, then closes the connections. A launcher
    that dies without stopping them closes its connections too, which ssh_node reads as the same request.
 
-Limits: torchrun restarts training from step 0 in a new run directory (a later resume is the
-checkpoint's business, not the launcher's); the first host is a single point of failure for the
+Limits: a restarted host's torchrun (the same ``--rdzv-id``) continues the run in ``train-<run id>`` from
+its newest checkpoint when the train command has ``--checkpoint-every`` (train/checkpoint.py, "torchrun
+restarts"; the hosts that can be rank 0 need that directory, e.g. a shared ``--output``), else starts
+again from step 0 in a new run directory; the first host is a single point of failure for the
 rendezvous (c10d backend); gloo's traffic and the rendezvous port are unencrypted (keep them on a
 trusted LAN; the SSH sessions carry only commands, the token and output). Tested against asyncssh's
 own server on 127.0.0.1 (tests/cluster/test_ssh_launch.py), which runs commands as OpenSSH's sshd does

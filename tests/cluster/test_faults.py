@@ -1,4 +1,5 @@
 """Fault injection (cluster/faults.py, EDGETRAIN_FAULT): parsing, and a device killed mid-run then resumed."""
+import json
 import os
 import subprocess
 import sys
@@ -9,7 +10,7 @@ import torch
 
 from edgetrain import train
 from edgetrain.errors import EdgetrainError
-from edgetrain.spec import FaultSpec, parse_fault
+from edgetrain.spec import FaultSpec, parse_fault, parse_faults
 from edgetrain.train.checkpoint import checkpoint_files, checkpoint_step
 from edgetrain_testing import FAST
 
@@ -25,6 +26,30 @@ def test_fault_spec_is_parsed_once_and_checked():
                 "kill:rank=-1:step=2"):
         with pytest.raises(EdgetrainError, match="must be ACTION:rank=R:step=S"):
             parse_fault(bad)
+
+
+def test_several_faults_are_separated_by_semicolons():
+    assert parse_faults("kill:rank=1:step=3:back=20; kill:rank=2:step=6:back=20") == (
+        FaultSpec("kill", 1, 3, 20.0), FaultSpec("kill", 2, 6, 20.0))
+    assert parse_faults("stop:rank=0:step=1;") == (FaultSpec("stop", 0, 1),)
+    assert parse_faults("") == () and parse_faults(None) == ()
+    refused = {"kill:rank=1:step=3;kill:rank=1:step=3:back=2": "gives one device two faults at one step",
+               "kill:rank=1:step=3:back=1;kill:rank=2:step=6:back=2": "give every kill the same :back=SECONDS",
+               "kill:rank=1:step=3;kill:rank=2": "must be ACTION:rank=R:step=S"}
+    for bad, message in refused.items():
+        with pytest.raises(EdgetrainError, match=message):
+            parse_faults(bad)
+
+
+def test_two_faults_in_one_elastic_run_both_happen(tmp_path, monkeypatch):
+    monkeypatch.setenv("EDGETRAIN_FAULT", "kill:rank=1:step=3;kill:rank=2:step=6")
+    summary = train(SMALL, devices=3, min_devices=1, compress="none", output=str(tmp_path), run_name="two")
+    changes = [json.loads(line) for line in (tmp_path / "two" / "membership.jsonl").read_text().splitlines()]
+    assert [(c["kind"], c["devices"], c["step"], c["world"]) for c in changes] == [
+        ("leave", [1], 3, 2), ("leave", [2], 6, 1)]
+    steps = [json.loads(line)["step"] for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(set(steps)) == list(range(10)) and summary["steps"] == 10  # every step trained, none twice
+    assert len(steps) == 3 * 3 + 2 * 3 + 1 * 4  # 3 devices for steps 0-2, 2 for 3-5, 1 for 6-9
 
 
 def test_a_malformed_fault_is_one_line_before_any_device_starts(tmp_path):

@@ -40,11 +40,19 @@ def _our_descendants() -> list[psutil.Process]:
             if "resource_tracker" not in " ".join(p.cmdline())]  # multiprocessing's, shared and kept
 
 
-def _running(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
+def _running(pid: int, grace_s: float = 5.0) -> bool:
+    """Still running after ``grace_s``: the kernel delivers the parent-death signal at once, but a loaded
+    host may take a moment to schedule the dying process."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return False
+        except psutil.NoSuchProcess:
+            return False
+        if time.monotonic() > deadline:
+            return True
+        time.sleep(0.05)
 
 
 def test_run_group_returns_tensors_by_rank_from_one_gloo_group():

@@ -35,3 +35,14 @@ def test_views_share_their_storage_and_nothing_outside_the_block_is_counted():
     (y.sum() + z.sum() + (x @ weight).sum()).backward()
     assert meter.bytes == 8 * 8 * 4
 
+
+
+def test_a_spawned_process_peak_is_its_own_not_its_launchers():
+    import subprocess
+    import sys
+
+    held = b"\x01" * (1 << 30)  # the launcher holds 1 GiB (touched) when it starts the device
+    code = "from edgetrain.cluster.throttle import peak_rss_mb; print(peak_rss_mb())"
+    child = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                                 check=True).stdout)
+    assert len(held) and 0 < child < 900, child  # torch and edgetrain imported: a few hundred MiB, not 1 GiB more

@@ -265,3 +265,53 @@ def overlapping_paths(rank: int, world: int) -> dict:
     results["fp16"] = {"pending": pending, "bytes": state.stats.bytes_sent,
                        "numel": sum(p.numel() for p in model.parameters())}
     return results
+
+
+def round_members(rank: int, world: int, cases: list[dict], slow_rank: int, slow_s: float) -> dict:
+    """Rounds through ``build_sync`` as the trainer drives them (``sync.trains`` first), device ``slow_rank``
+    sleeping ``slow_s`` per trained step; per case, what each round did on this device."""
+    from edgetrain.comm import build_sync
+    from edgetrain.comm.params import flatten
+
+    x, y = tiny_data(rank)
+    results = {}
+    for case in cases:
+        options = dict(case["options"])
+        sync = build_sync(tiny_model(), run_spec(**options), rank, world)
+        period = sync.period
+        opt = torch.optim.SGD(sync.model.parameters(), lr=0.1)
+        out = {"trained": [], "sent": [], "received": [], "local": [], "after": [], "round_wall_s": [],
+               "status": [], "control": [], "own_control": []}
+        round_started = time.perf_counter()
+        for step in range(case["steps"]):
+            before = sync.stats.snapshot()
+            trained = sync.trains(step)
+            if trained:
+                i = (step * 16) % len(x)
+                loss = nn.functional.cross_entropy(sync.model(x[i:i + 16]), y[i:i + 16])
+                opt.zero_grad()
+                loss.backward()
+                if rank == slow_rank:
+                    time.sleep(slow_s)  # stands in for a slow device's compute
+                sync.after_backward(step)
+                opt.step()
+            exchange = (step + 1) % period == 0
+            if exchange:
+                out["local"].append(flatten(sync.params))  # what this device would send
+            sync.after_step(step)
+            if exchange:
+                out["after"].append(flatten(sync.params))
+                out["round_wall_s"].append(time.perf_counter() - round_started)
+                out["status"].append(sync.step_metrics()["round_status"])
+                if getattr(sync, "scaffold", False):
+                    out["control"].append(sync.control.clone())
+                    out["own_control"].append(sync.own_control.clone())
+                round_started = time.perf_counter()
+            after = sync.stats.snapshot()
+            out["trained"].append(trained)
+            out["sent"].append(after["bytes_sent"] - before["bytes_sent"])
+            out["received"].append(after["bytes_recv"] - before["bytes_recv"])
+        sync.finish()
+        out["summary"] = sync.summary()
+        results[case["name"]] = out
+    return results

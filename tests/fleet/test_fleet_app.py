@@ -1,6 +1,7 @@
 """The Flower app (edgetrain.fleet): Flower's own Strategy.start, ClientApp dispatch and records, on an
 in-process Grid that hands each message to the ClientApp as a SuperNode's runtime does (an exception
-becomes an error reply); the global model must be what edgetrain's pure server step gives."""
+becomes an error reply, each node keeps its context.state for the run); the global model must be what a
+hand computation with edgetrain's pure functions (corrected_gradient, server_step) gives."""
 import subprocess
 import sys
 
@@ -10,16 +11,17 @@ import torch
 
 pytest.importorskip("flwr", reason="the fleet extra is not installed (pip install edgetrain[fleet])")
 
-from flwr.app import Context, Error, Message, RecordDict  # noqa: E402
+from flwr.app import ConfigRecord, Context, Error, Message, MessageType, RecordDict  # noqa: E402
 from flwr.clientapp import ClientApp  # noqa: E402
 from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode  # noqa: E402
 from flwr.serverapp import Grid  # noqa: E402
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
-from edgetrain.comm.federated import server_optimizer, server_step  # noqa: E402
+from edgetrain.comm.federated import corrected_gradient, server_optimizer, server_step  # noqa: E402
 from edgetrain.comm.params import flatten, unflatten  # noqa: E402
 from edgetrain.errors import EdgetrainError  # noqa: E402
 from edgetrain.fleet import app as fleet  # noqa: E402
+from edgetrain.train.loop import evaluate  # noqa: E402
 
 RUN = {"num-rounds": 2, "local-steps": 5, "batch-size": 16, "lr": 0.1, "partition": "iid",
        "server-opt": "fedavgm:lr=1:momentum=0.9", "min-nodes": 2, "round-timeout": 30.0}
@@ -34,10 +36,14 @@ def task_identity(monkeypatch):
 
 
 class InProcessGrid(Grid):
-    """Node ``i`` runs ``apps[i]`` with ``--node-config partition-id=i num-partitions=len(apps)``."""
+    """Node ``i`` runs ``apps[i]`` with ``--node-config partition-id=i num-partitions=len(apps)``, in one
+    context per node for the whole run (as a SuperNode keeps it): its state carries over between rounds."""
 
     def __init__(self, apps: list[ClientApp], run_config: dict):
         self.apps, self.run_config, self.rounds = apps, run_config, 0
+        self.contexts = [Context(run_id=1, node_id=node, state=RecordDict(), run_config=run_config,
+                                 node_config={"partition-id": node, "num-partitions": len(apps)})
+                         for node in range(len(apps))]
 
     def set_run(self, run):
         self._run = run
@@ -60,15 +66,13 @@ class InProcessGrid(Grid):
 
     def send_and_receive(self, messages, *, timeout=None):
         messages = list(messages)
-        self.rounds += bool(messages)  # Strategy.start also sends the (empty) evaluation round
+        self.rounds += any(msg.metadata.message_type == MessageType.TRAIN for msg in messages)
         replies = []
         for msg in messages:
             node = msg.metadata.dst_node_id
-            context = Context(run_id=1, node_id=node, state=RecordDict(), run_config=self.run_config,
-                              node_config={"partition-id": node, "num-partitions": len(self.apps)})
             TaskIdentity.node_id = node
             try:
-                replies.append(self.apps[node](msg, context))
+                replies.append(self.apps[node](msg, self.contexts[node]))
             except Exception as ex:  # as flwr's run_clientapp: the failure travels back as an error reply
                 replies.append(Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, repr(ex)), reply_to=msg))
             finally:
@@ -90,33 +94,61 @@ def failing_after(rounds: int) -> ClientApp:
     return app
 
 
-def expected_global(run: dict, takes_part) -> torch.Tensor:
-    """The global model by hand: each participant's local update, their mean, edgetrain's server step."""
+def expected_global(run: dict, takes_part, nodes: int = 2) -> torch.Tensor:
+    """The global model by hand: each participant's local SGD steps with FedProx's and SCAFFOLD's
+    corrections (comm/federated.py), their mean update, edgetrain's server step, SCAFFOLD's control step."""
     spec = fleet.fleet_spec(run)
     data = fleet.load_data(spec)
     model = fleet.global_model(spec, data)
-    x = flatten([p.detach() for p in model.parameters()]).requires_grad_(True)
+    params = list(model.parameters())
+    x = flatten([p.detach() for p in params]).requires_grad_(True)
     opt = server_optimizer(x, spec.server_opt)
+    control = torch.zeros_like(x.detach())
+    own_controls = [torch.zeros_like(control) for _ in range(nodes)]
     for server_round in range(1, spec.num_rounds + 1):
-        updates = []
-        for node in (n for n in range(2) if takes_part(n, server_round)):
-            _, part = fleet.client_partition(spec, data, {"partition-id": node, "num-partitions": 2})
-            unflatten(x.detach(), list(model.parameters()))
-            updates.append(fleet.local_update(spec, model, data, part, server_round, node)[0])
+        updates, control_changes = [], []
+        for node in (n for n in range(nodes) if takes_part(n, server_round)):
+            _, part = fleet.client_partition(spec, data, {"partition-id": node, "num-partitions": nodes})
+            start = x.detach().clone()
+            unflatten(start, params)
+            sgd = torch.optim.SGD(params, lr=spec.lr)
+            rng = np.random.default_rng((spec.seed, server_round, node))
+            gradients = []
+            for _ in range(spec.local_steps):
+                xb, yb = data.train[torch.from_numpy(rng.choice(part, size=spec.batch_size, replace=False))]
+                sgd.zero_grad()
+                torch.nn.functional.cross_entropy(model(xb), yb).backward()
+                gradients.append(flatten([p.grad for p in params]))
+                unflatten(corrected_gradient(gradients[-1], flatten([p.detach() for p in params]), start,
+                                             spec.prox_mu, control if spec.scaffold else None, own_controls[node]),
+                          [p.grad for p in params])
+                sgd.step()
+            updates.append(start - flatten([p.detach() for p in params]))
+            control_changes.append(torch.stack(gradients).mean(0) - own_controls[node])
+            own_controls[node] = own_controls[node] + control_changes[-1]
         server_step(x, torch.stack(updates).mean(0), opt)
+        control += torch.stack(control_changes).sum(0) / nodes
     return x.detach()
+
+
+def final_parameters(result) -> torch.Tensor:
+    """The global model's parameters (its record also holds BatchNorm statistics)."""
+    state = result.arrays.to_torch_state_dict()
+    spec = fleet.fleet_spec({})
+    names = [name for name, _ in fleet.global_model(spec, fleet.load_data(spec)).named_parameters()]
+    return flatten([state[name] for name in names])
 
 
 def test_flower_rounds_equal_edgetrains_server_step_and_lower_the_loss():
     result = fleet.run_server(InProcessGrid([fleet.client_app, fleet.client_app], RUN), RUN)
-    final = flatten(list(result.arrays.to_torch_state_dict().values()))
+    final = final_parameters(result)
     torch.testing.assert_close(final, expected_global(RUN, lambda node, r: True), rtol=0, atol=1e-6)
     spec = fleet.fleet_spec(RUN)
     data = fleet.load_data(spec)
     model = fleet.global_model(spec, data)
     x, y = data.test[torch.arange(len(data.test))]
     before = torch.nn.functional.cross_entropy(model.eval()(x), y).item()
-    fleet.load_parameters(model, result.arrays)
+    fleet.load_global(model, result.arrays)
     after = torch.nn.functional.cross_entropy(model.eval()(x), y).item()
     assert after < before - 0.02, (before, after)  # measured: 2.304 -> 2.272 (seeded)
     assert sorted(result.train_metrics_clientapp) == [1, 2]
@@ -126,7 +158,7 @@ def test_a_client_that_fails_is_dropped_from_the_round_and_the_run_goes_on():
     grid = InProcessGrid([fleet.client_app, failing_after(1)], RUN)
     result = fleet.run_server(grid, RUN)
     assert grid.rounds == 2
-    final = flatten(list(result.arrays.to_torch_state_dict().values()))
+    final = final_parameters(result)
     torch.testing.assert_close(final, expected_global(RUN, lambda node, r: node == 0 or r == 1), rtol=0, atol=1e-6)
 
 
@@ -134,10 +166,10 @@ def test_compressed_updates_are_decoded_on_the_server():
     run = {**RUN, "num-rounds": 1, "compress": "fp16", "server-opt": "fedavg"}
     result = fleet.run_server(InProcessGrid([fleet.client_app, fleet.client_app], run), run)
     payload_bytes = result.train_metrics_clientapp[1]["payload-bytes"]
-    numel = sum(t.numel() for t in result.arrays.to_torch_state_dict().values())
+    numel = final_parameters(result).numel()
     assert payload_bytes == 2 * numel  # fp16 on the wire
     exact = expected_global({**run, "compress": "none"}, lambda node, r: True)
-    final = flatten(list(result.arrays.to_torch_state_dict().values()))
+    final = final_parameters(result)
     assert not torch.equal(final, exact)  # the fp16 rounding reached the model...
     torch.testing.assert_close(final, exact, rtol=0, atol=1e-3)  # ...and nothing else
 
@@ -145,13 +177,69 @@ def test_compressed_updates_are_decoded_on_the_server():
 @pytest.mark.parametrize("compress", ["none", "fp16", "bf16", "int8", "qsgd", "topk:0.1", "sign", "threshold"])
 def test_every_decodable_compressor_crosses_the_wire_as_edgetrain_decodes_it(compress):
     spec = fleet.fleet_spec({"compress": compress})
-    client, direct = fleet.compressor_for(spec, 1, 0), fleet.compressor_for(spec, 1, 0)  # same noise (QSGD)
+    client, direct = fleet.compressor_for(spec, 1, 0)[0], fleet.compressor_for(spec, 1, 0)[0]  # same noise (QSGD)
     update = torch.randn(1000, generator=torch.Generator().manual_seed(0))
     wire = fleet.to_wire(client, update)
     payload = direct.encode(update)
     assert wire.dtype == np.uint8 and wire.nbytes == payload.nbytes
-    server = fleet.compressor_for(spec)
+    server = fleet.compressor_for(spec)[0]
     torch.testing.assert_close(fleet.from_wire(server, wire, update.numel()), direct.decode(payload), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("correction", [{"prox-mu": 1.0}, {"scaffold": True}], ids=["fedprox", "scaffold"])
+def test_fedprox_and_scaffold_rounds_equal_a_hand_computation(correction):
+    # 3 nodes, the last one fails in round 2: SCAFFOLD's control then steps by sum_S / N with |S| = 2 < N = 3
+    run = {**RUN, **correction, "server-opt": "fedavg", "fraction-evaluate": 0.0, "min-nodes": 3}
+    grid = InProcessGrid([fleet.client_app, fleet.client_app, failing_after(1)], run)
+    final = final_parameters(fleet.run_server(grid, run))
+    takes_part = lambda node, r: node < 2 or r == 1  # noqa: E731
+    # SCAFFOLD single-threaded (torch's thread count as earlier tests leave it) differs from the hand loop by
+    # up to 1.03e-5 in 1% of the elements, with two threads not at all: not yet explained, so the bound is
+    # 3e-5 there (a wrong control step moves the model by more than 1e-4, checked below)
+    atol = 3e-5 if correction.get("scaffold") else 1e-6
+    torch.testing.assert_close(final, expected_global(run, takes_part, nodes=3), rtol=0, atol=atol)
+    plain = expected_global({**run, "prox-mu": 0.0, "scaffold": False}, takes_part, nodes=3)
+    assert (final - plain).abs().max() > 1e-4  # the correction changed the model, beyond the tolerance
+
+
+def test_error_feedback_carries_what_a_round_did_not_send_to_the_next():
+    run = {**RUN, "compress": "topk:0.1"}
+    spec = fleet.fleet_spec(run)
+    data = fleet.load_data(spec)
+    model = fleet.global_model(spec, data)
+    _, part = fleet.client_partition(spec, data, {"partition-id": 0, "num-partitions": 2})
+    context = Context(run_id=1, node_id=0, state=RecordDict(), run_config=run,
+                      node_config={"partition-id": 0, "num-partitions": 2})
+    numel = sum(p.numel() for p in model.parameters())
+    sent, updates = [], []
+    for server_round in (1, 2):  # the same global model both times: only the device's state differs
+        msg = Message(RecordDict({"arrays": fleet.model_record(model),
+                                  "config": ConfigRecord({"server-round": server_round})}),
+                      dst_node_id=0, message_type=MessageType.TRAIN)
+        wire = fleet.train(msg, context).content["arrays"][fleet.UPDATE].numpy()
+        sent.append(fleet.from_wire(fleet.compressor_for(spec)[0], wire, numel))
+        updates.append(fleet.local_update(spec, fleet.global_model(spec, data), data, part, server_round, 0).update)
+    residual = context.state[fleet.STATE].to_torch_state_dict()["residuals/update"]
+    assert (sent[0] != 0).sum() == (sent[1] != 0).sum() < numel // 5  # top 10% went, the rest waited
+    torch.testing.assert_close(sent[0] + sent[1] + residual, updates[0] + updates[1], rtol=0, atol=1e-6)
+
+
+def test_federated_evaluation_and_the_saved_model_are_the_global_models(tmp_path):
+    run = {**RUN, "num-rounds": 1, "output-dir": str(tmp_path / "fleet")}
+    result = fleet.run_server(InProcessGrid([fleet.client_app, fleet.client_app], run), run)
+    spec = fleet.fleet_spec(run)
+    data = fleet.load_data(spec)
+    model = fleet.global_model(spec, data)
+    saved = torch.load(tmp_path / "fleet" / fleet.MODEL_FILE)
+    assert saved.keys() == model.state_dict().keys()
+    for name, tensor in result.arrays.to_torch_state_dict().items():
+        torch.testing.assert_close(saved[name], tensor, rtol=0, atol=0)
+    model.load_state_dict(saved)
+    loss, accuracy = evaluate(model, data.test, rank=0, world=1)
+    # both devices evaluated their own test splits, which cover the test set: the weighted mean is the whole set's
+    assert result.evaluate_metrics_clientapp[1]["eval-accuracy"] == pytest.approx(accuracy, abs=1e-9)
+    assert result.evaluate_metrics_clientapp[1]["eval-loss"] == pytest.approx(loss, rel=1e-6)
+    assert not torch.equal(saved["features.1.running_mean"], torch.zeros(32))  # the clients' statistics
 
 
 @pytest.mark.parametrize("run_config, message", [
@@ -162,6 +250,10 @@ def test_every_decodable_compressor_crosses_the_wire_as_edgetrain_decodes_it(com
     ({"lr": "fast"}, "lr must be a number, got 'fast'"),
     ({"num-rounds": 2.5}, "num-rounds must be a whole number, got 2.5"),
     ({"model": "resnet81"}, "unknown model 'resnet81'"),
+    ({"prox-mu": -0.1}, "prox-mu must be >= 0"),
+    ({"fraction-evaluate": 1.5}, "fraction-evaluate must be in"),
+    ({"scaffold": "yes"}, "scaffold must be a true or false"),
+    ({"output-dir": "/proc/fleet"}, "output-dir /proc/fleet is under /proc"),
 ])
 def test_bad_run_config_is_one_clear_error(run_config, message):
     with pytest.raises(EdgetrainError, match=message):

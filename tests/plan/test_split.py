@@ -1,5 +1,6 @@
 """The split planner (plan/split.py): memory limits respected, slow devices get less, clear refusals."""
 import pytest
+from torch import nn
 
 from edgetrain.cluster.profiles import BUILTIN_PROFILES
 from edgetrain.errors import EdgetrainError
@@ -88,3 +89,43 @@ def test_no_stage_is_left_without_parameters_to_train():
     layers = [LayerCost(f"layer{i}", 1e9, int(MIB) if i % 2 == 0 else 0, 0, 0.0, 4096.0) for i in range(4)]
     plan = plan_split(layers, [StageDevice("fast", 100.0), StageDevice("slow", 0.1)], batch=8, microbatches=2)
     assert plan.bounds == [(0, 2), (2, 4)]
+
+
+def test_a_cut_over_a_slow_link_moves_to_where_the_activations_are_small():
+    # six equal layers; layer 1's output is 1 KiB per sample, every other one 1 MiB
+    layers = [LayerCost(f"layer{i}", 1e9, MIB, 0, 0.0, 1024.0 if i == 1 else float(MIB)) for i in range(6)]
+    devices = [StageDevice("a", 10.0), StageDevice("b", 10.0)]
+    assert plan_split(layers, devices, batch=32, microbatches=4).bounds == [(0, 3), (3, 6)]  # no link: balanced
+    slow = plan_split(layers, devices, batch=32, microbatches=4, transfer_s=lambda s, nbytes: 0.01 + nbytes / 1e6)
+    assert slow.bounds == [(0, 2), (2, 6)]
+    # 4 micro-batches of 8 samples, an activation forward and a gradient back each: 8 transfers of 8 KiB
+    assert slow.cut_s == pytest.approx([8 * (0.01 + 8 * 1024 / 1e6)])
+    assert slow.step_s == pytest.approx(4 * 32e9 / 10e9)  # the 4-layer stage; cutting after layer 2 would cost 67 s
+    assert "link to the next" in slow.explain()[0]
+
+
+def test_an_element_wise_layer_on_large_maps_costs_its_memory_traffic_not_its_flops():
+    layers = layer_costs([("conv", nn.Conv2d(3, 16, 3, padding=1)), ("bn", nn.BatchNorm2d(16)), ("relu", nn.ReLU())],
+                         (3, 32, 32))
+    relu, maps = layers[2], 16 * 32 * 32 * 4  # bytes of one sample's 16 x 32 x 32 float map
+    # counted by hand: forward reads x and writes y; backward reads the gradient and y and writes x's gradient
+    assert relu.train_flops == 0 and relu.traffic_bytes == 5 * maps and relu.pass_traffic_bytes == 0
+    assert layers[1].traffic_bytes == 5 * maps  # BatchNorm too: no FLOPs counted, five maps moved
+    compute_only = plan_split(layers, [StageDevice("zero", 10.3)], batch=64, microbatches=4)
+    roofline = plan_split(layers, [StageDevice("zero", 10.3, memory_gbps=3.6)], batch=64, microbatches=4)
+    conv_s = layers[0].train_flops * 64 / 10.3e9
+    assert compute_only.stage_s[0] == pytest.approx(conv_s)
+    # conv stays compute-bound; BatchNorm and ReLU each take 5 maps x 64 samples (+ BatchNorm's weights per pass)
+    # at 3.6 GB/s
+    elementwise_s = (2 * 5 * maps * 64 + 4 * layers[1].pass_traffic_bytes) / 3.6e9
+    assert roofline.stage_s[0] == pytest.approx(conv_s + elementwise_s)
+    assert roofline.stage_s[0] > 2 * compute_only.stage_s[0]
+
+
+def test_when_the_link_bounds_the_step_the_stages_still_balance_behind_it():
+    # every cut carries the same 1 MiB per sample, so every split's link time ties; the fast device gets more
+    layers = [LayerCost(f"layer{i}", 1e9, MIB, 0, 0.0, float(MIB)) for i in range(10)]
+    devices = [StageDevice("fast", 40.0), StageDevice("slow", 10.0)]
+    plan = plan_split(layers, devices, batch=32, microbatches=4, transfer_s=lambda s, nbytes: 1.0 + nbytes / 1e6)
+    assert plan.step_s == plan.cut_s[0] > max(plan.stage_s)
+    assert _sizes(plan) == [8, 2]  # as without the link: 4x the speed, 4x the layers

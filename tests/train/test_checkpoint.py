@@ -12,7 +12,8 @@ from edgetrain.config import load_config
 from edgetrain.data import GlobalBatchSampler
 from edgetrain.errors import EdgetrainError
 from edgetrain.spec import CheckpointSpec
-from edgetrain.train.checkpoint import Checkpointer, check_resumable, checkpoint_files, checkpoint_step
+from edgetrain.train.checkpoint import (Checkpointer, check_resumable, check_resume_devices, checkpoint_files,
+                                        checkpoint_step, device_state_for, elastic_run_dir)
 from edgetrain_testing import FAST, run_cli
 
 # 128 synthetic images in global batches of 32: 4 steps an epoch, so step 6 is in the middle of epoch 1.
@@ -29,6 +30,8 @@ def final_model(run_dir) -> dict:
     (1, "none", "sync"),
     (2, "topk:0.1", "sync"),         # error-feedback residuals of the DDP hook, per parameter
     (2, "topk:0.1", "local:4"),      # reference model and residuals in the middle of a local period
+    (2, "none", "async:1"),          # the round in flight at the checkpoint, applied at the next step
+    (2, "powersgd:2:start=2", "sync"),  # P, Q, residuals: the resumed first step runs on DDP's first bucket layout
 ])
 def test_resumed_run_ends_as_the_uninterrupted_one(tmp_path, devices, compress, sync):
     run_dir = Path(train(SMALL, devices=devices, compress=compress, sync=sync, output=str(tmp_path))["run_dir"])
@@ -115,6 +118,7 @@ def test_resume_refuses_an_option_that_changes_the_training(tmp_path):
     run_dir.mkdir()
     (run_dir / "config.yaml").write_text("lr: 0.05\ndevices: 2\n")
     assert load_config(resume=str(run_dir), progress=False, timeout=10).devices == 2  # how it is watched: fine
+    assert load_config(resume=str(run_dir), devices=3).devices == 3  # the global batch is re-split over them
     with pytest.raises(EdgetrainError, match=r"option 'lr' is 0.1 but the run in .* was trained with 0.05; "
                                              r".*drop --lr"):
         load_config(resume=str(run_dir), lr=0.1)
@@ -138,3 +142,103 @@ def test_resume_reads_the_newest_whole_checkpoint_and_removes_a_killed_writers_t
     run_state, mine = reader.load()
     assert run_state["step"] == 1 and torch.equal(mine["weights"], torch.ones(3))
     assert not killed_write.exists()
+
+
+@pytest.mark.slow
+def test_resumed_on_fewer_devices_ends_as_the_uninterrupted_run(tmp_path):
+    # Cross-device BatchNorm: 2 devices then compute what 1 device does with the same global batch, so the
+    # run resumed on 1 device must end where the 2-device run did if batch, learning rate and sampler
+    # position were carried over right.
+    run_dir = Path(train(SMALL, devices=2, batchnorm="sync", output=str(tmp_path))["run_dir"])
+    uninterrupted = final_model(run_dir)
+    checkpoint_files(run_dir)[-1].unlink()  # killed after step 6's checkpoint
+    summary = train({"resume": str(run_dir), "devices": 1})
+    assert summary["devices"] == 1 and summary["steps"] == 10
+    resumed = final_model(run_dir)
+    for name, value in uninterrupted.items():
+        assert torch.allclose(value.double(), resumed[name].double(), rtol=0, atol=1e-6), name
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # device 1's steps before the checkpoint stay in the metrics
+    assert sorted((r["step"], r["rank"]) for r in lines) == sorted([(s, r) for s in range(6) for r in range(2)]
+                                                                   + [(s, 0) for s in range(6, 10)])
+    membership = [json.loads(line) for line in (run_dir / "membership.jsonl").read_text().splitlines()]
+    assert [{k: m[k] for k in ("step", "kind", "devices", "world", "state_from", "cause")} for m in membership] == [
+        {"step": 6, "kind": "leave", "devices": [1], "world": 1, "state_from": "checkpoint", "cause": "resume"}]
+
+
+def _device(rank: int, residual: float) -> dict:
+    """A device's checkpoint entry as the loop writes it, with an error-feedback residual."""
+    return {"strategy": {"model": {"w": torch.full((2,), float(rank))},
+                         "sync": {"codec": {"compressor": {}, "memory": {"residual": {"params": torch.ones(2) * residual}}}}},
+            "optimizer": {"rank": rank}, "rng": {"rank": rank}, "records": [{"rank": rank}],
+            "epoch_totals": [1.0 + rank, 2.0, 3.0], "throttle": {"rank": rank}, "ema_loss": 0.5}
+
+
+def test_another_device_count_starts_from_device_0_and_drops_per_device_state():
+    saved = [_device(0, 1.0), _device(1, 2.0)]
+    fewer, dropped = device_state_for(saved, rank=0, world=1)
+    assert torch.equal(fewer["strategy"]["model"]["w"], torch.zeros(2)) and fewer["optimizer"] == {"rank": 0}
+    assert fewer["strategy"]["sync"]["codec"]["memory"] == {"residual": {}}
+    assert fewer["epoch_totals"] == [3.0, 4.0, 6.0]  # the epoch's running totals of both devices, on rank 0
+    assert dropped == ["error-feedback residuals", "the RNG state of device(s) 1"]
+    added, dropped = device_state_for(saved, rank=2, world=3)
+    assert added["rng"] is None and added["records"] == [] and added["epoch_totals"] == [0.0, 0.0, 0.0]
+    assert added["throttle"] == {"rank": 0} and added["optimizer"] == {"rank": 0}
+    assert dropped == ["error-feedback residuals"]
+    assert saved[1]["strategy"]["sync"]["codec"]["memory"]["residual"]  # the checkpoint itself is left alone
+
+
+def test_a_partitioned_run_resumes_only_on_as_many_devices(tmp_path):
+    writer = Checkpointer(CheckpointSpec(every_steps=1), str(tmp_path), rank=0, world=1, timeout_s=5)
+    writer.save(1, {"step": 1}, {"weights": torch.ones(3)})
+    check_resume_devices(tmp_path, devices=1, partitioned=True)
+    check_resume_devices(tmp_path, devices=2, partitioned=False)
+    with pytest.raises(EdgetrainError, match=r"written by 1 devices, each with its own partition .* --devices 1"):
+        check_resume_devices(tmp_path, devices=2, partitioned=True)
+
+
+def test_torchrun_restarts_share_one_run_directory_named_by_the_run_id(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job/7")
+    assert elastic_run_dir(str(tmp_path), None) == tmp_path / "train-job_7"
+    assert elastic_run_dir(str(tmp_path), "mine") == tmp_path / "mine"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's default id: no job to recognise
+    assert elastic_run_dir(str(tmp_path), None) is None
+
+
+class _Bucket:
+    """What ``PowerSGDHookState.follow_layout`` reads of DDP's ``GradBucket``."""
+
+    def __init__(self, index, params):
+        self._index, self._params = index, params
+
+    def index(self):
+        return self._index
+
+    def parameters(self):
+        return self._params
+
+
+def test_powersgd_state_follows_its_parameters_into_another_bucket_layout():
+    from edgetrain.comm.compress.powersgd import PowerSGDHookState
+
+    weight, bias, head = (torch.nn.Parameter(torch.zeros(shape)) for shape in ((16, 12), (16,), (10, 16)))
+    state = PowerSGDHookState(rank=2)
+    state.follow_layout(_Bucket(0, [weight, bias, head]))
+    # As PyTorch's hook leaves one bucket: a residual per gradient entry; P (n x 2) and Q (m x 2) per matrix
+    # it compresses (weight, head; not bias), in that order.
+    error, p, q = torch.arange(16 * 12 + 16 + 160.0), torch.arange(32 + 20.0), torch.arange(24 + 32.0)
+    state.psgd.error_dict[0], state.psgd.p_memory_dict[0], state.psgd.q_memory_dict[0] = error, p, q
+    # Through a checkpoint, then DDP's other layout: two buckets, in another order.
+    names = {id(weight): "weight", id(bias): "bias", id(head): "head"}
+    saved = torch.load(_saved(state.state_dict(names)), weights_only=True)
+    state.load_state_dict(saved, {name: i for i, name in names.items()})
+    state.follow_layout(_Bucket(0, [head]))
+    state.follow_layout(_Bucket(1, [bias, weight]))
+    assert torch.equal(state.psgd.error_dict[0], error[208:])
+    assert torch.equal(state.psgd.error_dict[1], torch.cat([error[192:208], error[:192]]))
+    assert torch.equal(state.psgd.p_memory_dict[0], p[32:]) and torch.equal(state.psgd.q_memory_dict[0], q[24:])
+    assert torch.equal(state.psgd.p_memory_dict[1], p[:32]) and torch.equal(state.psgd.q_memory_dict[1], q[:24])
+    # and back to one bucket within the same process
+    state.follow_layout(_Bucket(0, [weight, bias, head]))
+    assert torch.equal(state.psgd.error_dict[0], error) and torch.equal(state.psgd.p_memory_dict[0], p)
+    assert 1 not in state.psgd.error_dict

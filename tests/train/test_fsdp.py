@@ -1,4 +1,5 @@
-"""``--strategy fsdp`` (train/fsdp.py): DDP's parameters step for step, counted bytes, clear refusals."""
+"""``--strategy fsdp`` (train/fsdp.py): DDP's parameters step for step, counted bytes, charged links, refusals."""
+import json
 from pathlib import Path
 
 import pytest
@@ -37,9 +38,38 @@ def test_fsdp_gives_ddps_parameters_after_k_steps_and_counts_its_bytes(tmp_path)
     params = sum(v.numel() for k, v in fsdp_state.items() if "running" not in k and "num_batches" not in k)
     assert fsdp["bytes_sent_per_step_per_device"] == 3 * params * 4 // 2
     assert all(d["peak_rss_mb"] > 0 for d in fsdp["per_device"])
+    assert fsdp["link_mode"] == "none" and fsdp["comm_time_is"] == "measured"  # no --link: host time, as before
 
 
-@pytest.mark.parametrize("key, value", [("link", "wifi-20m"), ("compress", "fp16"), ("sync", "local:4")])
+def _records(summary):
+    lines = (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+@pytest.mark.slow
+def test_fsdp_charges_every_collective_to_the_link_on_the_device_clock(tmp_path):
+    latency, bandwidth = 0.010, 1e6  # 8mbit:10ms, no jitter: each collective is one ring round on 2 devices
+    summary = train(dict(model="small_cnn", dataset="digits", steps=2, batch_size=32, lr=0.1, devices=2,
+                         output=str(tmp_path), **FAST), strategy="fsdp", link="8mbit:10ms")
+    units_with_parameters = summary["fsdp"]["units"] - 1  # small_cnn's root holds none
+    steps = {}
+    for r in _records(summary):
+        # by hand: per unit two all-gathers and a reduce-scatter, each latency + bytes / bandwidth
+        assert r["virtual_comm_s"] == pytest.approx(3 * units_with_parameters * latency + r["bytes_sent"] / bandwidth)
+        steps.setdefault(r["step"], []).append(r)
+    previous = {0: 0.0, 1: 0.0}
+    for step in sorted(steps):
+        # no overlap: the latest device's clock after its compute, then every collective of the step
+        start = max(previous[r["rank"]] + r["virtual_compute_s"] for r in steps[step])
+        for r in steps[step]:
+            # abs: a device reads its compute when it arrives and again, a few lines later, when it closes the step
+            assert r["virtual_s"] == pytest.approx(start + r["virtual_comm_s"], abs=2e-3)
+            previous[r["rank"]] = r["virtual_s"]
+    assert summary["link_mode"] == "virtual" and summary["virtual_time_max_device_s"] == pytest.approx(
+        max(previous.values()))
+
+
+@pytest.mark.parametrize("key, value", [("compress", "fp16"), ("sync", "local:4")])
 def test_fsdp_refuses_options_its_collectives_ignore(key, value):
     with pytest.raises(EdgetrainError, match=f"config key '{key}' .* does not apply to strategy fsdp"):
         resolve(TrainConfig(strategy="fsdp", **{key: value}))

@@ -1,4 +1,6 @@
-"""``--strategy pipeline`` (train/pipeline.py, plan/stages.py): one device's parameters, counted bytes, refusals."""
+"""``--strategy pipeline`` (train/pipeline.py, plan/stages.py): one device's parameters, counted bytes, the
+link-charged timeline, refusals."""
+import json
 from pathlib import Path
 
 import pytest
@@ -9,7 +11,8 @@ from edgetrain_testing import FAST
 from edgetrain import train
 from edgetrain.config import TrainConfig, resolve
 from edgetrain.errors import EdgetrainError
-from edgetrain.plan.stages import check_sequential, pipeline_layers, stage_bounds
+from edgetrain.plan.stages import (BACKWARD, FORWARD, check_sequential, pipeline_layers, pipeline_timeline,
+                                   schedule_order, stage_bounds)
 from edgetrain.spec import PipelineSpec
 
 HIDDEN = 24
@@ -50,7 +53,9 @@ def test_pipeline_gives_one_devices_parameters_after_k_steps_and_counts_each_cut
     steps, batch = 3, 32
     cfg = dict(dataset="digits", steps=steps, batch_size=batch, lr=0.1, output=str(tmp_path), **FAST)
     one = _weights(train(cfg, model=_model(), devices=1, run_name="one"))
-    runs = {"gpipe": train(cfg, model=_model(), devices=2, strategy="pipeline", microbatches=4, run_name="gpipe"),  # planned
+    # gpipe over a slow link (the timeline: below), 1f1b on the host's own network
+    runs = {"gpipe": train(cfg, model=_model(), devices=2, strategy="pipeline", microbatches=4, link=SLOW_LINK,
+                           run_name="gpipe"),  # planned
             "1f1b": train(cfg, model=_model(), devices=3, strategy="pipeline", stages="2,4", microbatches=8,
                           pipeline_schedule="1f1b", run_name="1f1b")}
     for name, summary in runs.items():
@@ -65,11 +70,56 @@ def test_pipeline_gives_one_devices_parameters_after_k_steps_and_counts_each_cut
     assert runs["1f1b"]["bytes_sent_total"] == steps * 2 * per_cut
     assert runs["gpipe"]["pipeline"]["stages"] == ["stage 0: layers 0-1 (body.0 .. body.1)",
                                                    "stage 1: layers 2-5 (body.2 .. body.5)"]
-    assert runs["gpipe"]["pipeline"]["plan"][-1].startswith("bottleneck stage 0")
+    # over 1 Mbit/s the cut's transfers, not a stage, bound the step: the planner says so
+    assert runs["gpipe"]["pipeline"]["plan"][-1].startswith("bottleneck the link after stage 0")
+    assert runs["1f1b"]["link_mode"] == "none" and runs["1f1b"]["comm_time_is"] == "measured"
+    _check_gpipe_timeline(runs["gpipe"], microbatches=4, activation_bytes=batch // 4 * HIDDEN * 4)
+
+
+SLOW_LINK, LATENCY, BANDWIDTH = "1mbit:100ms", 0.100, 125_000  # bytes/s; no jitter
+FORWARD_S, BACKWARD_S, TRANSFER_S = 1.0, 2.0, 0.5
+
+
+def _check_gpipe_timeline(summary, microbatches, activation_bytes):
+    """Two stages, GPipe, a link whose latency dwarfs compute: each stage's link carries 2 M transfers a step,
+    queued on the sender's link, so stage 0's step lasts 2 M transfers plus at most both stages' compute."""
+    transfer = LATENCY + activation_bytes / BANDWIDTH
+    records = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    clock = {0: 0.0, 1: 0.0}
+    for step in range(summary["steps"]):
+        mine = {r["rank"]: r for r in records if r["step"] == step}
+        for r in mine.values():
+            assert r["virtual_comm_s"] == pytest.approx(2 * microbatches * transfer)
+        elapsed = mine[0]["virtual_s"] - clock[0]
+        assert 2 * microbatches * transfer <= elapsed <= (2 * microbatches * transfer + mine[0]["virtual_compute_s"]
+                                                          + mine[1]["virtual_compute_s"] + 1e-9)
+        clock = {rank: r["virtual_s"] for rank, r in mine.items()}
+    assert summary["link_mode"] == "virtual" and summary["virtual_time_max_device_s"] == pytest.approx(clock[0])
+
+
+def test_the_timeline_shows_the_bubble_and_queues_each_stages_sends():
+    # 2 stages, GPipe, 2 micro-batches: forward 1 s, backward 2 s, each transfer 0.5 s. By hand:
+    # stage 0: F0 0-1 (a0 arrives 1.5), F1 1-2 (a1 arrives 2.5), then waits for g0; B0 6-8, B1 8-10
+    # stage 1: F0 1.5-2.5, F1 2.5-3.5, B0 3.5-5.5 (g0 arrives 6), B1 5.5-7.5 (g1 arrives 8)
+    order = schedule_order("gpipe", 0, 2, 2)
+    assert order == [(FORWARD, 0), (FORWARD, 1), (BACKWARD, 0), (BACKWARD, 1)]
+    actions = [[(kind, chunk, FORWARD_S if kind == FORWARD else BACKWARD_S) for kind, chunk in order]] * 2
+    ends, link_s = pipeline_timeline([0.0, 0.0], actions, lambda kind, sender, receiver: TRANSFER_S)
+    assert ends == [10.0, 7.5] and link_s == [2.0, 2.0]
+    # stage 0 computed 6 s of its 10: the bubble and the transfers on the critical path are the rest;
+    # a stage that starts later (its clock ahead) delays the other through the sends
+    assert pipeline_timeline([0.0, 3.0], actions, lambda *_: TRANSFER_S)[0] == [11.5, 9.0]
+
+
+def test_1f1b_order_is_pytorchs():
+    # stage 0 of 2, 4 micro-batches: 2 warm-up forwards, one backward and one forward in turn, then the rest
+    assert schedule_order("1f1b", 0, 2, 4) == [(FORWARD, 0), (FORWARD, 1), (BACKWARD, 0), (FORWARD, 2),
+                                               (BACKWARD, 1), (FORWARD, 3), (BACKWARD, 2), (BACKWARD, 3)]
+    assert schedule_order("1f1b", 1, 2, 2) == [(FORWARD, 0), (BACKWARD, 0), (FORWARD, 1), (BACKWARD, 1)]
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(link="wifi-20m"), "config key 'link' wifi-20m does not apply to strategy pipeline"),
+    (dict(link="wifi-20m", link_mode="enforced"), "link mode enforced does not apply to strategy pipeline"),
     (dict(batchnorm="sync"), "each BatchNorm lives on one stage"),
     (dict(microbatches=5), "microbatches' 5 does not divide batch_size 64"),
     (dict(stages="4,2"), "increasing layer indices"),

@@ -12,6 +12,7 @@ from edgetrain import train
 from edgetrain.bench import flops
 from edgetrain.cluster import throttle
 from edgetrain.models import build_model
+from edgetrain.models.init import build_on_meta, materialise
 
 
 class TwoLayerNet(nn.Module):
@@ -82,8 +83,8 @@ def test_a_passed_model_is_each_devices_own_copy_and_the_callers_stays_as_it_was
     model changed under it."""
     cfg = dict(FAST, dataset="digits", steps=3, devices=2, batch_size=32, seed=0, output=str(tmp_path))
     train(cfg, run_name="registered")
-    torch.manual_seed(0)  # the devices build a registered model right after seeding with the run's seed
-    mine = build_model("small_cnn", 1, 10)
+    # built as the devices build a registered model: on meta, then each layer initialised from the run's seed
+    mine = materialise(build_on_meta(build_model, "small_cnn", 1, 10), seed=0, device=torch.device("cpu"))
     before = {k: v.clone() for k, v in mine.state_dict().items()}
     train(cfg, model=mine, run_name="passed")
     registered, passed = (torch.load(tmp_path / name / "checkpoint.pt", weights_only=True)["model"]

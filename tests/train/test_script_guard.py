@@ -12,7 +12,7 @@ edgetrain.train(dict(devices=2, steps=1, batch_size=8, progress=False, eval=Fals
 def test_unguarded_script_is_told_to_add_the_guard(tmp_path):
     script = tmp_path / "noguard.py"
     script.write_text(SCRIPT.format(output=str(tmp_path / "runs")))
-    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert r.returncode == 1
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("edgetrain.errors.EdgetrainError: device 0 (host) failed: edgetrain.train was called "

@@ -51,11 +51,18 @@ def test_n_devices_match_one_device_resnet18(tmp_path):
     # convolutions in another order than 1-thread devices do, and at 16x16 ResNet-18's last BatchNorms see
     # 2x2 maps of 2 images per device, which amplify that float noise past the tolerance within two steps
     # (measured on an AVX-512/AMX host: 1.5e-4 in layer2.1.conv2.weight; exact to 1e-6 with both changes).
-    cfg = dict(model="resnet18", dataset="synthetic", image_size=32, synthetic_samples=64, steps=2, batch_size=8,
+    cfg = dict(model="resnet18", dataset="synthetic", image_size=32, synthetic_samples=64, steps=1, batch_size=8,
                lr=0.05, batchnorm="sync", threads=1, output=str(tmp_path), **FAST)
+    # One step and a looser bound than small_cnn's: one device uses nn.BatchNorm2d, several
+    # CrossDeviceBatchNorm2d, whose moments differ in the last bit, and where a ReLU input lies within that
+    # rounding of 0 (as with the per-layer initial weights of models/init.py: 7.7e-8) the unit flips: the
+    # weights differ by 1.3e-4 after one
+    # step, 1.1e-3 after two (the flips compound). Seeds 1, 2 and 3 of the old whole-model initialisation
+    # flipped too; seed 0 happened not to. A wrong exchange is far past this bound: local instead of
+    # synchronised BatchNorm differs by 1e-2 after one step.
     one = checkpoint(train(cfg, devices=1))
-    assert_same_state(one, checkpoint(train(cfg, devices=2)))
-    assert_same_state(one, checkpoint(train(cfg, devices=4)))
+    assert_same_state(one, checkpoint(train(cfg, devices=2)), atol=5e-4)
+    assert_same_state(one, checkpoint(train(cfg, devices=4)), atol=5e-4)
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Fault injection for tests and chaos runs: ``EDGETRAIN_FAULT=ACTION:rank=R:step=S``.
+"""Fault injection for tests and chaos runs: ``EDGETRAIN_FAULT=ACTION:rank=R:step=S[;...]``.
 
 As torchft's tests do (a failure injected at a chosen replica and step),
 device ``R`` does ``ACTION`` to itself at the start of step ``S``: after any
@@ -12,8 +12,16 @@ checkpoint due at that step, before the batch is taken.
   peers' next collective fails), then stays alive without a word for
   ``--timeout`` seconds and ends with one line.
 
-The variable is parsed once, into ``RunSpec.fault``, by ``config.resolve``:
-a malformed value is one line before any device starts. It is an
+Several faults are separated by ``;`` (``kill:rank=1:step=40:back=20;
+kill:rank=3:step=90:back=20``, as benchmarks/chaos.py sets): each device
+does those that name it, at their steps; at most one per device and step.
+In an elastic run a killed device that comes back does not do the faults of
+its rank at or before the step it rejoins at (the one that took it down,
+and those it missed while away).
+
+The variable is parsed once, into ``RunSpec.faults``, by ``config.resolve``
+(``spec.parse_faults``): a malformed value is one line before any device
+starts. It is an
 environment variable, not an option, so that it never lands in a run's
 ``config.yaml``; a resumed run injects it again only if it is still set.
 """
@@ -29,9 +37,10 @@ from edgetrain.errors import EdgetrainError
 from edgetrain.spec import FaultSpec
 
 
-def inject_fault(fault: FaultSpec | None, rank: int, step: int, timeout_s: float) -> None:
-    """Do ``fault`` if it is this device's at this step; otherwise nothing."""
-    if fault is None or (fault.rank, fault.step) != (rank, step):
+def inject_fault(faults: tuple[FaultSpec, ...], rank: int, step: int, timeout_s: float) -> None:
+    """Do the fault of ``faults`` that is this device's at this step, if there is one."""
+    fault = next((f for f in faults if (f.rank, f.step) == (rank, step)), None)
+    if fault is None:
         return
     if fault.action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)

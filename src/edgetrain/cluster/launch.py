@@ -6,6 +6,11 @@ the same environment ``torchrun`` gives its workers (``RANK``, ``WORLD_SIZE``,
 same in both cases. It then watches them: the first device to fail stops the
 run, the others are stopped at once, and the error that caused it (not the
 "connection closed" its peers saw next) is raised as one clear message.
+In an elastic run (``--min-devices`` below the device count) a device
+whose process ends without a word is no failure while enough remain: the
+launcher's ``Lighthouse`` (cluster/membership.py) tells the others, who go
+on (train/elastic.py), may start it again, and ends the run in one line
+naming the devices lost only when fewer than ``--min-devices`` remain.
 
 The rendezvous store of an emulated run is hosted by the launcher on a socket
 bound to 127.0.0.1 (PyTorch's ``TCPStore(master_listen_fd=...)``), and the
@@ -77,6 +82,7 @@ from typing import Any, Callable
 
 import psutil
 
+from edgetrain.cluster.membership import JOIN_ENV, ElasticLaunch, Lighthouse
 from edgetrain.errors import EdgetrainError, Terminated, raise_on_sigterm
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
@@ -145,8 +151,10 @@ def _loopback_interface() -> str | None:
 
 
 def _child(rank: int, world: int, port: int, parent_pid: int, target: Callable, args: tuple, results: Any,
-           log_dir: str | None) -> None:
+           log_dir: str | None, joining: bool = False) -> None:
     _die_with_parent(parent_pid)
+    if joining:  # started again in an elastic run: it joins the devices that went on (train/elastic.py)
+        os.environ[JOIN_ENV] = "1"
     os.setpgrp()
     signal.signal(signal.SIGTERM, raise_on_sigterm)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
@@ -278,12 +286,16 @@ def _quiet_resource_tracker() -> None:
 
 def launch_local(world: int, target: Callable, args: tuple, labels: list[str], log_dir: str | None = None,
                  grace_s: float = 1.0, deadline_s: float | None = None,
-                 deadline_fix: str = "give it more time") -> list[Any]:
+                 deadline_fix: str = "give it more time", elastic: ElasticLaunch | None = None) -> list[Any]:
     """Run ``target(*args)`` in ``world`` spawned processes; return their results in rank order.
 
     A device that fails with an unexpected exception leaves its traceback in ``log_dir/device-<rank>.log``
     (without ``log_dir`` it prints it). Devices still running ``deadline_s`` after the start are stopped and
     reported in one line ending with ``deadline_fix``.
+
+    ``elastic``: a device whose process ends without a word (killed, unplugged) is no failure while
+    ``elastic.min_devices`` remain; the ``Lighthouse`` (cluster/membership.py) tells the others, who go on
+    without it, and the device is started again ``elastic.back_s`` later if set. Its result is ``None``.
     """
     try:
         pickle.dumps(args)
@@ -294,22 +306,32 @@ def launch_local(world: int, target: Callable, args: tuple, labels: list[str], l
     ctx = mp.get_context("spawn")
     _quiet_resource_tracker()
     results = ctx.Queue()
-    procs = [ctx.Process(target=_child, args=(r, world, port, os.getpid(), target, args, results, log_dir),
-                         name=f"edgetrain-device-{r}") for r in range(world)]
+
+    def device(rank: int, joining: bool = False):
+        return ctx.Process(target=_child, args=(rank, world, port, os.getpid(), target, args, results, log_dir,
+                                                joining), name=f"edgetrain-device-{rank}")
+
+    procs = [device(r) for r in range(world)]
+    lighthouse = Lighthouse(store, world, elastic, labels) if elastic else None
+    down: set[int] = lighthouse.down if lighthouse else set()  # lost in an elastic run, not running now
+    restarts: dict[int, float] = {}  # elastic: device -> when to start it again
+    elastic_end: str | None = None
     done: dict[int, Any] = {}
+
+    def unfinished() -> list[int]:
+        """Devices still to report; in an elastic run, of the current members (a device started again and
+        not admitted yet is stopped with the rest when they are done)."""
+        return [r for r in range(world) if r not in done and r not in down
+                and (lighthouse is None or r in lighthouse.members)]
+
     failures: list[tuple[int, str, bool]] = []
     first_failure: float | None = None
     silent: dict[int, str] = {}
     late: list[int] = []
     started = time.monotonic()
     try:
-        os.environ[_DEVICE_ENV] = str(os.getpid())  # the devices inherit the environment at start
-        try:
-            for p in procs:
-                p.start()
-        finally:
-            del os.environ[_DEVICE_ENV]
-        while len(done) < world:
+        _start(procs)
+        while unfinished():
             try:
                 kind, rank, value, clear = results.get(timeout=0.2)
                 if kind == "done":
@@ -319,7 +341,12 @@ def launch_local(world: int, target: Callable, args: tuple, labels: list[str], l
             except queue.Empty:
                 pass
             for rank, p in enumerate(procs):
-                if rank in done or p.exitcode in (None, 0) or any(f[0] == rank for f in failures):
+                if rank in done or rank in down or p.exitcode in (None, 0) or any(f[0] == rank for f in failures):
+                    continue
+                if lighthouse:  # ended without a word: the others go on without it
+                    elastic_end = elastic_end or lighthouse.lost(rank)
+                    if elastic.back_s is not None:
+                        restarts[rank] = time.monotonic() + elastic.back_s
                     continue
                 # Give a dying process a moment to deliver its message.
                 if first_failure is None or time.monotonic() - first_failure > 0.3:
@@ -327,6 +354,10 @@ def launch_local(world: int, target: Callable, args: tuple, labels: list[str], l
                            else _UNGUARDED_MAIN_FIX if p.exitcode == _UNGUARDED_MAIN_EXIT
                            else f"its process exited with code {p.exitcode}")
                     failures.append((rank, how, True))
+            if lighthouse and not elastic_end:
+                elastic_end = _membership(lighthouse, procs, done, restarts, device)
+            if elastic_end:
+                break
             if failures and first_failure is None:
                 first_failure = time.monotonic()
             if first_failure is not None and time.monotonic() - first_failure > grace_s:
@@ -336,23 +367,51 @@ def launch_local(world: int, target: Callable, args: tuple, labels: list[str], l
             if deadline_s is not None and not failures and time.monotonic() - started > deadline_s:
                 late = [r for r in range(world) if r not in done]
                 break
-            if all(p.exitcode is not None for p in procs) and len(done) < world and not failures:
+            missing = unfinished()
+            if all(p.exitcode is not None for p in procs) and missing and not failures:
                 # Everyone exited but a result went missing (e.g. the queue's feeder died).
-                missing = [r for r in range(world) if r not in done]
                 failures.append((missing[0], "exited without reporting a result", True))
                 first_failure = time.monotonic() - grace_s
     finally:
-        _stop([p for p in procs if p.pid is not None], finished=len(done) == world)
+        waiting = [p for r, p in enumerate(procs) if r not in done and lighthouse and r not in lighthouse.members]
+        _stop([p for p in waiting if p.pid is not None], finished=False)  # started again, never admitted
+        _stop([p for p in procs if p.pid is not None and p not in waiting], finished=not unfinished())
         results.close()
         results.join_thread()
         del store  # closes the rendezvous port
+    if elastic_end:
+        raise EdgetrainError(elastic_end)
     if failures:
         rank, msg = _root_cause(failures, silent)
         raise EdgetrainError(f"{labels[rank]} failed: {msg}; the other devices were stopped")
     if late:
         raise EdgetrainError(f"{', '.join(labels[r] for r in late)} did not finish within {deadline_s:g} s "
                              f"and {'were' if len(late) > 1 else 'was'} stopped; {deadline_fix}")
-    return [done[r] for r in range(world)]
+    return [done.get(r) for r in range(world)]
+
+
+def _start(procs: list) -> None:
+    os.environ[_DEVICE_ENV] = str(os.getpid())  # the devices inherit the environment at start
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        del os.environ[_DEVICE_ENV]
+
+
+def _membership(lighthouse: Lighthouse, procs: list, done: dict, restarts: dict[int, float],
+                device: Callable) -> str | None:
+    """An elastic run's turn of the launcher's loop: start lost devices again when due, let the lighthouse
+    decide a generation, stop the members it left out; the run's last line if too few devices remain."""
+    for rank, when in list(restarts.items()):
+        if time.monotonic() >= when and len(done) == 0:  # not once the others are finishing
+            del restarts[rank]
+            lighthouse.restarting(rank)
+            procs[rank] = device(rank, joining=True)
+            _start([procs[rank]])
+    left_out, end = lighthouse.poll({r for r, p in enumerate(procs) if p.is_alive() and r not in done})
+    _stop([procs[r] for r in left_out], finished=False)  # their exit is then seen as lost, like any other
+    return end
 
 
 def _in_gloo_group(fn: Callable, args: tuple, timeout_s: float, threads: int | None) -> bytes:

@@ -58,7 +58,8 @@ from edgetrain.errors import EdgetrainError
 TOKEN_ENV = "EDGETRAIN_CLUSTER_TOKEN"
 # Keys that are each node's own business: where its files are, how it reports, how long it waits.
 NODE_LOCAL_KEYS = frozenset({"data_dir", "output", "run_name", "progress", "workers", "threads", "devices",
-                             "timeout", "cluster_token", "tensorboard"})
+                             "timeout", "cluster_token", "tensorboard",
+                             "resume"})  # rank 0 alone reads the checkpoint (a torchrun restart: only its node)
 _DIGEST_BYTES = 32
 
 
@@ -120,6 +121,16 @@ def all_gather_bytes(payload: bytes, group=None) -> list[bytes]:
     padded = [torch.zeros(max(lengths), dtype=torch.uint8) for _ in lengths]
     dist.all_gather(padded, _to_tensor(payload, max(lengths)), group=group)
     return [t[:n].numpy().tobytes() for t, n in zip(padded, lengths)]
+
+
+def broadcast_bytes(payload: bytes, src: int, timeout_s: float, what: str) -> bytes:
+    """``src``'s ``payload`` on every device (the others pass anything): its length, then the bytes;
+    each collective bounded by ``wait``."""
+    length = torch.tensor([len(payload)], dtype=torch.int64)
+    wait(dist.broadcast(length, src=src, async_op=True), timeout_s, what)
+    buffer = _to_tensor(payload if dist.get_rank() == src else b"", int(length.item()))
+    wait(dist.broadcast(buffer, src=src, async_op=True), timeout_s, what)
+    return buffer.numpy().tobytes()
 
 
 def all_gather_json(value: Any, group=None) -> list[Any]:

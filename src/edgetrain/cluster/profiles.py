@@ -15,6 +15,11 @@ A cluster file lists the devices of a run::
       - rpi4                   # a profile name
       - {profile: jetson-nano, batch: 24, link: wifi-20m}
       - {profile: pi-zero, count: 2}
+
+A device entry may give ``data``: the path of that device's own training
+data, an image folder or a ``.npz`` (``data/device_data.py``; a relative
+path is taken from the cluster file's folder). Then each device reads only
+its own file and only model updates cross the network.
 """
 from __future__ import annotations
 
@@ -39,6 +44,7 @@ class DeviceProfile:
     gflops: float | None = None       # sustained dense fp32 GFLOPS of the whole device; None = host speed
     speed: float | None = None        # compute speed relative to one host core; overrides gflops
     memory_mb: int | None = None      # memory the device has; None = no limit
+    memory_gbps: float | None = None  # rated memory bandwidth (bus width x transfer rate), GB/s; None = unknown
     link: str | None = None           # link preset or spec (see edgetrain.spec)
     description: str = ""
 
@@ -48,20 +54,23 @@ class DeviceProfile:
 # = 45.8 GFLOPS peak, at the same ~30% LINPACK efficiency as the Pi's A72): about 13.7 GFLOPS.
 BUILTIN_PROFILES: dict[str, DeviceProfile] = {
     "host": DeviceProfile("host", description="this machine, unthrottled"),
-    "rpi4": DeviceProfile("rpi4", cores=4, gflops=15.5, memory_mb=4096, link="lan-1g",
+    "rpi4": DeviceProfile("rpi4", cores=4, gflops=15.5, memory_mb=4096, memory_gbps=12.8, link="lan-1g",
                           description="Raspberry Pi 4 Model B, 4x Cortex-A72 1.5 GHz, 4 GB"),
-    "jetson-nano": DeviceProfile("jetson-nano", cores=4, gflops=13.7, memory_mb=4096, link="lan-1g",
+    "jetson-nano": DeviceProfile("jetson-nano", cores=4, gflops=13.7, memory_mb=4096, memory_gbps=25.6, link="lan-1g",
                                  description="Jetson Nano CPU, 4x Cortex-A57 1.43 GHz, 4 GB (GPU not emulated)"),
 }
 # The small devices of memory pooling (issue 13). Cores, clocks and memory from the vendors' pages (README,
 # "Device profiles"); GFLOPS modelled as the jetson-nano's: cores x GHz x fp32 FLOP/cycle (128-bit FMA:
 # 8 on Cortex-A53, two pipes: 16 on A76 and A78AE) x 15.5 / 48, the rpi4's LINPACK over its peak.
-BUILTIN_PROFILES.update({name: DeviceProfile(name, cores, gflops, memory_mb=memory_mb, link=link, description=text)
-                         for name, cores, gflops, memory_mb, link, text in (
-    ("smart-speaker-2g", 4, 15.5, 2048, "wifi-20m", "generic 2 GB smart speaker, 4x Cortex-A53 1.5 GHz"),
-    ("rpi-zero-2w", 4, 10.3, 512, "wifi-20m", "Raspberry Pi Zero 2 W, 4x Cortex-A53 1 GHz, 512 MB"),
-    ("rpi5", 4, 49.6, 4096, "lan-1g", "Raspberry Pi 5 (4 GB), 4x Cortex-A76 2.4 GHz"),
-    ("jetson-orin-nano", 6, 46.5, 8192, "lan-1g", "Jetson Orin Nano 8 GB CPU, 6x Cortex-A78AE 1.5 GHz (GPU not emulated)"),
+# Memory GB/s: rated, bus width x transfer rate of the SDRAM the vendors name (README, "Device profiles").
+BUILTIN_PROFILES.update({name: DeviceProfile(name, cores, gflops, memory_mb=memory_mb, memory_gbps=gbps, link=link,
+                                             description=text)
+                         for name, cores, gflops, memory_mb, gbps, link, text in (
+    ("smart-speaker-2g", 4, 15.5, 2048, 12.8, "wifi-20m", "generic 2 GB smart speaker, 4x Cortex-A53 1.5 GHz"),
+    ("rpi-zero-2w", 4, 10.3, 512, 3.6, "wifi-20m", "Raspberry Pi Zero 2 W, 4x Cortex-A53 1 GHz, 512 MB"),
+    ("rpi5", 4, 49.6, 4096, 17.1, "lan-1g", "Raspberry Pi 5 (4 GB), 4x Cortex-A76 2.4 GHz"),
+    ("jetson-orin-nano", 6, 46.5, 8192, 68.0, "lan-1g",
+     "Jetson Orin Nano 8 GB CPU, 6x Cortex-A78AE 1.5 GHz (GPU not emulated)"),
 )})
 
 _PROFILE_KEYS = {f.name for f in dataclasses.fields(DeviceProfile)} - {"name"}
@@ -75,6 +84,7 @@ class DeviceSpec:
     profile: DeviceProfile
     batch: int | None = None          # local batch, if the cluster file fixes it
     link: str | None = None
+    data: str | None = None           # this device's own training data (image folder or .npz), if it has one
 
     @property
     def label(self) -> str:
@@ -130,7 +140,7 @@ def _make_profile(name: str, spec: dict, known: dict[str, DeviceProfile], source
     for key in ("cores", "memory_mb"):
         if key in spec and (not isinstance(spec[key], int) or spec[key] < 1):
             raise EdgetrainError(f"profile '{name}' in {source}: {key} must be a positive integer, not {spec[key]!r}")
-    for key in ("gflops", "speed"):
+    for key in ("gflops", "speed", "memory_gbps"):
         if key in spec and (not isinstance(spec[key], (int, float)) or spec[key] <= 0):
             raise EdgetrainError(f"profile '{name}' in {source}: {key} must be a positive number, not {spec[key]!r}")
     if "gflops" in spec and "speed" not in spec:
@@ -167,19 +177,25 @@ def load_cluster(path: str | os.PathLike) -> list[DeviceSpec]:
             entry = {"profile": entry}
         if not isinstance(entry, dict) or "profile" not in entry:
             raise EdgetrainError(f"cluster file {source}: device entry {i + 1} needs a 'profile' key, got {entry!r}")
-        bad = set(entry) - {"profile", "batch", "link", "count"}
+        bad = set(entry) - {"profile", "batch", "link", "count", "data"}
         if bad:
             raise EdgetrainError(f"cluster file {source}: device entry {i + 1} has unknown key '{sorted(bad)[0]}'; "
-                                 f"valid keys: profile, batch, link, count")
+                                 f"valid keys: profile, batch, link, count, data")
         count = entry.get("count", 1)
         batch = entry.get("batch")
         if not isinstance(count, int) or count < 1:
             raise EdgetrainError(f"cluster file {source}: device entry {i + 1} count must be a positive integer")
         if batch is not None and (not isinstance(batch, int) or batch < 1):
             raise EdgetrainError(f"cluster file {source}: device entry {i + 1} batch must be a positive integer")
+        data_path = entry.get("data")
+        if data_path is not None and (not isinstance(data_path, str) or not data_path):
+            raise EdgetrainError(f"cluster file {source}: device entry {i + 1} data must be the path of an image "
+                                 f"folder or a .npz file, not {data_path!r}")
+        if data_path is not None:
+            data_path = str(Path(path).parent / Path(data_path).expanduser())  # an absolute path stays as it is
         profile = get_profile(str(entry["profile"]), profiles)
         for _ in range(count):
-            devices.append(DeviceSpec(len(devices), profile, batch, entry.get("link") or profile.link))
+            devices.append(DeviceSpec(len(devices), profile, batch, entry.get("link") or profile.link, data_path))
     return devices
 
 
@@ -191,7 +207,7 @@ def plan_devices(cfg: Any, world_size: int | None = None) -> list[DeviceSpec]:
             raise EdgetrainError(f"cluster file {cfg.cluster} lists {len(devices)} devices but "
                                  f"WORLD_SIZE is {world_size}; launch one process per listed device")
         if cfg.link:
-            devices = [DeviceSpec(d.rank, d.profile, d.batch, cfg.link) for d in devices]
+            devices = [dataclasses.replace(d, link=cfg.link) for d in devices]
     else:
         profile = get_profile(cfg.profile)
         n = world_size if world_size is not None else cfg.devices
@@ -233,6 +249,15 @@ def split_batch(cfg: Any, devices: list[DeviceSpec]) -> list[int]:
         weights = [speeds[d.profile] for d in devices]
     else:
         weights = [1.0] * n
+    return split_by_weights(total, weights)
+
+
+def split_by_weights(total: int, weights: list[float]) -> list[int]:
+    """``total`` samples in shares proportional to ``weights``, each >= 1 (``total`` >= len(weights)).
+
+    Also how an elastic run re-splits its global batch over the devices that remain (cluster/membership.py).
+    """
+    n = len(weights)
     # Largest-remainder rounding keeps the sum exact and every share >= 1. sum() of the list, left
     # to right, keeps the shares bit for bit what they were when this was a per-device Python loop.
     raw = total * np.array(weights) / sum(weights)

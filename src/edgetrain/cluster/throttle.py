@@ -240,5 +240,16 @@ def page_faults() -> int:
 
 
 def peak_rss_mb() -> float:
-    """Peak resident set size of this process in MiB (Linux reports KiB)."""
+    """Peak resident set size of this process in MiB: the kernel's high-water mark of its memory (``VmHWM``).
+
+    Not ``getrusage``'s ``ru_maxrss`` where ``/proc`` has it: Linux carries ``ru_maxrss`` over ``exec``, so a
+    spawned device would report at least the RSS its launcher had when it started it (measured: a launcher
+    that had built the model for its pre-launch check made every device "peak" at that)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0  # KiB
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0

@@ -16,7 +16,8 @@ Map: ``cluster/links.py`` (link model), ``emulation.py`` (enforced / virtual
 clock), ``compress/`` (one module per method, ``memory.py`` for error
 feedback), ``exchange.py`` (the compressed average every mode uses),
 ``hook.py`` (DDP hook), ``sync.py`` / ``local_sgd.py`` / ``asynchronous.py`` /
-``gossip.py``, ``federated.py`` (modes); the specs themselves are parsed in ``edgetrain.spec``.
+``gossip.py``, ``federated.py`` (modes), ``deadline.py`` (round deadlines of local SGD and
+federated rounds); the specs themselves are parsed in ``edgetrain.spec``.
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ from edgetrain.comm.local_sgd import LocalSGD
 from edgetrain.comm.sync import Synchronous, SyncMode
 from edgetrain.spec import PRESETS, CompressSpec, Link, RunSpec, get_link, parse_compress, parse_sync
 
-__all__ = ["build_sync", "make_hook", "build_hook", "parse_compress", "parse_sync",
+__all__ = ["build_sync", "device_clock", "link_emulator", "make_hook", "build_hook", "parse_compress", "parse_sync",
            "CommStats", "LinkEmulator", "SyncMode", "Synchronous", "LocalSGD", "BoundedStaleness", "Gossip",
            "FederatedAveraging"]
 
@@ -84,6 +85,23 @@ def gather_links(link: Link | None, world_size: int) -> list[Link] | None:
     return [PRESETS["lan-1g"] if x is None else Link(*x) for x in everyone]
 
 
+def link_emulator(spec: RunSpec, rank: int, world_size: int, stats: CommStats | None = None,
+                  link: str | Link | dict | None = None) -> LinkEmulator:
+    """This device's clock over every device's link (``link`` as in ``build_sync``; every device calls it)."""
+    links = gather_links(get_link(link) if link is not None else spec.link, world_size)
+    return LinkEmulator(links, rank, stats if stats is not None else CommStats(), spec.link_mode, spec.seed,
+                        spec.timeout_s)
+
+
+def device_clock(model: nn.Module, spec: RunSpec, rank: int, world_size: int, stats: CommStats,
+                 link: str | Link | dict | None, name: str) -> SyncMode:
+    """The clock, byte tally and summary every sync mode keeps, for a strategy whose exchanges are its own
+    (fsdp, pipeline): it charges them to ``.emulator`` and closes each step itself (every device calls it)."""
+    emulator = link_emulator(spec, rank, world_size, stats, link)
+    group = dist.new_group(backend="gloo") if world_size > 1 and dist.is_initialized() else None
+    return SyncMode(model, world_size, emulator, group, spec=name)
+
+
 def build_sync(model: nn.Module, spec: RunSpec, rank: int, world_size: int, stats: CommStats | None = None,
                link: str | Link | dict | None = None, steps_per_epoch: int = 0, **ddp_kwargs) -> SyncMode:
     """The sync object for this worker, as ``spec.sync`` / ``spec.compress`` / links say.
@@ -96,9 +114,8 @@ def build_sync(model: nn.Module, spec: RunSpec, rank: int, world_size: int, stat
     """
     compress, sync, seed = spec.compress, spec.sync, spec.seed
     my_link = get_link(link) if link is not None else spec.link
-    links = gather_links(my_link, world_size)
-    emulator = LinkEmulator(links, rank, stats if stats is not None else CommStats(), spec.link_mode, seed,
-                            spec.timeout_s)
+    emulator = link_emulator(spec, rank, world_size, stats, my_link)
+    links = emulator.links
     distributed = world_size > 1 and dist.is_initialized()
     clock_group = dist.new_group(backend="gloo") if distributed else None
     common = dict(clock_group=clock_group, spec=sync.text, compress=compress.text)
@@ -120,9 +137,11 @@ def build_sync(model: nn.Module, spec: RunSpec, rank: int, world_size: int, stat
         if period < 1:
             raise ValueError(f"--sync {sync.text} needs steps_per_epoch to count its local epochs in steps")
         return FederatedAveraging(model, world_size, rank, emulator, period, compressor, memory, spec.server_opt,
-                                  spec.participation, sync.prox_mu, sync.scaffold, seed, group=group, **common)
+                                  spec.participation, sync.prox_mu, sync.scaffold, seed, group=group,
+                                  deadline=spec.round_deadline, **common)
     if sync.mode == "local":
         return LocalSGD(model, world_size, emulator, sync.period, compressor, memory, sync.nesterov,
-                        sync.outer_lr, sync.outer_momentum, group=group, **common)
+                        sync.outer_lr, sync.outer_momentum, group=group, rank=rank, deadline=spec.round_deadline,
+                        **common)
     return BoundedStaleness(model, world_size, rank, emulator, sync.staleness, compressor, memory,
                             group=group, **common)

@@ -40,9 +40,18 @@ round shows every flag set. All devices see the same round results, so they
 stop on the same round, and the model of that round (no local progress left)
 is the final one, identical everywhere.
 
-Checkpoints hold ``ref``, the counters and the error-feedback memory, not a
-round in flight: a resumed run starts with no round pending (so it is not
-bit-identical to an uninterrupted one).
+Checkpoints hold ``ref``, the counters, the error-feedback memory and the
+round in flight: ``state_dict`` waits for it to complete (bounded by
+``--timeout``; every device checkpoints at the same step, so every device
+has launched it) and keeps what ``_apply`` reads of it: the received sums or
+payloads, the snapshot, the step it was launched at, its modelled time, and
+of the launch clocks only their latest and whether every device was done
+(so that a resume on another device count can apply it too). A resumed
+device holds it as completed and applies it at the step the uninterrupted
+one would have, so a resumed run equals an uninterrupted one where that step
+does not depend on the host's timing: with ``async:1`` every round is
+applied at the next step (tested), and with a larger bound whenever rounds
+complete on the host before the device needs them.
 
 Compressors: any with a fixed payload size (all but ``threshold``, whose
 length varies and would need a second, chained collective); PowerSGD and DGC
@@ -240,10 +249,21 @@ class BoundedStaleness(SyncMode):
         return bool((r.clocks[self.world_size:] > 0.5).all())
 
     def state_dict(self) -> dict:
-        """A round in flight is not held: the resumed devices start from the last applied round."""
-        return {**super().state_dict(), "codec": self._codec_state(self.compressor, self.memory),
-                "ref": self.ref.clone(), "steps": self.steps, "rounds": self.rounds,
-                "staleness_seen": list(self.staleness_seen), "blocking_waits": self.blocking_waits}
+        """The mode's state with the round in flight, completed first (see the module docstring)."""
+        state = {**super().state_dict(), "codec": self._codec_state(self.compressor, self.memory),
+                 "ref": self.ref.clone(), "steps": self.steps, "rounds": self.rounds,
+                 "staleness_seen": list(self.staleness_seen), "blocking_waits": self.blocking_waits}
+        r = self.round
+        if r is not None:
+            for work in r.works:
+                wait(work, self.emulator.timeout_s, "asynchronous averaging round (checkpoint)")
+            self._done_at(r)
+            p = self.world_size
+            state["round"] = {"buf": r.buf, "received": r.received, "snapshot": r.snapshot,
+                              "numel": r.payload.numel, "ctx": r.payload.ctx, "launched_step": r.launched_step,
+                              "modelled_s": r.modelled_s, "ready_clock_s": float(r.clocks[:p].max()),
+                              "all_done": self._all_done(r)}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
@@ -251,6 +271,15 @@ class BoundedStaleness(SyncMode):
         self.ref = state["ref"].clone()
         self.steps, self.rounds, self.blocking_waits = state["steps"], state["rounds"], state["blocking_waits"]
         self.staleness_seen = list(state["staleness_seen"])
+        saved = state.get("round")
+        if saved is not None:  # completed before it was saved: no collective left to wait for
+            p = self.world_size
+            clocks = torch.cat([torch.full((p,), saved["ready_clock_s"], dtype=torch.float64),
+                                torch.full((p,), float(saved["all_done"]), dtype=torch.float64)])
+            now = time.perf_counter()
+            self.round = _Round([], saved["buf"], saved["received"], clocks, saved["snapshot"],
+                                Payload((saved["buf"],), saved["numel"], self.segments, saved["ctx"]),
+                                saved["launched_step"], saved["modelled_s"], now, done_at=now)
 
     def summary(self) -> dict:
         seen = self.staleness_seen

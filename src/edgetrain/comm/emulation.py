@@ -92,15 +92,16 @@ class LinkEmulator:
         return time.perf_counter()
 
     def end(self, started: float, parts: Sequence[tuple[str, int]], peers: Sequence[int] | None = None,
-            bytes_recv: int | None = None) -> float:
+            bytes_recv: int | None = None, download: bool = False) -> float:
         """Charge a finished blocking exchange made of collectives ``parts`` = [(kind, bytes sent)].
 
         Counts the bytes, and the modelled time; in enforced mode sleeps it
         first, so the wall clock pays the link. The real collective returned
         only once every device had arrived, so the sleep starts from there.
+        ``download``: the device only received ``parts`` (counted as received, nothing sent).
         Returns the modelled seconds.
         """
-        sent = sum(b for _, b in parts)
+        sent = 0 if download else sum(b for _, b in parts)
         if self.emulated:
             modelled = sum(self.model_time(kind, b, peers) for kind, b in parts)
             if self.mode == "enforced":
@@ -157,14 +158,20 @@ class LinkEmulator:
             start = self.virtual_s + compute
             if ready_s is not None:
                 start = max(start, ready_s)
-            self.virtual_s = start + self._model
+            end = start + self._model
         else:
-            self.virtual_s += wall
-        self.compute_s += compute
-        self.comm_model_s += self._model
+            end = self.virtual_s + wall
+        return self.close_step_at(end, compute, self._model, count)
+
+    def close_step_at(self, virtual_s: float, compute_s: float, comm_model_s: float, count: bool = True) -> dict:
+        """Close the step with the clock at ``virtual_s``, worked out by the caller (``finish_step``, or a
+        pipeline's timeline of micro-batches, ``train/pipeline.py``); the totals add its parts."""
+        self.virtual_s = virtual_s
+        self.compute_s += compute_s
+        self.comm_model_s += comm_model_s
         self.comm_blocked_s += self._blocked
         self.steps += int(count)
-        self.last_step = {"compute_s": compute, "comm_model_s": self._model,
+        self.last_step = {"compute_s": compute_s, "comm_model_s": comm_model_s,
                           "comm_blocked_s": self._blocked, "virtual_s": self.virtual_s}
         self._step_start = None
         return self.last_step

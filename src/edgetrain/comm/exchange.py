@@ -27,8 +27,11 @@ from edgetrain.comm.emulation import LinkEmulator
 
 def average(x: torch.Tensor, compressor: Compressor, memory, emulator: LinkEmulator, key: object = 0,
             group=None, segments: tuple[int, ...] | None = None,
-            names: tuple[object, ...] | None = None) -> torch.Tensor:
+            names: tuple[object, ...] | None = None, peers: list[int] | None = None) -> torch.Tensor:
     """The mean over the group of every device's decoded ``x`` (flat fp32).
+
+    ``peers``: the global ranks of ``group`` where it is not every device (a round's members), whose
+    links alone set the modelled time.
 
     ``segments``: lengths of the tensors laid end to end in ``x`` (see ``compress/base.py``).
     ``names``: a stable name for each segment (one for the whole ``x`` without segments), e.g.
@@ -37,19 +40,27 @@ def average(x: torch.Tensor, compressor: Compressor, memory, emulator: LinkEmula
     """
     x = x.detach().reshape(-1).float()
     parts = tuple(zip(names, segments or (x.numel(),), strict=True)) if names else None
-    compensated = memory.compensate(x, key, parts)
-    payload = compressor.encode(compensated, key, segments)
-    own = compressor.decode(payload)
-    memory.update(compensated, own, key, parts)
+    payload, own = compress(x, compressor, memory, key, parts, segments)
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     if world == 1:
         return own
     if compressor.summable:
-        return _allreduce(payload, compressor, emulator, group, world)
-    return _allgather(payload, compressor, emulator, group, world)
+        return _allreduce(payload, compressor, emulator, group, world, peers)
+    return _allgather(payload, compressor, emulator, group, world, peers)
 
 
-def _allreduce(payload: Payload, compressor: Compressor, emulator: LinkEmulator, group, world: int):
+def compress(x: torch.Tensor, compressor: Compressor, memory, key: object = 0, parts=None,
+             segments: tuple[int, ...] | None = None) -> tuple[Payload, torch.Tensor]:
+    """The payload of ``x`` plus what ``memory`` kept from before, and its decoded value; the memory keeps
+    what this payload leaves out (error feedback). The first half of ``average``; the Flower app sends it."""
+    compensated = memory.compensate(x, key, parts)
+    payload = compressor.encode(compensated, key, segments)
+    own = compressor.decode(payload)
+    memory.update(compensated, own, key, parts)
+    return payload, own
+
+
+def _allreduce(payload: Payload, compressor: Compressor, emulator: LinkEmulator, group, world: int, peers):
     if len(payload.tensors) != 1:
         raise ValueError(f"summable compressor {compressor.name} must send one tensor")
     buf = payload.tensors[0].clone()
@@ -58,12 +69,12 @@ def _allreduce(payload: Payload, compressor: Compressor, emulator: LinkEmulator,
     def collective() -> None:
         wait(dist.all_reduce(buf, group=group, async_op=True), emulator.timeout_s, f"{compressor.name} all-reduce")
 
-    emulator.run("allreduce", ring_allreduce_bytes(nbytes, world), collective)
+    emulator.run("allreduce", ring_allreduce_bytes(nbytes, world), collective, peers)
     total = compressor.decode(Payload((buf,), payload.numel, payload.segments, payload.ctx))
     return total.div_(world)
 
 
-def _allgather(payload: Payload, compressor: Compressor, emulator: LinkEmulator, group, world: int):
+def _allgather(payload: Payload, compressor: Compressor, emulator: LinkEmulator, group, world: int, peers):
     buf = payload.pack()
     if compressor.fixed_size:
         sizes = [buf.numel()] * world
@@ -75,7 +86,7 @@ def _allgather(payload: Payload, compressor: Compressor, emulator: LinkEmulator,
             wait(dist.all_gather(gathered, size, group=group, async_op=True), emulator.timeout_s,
                  f"{compressor.name} size all-gather")
 
-        emulator.run("allgather", ring_allgather_bytes(8, world), exchange_sizes)
+        emulator.run("allgather", ring_allgather_bytes(8, world), exchange_sizes, peers)
         sizes = [int(s.item()) for s in gathered]
         longest = max(sizes)
         if longest > buf.numel():  # gloo gathers equal lengths: pad, and count the padding as sent
@@ -86,7 +97,7 @@ def _allgather(payload: Payload, compressor: Compressor, emulator: LinkEmulator,
         wait(dist.all_gather(received, buf, group=group, async_op=True), emulator.timeout_s,
              f"{compressor.name} all-gather")
 
-    emulator.run("allgather", ring_allgather_bytes(buf.numel(), world), collective)
+    emulator.run("allgather", ring_allgather_bytes(buf.numel(), world), collective, peers)
     decoded = [compressor.decode(unpack(r[:n], compressor.layout(payload.numel, n, payload.segments),
                                         payload.numel, payload.segments))
                for r, n in zip(received, sizes)]

@@ -17,7 +17,12 @@ client sampling, a choice of server step and two client-side corrections:
   algorithm has no bias correction, Adam's has; ``eps`` is their ``tau``).
 - participation ``F`` (``--participation``): each round ``max(1, round(F N))``
   of the ``N`` devices are sampled, with a generator seeded by (seed, round)
-  that every device shares (``sample_participants``).
+  that every device shares (``sample_participants``). A device not sampled
+  trains no step of the round and sends nothing; the sampled ones average in
+  a group of their own and every other device receives the mean
+  (``local_sgd.py``, "Rounds and their members"). With ``--round-deadline``
+  (``deadline.py``) a sampled device that is late is left out too: the mean
+  is over the sampled devices that made it.
 - FedProx (``:prox=MU``; Li et al., MLSys 2020): each local gradient gets
   ``MU (y - x)``, the gradient of ``MU/2 ||y - x||^2``.
 - SCAFFOLD (``:scaffold``; Karimireddy et al., ICML 2020): each local gradient
@@ -25,8 +30,9 @@ client sampling, a choice of server step and two client-side corrections:
   its raw gradients over the round (their option II, ``c_i - c + (x - y_i) /
   (K lr)``, is exactly that for plain SGD at a constant lr, and needs no lr),
   and ``c = c + mean_N(c_i' - c_i)`` over all ``N`` devices (non-participants
-  add zero), as the paper's ``|S|/N mean_S``. The controls travel in a second
-  exchange per round, so SCAFFOLD sends twice the bytes of FedAvg.
+  add zero), computed as the paper's ``|S|/N mean_S`` over the round's
+  members ``S``. The controls travel in a second exchange per round, so
+  SCAFFOLD sends twice the bytes of FedAvg.
 
 Weights: the loop's loss scaling (``train/strategy.py``) already weights
 device ``i``'s local step by its share ``b_i world / B`` of the global batch,
@@ -35,13 +41,12 @@ full participation and IID partitions, a round is exactly one data-parallel
 step (``tests/comm/test_federated.py``), for equal and unequal local batches.
 
 Updates go through the compressor and error feedback of ``--compress``
-(``exchange.average``), as in local SGD. The emulation keeps every device
-in one process group: a device not sampled sends zeros (scaled by 0) in the
-same all-reduce, so bytes per device are counted as if it took part (an
-upper bound), and with an error-feedback compressor it sends its residual
-then. It also computes its local steps like the others (their result is
-discarded at the round's end), so time and CPU are not saved. Client
-optimizers (momentum) keep their state across rounds, as in local SGD.
+(``exchange.average``), as in local SGD; a device's error-feedback memory
+changes only in the rounds it is a member of. Bytes per device are what it
+sent as a member plus the fp32 mean it received when it was not one (every
+device keeps the global model and the server optimizer's state, which a
+real server would keep alone and send only to the next round's clients).
+Client optimizers (momentum) keep their state across rounds, as in local SGD.
 """
 from __future__ import annotations
 
@@ -64,12 +69,6 @@ def sample_participants(world: int, fraction: float, seed: int, round_index: int
         return list(range(world))
     rng = np.random.default_rng((seed, round_index))
     return sorted(int(r) for r in rng.choice(world, size=count, replace=False))
-
-
-def participant_scale(rank: int, world: int, participants: list[int]) -> float:
-    """What device ``rank`` multiplies its update by so that the all-reduce mean over all ``world``
-    devices is the mean over ``participants`` (zero for a device that sat the round out)."""
-    return world / len(participants) if rank in participants else 0.0
 
 
 def server_optimizer(global_model: torch.Tensor, spec: ServerOptSpec) -> torch.optim.Optimizer:
@@ -105,8 +104,8 @@ class FederatedAveraging(LocalSGD):
     def __init__(self, model: nn.Module, world_size: int, rank: int, emulator: LinkEmulator, period: int,
                  compressor: Compressor, memory, server: ServerOptSpec, participation: float = 1.0,
                  prox_mu: float | None = None, scaffold: bool = False, seed: int = 0, group=None, **common):
-        super().__init__(model, world_size, emulator, period, compressor, memory, group=group, **common)
-        self.rank, self.participation, self.seed = rank, participation, seed
+        super().__init__(model, world_size, emulator, period, compressor, memory, group=group, rank=rank, **common)
+        self.participation, self.seed = participation, seed
         self.server = server
         self.ref.requires_grad_(True)
         self.outer = server_optimizer(self.ref, server)
@@ -117,7 +116,10 @@ class FederatedAveraging(LocalSGD):
             self.own_control = torch.zeros_like(self.control)      # c_i
             self.gradient_sum = torch.zeros_like(self.control)
         self.participants = sample_participants(world_size, participation, seed, 0)
-        self.sampled: list[int] = []
+        self.members_per_round: list[int] = []
+
+    def sampled_ranks(self) -> list[int]:
+        return self.participants
 
     def after_backward(self, step: int) -> None:
         if self.prox_mu is None and not self.scaffold:
@@ -133,29 +135,28 @@ class FederatedAveraging(LocalSGD):
             p.grad = g
         unflatten(corrected, [p.grad for p in self.params])
 
-    def _average(self) -> None:
-        taking_part = self.rank in self.participants
-        scale = participant_scale(self.rank, self.world_size, self.participants)
-        update = (self.ref.detach() - flatten(self.params)) * scale
-        mean_update = average(update, self.compressor, self.memory, self.emulator, key="params", group=self.group,
-                              segments=self.segments)
-        server_step(self.ref, mean_update, self.outer)
+    def _average(self, members: list[int]) -> None:
+        mean_update = self._members_mean(self.ref.detach() - flatten(self.params), members, "params")
+        if mean_update is not None:
+            server_step(self.ref, mean_update, self.outer)
         if self.scaffold:
-            steps = self.local_steps % self.period or self.period
-            new_control = self.gradient_sum / steps
-            control_change = new_control - self.own_control if taking_part else torch.zeros_like(new_control)
-            if taking_part:
+            change = torch.zeros_like(self.control)
+            if self.rank in members:
+                new_control = self.gradient_sum / self.round_trained  # a member trained every step of the round
+                change = new_control - self.own_control
                 self.own_control = new_control
-            self.control += average(control_change, self.compressor, self.memory, self.emulator, key="controls",
-                                    group=self.group, segments=self.segments)
+            mean_change = self._members_mean(change, members, "controls")
+            if mean_change is not None:
+                self.control += mean_change * (len(members) / self.world_size)
             self.gradient_sum.zero_()
         unflatten(self.ref.detach(), self.params)
-        self.sampled.append(len(self.participants))
+        self.members_per_round.append(len(members))
         self.averages += 1
         self.participants = sample_participants(self.world_size, self.participation, self.seed, self.averages)
 
     def summary(self) -> dict:
         return {**super().summary(), "rounds": self.averages, "round_steps": self.period,
                 "server_opt": self.server.text, "participation": self.participation,
-                "participants_per_round_mean": float(np.mean(self.sampled)) if self.sampled else None,
+                "participants_per_round_mean": (float(np.mean(self.members_per_round)) if self.members_per_round
+                                                else None),
                 "prox_mu": self.prox_mu, "scaffold": self.scaffold}

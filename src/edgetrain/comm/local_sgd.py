@@ -18,17 +18,47 @@ Parameters are averaged; floating-point buffers (BatchNorm running
 statistics) stay local until ``finish``, which averages them once in fp32.
 PowerSGD (a DDP gradient hook) and DGC momentum correction (a gradient
 method) do not apply to model deltas and are refused by ``build_sync``.
+
+Rounds and their members. The ``H`` steps between two averages are a
+*round*. Its *members* are the devices whose update is averaged: every
+device, unless a round deadline (``--round-deadline``, ``deadline.py``)
+leaves a late one out or federated rounds (``federated.py``) sample only some.
+A device that is no member of a round trains no step of it once it knows
+(``trains`` is False: the strategy skips forward and backward and records 0
+samples) and sends nothing. The members average in a process group of their
+own (``dist.new_group``, created the first time a member set occurs, at the
+same round on every device as torch requires, and kept for later rounds;
+all devices in one group when all are members), and the lowest-ranked
+member then sends the decoded mean, in fp32, to each device that was not one
+(point to point, standing in for the server's download: counted as bytes
+received by that device, nothing sent by it, and its link's modelled time;
+the sender's side is the server's, not counted). So every device applies the
+same mean to the same global model and outer optimizer, and leaves the round
+with the same model. A round with no member leaves the global model as it was.
+What each device did in each round is its ``round_status`` at the round's
+last step (``joined``, ``missed_deadline``, ``not_sampled``), and the
+summary's ``round_participation`` counts them per device.
 """
 from __future__ import annotations
 
+import datetime as dt
+import math
+import time
+
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from edgetrain.cluster.peers import all_gather_json, wait
 from edgetrain.comm.compress.base import Compressor
+from edgetrain.comm.deadline import RoundDeadline, RoundReport, projected_round_time
 from edgetrain.comm.emulation import LinkEmulator
 from edgetrain.comm.exchange import average
 from edgetrain.comm.params import average_buffers, flatten, unflatten
 from edgetrain.comm.sync import SyncMode
+from edgetrain.spec import DeadlineSpec
+
+ROUND_STATUSES = ("joined", "missed_deadline", "not_sampled")
 
 
 class LocalSGD(SyncMode):
@@ -37,7 +67,7 @@ class LocalSGD(SyncMode):
     def __init__(self, model: nn.Module, world_size: int, emulator: LinkEmulator, period: int,
                  compressor: Compressor, memory, nesterov: bool = False, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, group=None, clock_group=None, spec: str = "local",
-                 compress: str = "none"):
+                 compress: str = "none", rank: int = 0, deadline: DeadlineSpec | None = None):
         if period < 1:
             raise ValueError(f"local SGD period must be >= 1, got {period}")
         super().__init__(model, world_size, emulator, clock_group, spec, compress)
@@ -53,43 +83,147 @@ class LocalSGD(SyncMode):
             self.outer = torch.optim.SGD([self.ref], lr=outer_lr, momentum=outer_momentum, nesterov=True)
         self.local_steps = 0
         self.averages = 0
+        self.rank = rank
+        self.deadline = RoundDeadline(deadline) if deadline is not None else None
+        self.round_start_s = self.emulator.virtual_s   # this device's clock when the current round began
+        self.round_trained = 0                          # steps it trained in the current round
+        self.stopped_early = False                      # it stopped for the deadline in the current round
+        self.last_step_s = 0.0                          # compute time of its last trained step
+        self.round_counts = dict.fromkeys(ROUND_STATUSES, 0)
+        self._round_counts_all: list[dict] | None = None
+        self._member_groups: dict[tuple[int, ...], object] = {}
+        self._sitting_out = False
         self._watch(model)
 
+    # -- rounds ---------------------------------------------------------------------
+    def sampled_ranks(self) -> list[int]:
+        """The devices asked to train in the current round (federated rounds sample; local SGD asks all)."""
+        return list(range(self.world_size))
+
+    def trains(self, step: int) -> bool:
+        """Whether this device trains this step: it is sampled for the round and not past its deadline."""
+        train = self.rank in self.sampled_ranks() and not self.stopped_early
+        if train and self.deadline is not None:
+            elapsed = self.emulator.virtual_s - self.round_start_s
+            self.stopped_early = elapsed + self.last_step_s > self.deadline.seconds  # would not finish in time
+            train = not self.stopped_early
+        self._sitting_out = not train
+        return train
+
     def after_step(self, step: int) -> None:
+        trained, self._sitting_out = not self._sitting_out, False
         self.local_steps += 1
+        self.round_trained += trained
         if self.local_steps % self.period != 0:
             self._close_step(None, local_steps=self.local_steps % self.period)
-            return
-        ready = self._max_clock(self.emulator.arrive())
-        self._average()
-        self._close_step(ready, local_steps=0)
+        else:
+            status, ready = self._end_round(self.period)
+            self._close_step(ready, local_steps=0, round_status=status)
+            self.round_start_s = self.emulator.virtual_s
+        if trained:
+            self.last_step_s = self.emulator.last_step["compute_s"]
 
-    def _average(self) -> None:
-        x = flatten(self.params)
-        pseudo_grad = average(self.ref.detach() - x, self.compressor, self.memory, self.emulator,
-                              key="params", group=self.group, segments=self.segments)
-        with torch.no_grad():
-            if self.outer is None:
-                self.ref -= pseudo_grad
-            else:
-                self.ref.grad = pseudo_grad
-                self.outer.step()
-                self.ref.grad = None
+    def _end_round(self, length: int) -> tuple[str, float]:
+        """Agree on the round's members, average their updates; (this device's round status, ready clock)."""
+        sampled = self.sampled_ranks()
+        arrived = self.emulator.arrive()
+        if self.deadline is None:
+            members, ready = sampled, self._max_clock(arrived)
+        else:
+            mine = (projected_round_time(arrived - self.round_start_s, self.round_trained, length, self.last_step_s)
+                    if self.rank in sampled else 0.0)
+            report = self._report(arrived, self.rank in sampled and not self.stopped_early, mine)
+            members = [r for r in sampled if report.on_time[r]]
+            self.deadline.observe([report.round_times[r] for r in sampled])
+            ready = max(report.clocks)
+        self._average(members)
+        status = "joined" if self.rank in members else "missed_deadline" if self.rank in sampled else "not_sampled"
+        self.round_counts[status] += 1
+        self.round_trained, self.stopped_early = 0, False
+        return status, ready
+
+    def _report(self, clock_s: float, on_time: bool, round_time_s: float) -> RoundReport:
+        """Every device's clock, whether it made the deadline and its round time (see deadline.py)."""
+        vector = RoundReport.mine(self.rank, self.world_size, clock_s, on_time, round_time_s)
+        if self.world_size > 1:
+            started = time.perf_counter()
+            wait(dist.all_reduce(vector, group=self.clock_group, async_op=True), self.emulator.timeout_s,
+                 "round report all-reduce")
+            self.emulator.blocked(time.perf_counter() - started)
+        return RoundReport.from_vector(vector, self.world_size)
+
+    def _members_group(self, members: list[int]):
+        """The process group of a round's members; every device calls this, in the same round order."""
+        if len(members) == self.world_size:
+            return self.group
+        key = tuple(members)
+        if key not in self._member_groups:
+            self._member_groups[key] = dist.new_group(list(key), backend="gloo",
+                                                      timeout=dt.timedelta(seconds=self.emulator.timeout_s))
+        return self._member_groups[key]
+
+    def _members_mean(self, x: torch.Tensor, members: list[int], key: str) -> torch.Tensor | None:
+        """The mean of the members' ``x`` on every device (None if the round has no member); see the docstring."""
+        if not members:
+            return None
+        group = self._members_group(members)
+        mean = None
+        if self.rank in members:
+            mean = average(x, self.compressor, self.memory, self.emulator, key=key, group=group,
+                           segments=self.segments, peers=None if group is self.group else members)
+        others = [r for r in range(self.world_size) if r not in members]
+        if not others:
+            return mean
+        if self.rank == members[0]:
+            started = time.perf_counter()
+            for r in others:
+                wait(dist.isend(mean, self._global(r), group=self.group), self.emulator.timeout_s,
+                     f"sending the round's mean to device {r}")
+            self.emulator.blocked(time.perf_counter() - started)
+        elif mean is None:
+            mean = torch.empty_like(x, dtype=torch.float32)
+            started = self.emulator.begin()
+            wait(dist.irecv(mean, self._global(members[0]), group=self.group), self.emulator.timeout_s,
+                 f"the round's mean from device {members[0]}")
+            nbytes = mean.numel() * mean.element_size()
+            self.emulator.end(started, [("p2p", nbytes)], peers=[self.rank], bytes_recv=nbytes,
+                              download=True)
+        return mean
+
+    def _global(self, rank: int) -> int:
+        """Global rank of ``self.group``'s member ``rank`` (point-to-point operations take global ranks)."""
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+    def _average(self, members: list[int]) -> None:
+        pseudo_grad = self._members_mean(self.ref.detach() - flatten(self.params), members, "params")
+        if pseudo_grad is not None:
+            with torch.no_grad():
+                if self.outer is None:
+                    self.ref -= pseudo_grad
+                else:
+                    self.ref.grad = pseudo_grad
+                    self.outer.step()
+                    self.ref.grad = None
         unflatten(self.ref.detach(), self.params)
         self.averages += 1
 
     def _final_exchange(self) -> None:
         self.emulator.start_step()
-        ready = self._max_clock(self.emulator.arrive())
-        if self.local_steps % self.period != 0:  # steps since the last average: one more
-            self._average()
+        leftover = self.local_steps % self.period  # steps since the last average: one more round
+        ready = self._end_round(leftover)[1] if leftover else self._max_clock(self.emulator.arrive())
         average_buffers(self.model, self.emulator, self.world_size, self.group)
         self.emulator.finish_step(ready, count=False)
+        self._round_counts_all = (all_gather_json(self.round_counts, group=self.clock_group)
+                                  if self.world_size > 1 else [self.round_counts])
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "codec": self._codec_state(self.compressor, self.memory),
                 "ref": self.ref.detach().clone(), "outer": self.outer.state_dict() if self.outer else None,
-                "local_steps": self.local_steps, "averages": self.averages}
+                "local_steps": self.local_steps, "averages": self.averages,
+                "round": {"start_s": self.round_start_s, "trained": self.round_trained,
+                          "stopped_early": self.stopped_early, "last_step_s": self.last_step_s,
+                          "counts": dict(self.round_counts),
+                          "deadline": self.deadline.state_dict() if self.deadline else None}}
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
@@ -99,7 +233,18 @@ class LocalSGD(SyncMode):
         if self.outer is not None:
             self.outer.load_state_dict(state["outer"])
         self.local_steps, self.averages = state["local_steps"], state["averages"]
+        rounds = state["round"]
+        self.round_start_s, self.round_trained = rounds["start_s"], rounds["trained"]
+        self.stopped_early, self.last_step_s = rounds["stopped_early"], rounds["last_step_s"]
+        self.round_counts = dict(rounds["counts"])
+        if self.deadline is not None:
+            self.deadline.load_state_dict(rounds["deadline"])
 
     def summary(self) -> dict:
-        return {**super().summary(), "averages": self.averages,
-                "staleness_max_steps": self.period - 1}
+        out = {**super().summary(), "averages": self.averages, "staleness_max_steps": self.period - 1,
+               "round_deadline": self.deadline.spec.text if self.deadline else None}
+        if self.deadline is not None and self.deadline.spec.seconds is None:
+            out["round_deadline_last_s"] = self.deadline.seconds if math.isfinite(self.deadline.seconds) else None
+        if self._round_counts_all is not None:
+            out["round_participation"] = self._round_counts_all  # per device: rounds joined / missed / not sampled
+        return out

@@ -12,6 +12,9 @@ Interface the training loop's ``DataParallel`` strategy (train/strategy.py)
 relies on, inside its ``train_step``, ``finish`` and ``summary``::
 
     sync = build_sync(model, cfg, rank, world_size, stats, link)
+    if not sync.trains(step):    # a step this device sits out (rounds, local_sgd.py): no forward,
+        sync.after_step(step)    # backward or optimizer step; the step's exchange still runs
+        ...                      # (and nothing below)
     out = sync.model(x)          # the module to run forward on
     loss.backward()
     sync.after_backward(step)    # gradients are ready for optimizer.step()
@@ -27,9 +30,10 @@ relies on, inside its ``train_step``, ``finish`` and ``summary``::
 
 State for checkpoints: every mode holds the device clock and byte tally (so a
 resumed run's summary covers the whole run), plus its own: the compression
-hook's error-feedback memory and compressor counters (sync), the reference
-model, outer optimizer and step counters (local SGD), the reference model
-and counters (async; a round in flight is not held), counters (gossip).
+hook's error-feedback memory and compressor counters, or PowerSGD's state
+(sync), the reference model, outer optimizer and step counters (local SGD),
+the reference model, counters and the round in flight (async), counters
+(gossip).
 Memory is keyed by parameter identity in a process (``compress/memory.py``);
 a checkpoint keys it by parameter name instead.
 
@@ -54,6 +58,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from edgetrain.cluster.peers import all_gather_json, wait
 from edgetrain.comm.accounting import CommStats, ring_allreduce_bytes
 from edgetrain.comm.allreduce import allreduce_hook
+from edgetrain.comm.compress.powersgd import PowerSGDHookState
 from edgetrain.comm.emulation import LinkEmulator
 from edgetrain.comm.hook import CompressionState
 from edgetrain.comm.params import broadcast_model
@@ -87,6 +92,7 @@ class SyncMode:
         self._metrics: dict = {}
         self._devices: list[dict] | None = None
         self._param_names = {id(p): name for name, p in model.named_parameters()}
+        self._hooks: list = []  # handles of the hooks put on the caller's model, removed by ``close``
 
     def _start_together(self, model: nn.Module, group=None) -> None:
         """Every device starts from rank 0's model; keep the trainable parameters the mode exchanges."""
@@ -96,7 +102,13 @@ class SyncMode:
             broadcast_model(model, self.emulator, group)
 
     def _watch(self, module: nn.Module) -> None:
-        module.register_forward_pre_hook(self._on_forward)
+        self._hooks.append(module.register_forward_pre_hook(self._on_forward))
+
+    def close(self) -> None:
+        """Take this mode's hooks off the model, which a new mode is about to wrap (elastic membership)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
 
     def _on_forward(self, module: nn.Module, args) -> None:
         if module.training and torch.is_grad_enabled():
@@ -120,6 +132,10 @@ class SyncMode:
                          "virtual_comm_s": step["comm_model_s"], **extra}
 
     # -- interface ------------------------------------------------------------------
+    def trains(self, step: int) -> bool:
+        """Whether this device trains this step (False: it sits the step out, see local_sgd.py's rounds)."""
+        return True
+
     def after_backward(self, step: int) -> None:
         pass
 
@@ -234,7 +250,7 @@ class Synchronous(SyncMode):
             self._ddp_step_bytes = ring_allreduce_bytes(gradient_bytes, world_size)
             self._last_gradient_s = 0.0
             for p in self.params_with_grad(model):
-                p.register_post_accumulate_grad_hook(self._gradient_ready)
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._gradient_ready))
         self.hook_state = hook_state
         self._watch(self.model)
 
@@ -242,12 +258,16 @@ class Synchronous(SyncMode):
         state = super().state_dict()
         if isinstance(self.hook_state, CompressionState):
             state["codec"] = self._codec_state(self.hook_state.compressor, self.hook_state.memory)
+        elif isinstance(self.hook_state, PowerSGDHookState):
+            state["powersgd"] = self.hook_state.state_dict(self._param_names)
         return state
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         if "codec" in state:
             self._load_codec_state(self.hook_state.compressor, self.hook_state.memory, state["codec"])
+        if "powersgd" in state:
+            self.hook_state.load_state_dict(state["powersgd"], {name: i for i, name in self._param_names.items()})
 
     @staticmethod
     def params_with_grad(model: nn.Module) -> list[nn.Parameter]:

@@ -31,6 +31,11 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 
 
 def image_folder(root: str | Path, seed: int = 0) -> DataSplit:
+    return _split(*image_folder_arrays(root), seed, Path(root), Path(root).name)
+
+
+def image_folder_arrays(root: str | Path) -> tuple[np.ndarray, np.ndarray, tuple | None]:
+    """(images, labels, (test images, test labels) or None where the folder gives no test split)."""
     root = Path(root)
     if not root.is_dir():
         raise EdgetrainError(f"image folder {root} does not exist or is not a directory; set data_dir to a folder "
@@ -38,9 +43,13 @@ def image_folder(root: str | Path, seed: int = 0) -> DataSplit:
     if (root / "train").is_dir() and (root / "test").is_dir():
         classes = _class_names(root / "train")
         train, test = (_read_classes(root / part, classes) for part in ("train", "test"))
-        return arrays_split(*train, *test, name=root.name)
-    images, labels = _read_classes(root, _class_names(root))
-    return arrays_split(*split_80_20(images, labels, seed, root), name=root.name)
+        return *train, test
+    return *_read_classes(root, _class_names(root)), None
+
+
+def _split(x: np.ndarray, y: np.ndarray, test: tuple | None, seed: int, source: Path, name: str) -> DataSplit:
+    """The file's own test split, or a seeded 80/20 one."""
+    return arrays_split(*((x, y, *test) if test else split_80_20(x, y, seed, source)), name=name)
 
 
 def _class_names(folder: Path) -> list[str]:
@@ -81,6 +90,11 @@ def _read_classes(folder: Path, classes: list[str]) -> tuple[np.ndarray, np.ndar
 
 
 def npz_arrays(path: str | Path, seed: int = 0) -> DataSplit:
+    return _split(*npz_file_arrays(path), seed, Path(path), Path(path).stem)
+
+
+def npz_file_arrays(path: str | Path) -> tuple[np.ndarray, np.ndarray, tuple | None]:
+    """(images, labels, (test images, test labels) or None where the file holds no x_test/y_test)."""
     path = Path(path)
     if not path.is_file():
         raise EdgetrainError(f"npz file {path} does not exist; set data_dir to a .npz holding arrays x and y")
@@ -101,8 +115,8 @@ def npz_arrays(path: str | Path, seed: int = 0) -> DataSplit:
         if test[0].shape[1:] != x.shape[1:]:
             raise EdgetrainError(f"npz file {path}: x_test images are {test[0].shape[1:]} but x images are "
                                  f"{x.shape[1:]}; save both with one shape")
-        return arrays_split(x, y, *test, name=path.stem)
-    return arrays_split(*split_80_20(x, y, seed, path), name=path.stem)
+        return x, y, test
+    return x, y, None
 
 
 def _images(x: np.ndarray, path: Path, key: str) -> np.ndarray:

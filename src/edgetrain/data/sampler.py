@@ -44,7 +44,12 @@ class GlobalBatchSampler(EpochSampler):
     """Yields this device's share of each global batch as ``(index, epoch)`` pairs."""
 
     def __init__(self, size: int, local_batches: list[int], rank: int, seed: int = 0, shuffle: bool = True):
-        self.size, self.rank, self.seed, self.shuffle = size, rank, seed, shuffle
+        self.size, self.seed, self.shuffle = size, seed, shuffle
+        self.reshard(local_batches, rank)
+
+    def reshard(self, local_batches: list[int], rank: int) -> None:
+        """This device's share of the same global batches over another set of devices (elastic membership)."""
+        self.rank = rank
         self.global_batch = sum(local_batches)
         self.offset = sum(local_batches[:rank])
         self.local_batch = local_batches[rank]

@@ -8,7 +8,7 @@ server, a SuperNode on each device, and this module's ``server_app`` and
 parts:
 
 - ClientApp (``train``): the device builds the model (``models.build_model``),
-  loads the global parameters from the message, takes ``local-steps`` steps of
+  loads the global model from the message, takes ``local-steps`` steps of
   plain SGD on its own partition (``data.partition.split_dataset``, partition
   ``partition-id`` of ``num-partitions`` from the SuperNode's ``--node-config``;
   every device computes the same split from the seed, so no data moves), and
@@ -16,6 +16,21 @@ parts:
   (``comm/compress``) and packed into one byte array: edgetrain's wire format
   (``Payload.pack``), so every compressor's dtypes (bf16, int8, indices)
   cross Flower unchanged, and the bytes per client are the payload's.
+- Client state across rounds, in Flower's per-node ``context.state`` (a
+  ``RecordDict`` the SuperNode keeps for the run, under ``STATE``): the
+  compressor's memory (error feedback: what a round's payload left out is
+  added to the device's next update, ``exchange.compress``; the residual
+  waits while the device is not sampled) and SCAFFOLD's client control
+  ``c_i``.
+- FedProx (``prox-mu``) and SCAFFOLD (``scaffold``), as in
+  ``comm/federated.py`` and with its ``corrected_gradient``: each local
+  gradient gets ``mu (y - x)`` with the round's global model ``x`` as the
+  anchor, and ``c - c_i``. The server sends its control ``c`` with the global
+  model in each train message; a device replies with ``c_i' - c_i`` as a
+  second payload (so SCAFFOLD sends twice the bytes), ``c_i'`` being the mean
+  of its raw gradients over the round (option II for plain SGD); the server
+  steps ``c = c + sum_S(c_i' - c_i) / N`` (the paper's ``|S|/N mean_S``),
+  ``N`` the nodes connected when the round was configured.
 - ServerApp (``main``): ``EdgetrainStrategy``, a subclass of Flower's
   message-based ``FedAvg``, keeps its sampling, its ``start`` loop and its
   handling of failed replies; its ``aggregate_train`` decodes each update
@@ -23,7 +38,21 @@ parts:
   replies that arrived and steps the global model with edgetrain's pure
   ``server_step`` and ``server_optimizer`` (``server-opt``: fedavg, fedavgm,
   fedadam). The mean is unweighted as in ``comm/federated.py`` (each client
-  takes the same number of steps of the same batch).
+  takes the same number of steps of the same batch). BatchNorm running
+  statistics are not trained: the global ones are the clients' mean weighted
+  by their sample counts (Flower's ``FedAvg`` convention), sent back with the
+  parameters.
+- Federated evaluation (``fraction-evaluate``, Flower's evaluate round after
+  each train round): a sampled device evaluates the global model on its own
+  test split, its part of the dataset's test set cut by the same
+  ``partition`` and seed (for ``dirichlet`` a draw of its own, so a device's
+  test labels are skewed like, not in the same proportions as, its training
+  labels); Flower logs the accuracy and loss weighted by test samples per
+  round. With every device evaluating, that is the accuracy on the whole test
+  set (the splits are disjoint and cover it).
+- The final global model (parameters and BatchNorm statistics) is saved as a
+  ``state_dict`` (``torch.save``, written atomically) to
+  ``output-dir/global_model.pt`` when ``output-dir`` is set.
 - A client that fails (its ClientApp raises, its node is gone) comes back as an
   error reply, which Flower's ``FedAvg`` leaves out (the old API's
   ``accept_failures``): the round steps with the others' mean. A round with no
@@ -33,33 +62,37 @@ Options are Flower's run config (``[tool.flwr.app.config]`` of the app's
 ``pyproject.toml``, overridable with ``flwr run --run-config``), parsed once
 by ``fleet_spec`` into a ``FleetSpec`` with edgetrain's own spec parsers.
 
-Limits: only parameters travel (BatchNorm running statistics stay each
-device's own, as with ``--batchnorm local``); a ClientApp keeps no state
-between rounds here, so there is no error feedback (compressors run without
-their residual memory), no client momentum, no FedProx/SCAFFOLD, and
-``randk`` (whose shared indices the server would need) and ``powersgd`` (a DDP
-hook, not a ``Compressor``) are refused. Federated evaluation is off; the
-server evaluates nothing either (the test set is the caller's to use).
+Limits: the client optimizer is plain SGD without momentum (nothing of it is
+kept between rounds); ``randk`` (whose shared indices the server would need)
+and ``powersgd`` (a DDP hook, not a ``Compressor``) are refused; the server's
+control ``c`` and the global model go down uncompressed.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
 from torch import nn
+from torch.utils.data import Subset
 
 from edgetrain.comm.compress.base import Compressor, unpack
 from edgetrain.comm.compress.spec import build_compressor
-from edgetrain.comm.federated import server_optimizer, server_step
+from edgetrain.comm.compress.memory import Memory
+from edgetrain.comm.exchange import compress
+from edgetrain.comm.federated import corrected_gradient, server_optimizer, server_step
 from edgetrain.comm.params import flatten, unflatten
-from edgetrain.config import TrainConfig
+from edgetrain.config import TrainConfig, check_output_dir
 from edgetrain.data.datasets import build_data, check_dataset
 from edgetrain.data.partition import split_dataset
 from edgetrain.errors import EdgetrainError
 from edgetrain.models import build_model, check_model
+from edgetrain.report.files import atomic_write
 from edgetrain.spec import CompressSpec, PartitionSpec, ServerOptSpec, parse_compress, parse_partition, \
     parse_server_opt
+from edgetrain.train.loop import evaluate as evaluate_model
 
 try:
     from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -75,10 +108,15 @@ DEFAULTS: dict[str, bool | float | int | str] = {
     "model": "small_cnn", "dataset": "digits", "data-dir": "", "partition": "iid", "num-rounds": 3,
     "local-steps": 5, "batch-size": 16, "lr": 0.05, "compress": "none", "server-opt": "fedavg",
     "fraction-train": 1.0, "min-nodes": 2, "round-timeout": 600.0, "seed": 0,
+    "prox-mu": 0.0, "scaffold": False, "fraction-evaluate": 1.0, "output-dir": "",
 }
 TYPE_NAMES = {int: "whole number", float: "number", str: "string", bool: "true or false"}
 # compressors whose payload the server cannot decode without state the client keeps to itself
 SERVER_CANNOT_DECODE = {"randk": "its shared random indices", "powersgd": "its low-rank state (a DDP hook)"}
+STATE = "edgetrain"                   # the device's record in context.state
+CONTROL = "scaffold-control"          # the server's control c in a train message's arrays
+UPDATE, CONTROL_CHANGE = "update", "control-change"  # a reply's payloads (the rest are BatchNorm statistics)
+MODEL_FILE = "global_model.pt"
 
 
 @dataclass(frozen=True)
@@ -99,6 +137,10 @@ class FleetSpec:
     min_nodes: int
     round_timeout: float
     seed: int
+    prox_mu: float | None  # None: FedProx off
+    scaffold: bool
+    fraction_evaluate: float
+    output_dir: Path | None
 
 
 def fleet_spec(run_config: dict) -> FleetSpec:
@@ -112,6 +154,13 @@ def fleet_spec(run_config: dict) -> FleetSpec:
             raise EdgetrainError(f"run-config {key} must be a whole number >= 1, got {cfg[key]!r}")
     if not 0.0 < cfg["fraction-train"] <= 1.0:
         raise EdgetrainError(f"run-config fraction-train must be in (0, 1], got {cfg['fraction-train']!r}")
+    if not 0.0 <= cfg["fraction-evaluate"] <= 1.0:
+        raise EdgetrainError(f"run-config fraction-evaluate must be in [0, 1] (0: no federated evaluation), got "
+                             f"{cfg['fraction-evaluate']!r}")
+    if cfg["prox-mu"] < 0:
+        raise EdgetrainError(f"run-config prox-mu must be >= 0 (0: FedProx off), got {cfg['prox-mu']!r}")
+    if cfg["output-dir"]:
+        check_output_dir(cfg["output-dir"], "run-config output-dir")
     if cfg["lr"] < 0 or cfg["round-timeout"] <= 0:
         raise EdgetrainError(f"run-config lr must be >= 0 and round-timeout > 0, got {cfg['lr']!r} and "
                              f"{cfg['round-timeout']!r}")
@@ -129,7 +178,8 @@ def fleet_spec(run_config: dict) -> FleetSpec:
     return FleetSpec(cfg["model"], cfg["dataset"], cfg["data-dir"] or None, partition, cfg["num-rounds"],
                      cfg["local-steps"], cfg["batch-size"], cfg["lr"], compress,
                      parse_server_opt(cfg["server-opt"]), cfg["fraction-train"], cfg["min-nodes"],
-                     cfg["round-timeout"], cfg["seed"])
+                     cfg["round-timeout"], cfg["seed"], cfg["prox-mu"] or None, cfg["scaffold"],
+                     cfg["fraction-evaluate"], Path(cfg["output-dir"]) if cfg["output-dir"] else None)
 
 
 def _typed(key: str, value):
@@ -153,42 +203,57 @@ def global_model(spec: FleetSpec, data) -> nn.Module:
     return build_model(spec.model, data.input_shape[0], data.num_classes)
 
 
-def parameter_record(model: nn.Module) -> ArrayRecord:
-    """The model's parameters (not its buffers) as the record that travels."""
-    return ArrayRecord({name: p.detach() for name, p in model.named_parameters()})
+def model_record(model: nn.Module) -> ArrayRecord:
+    """The global model that travels: its parameters and its BatchNorm statistics."""
+    return ArrayRecord({name: t.detach() for name, t in model.state_dict().items()})
 
 
-def load_parameters(model: nn.Module, record: ArrayRecord) -> None:
-    model.load_state_dict(record.to_torch_state_dict(), strict=False)
+def load_global(model: nn.Module, record: ArrayRecord) -> None:
+    """Load the global model (what else the message's arrays hold, SCAFFOLD's control, is not the model's)."""
+    model.load_state_dict({name: t for name, t in record.to_torch_state_dict().items() if name != CONTROL})
 
 
-def compressor_for(spec: FleetSpec, server_round: int = 0, partition_id: int = 0) -> Compressor:
-    """The update's compressor, without its error-feedback memory (no state between rounds); QSGD's rounding
-    noise differs between clients and rounds. Decoding needs neither (randk, which would, is refused)."""
-    compressor, _memory = build_compressor(spec.compress, seed=spec.seed + server_round, rank=partition_id)
-    return compressor
+def compressor_for(spec: FleetSpec, server_round: int = 0, partition_id: int = 0) -> tuple[Compressor, Memory]:
+    """The update's compressor and an empty memory (a device loads its own, ``load_client_state``); QSGD's
+    rounding noise differs between clients and rounds. Decoding needs neither (randk, which would, is refused)."""
+    return build_compressor(spec.compress, seed=spec.seed + server_round, rank=partition_id)
+
+
+class LocalResult(NamedTuple):
+    update: torch.Tensor         # x - y_i
+    loss: float                  # the mean over the local steps
+    mean_gradient: torch.Tensor  # of the raw gradients: SCAFFOLD's new c_i
 
 
 def local_update(spec: FleetSpec, model: nn.Module, data, partition: np.ndarray, server_round: int,
-                 partition_id: int) -> tuple[torch.Tensor, float]:
-    """``local-steps`` SGD steps on the device's own samples; the update ``x - y`` and the mean loss."""
-    start = flatten([p.detach() for p in model.parameters()])
-    optimizer = torch.optim.SGD(model.parameters(), lr=spec.lr)
+                 partition_id: int, control: torch.Tensor | None = None,
+                 own_control: torch.Tensor | None = None) -> LocalResult:
+    """``local-steps`` SGD steps on the device's own samples, each gradient corrected by FedProx (the
+    model the round started from is the anchor) and SCAFFOLD (``control`` c and ``own_control`` c_i)."""
+    params = list(model.parameters())
+    start = flatten([p.detach() for p in params])
+    optimizer = torch.optim.SGD(params, lr=spec.lr)
     rng = np.random.default_rng((spec.seed, server_round, partition_id))
     model.train()
-    losses = []
+    losses, gradient_sum = [], torch.zeros_like(start)
     for _ in range(spec.local_steps):
         x, y = data.train[torch.from_numpy(rng.choice(partition, size=spec.batch_size, replace=False))]
         loss = nn.functional.cross_entropy(model(x), y)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        gradient = flatten([p.grad for p in params])
+        gradient_sum += gradient
+        unflatten(corrected_gradient(gradient, flatten([p.detach() for p in params]), start, spec.prox_mu,
+                                     control, own_control), [p.grad for p in params])
         optimizer.step()
         losses.append(loss.item())
-    return start - flatten([p.detach() for p in model.parameters()]), float(np.mean(losses))
+    return LocalResult(start - flatten([p.detach() for p in params]), float(np.mean(losses)),
+                       gradient_sum / spec.local_steps)
 
 
-def client_partition(spec: FleetSpec, data, node_config: dict) -> tuple[int, np.ndarray]:
-    """This device's partition id and sample indices, from its SuperNode's ``--node-config``."""
+def client_partition(spec: FleetSpec, data, node_config: dict, split: str = "train") -> tuple[int, np.ndarray]:
+    """This device's partition id and sample indices of ``split`` (train, or test: its own test split), from
+    its SuperNode's ``--node-config``."""
     try:
         partition_id, partitions = int(node_config["partition-id"]), int(node_config["num-partitions"])
     except KeyError as key:
@@ -196,19 +261,44 @@ def client_partition(spec: FleetSpec, data, node_config: dict) -> tuple[int, np.
                              "--node-config 'partition-id=0 num-partitions=N'") from None
     if not 0 <= partition_id < partitions:
         raise EdgetrainError(f"partition-id {partition_id} is outside 0..{partitions - 1} (num-partitions)")
-    parts = split_dataset(data.train.labels.numpy(), spec.partition, [spec.batch_size] * partitions, spec.seed)
+    dataset, min_size = (data.train, spec.batch_size) if split == "train" else (data.test, 1)
+    parts = split_dataset(dataset.labels.numpy(), spec.partition, [min_size] * partitions, spec.seed)
     return partition_id, parts[partition_id]
 
 
-def to_wire(compressor: Compressor, update: torch.Tensor) -> np.ndarray:
-    """The encoded update as one byte array: edgetrain's wire format (``Payload.pack``)."""
-    return compressor.encode(update).pack().numpy()
+def to_wire(compressor: Compressor, update: torch.Tensor, memory: Memory | None = None,
+            key: str = UPDATE) -> np.ndarray:
+    """The encoded update (plus what ``memory`` kept from before, under ``key``) as one byte array:
+    edgetrain's wire format (``Payload.pack``)."""
+    if memory is None:
+        return compressor.encode(update).pack().numpy()
+    return compress(update, compressor, memory, key)[0].pack().numpy()
+
+
+def as_tensor(array) -> torch.Tensor:
+    """A record's ``Array`` as a tensor of its own (Flower's buffer may be read-only)."""
+    return torch.from_numpy(array.numpy().copy())
 
 
 def from_wire(compressor: Compressor, wire: np.ndarray, numel: int) -> torch.Tensor:
     """Inverse of ``to_wire`` for an update of ``numel`` values."""
     buffer = torch.from_numpy(wire.copy())
     return compressor.decode(unpack(buffer, compressor.layout(numel, buffer.numel()), numel))
+
+
+def load_client_state(state: RecordDict, memory: Memory, numel: int) -> torch.Tensor:
+    """Put the device's compressor memory back from ``context.state``; return its SCAFFOLD control c_i."""
+    record = state.get(STATE)
+    saved = record.to_torch_state_dict() if record is not None else {}
+    memory.load_state_dict({store: {name.split("/", 1)[1]: t for name, t in saved.items()
+                                    if name.split("/", 1)[0] == store} for store in memory.stores})
+    return saved.get("own-control", torch.zeros(numel))
+
+
+def save_client_state(state: RecordDict, memory: Memory, own_control: torch.Tensor) -> None:
+    """Keep the compressor memory and c_i in ``context.state`` for the device's next round."""
+    kept = {f"{store}/{key}": t for store, pieces in memory.state_dict().items() for key, t in pieces.items()}
+    state[STATE] = ArrayRecord({**kept, "own-control": own_control})
 
 
 client_app = ClientApp()
@@ -220,49 +310,92 @@ def train(msg: Message, context: Context) -> Message:
     data = load_data(spec)
     partition_id, partition = client_partition(spec, data, context.node_config)
     model = global_model(spec, data)
-    load_parameters(model, msg.content["arrays"])
+    load_global(model, msg.content["arrays"])
     server_round = int(msg.content["config"]["server-round"])
-    update, loss = local_update(spec, model, data, partition, server_round, partition_id)
-    wire = to_wire(compressor_for(spec, server_round, partition_id), update)
-    content = RecordDict({"arrays": ArrayRecord(numpy_ndarrays=[wire]),
-                          "metrics": MetricRecord({"num-examples": len(partition), "train-loss": loss,
-                                                   "payload-bytes": int(wire.nbytes)})})
+    compressor, memory = compressor_for(spec, server_round, partition_id)
+    numel = sum(p.numel() for p in model.parameters())
+    own_control = load_client_state(context.state, memory, numel)
+    control = as_tensor(msg.content["arrays"][CONTROL]) if spec.scaffold else None
+    result = local_update(spec, model, data, partition, server_round, partition_id, control,
+                          own_control if spec.scaffold else None)
+    payloads = {UPDATE: to_wire(compressor, result.update, memory, UPDATE)}
+    if spec.scaffold:
+        payloads[CONTROL_CHANGE] = to_wire(compressor, result.mean_gradient - own_control, memory, CONTROL_CHANGE)
+        own_control = result.mean_gradient
+    save_client_state(context.state, memory, own_control)
+    buffers = {name: b.detach() for name, b in model.named_buffers()}
+    content = RecordDict({"arrays": ArrayRecord({**{k: torch.from_numpy(v) for k, v in payloads.items()}, **buffers}),
+                          "metrics": MetricRecord({"num-examples": len(partition), "train-loss": result.loss,
+                                                   "payload-bytes": sum(int(v.nbytes) for v in payloads.values())})})
     return Message(content=content, reply_to=msg)
 
 
+@client_app.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    """The global model on the device's own test split: its loss and accuracy, weighted by its test samples."""
+    spec = fleet_spec(context.run_config)
+    data = load_data(spec)
+    _, test_split = client_partition(spec, data, context.node_config, split="test")
+    model = global_model(spec, data)
+    load_global(model, msg.content["arrays"])
+    loss, accuracy = evaluate_model(model, Subset(data.test, test_split.tolist()), rank=0, world=1)
+    return Message(content=RecordDict({"metrics": MetricRecord({"num-examples": len(test_split), "eval-loss": loss,
+                                                                "eval-accuracy": accuracy})}), reply_to=msg)
+
+
 class EdgetrainStrategy(FedAvg):
-    """Flower's FedAvg sampling and failure handling; edgetrain's decoding and server step."""
+    """Flower's FedAvg sampling, failure handling and evaluation; edgetrain's decoding and server step."""
 
     def __init__(self, spec: FleetSpec, model: nn.Module, **fedavg):
-        super().__init__(fraction_evaluate=0.0, **fedavg)
-        self.spec, self.compressor = spec, compressor_for(spec)
+        super().__init__(fraction_evaluate=spec.fraction_evaluate, **fedavg)
+        self.spec, self.compressor = spec, compressor_for(spec)[0]
         self.names = [name for name, _ in model.named_parameters()]
         self.global_tensors = [p.detach().clone() for p in model.parameters()]
         self.global_flat = flatten([p.detach() for p in model.parameters()]).requires_grad_(True)
         self.optimizer = server_optimizer(self.global_flat, spec.server_opt)
+        self.buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+        self.control = torch.zeros(self.global_flat.numel()) if spec.scaffold else None
+        self.nodes = 0
 
-    def decode(self, reply: Message) -> torch.Tensor:
-        return from_wire(self.compressor, reply.content["arrays"].to_numpy_ndarrays()[0], self.global_flat.numel())
+    def decode(self, wire) -> torch.Tensor:
+        return from_wire(self.compressor, wire.numpy(), self.global_flat.numel())
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid):
+        self.nodes = len(list(grid.get_node_ids()))  # SCAFFOLD's N
+        if self.control is not None:
+            arrays = ArrayRecord({**arrays.to_torch_state_dict(), CONTROL: self.control.clone()})
+        return super().configure_train(server_round, arrays, config, grid)
 
     def aggregate_train(self, server_round: int, replies) -> tuple[ArrayRecord | None, MetricRecord | None]:
         valid, _failed = self._check_and_log_replies(list(replies), is_train=True)
         if not valid:
             return None, None
-        mean_update = torch.stack([self.decode(reply) for reply in valid]).mean(0)
-        server_step(self.global_flat, mean_update, self.optimizer)
+        arrays = [reply.content["arrays"] for reply in valid]
+        server_step(self.global_flat, torch.stack([self.decode(a[UPDATE]) for a in arrays]).mean(0), self.optimizer)
         unflatten(self.global_flat.detach(), self.global_tensors)
+        if self.control is not None:  # c + |S|/N mean_S(c_i' - c_i)
+            self.control += torch.stack([self.decode(a[CONTROL_CHANGE]) for a in arrays]).sum(0) / self.nodes
+        weights = torch.tensor([float(reply.content["metrics"]["num-examples"]) for reply in valid])
+        weights /= weights.sum()
+        for name, buffer in self.buffers.items():
+            buffer.copy_(sum(w * as_tensor(a[name]).double() for w, a in zip(weights.tolist(), arrays)))
         metrics = self.train_metrics_aggr_fn([reply.content for reply in valid], self.weighted_by_key)
-        return ArrayRecord(dict(zip(self.names, self.global_tensors))), metrics
+        return ArrayRecord({**dict(zip(self.names, self.global_tensors)), **self.buffers}), metrics
 
 
 def run_server(grid: Grid, run_config: dict) -> Result:
-    """The whole federated run on ``grid``: Flower's ``Strategy.start`` with ``EdgetrainStrategy``."""
+    """The whole federated run on ``grid``: Flower's ``Strategy.start`` with ``EdgetrainStrategy``; the final
+    global model saved to ``output-dir`` if set."""
     spec = fleet_spec(run_config)
     model = global_model(spec, load_data(spec))
     strategy = EdgetrainStrategy(spec, model, fraction_train=spec.fraction_train, min_train_nodes=1,
-                                 min_available_nodes=spec.min_nodes)
-    return strategy.start(grid, parameter_record(model), num_rounds=spec.num_rounds, timeout=spec.round_timeout,
-                          train_config=ConfigRecord())
+                                 min_evaluate_nodes=1, min_available_nodes=spec.min_nodes)
+    result = strategy.start(grid, model_record(model), num_rounds=spec.num_rounds, timeout=spec.round_timeout,
+                            train_config=ConfigRecord())
+    if spec.output_dir is not None:  # the initial model if no round had a reply
+        with atomic_write(spec.output_dir / MODEL_FILE, "wb") as f:
+            torch.save((result.arrays if len(result.arrays) else model_record(model)).to_torch_state_dict(), f)
+    return result
 
 
 server_app = ServerApp()

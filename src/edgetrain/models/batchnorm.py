@@ -93,8 +93,10 @@ class CrossDeviceBatchNorm2d(nn.BatchNorm2d):
 def convert_batchnorm(module: nn.Module, group=None) -> nn.Module:
     """Replace every ``nn.BatchNorm2d`` in ``module`` by a ``CrossDeviceBatchNorm2d`` sharing its state."""
     if isinstance(module, nn.BatchNorm2d) and not isinstance(module, CrossDeviceBatchNorm2d):
+        own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        # on the module's device: a model still on the meta device (models/init.py) stays without storage
         new = CrossDeviceBatchNorm2d(module.num_features, module.eps, module.momentum, module.affine,
-                                     module.track_running_stats, group=group)
+                                     module.track_running_stats, group=group, device=own[0].device if own else None)
         if module.running_mean is not None:
             new.to(module.running_mean.dtype)
         elif module.weight is not None:

@@ -17,6 +17,8 @@ The count is taken at the input shape given (a 416x416 tiled run costs 169
 times a 32x32 one) on a deep copy of the model, with the global RNG state
 saved and restored, so it changes neither the weights, the BatchNorm
 statistics, the gradients nor the random stream of the run that asks.
+A model on the meta device (models/init.py) is counted there: the formulas
+need shapes only, so the count is the same and nothing is allocated.
 """
 from __future__ import annotations
 
@@ -35,8 +37,10 @@ def count_training_flops(model: torch.nn.Module, input_shape: Sequence[int], num
     counted.zero_grad(set_to_none=True)
     loss_fn = torch.nn.CrossEntropyLoss()
     with torch.random.fork_rng(devices=[]):  # dropout and the fake batch must not move the run's RNG
-        x = torch.randn(batch_size, *shape)
-        y = torch.randint(0, num_classes, (batch_size,))
+        # on the model's device: a model built on the meta device (models/init.py) is counted without storage
+        device = next(iter(counted.parameters()), torch.empty(0)).device
+        x = torch.randn(batch_size, *shape, device=device)
+        y = torch.randint(0, num_classes, (batch_size,), device=device)
         with FlopCounterMode(display=False) as forward_counter:
             loss = loss_fn(counted(x), y)
         with FlopCounterMode(display=False) as backward_counter:

@@ -5,24 +5,47 @@ devices, by dynamic programming over per-layer costs, stage ``s`` (on device
 ``s``, in rank order) gets a contiguous run of layers, chosen so that the
 slowest stage is as fast as it can be while every stage fits its device:
 
-    time(s, i..j)   = sum of the layers' training FLOPs per sample x batch / device s's GFLOPS
+    time(s, k)      = max(FLOPs(k) x B / GFLOPS_s,                         (roofline, per layer)
+                          (bytes(k) x B + pass bytes(k) x M) / memory GB/s_s)
+    time(s, i..j)   = sum of time(s, k) over the layers i..j-1
+    cut(s, i)       = M x 2 x transfer(s, B/M x output bytes of layer i-1)   (stage s-1 -> s)
     memory(s, i..j) = fixed + the layers' weights + gradients + optimizer state
                       + their saved activations x the samples in flight on stage s
-    best[s][j]      = min over i of max(best[s-1][i], time(s, i..j)), memory(s, i..j) <= limit s
+    best[s][j]      = min over i of max(best[s-1][i], cut(s, i), time(s, i..j)), memory(s, i..j) <= limit s
+
+Each layer runs at the slower of its compute and its memory traffic (the
+roofline model): element-wise layers (ReLU, BatchNorm, pooling) count
+almost no FLOPs but read and write whole activation maps, which on a
+device with little memory bandwidth (a Pi Zero's 32-bit LPDDR2) is what
+takes the time. A device without ``memory_gbps`` is compute-only. Each cut
+is a resource of its own in the pipeline (its link transfers run while the
+stages compute): per step its ``M`` activations forward and ``M`` gradients
+of the same size backward, each one ``transfer`` (the caller's link model:
+latency + bytes / bandwidth over the slower of the two devices' links;
+none without ``--link``), so over a slow link the planner cuts where the
+activations are small.
 
 Every stage must hold a parameter (its optimizer would have nothing to
-step otherwise). ``O(S L^2)`` for S stages and L layers. Samples in flight: GPipe holds every
+step otherwise). When a cut is the bottleneck, many splits tie; a second
+pass picks, among the splits whose cuts are no slower than it, the one whose
+slowest stage is fastest. ``O(S L^2)`` for S stages and L layers. Samples in flight: GPipe holds every
 micro-batch's activations at once (the global batch); 1F1B at most
 ``min(M, S - s)`` micro-batches on stage ``s``. ``fixed`` is what every device
 holds whatever its layers (the runtime and the dataset; the caller gives it).
 
-Per-layer costs (``layer_costs``) are counted on the real layers at batch 2,
-as ``plan.costs`` counts the whole model: FLOPs with ``FlopCounterMode`` (a
+Per-layer costs (``layer_costs``) are counted on the real layers at batch 2
+(a layer on the meta device, models/init.py, on a materialised copy of it
+alone), as ``plan.costs`` counts the whole model: FLOPs with ``FlopCounterMode`` (a
 layer's forward, then its backward from a gradient of ones), saved
-activations with ``saved_tensors_hooks``, parameter and buffer bytes. Stage
-times are modelled (counted FLOPs over the profile's rated GFLOPS, the same
-efficiency for every device, so it does not change the split); the link time
-of the activations between stages is not part of the objective.
+activations with ``saved_tensors_hooks``, parameter and buffer bytes, and
+memory traffic with a ``TorchDispatchMode`` (``_TrafficCounter``): every
+aten op that is not a view reads its tensor inputs and writes its outputs
+once (no cache reuse: an upper bound for ops whose working set fits in
+cache). A tensor whose first dimension is the counting batch is
+per-sample traffic; any other (weights, their gradients, biases) is read
+or written once per micro-batch pass (``pass_traffic_bytes``). Stage times
+are modelled (rated GFLOPS and memory GB/s of the profiles); the link
+times come from the link model.
 
 When no split fits, the error says why: a layer that alone needs more than
 the largest device is named; otherwise the memory the model needs pooled
@@ -30,13 +53,19 @@ over the stages against what the devices have in all.
 """
 from __future__ import annotations
 
+import copy
+
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
+from edgetrain.cluster.links import Link, collective_time
 from edgetrain.errors import EdgetrainError
 
 MIB = 2**20
@@ -52,15 +81,39 @@ class LayerCost:
     buffer_bytes: int           # BatchNorm statistics and the like
     activation_bytes: float     # saved for backward, per sample
     output_bytes: float         # what the next stage receives, per sample
+    traffic_bytes: float = 0.0       # memory read and written, forward + backward, per sample
+    pass_traffic_bytes: float = 0.0  # memory read and written per micro-batch pass whatever its size (weights)
 
 
 @dataclass(frozen=True)
 class StageDevice:
-    """What the planner needs of a device: a name, its rated GFLOPS and memory (None: no limit)."""
+    """What the planner needs of a device: a name, its rated GFLOPS, memory (None: no limit) and memory
+    bandwidth in GB/s (None: compute-only)."""
 
     name: str
     gflops: float
     memory_mb: float | None = None
+    memory_gbps: float | None = None
+
+
+class _TrafficCounter(TorchDispatchMode):
+    """Bytes every non-view aten op reads and writes: per sample (first dimension ``batch``) and per pass."""
+
+    def __init__(self, batch: int):
+        super().__init__()
+        self.batch, self.per_sample, self.per_pass = batch, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            for t in tree_leaves((args, kwargs, out)):
+                if isinstance(t, torch.Tensor):
+                    nbytes = t.numel() * t.element_size()
+                    if t.dim() and t.shape[0] == self.batch:
+                        self.per_sample += nbytes
+                    else:
+                        self.per_pass += nbytes
+        return out
 
 
 def layer_costs(layers: list[tuple[str, nn.Module]], input_shape: tuple[int, ...], batch: int = 2) -> list[LayerCost]:
@@ -72,6 +125,9 @@ def layer_costs(layers: list[tuple[str, nn.Module]], input_shape: tuple[int, ...
     counted: set[int] = set()
     kept: list[torch.Tensor] = []
     for index, (name, layer) in enumerate(layers):
+        if any(t.is_meta for t in [*layer.parameters(), *layer.buffers()]):
+            # a layer built on the meta device (models/init.py): a copy with storage, one layer at a time
+            layer = copy.deepcopy(layer).to_empty(device="cpu")
         layer.train()
         inputs = activation.detach().requires_grad_(index > 0)  # the first layer's input is the data
         weights = {t.untyped_storage().data_ptr() for t in [*layer.parameters(), *layer.buffers()]}
@@ -85,17 +141,22 @@ def layer_costs(layers: list[tuple[str, nn.Module]], input_shape: tuple[int, ...
             return t
 
         state = {k: v.clone() for k, v in layer.state_dict().items()}  # BatchNorm statistics stay as they were
+        traffic = _TrafficCounter(batch)
         with FlopCounterMode(display=False) as counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            output = layer(inputs)
+            with traffic:
+                output = layer(inputs)
             if output.requires_grad:
-                output.backward(torch.ones_like(output))
+                seed = torch.ones_like(output)  # the next layer writes this gradient: its traffic, not this layer's
+                with traffic:
+                    output.backward(seed)
         layer.load_state_dict(state)
         layer.zero_grad(set_to_none=True)
         costs.append(LayerCost(
             name=name, train_flops=counter.get_total_flops() / batch,
             param_bytes=sum(p.numel() * p.element_size() for p in layer.parameters() if p.requires_grad),
             buffer_bytes=sum(b.numel() * b.element_size() for b in layer.buffers()),
-            activation_bytes=sum(saved.values()) / batch, output_bytes=output.numel() * output.element_size() / batch))
+            activation_bytes=sum(saved.values()) / batch, output_bytes=output.numel() * output.element_size() / batch,
+            traffic_bytes=traffic.per_sample / batch, pass_traffic_bytes=traffic.per_pass))
         counted.update(saved)
         activation = output.detach()
     return costs
@@ -108,13 +169,14 @@ class SplitPlan:
     layers: list[LayerCost]
     devices: list[StageDevice]
     bounds: list[tuple[int, int]]
-    stage_s: list[float]          # modelled compute seconds per step
+    stage_s: list[float]          # modelled compute seconds per step (roofline)
     memory_mb: list[float]        # modelled peak memory
     even_step_s: float | None     # the bottleneck of an even split by layer count (None: it does not fit)
+    cut_s: list[float] = field(default_factory=list)  # modelled link seconds per step of the cut before stage s+1
 
     @property
     def step_s(self) -> float:
-        return max(self.stage_s)
+        return max(self.stage_s + self.cut_s)
 
     @property
     def starts(self) -> tuple[int, ...]:
@@ -125,16 +187,27 @@ class SplitPlan:
         lines = []
         for s, ((first, end), device) in enumerate(zip(self.bounds, self.devices)):
             limit = "no limit" if device.memory_mb is None else f"limit {device.memory_mb:,.0f} MiB"
-            lines.append(f"stage {s} on {device.name} ({device.gflops:g} GFLOPS, {limit}): layers {first}-{end - 1} "
+            bandwidth = "" if device.memory_gbps is None else f", {device.memory_gbps:g} GB/s"
+            link = f", link to the next {_ms(self.cut_s[s])}/step" if s < len(self.cut_s) and self.cut_s[s] else ""
+            lines.append(f"stage {s} on {device.name} ({device.gflops:g} GFLOPS{bandwidth}, {limit}): "
+                         f"layers {first}-{end - 1} "
                          f"({self.layers[first].name} .. {self.layers[end - 1].name}), {_ms(self.stage_s[s])}/step, "
-                         f"{self.memory_mb[s]:,.0f} MiB")
-        slowest = self.stage_s.index(self.step_s)
+                         f"{self.memory_mb[s]:,.0f} MiB{link}")
+        slowest = (f"stage {self.stage_s.index(self.step_s)}" if self.step_s in self.stage_s
+                   else f"the link after stage {self.cut_s.index(self.step_s)}")
         even = ("an even split does not fit the memory limits" if self.even_step_s is None else
                 f"an even split by layer count would take {_ms(self.even_step_s)} "
                 f"({self.even_step_s / self.step_s:.2f}x)")
-        lines.append(f"bottleneck stage {slowest}: {_ms(self.step_s)} per step (modelled: counted FLOPs / rated "
-                     f"GFLOPS); {even}")
+        lines.append(f"bottleneck {slowest}: {_ms(self.step_s)} per step (modelled: per layer the slower of "
+                     f"counted FLOPs / rated GFLOPS and counted bytes / memory GB/s; cuts over the link); {even}")
         return lines
+
+
+def p2p_seconds(links: list[Link | None], a: int, b: int, nbytes: float) -> float:
+    """Modelled seconds to send ``nbytes`` once between devices ``a`` and ``b``: one point-to-point round over
+    the slower of their links (none: free)."""
+    pair = [link for link in (links[a], links[b]) if link is not None]
+    return collective_time(pair, "p2p", nbytes) if nbytes else 0.0
 
 
 def _ms(seconds: float) -> str:
@@ -150,15 +223,25 @@ def _prefix(values: list[float]) -> list[float]:
 
 def plan_split(layers: list[LayerCost], devices: list[StageDevice], batch: int, microbatches: int,
                schedule: str = "gpipe", optimizer_copies: int = 1, fixed_mb: float = 0.0,
-               what: str = "the model") -> SplitPlan:
-    """The split whose slowest stage is fastest with every stage within its device's memory (module docstring).
+               what: str = "the model",
+               transfer_s: Callable[[int, float], float] | None = None) -> SplitPlan:
+    """The split whose slowest stage or cut is fastest with every stage within its device's memory (module
+    docstring).
 
-    ``optimizer_copies``: optimizer state per parameter (0 plain SGD, 1 momentum, 2 Adam).
+    ``optimizer_copies``: optimizer state per parameter (0 plain SGD, 1 momentum, 2 Adam). ``transfer_s(s,
+    nbytes)``: seconds to send ``nbytes`` once between stages ``s - 1`` and ``s`` (None: no link time).
     """
     stages, n = len(devices), len(layers)
     if stages > n:
         raise EdgetrainError(f"{what} has {n} layers, too few for {stages} pipeline stages; use at most {n} devices")
-    flops = _prefix([layer.train_flops for layer in layers])
+    def layer_s(device: StageDevice, layer: LayerCost) -> float:
+        compute = layer.train_flops * batch / (device.gflops * 1e9)
+        if device.memory_gbps is None:
+            return compute
+        traffic = layer.traffic_bytes * batch + layer.pass_traffic_bytes * microbatches
+        return max(compute, traffic / (device.memory_gbps * 1e9))
+
+    layer_seconds = [_prefix([layer_s(device, layer) for layer in layers]) for device in devices]
     trainable = _prefix([layer.param_bytes for layer in layers])
     weights = _prefix([layer.param_bytes * (2 + optimizer_copies) + layer.buffer_bytes for layer in layers])
     activations = _prefix([layer.activation_bytes for layer in layers])
@@ -170,27 +253,42 @@ def plan_split(layers: list[LayerCost], devices: list[StageDevice], batch: int, 
         return fixed_mb + (weights[j] - weights[i] + (activations[j] - activations[i]) * in_flight(s)) / MIB
 
     def seconds(s: int, i: int, j: int) -> float:
-        return (flops[j] - flops[i]) * batch / (devices[s].gflops * 1e9)
+        return layer_seconds[s][j] - layer_seconds[s][i]
+
+    def cut(s: int, i: int) -> float:  # the link between stages s-1 and s, cut before layer i
+        if transfer_s is None:
+            return 0.0
+        return microbatches * 2 * transfer_s(s, layers[i - 1].output_bytes * batch / microbatches)
 
     def fits(s: int, i: int, j: int) -> bool:  # a stage trains something and fits its device
         limit = devices[s].memory_mb
         return trainable[j] > trainable[i] and (limit is None or memory(s, i, j) <= limit)
 
-    # best[s][j]: the least bottleneck time of stages 0..s over layers 0..j-1; choice[s][j]: where stage s starts
-    best = [[math.inf] * (n + 1) for _ in range(stages)]
-    choice = [[0] * (n + 1) for _ in range(stages)]
-    for j in range(1, n + 1):
-        if fits(0, 0, j):
-            best[0][j] = seconds(0, 0, j)
-    for s in range(1, stages):
-        for j in range(s + 1, n + 1):
-            for i in range(s, j):
-                if best[s - 1][i] < math.inf and fits(s, i, j):
-                    candidate = max(best[s - 1][i], seconds(s, i, j))
-                    if candidate < best[s][j]:
-                        best[s][j], choice[s][j] = candidate, i
-    if best[-1][n] == math.inf:
+    def solve(link_cost: Callable[[int, int], float], cap: float) -> tuple[float, list[list[int]]]:
+        """(least bottleneck, choice) over stages and the cuts ``link_cost`` charges, with every cut under
+        ``cap``. best[s][j]: the least bottleneck of stages 0..s over layers 0..j-1; choice[s][j]: where
+        stage s starts."""
+        best = [[math.inf] * (n + 1) for _ in range(stages)]
+        choice = [[0] * (n + 1) for _ in range(stages)]
+        for j in range(1, n + 1):
+            if fits(0, 0, j):
+                best[0][j] = seconds(0, 0, j)
+        for s in range(1, stages):
+            for j in range(s + 1, n + 1):
+                for i in range(s, j):
+                    if best[s - 1][i] < math.inf and cut(s, i) <= cap and fits(s, i, j):
+                        candidate = max(best[s - 1][i], link_cost(s, i), seconds(s, i, j))
+                        if candidate < best[s][j]:
+                            best[s][j], choice[s][j] = candidate, i
+        return best[-1][n], choice
+
+    bottleneck, choice = solve(cut, math.inf)
+    if bottleneck == math.inf:
         _refuse(layers, devices, memory, fixed_mb, what)
+    if transfer_s is not None:
+        # When a link bounds the step, many splits tie; among those, the one whose slowest stage is fastest
+        # (its cuts no slower than that bottleneck), so compute stays balanced behind the link.
+        _, choice = solve(lambda s, i: 0.0, bottleneck)
     ends = [n]
     for s in range(stages - 1, 0, -1):
         ends.append(choice[s][ends[-1]])
@@ -199,10 +297,11 @@ def plan_split(layers: list[LayerCost], devices: list[StageDevice], batch: int, 
     per, extra = divmod(n, stages)
     even_cuts = [0, *(s * per + min(s, extra) for s in range(1, stages)), n]
     even = list(zip(even_cuts[:-1], even_cuts[1:]))
-    even_step_s = (max(seconds(s, i, j) for s, (i, j) in enumerate(even))
+    even_step_s = (max(max(seconds(s, i, j), cut(s, i) if s else 0.0) for s, (i, j) in enumerate(even))
                    if all(fits(s, i, j) for s, (i, j) in enumerate(even)) else None)
     return SplitPlan(layers, devices, bounds, [seconds(s, i, j) for s, (i, j) in enumerate(bounds)],
-                     [memory(s, i, j) for s, (i, j) in enumerate(bounds)], even_step_s)
+                     [memory(s, i, j) for s, (i, j) in enumerate(bounds)], even_step_s,
+                     [cut(s, i) for s, (i, _) in enumerate(bounds) if s])
 
 
 def _refuse(layers, devices, memory, fixed_mb: float, what: str) -> None:

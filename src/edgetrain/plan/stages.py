@@ -13,6 +13,18 @@ children, as ResNet's ``F.relu`` after ``bn1``, or skips, as a residual).
 ``--stages even`` gives each of S devices ``ceil`` or ``floor`` of
 ``layers / S`` layers, in order; ``--stages 4,8`` gives the layer indices
 at which stages 1, 2, ... start (``spec.PipelineSpec``).
+
+``pipeline_timeline`` replays one step of a schedule over emulated links:
+the runtime (``train/pipeline.py``) with the forward and backward seconds
+each stage measured, in the order it ran them; the planner
+(``plan/strategies.py``) with modelled ones, in the order
+``schedule_order`` gives (that of PyTorch's ``ScheduleGPipe`` and
+``Schedule1F1B``). An action starts when its stage is free and its input
+has arrived (a forward: the previous stage's activation of that
+micro-batch; a backward: the next stage's gradient); a stage's sends leave
+in the order it made them, one after the other on its link (each holds the
+link for its whole modelled time, latency included: conservative), and
+computing does not wait for them.
 """
 from __future__ import annotations
 
@@ -23,6 +35,8 @@ from torch import nn
 
 from edgetrain.errors import EdgetrainError
 from edgetrain.spec import PipelineSpec
+
+FORWARD, BACKWARD = 0, 1
 
 
 def pipeline_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -86,3 +100,55 @@ def stage_bounds(pipeline: PipelineSpec, layers: list[tuple[str, nn.Module]], st
 def describe_stages(layers: list[tuple[str, nn.Module]], bounds: list[tuple[int, int]]) -> list[str]:
     """One line per stage: its layers, by index and name."""
     return [f"stage {s}: layers {a}-{b - 1} ({layers[a][0]} .. {layers[b - 1][0]})" for s, (a, b) in enumerate(bounds)]
+
+
+def schedule_order(schedule: str, stage: int, stages: int, microbatches: int) -> list[tuple[int, int]]:
+    """``(FORWARD or BACKWARD, micro-batch)`` in the order PyTorch's schedule runs them on ``stage``:
+    GPipe every forward then every backward; 1F1B ``min(M, S - s)`` forwards, then one backward and one
+    forward in turn, then the backwards left."""
+    if schedule == "gpipe":
+        return [(FORWARD, i) for i in range(microbatches)] + [(BACKWARD, i) for i in range(microbatches)]
+    warmup = min(microbatches, stages - stage)
+    order, forwards = [(FORWARD, i) for i in range(warmup)], warmup
+    for backward in range(microbatches):
+        order.append((BACKWARD, backward))
+        if forwards < microbatches:
+            order.append((FORWARD, forwards))
+            forwards += 1
+    return order
+
+
+def pipeline_timeline(starts: list[float], actions: list[list[tuple[int, int, float]]],
+                      transfer_s) -> tuple[list[float], list[float]]:
+    """When each stage ends its step, and how long its link carried transfers (the module docstring).
+
+    ``starts[s]``: stage ``s``'s clock at the start of the step; ``actions[s]``: its ``(FORWARD or BACKWARD,
+    micro-batch, seconds)`` in the order it ran them; ``transfer_s(kind, sender, receiver)``: the modelled
+    seconds of one micro-batch's activation (kind FORWARD) or gradient (BACKWARD) between adjacent stages.
+    """
+    stages = len(actions)
+    free, uplink, link_s = list(starts), list(starts), [0.0] * stages
+    arrived: dict[tuple[int, int, int], float] = {}  # (kind, receiving stage, micro-batch) -> arrival
+    done = [0] * stages
+    while any(done[s] < len(actions[s]) for s in range(stages)):
+        progressed = False
+        for s in range(stages):
+            while done[s] < len(actions[s]):
+                kind, chunk, seconds = actions[s][done[s]]
+                receiver = s + 1 if kind == FORWARD else s - 1
+                waits_for_input = (kind == FORWARD and s > 0) or (kind == BACKWARD and s < stages - 1)
+                if waits_for_input and (kind, s, chunk) not in arrived:
+                    break
+                free[s] = max(free[s], arrived.get((kind, s, chunk), free[s])) + seconds
+                if 0 <= receiver < stages:
+                    seconds_on_link = transfer_s(kind, s, receiver)
+                    uplink[s] = max(free[s], uplink[s]) + seconds_on_link
+                    arrived[(kind, receiver, int(chunk))] = uplink[s]
+                    link_s[s] += seconds_on_link
+                    link_s[receiver] += seconds_on_link
+                done[s] += 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError("pipeline timeline: every stage waits for an input no stage sends "
+                               "(actions out of the schedule's order)")
+    return free, link_s

@@ -16,7 +16,8 @@ with what is left. FSDP2 cuts every parameter on dim 0 into ``p`` chunks of
 ``s = sum ceil(dim0/p) x rest x 4`` bytes. Per device::
 
     memory = (weights + gradients + optimizer copies) of its shards + buffers (not sharded)
-             + the largest unit gathered (p x s) + the root's gathered parameters (kept from forward to backward)
+             + gathered: the largest unit's parameters (p x s) + the root's (kept from forward to backward)
+             + unit_buffers: a second p x s of the largest unit, alive beside its gathered parameters
              + activations x local batch + dataset + runtime
     sent   = per unit: 2 all-gathers (forward, backward; the root's once) of (p-1) s
              + one reduce-scatter of the padded gradients, (p-1)/p x p s
@@ -27,24 +28,51 @@ with what is left. FSDP2 cuts every parameter on dim 0 into ``p`` chunks of
 The collectives run blocking (``train/fsdp.py`` gives up prefetch to time them),
 so nothing overlaps.
 
+``unit_buffers`` is what FSDP2 (torch/distributed/fsdp/_fully_shard) holds
+beside a unit's gathered parameters, read from its source, for the unit
+with the largest shard ``s`` (``fsdp_gathered_bytes``):
+
+- forward: ``foreach_all_gather`` receives into one flat ``p x s`` output,
+  then ``foreach_all_gather_copy_out`` copies it into each parameter's own
+  padded ``p x s`` outputs; the flat one is freed only after the copy;
+- backward: autograd writes the unit's unsharded gradients (its unpadded
+  parameter bytes, at most ``p x s``) while its parameters are gathered;
+  ``post_backward`` then reshards the parameters and ``foreach_reduce``
+  copies the gradients into a padded ``p x s`` reduce-scatter input and only
+  then frees them; the reduce-scatter output is the ``s``-byte sharded
+  gradient, counted under gradients.
+
+So at every moment a unit in flight holds two ``p x s`` buffers; with the
+root kept gathered, the peak is ``max(p s_root + 2 p s_max, 2 p s_root)``.
+Not modelled: gloo's own staging copies inside its C++ collectives and the
+allocator's slack (a 114M-parameter ``WideMlp`` measured about 10% over
+this plan, README).
+
 **pipeline** (``train/pipeline.py``): the split is ``split.plan_split``'s
 (the planner ``--stages auto`` runs before training), over counted per-layer
-costs, at ``GFLOPS x efficiency`` per device, under each device's memory
-limit, with the runtime and the dataset as every device's fixed memory.
+costs, at ``GFLOPS x efficiency`` per device and the profile's rated memory
+GB/s (per layer the slower, a roofline), with each cut's transfers over the
+link model, under each device's memory limit, with the runtime and the dataset as every device's fixed memory.
 Stage ``s`` of ``S`` holds its layers' weights, gradients and optimizer state
 and the activations of the samples in flight (GPipe: ``B``; 1F1B:
-``min(M, S-s) x B/M``). A slot is the bottleneck stage's forward and backward
-of one micro-batch plus its sends (its output activation forwards, its
-input's gradient backwards, ``B/M`` samples each, one point-to-point round
-over the slower of the two links)::
+``min(M, S-s) x B/M``). The step is the runtime's own timeline
+(``stages.pipeline_timeline``, what ``train/pipeline.py`` charges a run on
+emulated links) over modelled actions: each stage runs its micro-batches
+in the schedule's order (``stages.schedule_order``), a forward taking a
+third and a backward two thirds of the stage's compute per micro-batch
+(backward computes two products per forward one: an assumption, the
+planner counts forward + backward together), and each activation or
+gradient of ``B/M`` samples crosses a cut as one point-to-point round over
+the slower of the two links, queued on the sender's link::
 
-    step   = (M + S - 1) x max over stages (stage compute / M + its sends of one micro-batch)
+    step   = the last stage's end on that timeline (fill, drain and queued transfers included)
     bubble = (S - 1) / (M + S - 1)        (the idle share of an ideal, balanced pipeline)
     sent   = B x (output bytes per sample at the stage's end cut + input bytes at its start cut)
 
-which is what ``train/pipeline.py`` counts. Not modelled: the runtime today
-keeps the whole model's weights on every device (``train/pipeline.py``'s
-limits), so a real run's RSS is above this plan by the other stages' weights.
+which is what ``train/pipeline.py`` counts. Each device builds only its
+stage's layers (models/init.py), so during training its RSS is this stage
+memory; an evaluation then gathers the whole model on every device
+(``train/pipeline.py``'s limits), which is not modelled here.
 
 **compare** predicts all three and recommends, among those whose every device
 fits its memory limit, the one with the fastest modelled step (ties: ddp,
@@ -61,13 +89,12 @@ import math
 
 import torch
 
-from edgetrain.cluster.links import collective_time
 from edgetrain.comm.accounting import ring_allgather_bytes, ring_allreduce_bytes
 from edgetrain.errors import EdgetrainError
 from edgetrain.plan.config import PlanInputs
 from edgetrain.plan.model import MIB, Prediction, device_gflops, exchange_seconds
-from edgetrain.plan.split import StageDevice, layer_costs, plan_split
-from edgetrain.plan.stages import check_sequential, pipeline_layers
+from edgetrain.plan.split import StageDevice, layer_costs, p2p_seconds, plan_split
+from edgetrain.plan.stages import FORWARD, check_sequential, pipeline_layers, pipeline_timeline, schedule_order
 from edgetrain.plan.traffic import Traffic
 from edgetrain.results import PlanComparison, PlanStrategy, PlanStrategyDevice
 
@@ -93,6 +120,17 @@ def _shard_bytes(params: list[torch.Tensor], p: int) -> int:
         rows = t.shape[0] if t.dim() else 1
         total += math.ceil(rows / p) * (t.numel() // max(rows, 1)) * t.element_size()
     return total
+
+
+def fsdp_gathered_bytes(shards: list[int], p: int) -> tuple[int, int]:
+    """(gathered parameters, unit buffers) at FSDP2's peak, from each unit's shard bytes, the root's last.
+
+    The root stays gathered; the unit in flight holds its gathered parameters and one more ``p x s`` buffer
+    (all-gather output, unsharded gradients or reduce-scatter input; module docstring).
+    """
+    root, largest = p * shards[-1], p * max(shards[:-1], default=0)
+    peak = max(root + 2 * largest, 2 * root)
+    return root + largest, peak - root - largest
 
 
 def fsdp_units(model: torch.nn.Module) -> list[list[torch.Tensor]]:
@@ -131,12 +169,13 @@ def fsdp_strategy(inputs: PlanInputs, pred: Prediction) -> PlanStrategy:
     comm = exchange_seconds(traffic, pred.links) if p > 1 and collectives else 0.0  # type: ignore[arg-type]
     copies = optimizer_copies(inputs.cfg.optimizer, inputs.cfg.momentum)
     shard_total = sum(shards)
+    gathered, buffers = fsdp_gathered_bytes(shards, p)
     c_max = max(d.compute_s for d in pred.devices)
     devices = []
     for d in pred.devices:
         memory = {"weights": (shard_total + costs.buffer_bytes) / MIB, "gradients": shard_total / MIB,
                   "optimizer": copies * shard_total / MIB,
-                  "gathered_unit": (p * max(shards[:-1], default=0) + p * shards[-1]) / MIB,
+                  "gathered_unit": gathered / MIB, "unit_buffers": buffers / MIB,
                   "activations": d.memory_mb["activations"], "dataset": d.memory_mb["dataset"],
                   "runtime": d.memory_mb["runtime"]}
         total = sum(memory.values())
@@ -161,31 +200,32 @@ def pipeline_strategy(inputs: PlanInputs, pred: Prediction, microbatches: int, s
     layers = layer_costs(pipeline_layers(model), costs.input_shape)
     rows, links = pred.devices, pred.links
     stage_devices = [StageDevice(f"device {d.rank} ({d.profile})", device_gflops(spec.profile)[0] * pred.efficiency,
-                                 spec.profile.memory_mb) for d, spec in zip(rows, inputs.devices)]
+                                 spec.profile.memory_mb, spec.profile.memory_gbps)
+                     for d, spec in zip(rows, inputs.devices)]
     fixed = costs.dataset_bytes / MIB + pred.runtime_mb
     copies = optimizer_copies(cfg.optimizer, cfg.momentum)
     batch, stages = cfg.batch_size, len(rows)
-    split = plan_split(layers, stage_devices, batch, microbatches, schedule, copies, fixed_mb=fixed, what=what)
+    split = plan_split(layers, stage_devices, batch, microbatches, schedule, copies, fixed_mb=fixed, what=what,
+                       transfer_s=lambda s, nbytes: p2p_seconds(links, s - 1, s, nbytes))
 
-    def p2p_s(a: int, b: int, nbytes: float) -> float:
-        pair = [link for link in (links[a], links[b]) if link is not None]
-        return collective_time(pair, "p2p", nbytes) if nbytes else 0.0
-
-    slots, sent, memory = [], [], []
+    sent, memory, actions = [], [], []
+    cut_bytes = [layers[end - 1].output_bytes * batch / microbatches for _, end in split.bounds]  # one micro-batch
     for s, (first, end) in enumerate(split.bounds):
         out_bytes = layers[end - 1].output_bytes if s < stages - 1 else 0.0   # activation to stage s+1
         in_bytes = layers[first - 1].output_bytes if s > 0 else 0.0           # its gradient back to stage s-1
-        per_microbatch = batch / microbatches
-        slots.append(split.stage_s[s] / microbatches + p2p_s(s, min(s + 1, stages - 1), out_bytes * per_microbatch)
-                     + p2p_s(s, max(s - 1, 0), in_bytes * per_microbatch))
         sent.append(round((out_bytes + in_bytes) * batch))
+        per_microbatch = split.stage_s[s] / microbatches
+        actions.append([(kind, chunk, per_microbatch * (1 / 3 if kind == FORWARD else 2 / 3))
+                        for kind, chunk in schedule_order(schedule, s, stages, microbatches)])
         in_flight = batch if schedule == "gpipe" else min(microbatches, stages - s) * batch / microbatches
         params = sum(layer.param_bytes for layer in layers[first:end])
         memory.append({"weights": (params + sum(layer.buffer_bytes for layer in layers[first:end])) / MIB,
                        "gradients": params / MIB, "optimizer": copies * params / MIB,
                        "activations": sum(layer.activation_bytes for layer in layers[first:end]) * in_flight / MIB,
                        "dataset": costs.dataset_bytes / MIB, "runtime": pred.runtime_mb})
-    step = (microbatches + stages - 1) * max(slots)
+    ends, _ = pipeline_timeline([0.0] * stages, actions,
+                                lambda kind, a, b: p2p_seconds(links, a, b, cut_bytes[min(a, b)]))
+    step = max(ends)
     devices = []
     for s, (d, (first, end)) in enumerate(zip(rows, split.bounds)):
         total, limit = sum(memory[s].values()), stage_devices[s].memory_mb
@@ -199,8 +239,8 @@ def pipeline_strategy(inputs: PlanInputs, pred: Prediction, microbatches: int, s
     result = _strategy("pipeline", devices, step, batch / step,
                        [f"{schedule}, {microbatches} micro-batches of {batch // microbatches}, {stages} stages: "
                         f"bubble (S-1)/(M+S-1) = {bubble:.1%}", *split.explain(),
-                        "the runtime keeps every layer's weights on every device today (train/pipeline.py), "
-                        "so a real run's RSS exceeds this stage memory by the other stages' weights"])
+                        "each device builds only its stage's layers; an evaluation gathers the whole model on "
+                        "every device (train/pipeline.py), which this stage memory leaves out"])
     result.bubble_fraction = bubble
     return result
 

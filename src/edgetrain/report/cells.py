@@ -71,3 +71,16 @@ def efficiency_cell(row: dict[str, Any]) -> str:
     """Efficiency as a percentage, ``!`` where it is flagged (superlinear, or divided by a noisy baseline)."""
     flagged = {"superlinear", "noisy baseline"} & set(row["flags"])
     return f"{100 * row['efficiency']:.1f}%" + (" !" if flagged else "")
+
+
+ROUNDS_COLUMN = "rounds"
+ROUNDS_NOTE = "rounds: how many rounds each device joined / missed the deadline of / was not sampled for"
+
+
+def round_cells(details: dict) -> list[str] | None:
+    """Per device, the rounds it joined, missed the deadline of and was not sampled for (local SGD and
+    federated rounds: the summary's ``round_participation``); None for a run without rounds."""
+    counts = details.get("round_participation")
+    if not counts:
+        return None
+    return [f"{c['joined']}/{c['missed_deadline']}/{c['not_sampled']}" for c in counts]

@@ -40,8 +40,8 @@ from typing import Any
 from edgetrain.errors import EdgetrainError
 from edgetrain.records import RunSummary, modelled_throughput
 from edgetrain.report import training
-from edgetrain.report.cells import (ABOVE_PEAK_NOTE, NOISY_NOTE, efficiency_cell, flag_notes, fmt, percent_of_peak,
-                                    spread_cell)
+from edgetrain.report.cells import (ABOVE_PEAK_NOTE, NOISY_NOTE, ROUNDS_COLUMN, ROUNDS_NOTE, efficiency_cell, flag_notes, fmt,
+                                    percent_of_peak, round_cells, spread_cell)
 from edgetrain.results import BenchResult, PeakResult, PlanResult
 
 AXES = [  # (key, label, unit, higher is better)
@@ -172,6 +172,11 @@ def headline(run: dict[str, Any], peak: tuple[float, str] | None = None) -> tupl
                  p.peak_rss_mb, p.data_s, p.compute_s, p.comm_s, _mb(p.bytes_sent), _mb(p.bytes_recv)]
                 for p in per_device]
         notes = [f"throughput {d.throughput_samples_per_s:.1f} samples/s; test accuracy {_pct(d.test_accuracy)}"]
+        rounds = round_cells(d.details)
+        if rounds:
+            cols.append(ROUNDS_COLUMN)
+            rows = [row + [rounds[p.rank]] for row, p in zip(rows, per_device)]
+            notes.append(ROUNDS_NOTE)
         modelled = modelled_throughput(d)
         if modelled:
             notes.append(f"modelled on {d.details['link']} (virtual clock: this host's compute + modelled link "

@@ -10,7 +10,7 @@ from __future__ import annotations
 import io
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import matplotlib
@@ -276,6 +276,7 @@ class RunCurves:
     eval_steps: list[int]           # steps done at each evaluation
     eval_loss: list[float]
     eval_accuracy: list[float]
+    changes: list[tuple[int, str]] = field(default_factory=list)  # elastic runs: (step, "leave"/"join")
 
     def at(self, xs: list[float], steps: list[int]) -> list[float]:
         """``xs`` (a time series over ``self.steps``) at the given step counts."""
@@ -311,6 +312,11 @@ def plot_training_curves(runs: Sequence[RunCurves]):
             mean = "" if window == 1 else f" (mean of {window} steps)"
             loss_ax.plot(xs, running_mean(run.train_loss, window), color=color, lw=1.6,
                          label=f"{run.name}: train loss{mean}")
+            # membership changes of an elastic run: a dashed line where a device left, dotted where one joined
+            for step, kind in run.changes:
+                x = step if field is None else run.at(xs, [step])[0]
+                for ax in row:
+                    ax.axvline(x, color=color, lw=0.8, ls="--" if kind == "leave" else ":")
             eval_x = run.eval_steps if field is None else run.at(xs, run.eval_steps)
             if run.eval_steps:
                 loss_ax.plot(eval_x, run.eval_loss, "o--", color=color, ms=4, label=f"{run.name}: test loss")

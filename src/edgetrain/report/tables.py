@@ -6,7 +6,7 @@ from rich.console import Console
 from rich.table import Table
 
 from edgetrain.records import RunSummary, modelled_throughput
-from edgetrain.report.cells import ABOVE_PEAK_NOTE, fmt, percent_of_peak
+from edgetrain.report.cells import ABOVE_PEAK_NOTE, ROUNDS_COLUMN, ROUNDS_NOTE, fmt, percent_of_peak, round_cells
 
 
 def _mb(n: float) -> str:
@@ -24,8 +24,9 @@ def print_train_summary(summary: dict | RunSummary, console: Console | None = No
     console = console or _console()
     table = Table(title="per device, measured (means per step after the first)", title_justify="left",
                   box=box.SIMPLE_HEAD, pad_edge=False)
+    rounds = round_cells(s.details)
     for col in ("rank", "profile", "batch", "samples/s", "step ms", "GFLOPS", "% rated", "data%", "comp%", "comm%",
-                "RSS MiB", "MB sent"):
+                "RSS MiB", "MB sent", *([ROUNDS_COLUMN] if rounds else [])):
         table.add_column(col, justify="left" if col == "profile" else "right", no_wrap=True)
     for d in s.per_device:
         step = d.step_s or float("nan")
@@ -33,8 +34,11 @@ def print_train_summary(summary: dict | RunSummary, console: Console | None = No
                       f"{1000 * step:,.1f}", fmt(d.details.get("achieved_gflops")),
                       percent_of_peak(d.details.get("fraction_of_peak")),
                       f"{100 * d.data_s / step:.0f}", f"{100 * d.compute_s / step:.0f}",
-                      f"{100 * d.comm_s / step:.0f}", f"{d.peak_rss_mb:,.0f}", _mb(d.bytes_sent))
+                      f"{100 * d.comm_s / step:.0f}", f"{d.peak_rss_mb:,.0f}", _mb(d.bytes_sent),
+                      *([rounds[d.rank]] if rounds else []))
     console.print(table)
+    if rounds:
+        console.print(ROUNDS_NOTE, highlight=False)
     # "% rated" is against each device's profile rating (modelled, not measured): say which, and flag > 100%.
     for source in sorted({f"{d.profile}: {d.details['peak_source']}" for d in s.per_device
                           if d.details.get("peak_source")}):

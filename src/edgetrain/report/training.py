@@ -16,6 +16,9 @@ Curves, per run (several runs share the axes, one colour each):
   that step (each device scores its share of the global batch), drawn thin,
   with a running mean over 1/20 of the run drawn over it; test loss and
   accuracy are the whole test set at each evaluation;
+- an elastic run's membership changes (``RunSummary.membership``) as
+  vertical lines on every plot: dashed where a device left, dotted where one
+  joined;
 - against step, against host time and, for a run on an emulated link in
   virtual mode, against modelled time. Host time after step ``s`` is the sum
   over steps ``<= s`` of the slowest device's step time (a synchronous step
@@ -32,6 +35,7 @@ algorithm's traffic, see ``comm.accounting``).
 from __future__ import annotations
 
 import json
+import math
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -76,17 +80,19 @@ def curves(name: str, summary: RunSummary, steps: list[StepRecord], evals: list[
     virtual = summary.details.get("link_mode") == "virtual"
     for step in sorted(by_step):
         records = by_step[step]
-        samples = sum(r.samples for r in records) or 1
+        samples = sum(r.samples for r in records)
         elapsed += max(r.step_s for r in records)
         done.append(step + 1)  # steps done, as EvalRecord.step counts them
-        loss.append(sum(r.loss * r.samples for r in records) / samples)
+        # devices that sat the step out (0 samples, loss None) do not count; nan: no device trained (a gap)
+        loss.append(sum(r.loss * r.samples for r in records if r.samples) / samples if samples else math.nan)
         host.append(elapsed)
         clocks = [r.virtual_s for r in records if r.virtual_s is not None]
         virtual = virtual and len(clocks) == len(records)
         modelled.append(max(clocks, default=0.0))
     return RunCurves(name=name, steps=done, train_loss=loss, host_s=host, modelled_s=modelled if virtual else None,
                      eval_steps=[e.step for e in evals], eval_loss=[e.test_loss for e in evals],
-                     eval_accuracy=[e.test_accuracy for e in evals])
+                     eval_accuracy=[e.test_accuracy for e in evals],
+                     changes=[(m.step, m.kind) for m in summary.membership])
 
 
 def _count(values: list[Any]) -> str:

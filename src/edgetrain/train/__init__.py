@@ -8,12 +8,14 @@ from typing import Any
 from torch import nn
 
 from edgetrain.cluster.launch import launch_local, refuse_nested_launch, under_torchrun
+from edgetrain.cluster.membership import ElasticLaunch
 from edgetrain.cluster.peers import TOKEN_ENV, check_rank_environment
 from edgetrain.cluster.profiles import device_speed, plan_devices, split_batch
 from edgetrain.config import TrainConfig, load_config, resolve
 from edgetrain.errors import EdgetrainError, Terminated
 from edgetrain.preflight import check_before_launch
 from edgetrain.report.files import new_run_dir, write_yaml
+from edgetrain.spec import back_after_s
 
 
 def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: nn.Module | str | None = None,
@@ -33,9 +35,10 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     subclass (defined at module level) to train with instead of a built-in one.
     """
     from edgetrain.data import build_data, user_datasets
+    from edgetrain.data.device_data import check_device_data
     from edgetrain.data.partition import split_dataset
     from edgetrain.models import model_reference, user_models
-    from edgetrain.train.checkpoint import resume_hint
+    from edgetrain.train.checkpoint import check_resume_devices, checkpoint_files, elastic_run_dir, resume_hint
     from edgetrain.train.loop import accelerator_device, phase, run_worker
 
     refuse_nested_launch()
@@ -43,7 +46,15 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
         overrides["model"], model = model, None
     if isinstance(strategy, str):
         overrides["strategy"], strategy = strategy, None
+    torchrun = under_torchrun()
+    rank, world = check_rank_environment() if torchrun else (0, None)
     cfg = load_config(config, **overrides)
+    # Under torchrun with restarts every restart of the job shares one run directory; rank 0 continues it
+    # from its newest checkpoint (train/checkpoint.py, "torchrun restarts").
+    elastic_dir = elastic_run_dir(cfg.output, cfg.run_name) if torchrun and not cfg.resume else None
+    if elastic_dir is not None and rank == 0 and checkpoint_files(elastic_dir):
+        phase(cfg, rank, f"continuing the torchrun job's run in {elastic_dir} from its newest checkpoint")
+        cfg = load_config(config, **{**overrides, "resume": str(elastic_dir)})
     spec = resolve(cfg)  # the options parsed once; the devices build from these
     check_before_launch(cfg, spec, model)  # before the run directory and the devices: bad input leaves nothing
     accelerator_device(cfg.accelerator)
@@ -52,15 +63,20 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     # The token goes to the devices beside the config, never in it: the config is written to the run directory.
     cluster_token = cfg.cluster_token or os.environ.get(TOKEN_ENV, "")
     cfg = dataclasses.replace(cfg, cluster_token=None)
-    torchrun = under_torchrun()
-    rank, world = check_rank_environment() if torchrun else (0, None)
     devices = plan_devices(cfg, world)
     local_batches = split_batch(cfg, devices)
+    if spec.checkpoint.resume_dir and rank == 0:
+        check_resume_devices(spec.checkpoint.resume_dir, len(devices), spec.partition.local)
+    check_device_data(cfg, spec, devices, local_batches, rank if torchrun else None)  # the cluster file's 'data'
     if spec.partition.local:  # a split that leaves a device short of a batch: refused before any device starts
         split_dataset(build_data(cfg).train.labels, spec.partition, local_batches, spec.seed)
-    if spec.fault and spec.fault.rank >= len(devices):
-        raise EdgetrainError(f"EDGETRAIN_FAULT names device {spec.fault.rank}, but the run has {len(devices)} "
+    beyond = next((f.rank for f in spec.faults if f.rank >= len(devices)), None)
+    if beyond is not None:
+        raise EdgetrainError(f"EDGETRAIN_FAULT names device {beyond}, but the run has {len(devices)} "
                              f"(ranks 0 to {len(devices) - 1}); name one of them or unset it")
+    if spec.min_devices is not None and spec.min_devices > len(devices):
+        raise EdgetrainError(f"--min-devices {spec.min_devices} is more than the {len(devices)} devices of the run; "
+                             f"give 1 to {len(devices)}")
     needs_speed = cfg.throttle and any(d.profile.speed is not None or d.profile.gflops is not None for d in devices)
     # Measured once, before the devices start, so they do not disturb each other's measurement.
     if needs_speed:
@@ -70,7 +86,7 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     if cfg.resume:
         run_dir = cfg.resume if rank == 0 else None  # the same directory, its config.yaml as it was
     elif rank == 0:
-        run_dir = new_run_dir(cfg.output, cfg.run_name)
+        run_dir = new_run_dir(cfg.output, elastic_dir.name if elastic_dir else cfg.run_name)
         write_yaml(run_dir / "config.yaml", cfg.to_dict())
 
     args = (cfg, spec, devices, local_batches, speeds, str(run_dir) if run_dir else None, model, user_models(),
@@ -78,8 +94,14 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     if torchrun:
         return run_worker(*args)
     phase(cfg, rank, f"starting {len(devices)} emulated device(s) on this host")
+    elastic = None
+    if spec.min_devices is not None and spec.min_devices < len(devices):  # survivors go on (train/elastic.py)
+        elastic = ElasticLaunch(spec.min_devices, tuple(local_batches), spec.timeout_s,
+                                back_after_s(spec.faults))
     try:
-        return launch_local(len(devices), run_worker, args, [d.label for d in devices], log_dir=str(run_dir))[0]
+        results = launch_local(len(devices), run_worker, args, [d.label for d in devices], log_dir=str(run_dir),
+                               elastic=elastic)
+        return next((r for r in results if r is not None), None)  # rank 0's at the end (elastic: may move)
     except Terminated:
         if spec.checkpoint.enabled:  # the devices stopped with a checkpoint: say how to go on
             raise Terminated(resume_hint(run_dir)) from None

@@ -33,23 +33,59 @@ all-reduce). They run blocking, so ``comm_s`` of a step is the time spent in
 them; FSDP's prefetch of the next unit's all-gather behind compute is given
 up for that honest accounting (on a GPU it would overlap on a side stream).
 
+Links (``--link``, or each device's link in the cluster file): every
+collective is charged to the device's clock (``comm.device_clock``, the
+``LinkEmulator`` data parallelism uses) as ``p-1`` ring rounds over the
+slowest link taking part, each ``latency + bytes per round / bandwidth``
+(``cluster/links.py``), the reduce-scatter too. The model has no overlap,
+because the run has none: each collective blocks compute, so in virtual
+mode a step costs ``max over devices (clock + measured compute)`` plus the
+sum of its collectives' modelled times, exactly as ``edgetrain plan
+--strategy fsdp`` predicts it (``plan/strategies.py``); a runtime that
+prefetched the next unit's all-gather behind compute would hide up to the
+compute time of the unit. Enforced mode sleeps each collective's modelled
+time after it. The step's ``virtual_*`` fields and the summary's clock
+totals are data parallelism's (``comm/sync.py``).
+
 BatchNorm: ``--batchnorm local`` normalises with each device's statistics
 (as DDP) and broadcasts rank 0's running statistics once, at ``finish``;
 ``sync`` converts to ``CrossDeviceBatchNorm2d`` as data parallelism does.
 
+Building: the model arrives on the meta device (models/init.py, no
+storage); ``fully_shard`` shards it there, ``to_empty`` gives each device
+storage for its shards only, and then each layer in turn is materialised
+whole, initialised from its per-layer seed, copied into this device's shard
+(``distribute_tensor`` with ``src_data_rank=None``: every device computed
+the same full tensor, so no communication) and freed. A device therefore
+never holds more than its shards plus one whole layer, and starts from the
+same weights as one device or DDP. A model passed built
+(``train(config, model=...)``) is sharded from device 0's weights instead.
+The throttle's reference pass is skipped (``calibration_batch`` None): it
+would need the whole model.
+
+Checkpoints during the run (``--checkpoint-every``, train/checkpoint.py):
+each device's sharded state, as FSDP2 gives it (``state_dict()`` of the
+sharded model and of the optimizer: ``DTensor`` shards, the state
+``torch.distributed.checkpoint`` would save), inside edgetrain's one atomic
+file per checkpoint rather than DCP's directory of per-rank files, so that
+the write-then-rename protocol, pruning and ``--resume`` stay one for every
+strategy. Resuming, each device loads its own shards back with the same
+number of devices (the file says how many wrote it), and the resumed run
+ends as the uninterrupted one (tests/train/test_fsdp.py). The final
+checkpoint.pt stays the whole, gathered state.
+
 Limits:
 
-- every device first builds the whole model, which FSDP then shards, so the
-  peak resident memory (``peak_rss_mb``) includes the whole model once at
-  start-up; the steps after that hold a shard plus the largest gathered unit;
+- steps hold a shard plus the largest gathered unit (and its gradient);
 - ``finish`` gathers the whole model and optimizer state on rank 0 for the
   checkpoint (plain tensors, ``torch.load(weights_only=True)`` reads it);
-- ``--link``, ``--compress`` and ``--sync`` other than ``sync`` are refused
+- ``--compress`` and ``--sync`` other than ``sync`` are refused
   (``config.resolve``): FSDP's all-gathers and reduce-scatters do not go
-  through the link emulation or edgetrain's compressors yet.
+  through edgetrain's compressors.
 """
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
@@ -58,9 +94,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
-from edgetrain.comm.accounting import CommStats, ring_allgather_bytes, ring_allreduce_bytes
+from edgetrain.comm import device_clock
+from edgetrain.comm.accounting import ring_allgather_bytes, ring_allreduce_bytes
+from edgetrain.comm.emulation import LinkEmulator
+from edgetrain.models.init import initialised_layers, is_meta, materialise
 from edgetrain.train.strategy import STRATEGIES, DataParallel, StepResult, Strategy
 
 
@@ -73,37 +113,56 @@ def sharding_units(model: nn.Module) -> list[nn.Module]:
     return units
 
 
-def _blocking(work, started: float, stats: CommStats):
+def _charged(emulator: LinkEmulator, sent: int, collective) -> None:
+    """Run FSDP's collective to the end, then count its bytes and charge its time (``LinkEmulator.end``)."""
+    started = emulator.begin()
+    work = collective()
     if work is not None:
         work.wait()
-    stats.finished(started)
+    emulator.end(started, [("allgather", sent)])  # p-1 ring rounds, for the reduce-scatter as well
 
 
 class CountingAllGather(DefaultAllGather):
-    """FSDP2's all-gather, blocking, with the bytes each device sends counted."""
+    """FSDP2's all-gather, blocking, with the bytes each device sends counted and its time charged."""
 
-    def __init__(self, stats: CommStats):
-        self.stats = stats
+    def __init__(self, emulator: LinkEmulator):
+        self.emulator = emulator
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         payload = input_tensor.numel() * input_tensor.element_size()
-        started = self.stats.launched(ring_allgather_bytes(payload, group.size()))
-        _blocking(super().__call__(output_tensor, input_tensor, group, async_op=False), started, self.stats)
+        _charged(self.emulator, ring_allgather_bytes(payload, group.size()),
+                 lambda: super(CountingAllGather, self).__call__(output_tensor, input_tensor, group))
         return None
 
 
 class CountingReduceScatter(DefaultReduceScatter):
-    """FSDP2's reduce-scatter, blocking, with the bytes each device sends counted."""
+    """FSDP2's reduce-scatter, blocking, with the bytes each device sends counted and its time charged."""
 
-    def __init__(self, stats: CommStats):
-        self.stats = stats
+    def __init__(self, emulator: LinkEmulator):
+        self.emulator = emulator
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         payload = input_tensor.numel() * input_tensor.element_size()
         # a ring reduce-scatter is the first half of a ring all-reduce
-        started = self.stats.launched(ring_allreduce_bytes(payload, group.size()) // 2)
-        _blocking(super().__call__(output_tensor, input_tensor, group, op, async_op=False), started, self.stats)
+        _charged(self.emulator, ring_allreduce_bytes(payload, group.size()) // 2,
+                 lambda: super(CountingReduceScatter, self).__call__(output_tensor, input_tensor, group, op))
         return None
+
+
+@torch.no_grad()
+def _initialise_shards(model: nn.Module, whole: nn.Module, seed: int, device: torch.device) -> None:
+    """Each layer of ``whole`` (its meta twin) materialised and initialised alone (models/init.py); ``model``
+    keeps this device's shard of each parameter, then the full layer is freed before the next."""
+    for name, layer in initialised_layers(whole, seed, device):
+        target = model.get_submodule(name)
+        for key, full in [*layer.named_parameters(recurse=False), *layer.named_buffers(recurse=False)]:
+            mine = getattr(target, key)
+            if isinstance(mine, DTensor):  # no communication: every device computed the same full tensor
+                full = distribute_tensor(full, mine.device_mesh, mine.placements, src_data_rank=None)
+                mine = mine.to_local()
+                full = full.to_local()
+            mine.copy_(full)
+        layer.to_empty(device="meta", recurse=False)
 
 
 class FullyShardedDataParallel(Strategy):
@@ -113,15 +172,29 @@ class FullyShardedDataParallel(Strategy):
 
     adapt = DataParallel.adapt  # --batchnorm sync: CrossDeviceBatchNorm2d, as in data parallelism
 
+    @property
+    def calibration_batch(self) -> None:
+        return None  # no device holds the whole model the throttle's reference pass would run
+
+    def materialise(self, model: nn.Module) -> nn.Module:
+        # stays on meta (a model built for real is moved): setup shards it, then materialises the shards
+        return materialise(model, self.context.spec.seed, self.context.device, keep=lambda name: False)
+
     def setup(self, model: nn.Module) -> None:
-        stats = self.context.stats
-        # every device starts from device 0's weights, as DDP's constructor does
-        for tensor in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(tensor.data, src=0)
+        c = self.context
+        on_meta = any(is_meta(m) for m in model.modules())
+        whole = copy.deepcopy(model) if on_meta else None  # plain meta tensors: each layer's full initial value
+        self.clock = device_clock(model, c.spec, c.rank, c.world, c.stats, c.link, "fsdp")
         for module in [*sharding_units(model), model]:
             fully_shard(module)
-            module.set_custom_all_gather(CountingAllGather(stats))
-            module.set_custom_reduce_scatter(CountingReduceScatter(stats))
+            module.set_custom_all_gather(CountingAllGather(self.clock.emulator))
+            module.set_custom_reduce_scatter(CountingReduceScatter(self.clock.emulator))
+        if on_meta:
+            model.to_empty(device=c.device)  # this device's shards only
+            _initialise_shards(model, whole, c.spec.seed, c.device)
+        else:  # a model passed built: every device starts from device 0's weights, as DDP's constructor does
+            for tensor in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(tensor.to_local() if isinstance(tensor, DTensor) else tensor.data, src=0)
         self.model = model
         self.optimizer: torch.optim.Optimizer | None = None  # the loop's, seen at the first step
         self.checkpoint: dict | None = None
@@ -131,6 +204,7 @@ class FullyShardedDataParallel(Strategy):
         c = self.context
         busy_before = c.stats.snapshot()["comm_s"]
         self.optimizer = optimizer
+        self.clock.emulator.start_step()
         optimizer.zero_grad(set_to_none=True)
         out = self.model(x)
         loss_sum = F.cross_entropy(out, y, reduction="sum")
@@ -138,11 +212,14 @@ class FullyShardedDataParallel(Strategy):
         optimizer.step()
         # every collective ran blocking: the time in them is the time compute waited on them
         comm_s = c.stats.snapshot()["comm_s"] - busy_before
-        return StepResult(loss_sum.item(), int((out.detach().argmax(1) == y).sum()), len(y), comm_s)
+        self.clock.after_step(0)  # the clock: the latest device's compute, then the step's collectives
+        return StepResult(loss_sum.item(), int((out.detach().argmax(1) == y).sum()), len(y), comm_s,
+                          self.clock.step_metrics())
 
     def finish(self) -> None:
         if self.checkpoint is not None:
             return
+        self.clock.finish()
         for buffer in self.model.buffers():
             dist.broadcast(buffer.data, src=0)
         # collective: every device sends its shards, rank 0 keeps the whole state (on CPU) for the checkpoint
@@ -161,8 +238,17 @@ class FullyShardedDataParallel(Strategy):
 
     def summary(self) -> dict:
         units = sharding_units(self.model)
-        return {"sync": "fsdp", "fsdp": {"units": len(units) + 1, "final_gather_s": self.final_gather_s,
-                                         "shard_parameters": sum(p.to_local().numel() for p in self.model.parameters())}}
+        shard = sum(p.to_local().numel() for p in self.model.parameters())
+        return {**clock_summary(self.clock), "sync": "fsdp",
+                "fsdp": {"units": len(units) + 1, "final_gather_s": self.final_gather_s, "shard_parameters": shard}}
+
+
+def clock_summary(clock) -> dict:
+    """The clock's and tally's summary, less its yardstick against data parallelism's fp32 all-reduce."""
+    summary = clock.summary()
+    for key in ("compress", "fp32_allreduce_bytes_per_step", "compression_ratio"):
+        summary.pop(key)
+    return summary
 
 
 STRATEGIES[FullyShardedDataParallel.name] = FullyShardedDataParallel

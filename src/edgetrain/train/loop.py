@@ -11,7 +11,8 @@ spawned it or ``torchrun`` did. It is four parts, in order:
   parallel or tiled; the loop has no branch of its own for either), timed by
   a ``StepRecorder``; batches come from ``data.partition.build_sampler``:
   this device's share of every global batch, or with ``--partition`` its
-  own partition only (whose sizes rank 0 prints and the summary keeps);
+  own partition only (whose sizes rank 0 prints and the summary keeps), or
+  its own file where the cluster file gives one (``data.device_data``);
 - a ``RunWriter``: records as they happen (and TensorBoard event files with
   ``--tensorboard``, ``train.tensorboard_log``), then summary and checkpoint.
 
@@ -66,6 +67,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,13 +87,16 @@ from edgetrain.comm.accounting import CommStats
 from edgetrain.config import TrainConfig
 from edgetrain.data import build_data, register_dataset, shard_indices
 from edgetrain.data.dedup import drop_near_duplicates
-from edgetrain.data.partition import PartitionReport, build_sampler
+from edgetrain.data.device_data import build_training_data
+from edgetrain.data.partition import PartitionReport
 from edgetrain.errors import EdgetrainError, Terminated
 from edgetrain.models import build_model, count_parameters, register_model
-from edgetrain.records import DeviceSummary, EvalRecord, RunSummary, StepRecord
+from edgetrain.models.init import build_on_meta
+from edgetrain.records import DeviceSummary, EvalRecord, MembershipRecord, RunSummary, StepRecord
 from edgetrain.report.files import atomic_write, save_torch, write_json
 from edgetrain.spec import RunSpec
 from edgetrain.train.checkpoint import Checkpointer, resume_hint, rng_state, set_rng_state
+from edgetrain.train.elastic import Elastic
 from edgetrain.train.strategy import STRATEGIES, StepResult, Strategy, StrategyContext
 from edgetrain.train.tensorboard_log import TensorBoardLog, write_missing_devices
 
@@ -170,6 +175,7 @@ def accelerator_device(accelerator: str, local_rank: int = 0) -> torch.device:
 
 @dataclass
 class DeviceSetup:
+    device_id: int  # its rank at the start of the run, its identity in records (elastic runs change ranks)
     rank: int
     world: int
     local_rank: int
@@ -179,15 +185,18 @@ class DeviceSetup:
     cores: list[int]
     threads: int
     device: torch.device
+    returning: bool = False  # started again in an elastic run, admitted by the devices that went on
 
 
 def set_up_device(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], speeds: list[float | None],
-                  cluster_token: str) -> DeviceSetup:
-    """Rendezvous and admission, host cores and threads, seed, accelerator."""
-    rank, world = init_distributed(cfg, cluster_token)
-    me = devices[rank]
+                  cluster_token: str, elastic: Elastic | None = None) -> DeviceSetup:
+    """Rendezvous and admission (a returning device of an elastic run: admission by its peers), host cores
+    and threads, seed, accelerator."""
+    device_id = check_rank_environment()[0]
+    rank, world = elastic.join() if elastic and elastic.joining else init_distributed(cfg, cluster_token)
+    me = devices[device_id]
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", rank)), int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    speed = speeds[rank] if cfg.throttle else None
+    speed = speeds[device_id] if cfg.throttle else None
     cores = assign_cores(local_rank, local_world)
     if speed is not None:
         # A throttled device needs only ceil(speed) host cores; more threads would burn CPU time
@@ -198,8 +207,8 @@ def set_up_device(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], sp
     threads = cfg.threads or (min(len(cores), me.profile.cores) if me.profile.cores else len(cores))
     torch.set_num_threads(threads)
     torch.manual_seed(spec.seed)
-    return DeviceSetup(rank, world, local_rank, local_world, me, speed, cores, threads,
-                       accelerator_device(spec.accelerator, local_rank))
+    return DeviceSetup(device_id, rank, world, local_rank, local_world, me, speed, cores, threads,
+                       accelerator_device(spec.accelerator, local_rank), bool(elastic and elastic.joining))
 
 
 def calibrate_throttle(throttle: Throttle, model: nn.Module, example: torch.Tensor | None, at: DeviceSetup) -> None:
@@ -208,12 +217,13 @@ def calibrate_throttle(throttle: Throttle, model: nn.Module, example: torch.Tens
         # One device of each host at a time: devices sharing host cores would otherwise slow
         # each other's reference, and with it the whole run.
         turns = torch.tensor([at.local_world])
-        if at.world > 1:
+        alone = at.world == 1 or at.returning  # a returning device's peers are training: it measures alone
+        if not alone:
             dist.all_reduce(turns, op=dist.ReduceOp.MAX)
         for turn in range(int(turns.item())):
             if turn == at.local_rank:
                 throttle.calibrate(model, example)
-            if at.world > 1:
+            if not alone:
                 dist.barrier()
     throttle.attach(model)
 
@@ -237,7 +247,7 @@ class StepRecorder:
         data_s = self.t_data - self.t0
         extra = {"comm_busy_s": after["comm_s"] - self.before["comm_s"], **result.metrics}
         return StepRecord(
-            step=step, epoch=epoch, rank=self.rank, loss=result.loss_sum / max(result.samples, 1),
+            step=step, epoch=epoch, rank=self.rank, loss=result.loss_sum / result.samples if result.samples else None,
             samples=result.samples, samples_per_s=result.samples / step_s, step_s=step_s, data_s=data_s,
             compute_s=max(step_s - data_s - result.comm_s, 0.0), comm_s=result.comm_s,
             bytes_sent=after["bytes_sent"] - self.before["bytes_sent"],
@@ -271,7 +281,8 @@ class RunWriter:
             self._events.step(record)
 
     def evaluation(self, record: EvalRecord) -> None:
-        if self.run_dir and self.rank == 0:
+        """Rank 0's (the loop calls it there)."""
+        if self.run_dir:
             with open(self.run_dir / "evals.jsonl", "a", encoding="utf-8") as f:
                 f.write(json.dumps(record.to_dict()) + "\n")
             if self._events:
@@ -303,14 +314,14 @@ class RunWriter:
         with atomic_write(self.run_dir / "metrics.jsonl") as f:
             for r in sorted(records, key=lambda r: (r.step, r.rank)):
                 f.write(json.dumps(r.to_dict()) + "\n")
-        for rank in range(world):
-            self.live_metrics(rank).unlink(missing_ok=True)
+        for live in self.run_dir.glob("metrics-*.jsonl"):  # devices a resume with fewer left behind too
+            live.unlink(missing_ok=True)
         if self.tensorboard:
             write_missing_devices(self.run_dir, records, world)
 
     def summary(self, cfg: TrainConfig, strategy: Strategy, optimizer, per_device: list[DeviceSummary], train_totals,
                 evals: list[EvalRecord], params, data, world, local_batches, steps, wall_s, flops_per_sample,
-                partition: PartitionReport | None = None) -> dict:
+                partition: PartitionReport | None = None, membership: list[MembershipRecord] | None = None) -> dict:
         """Rank 0, last: checkpoint.pt and summary.json; returns the summary as written."""
         run_dir = self.run_dir
         for d in per_device:
@@ -329,7 +340,7 @@ class RunWriter:
             steps=steps, train_loss=(train_totals[0] / train_totals[2]).item(),
             train_accuracy=(train_totals[1] / train_totals[2]).item(),
             test_loss=last.test_loss if last else None, test_accuracy=last.test_accuracy if last else None,
-            evals=evals,
+            evals=evals, membership=membership or [],
             throughput_samples_per_s=sum(d.samples_per_s for d in per_device),
             achieved_gflops=sum(d.details["achieved_gflops"] for d in per_device),
             step_s=step_s, time_split_s=split,
@@ -354,6 +365,9 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
     ``registered`` and ``datasets``: models and datasets registered in the launching process.
     """
     started = time.perf_counter()
+    # A device that sits out the first steps (rounds it is no member of, comm/local_sgd.py) steps the schedule
+    # before its optimizer has stepped, which is intended: every device keeps the same learning rate per step.
+    warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()` before `optimizer.step()`")
     if user_model is not None:
         # Our own copy before anything else: spawn pickles the model with torch's reducers, which hand every
         # device (and the caller) the same shared-memory storage, so the devices would all train one tensor.
@@ -362,10 +376,11 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
         register_model(name, factory)
     for name, factory in (datasets or {}).items():
         register_dataset(name, factory)
-    at = set_up_device(cfg, spec, devices, speeds, cluster_token)
-    rank, world = at.rank, at.world
+    elastic = Elastic(spec, devices, local_batches, run_dir) if spec.min_devices else None  # train/elastic.py
+    at = set_up_device(cfg, spec, devices, speeds, cluster_token, elastic)
+    rank, world, local_batches = at.rank, at.world, elastic.local_batches if elastic else local_batches
     checkpoints = Checkpointer(spec.checkpoint, run_dir, rank, world, spec.timeout_s)
-    run_state, mine = checkpoints.load() if spec.checkpoint.resume_dir else (None, None)
+    run_state, mine = checkpoints.load()  # (None, None) for a new run
 
     phase(cfg, rank, f"loading data: {cfg.dataset}")
     data = build_data(cfg)
@@ -374,18 +389,19 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
         data, dedup = drop_near_duplicates(data, spec.dedup)
         if rank == 0:
             print(dedup.describe(), flush=True)
-    model = user_model if user_model is not None else build_model(cfg.model, data.input_shape[0], data.num_classes)
+    # On the meta device (no storage): the strategy materialises only what this device holds (models/init.py).
+    model = user_model if user_model is not None else build_on_meta(build_model, cfg.model, data.input_shape[0],
+                                                                     data.num_classes)
     params = count_parameters(model)
     # The model actually trained at the input shape actually fed (counted on a copy, RNG untouched).
     phase(cfg, rank, f"counting FLOPs: {cfg.model} at {'x'.join(map(str, data.input_shape))}")
     flops_per_sample = training_flops_per_sample(model, input_shape=data.input_shape,
-                                                 num_classes=data.num_classes) if rank == 0 else None
-    model.to(at.device)
+                                                 num_classes=data.num_classes) if rank == 0 or elastic else None
     stats = CommStats()
     strategy = (strategy_class or STRATEGIES[spec.strategy])(StrategyContext(
         cfg, spec, rank, world, local_batches[rank], tuple(data.input_shape), stats, at.me.link, at.device,
         steps_per_epoch=len(data.train) // cfg.batch_size))
-    model = strategy.adapt(model)
+    model = strategy.adapt(strategy.materialise(model))
     throttle = Throttle(at.speed) if at.speed is not None else None
     if throttle:
         phase(cfg, rank, "calibrating the throttle: a reference pass per device, one device of this host at a time")
@@ -397,15 +413,15 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
     phase(cfg, rank, f"setting up strategy {strategy.name}")
     strategy.setup(model)
 
-    sampler, partition = build_sampler(data.train.labels, spec.partition,
-                                       local_batches if strategy.shard_data else [cfg.batch_size],
-                                       rank if strategy.shard_data else 0, spec.seed)
+    train_set, sampler, partition = build_training_data(data, at.me, spec.partition,
+                                                        local_batches if strategy.shard_data else [cfg.batch_size],
+                                                        rank if strategy.shard_data else 0, spec.seed)
     if partition is not None and rank == 0:
         print(partition.describe(), flush=True)
     if len(sampler) == 0:
         raise EdgetrainError(f"batch_size {cfg.batch_size} is larger than the {len(data.train)} training images of "
                              f"{data.name}; lower batch_size")
-    loader = DataLoader(data.train, batch_sampler=sampler, num_workers=cfg.workers,
+    loader = DataLoader(train_set, batch_sampler=sampler, num_workers=cfg.workers,
                         persistent_workers=cfg.workers > 0, timeout=cfg.timeout if cfg.workers > 0 else 0,
                         worker_init_fn=loader_worker_init if cfg.workers > 0 else None,
                         pin_memory=at.device.type == "cuda")
@@ -413,9 +429,9 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
     epochs = math.ceil(total_steps / len(sampler))
     optimizer, scheduler = make_optimizer(cfg, strategy.parameters(), int(total_steps))
 
-    writer = RunWriter(run_dir, rank, spec.tensorboard)
+    writer = RunWriter(run_dir, at.device_id, spec.tensorboard)
     phase(cfg, rank, f"training: {int(total_steps)} steps, {epochs} epoch(s)")
-    recorder = StepRecorder(stats, rank)
+    recorder = StepRecorder(stats, at.device_id)
     bar = _progress(cfg, rank, int(total_steps))
     records: list[StepRecord] = []
     evals: list[EvalRecord] = []
@@ -433,6 +449,9 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
         ema_loss, step, start_epoch = mine["ema_loss"], run_state["step"], run_state["epoch"]
         started -= run_state["wall_s"]  # the summary's wall time covers the whole run
         set_rng_state(mine["rng"], at.device)  # last: nothing above may draw from it
+    if elastic:  # a returning device receives the current state here
+        step, start_epoch, evals = elastic.start(strategy, optimizer, scheduler, sampler, loader, step, start_epoch,
+                                                 evals)
     resumed_step = step
     checkpoints.catch_sigterm()
     for epoch in range(start_epoch, epochs):
@@ -453,15 +472,21 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
                     "ema_loss": ema_loss, "throttle": _throttle_state(throttle)})
                 if checkpoints.stopped:
                     break
-            inject_fault(spec.fault, rank, step, spec.timeout_s)  # EDGETRAIN_FAULT, for tests and chaos runs
+            # EDGETRAIN_FAULT, for tests and chaos runs
+            inject_fault(elastic.faults if elastic else spec.faults, at.device_id, step, spec.timeout_s)
             recorder.start()
             try:
+                if elastic:
+                    elastic.boundary(step, epoch, evals)
                 x, y = next(batches)
+                x, y = x.to(at.device, non_blocking=True), y.to(at.device, non_blocking=True)
+                recorder.data_ready()
+                result = strategy.train_step(x, y, optimizer)
             except StopIteration:
                 break
-            x, y = x.to(at.device, non_blocking=True), y.to(at.device, non_blocking=True)
-            recorder.data_ready()
-            result = strategy.train_step(x, y, optimizer)
+            except Elastic.failures if elastic else () as e:  # a device left or joined: the step is done again
+                rank, world, local_batches, batches, step = elastic.reform(e, epoch)
+                continue
             scheduler.step()
             record = recorder.finish(step, epoch, result, scheduler.get_last_lr()[0])
             records.append(record)
@@ -473,8 +498,9 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
             if limit_mb is not None and record.peak_rss_mb > limit_mb:
                 raise EdgetrainError(f"{at.me.label} ran out of memory: peak {record.peak_rss_mb:.0f} MiB > its "
                                      f"{limit_mb} MiB at step {step}; lower batch_size or give the profile more memory_mb")
-            ema_loss = record.loss if ema_loss is None else 0.9 * ema_loss + 0.1 * record.loss
-            if bar:
+            if record.loss is not None:  # None: a step this device sat out (a round it is no member of)
+                ema_loss = record.loss if ema_loss is None else 0.9 * ema_loss + 0.1 * record.loss
+            if bar and ema_loss is not None:
                 bar.update(step, epoch, ema_loss, epoch_correct / max(epoch_seen, 1), cfg.batch_size / record.step_s)
         if checkpoints.stopped:
             break
@@ -483,7 +509,8 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
         if cfg.eval:
             test_loss, test_acc = evaluate(strategy.eval_model, data.test, rank, world, device=at.device)
             evals.append(EvalRecord(epoch=epoch, step=step, test_loss=test_loss, test_accuracy=test_acc))
-            writer.evaluation(evals[-1])
+            if rank == 0:
+                writer.evaluation(evals[-1])
             _note(bar, rank, f"epoch {epoch + 1}/{epochs}: test accuracy {test_acc:.1%}, loss {test_loss:.3f}")
         if step >= total_steps:
             break
@@ -503,11 +530,13 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
         gathered = [([r.to_dict() for r in records], mine.to_dict())]
     summary = None
     if rank == 0:
-        all_records = [StepRecord.from_dict(r) for recs, _ in gathered for r in recs]
-        writer.metrics(all_records, world)
+        all_records = elastic.all_records() if elastic else [
+            StepRecord.from_dict(r) for recs, _ in [*gathered, (checkpoints.departed_records, None)] for r in recs]
+        writer.metrics(all_records, max([len(devices), *(r.rank + 1 for r in all_records)]))
         per_device = [DeviceSummary.from_dict(d) for _, d in gathered]
         summary = writer.summary(cfg, strategy, optimizer, per_device, train_totals, evals, params, data, world,
-                                 local_batches, step, time.perf_counter() - started, flops_per_sample, partition)
+                                 local_batches, step, time.perf_counter() - started, flops_per_sample, partition,
+                                 elastic.history() if elastic else [])
     dist.barrier()
     dist.destroy_process_group()
     if checkpoints.stopped:
@@ -546,7 +575,7 @@ def _device_summary(records: list[StepRecord], at: DeviceSetup, local_batch: int
         return sum(getattr(r, name) for r in timed) / len(timed)
 
     return DeviceSummary(
-        rank=at.rank, profile=at.me.profile.name, link=at.me.link, local_batch=local_batch,
+        rank=at.device_id, profile=at.me.profile.name, link=at.me.link, local_batch=local_batch,
         speed=at.speed, cores=list(at.cores), threads=at.threads,
         samples_per_s=sum(r.samples for r in timed) / total, step_s=total / len(timed),
         data_s=mean("data_s"), compute_s=mean("compute_s"), comm_s=mean("comm_s"), cpu_s=mean("cpu_s"),

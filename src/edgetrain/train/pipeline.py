@@ -36,17 +36,54 @@ tensor, fp32; received bytes the converse. ``comm_s`` is the step's time in
 the schedule less this stage's forward and backward compute: waiting for
 sends, receives and the pipeline's bubble (``comm_busy_s`` is not measured).
 
-Evaluation and checkpoint: every device builds the whole model (from the
-run's seed, so identical) and trains only its stage; before an evaluation
-and at ``finish`` each stage's owner broadcasts its layers' parameters and
-buffers, so every device evaluates the whole, current model on its shard of
-the test set, and rank 0 checkpoints it.
+Building: the model arrives on the meta device (models/init.py, no
+storage); the split and the cut shapes are computed there (the planner costs
+one materialised copy of a layer at a time), then each device materialises
+and initialises its own stage's layers only, from per-layer seeds, so the
+stages together start from the weights one device or DDP would. The other
+stages' layers stay on meta: during training a device holds its stage's
+weights, gradients and optimizer state, no more. A model passed built
+(``train(config, model=...)``) is whole on every device, from device 0's
+weights.
 
-Limits: every device keeps the whole model's weights (the other stages'
-ones unused between evaluations), so its peak RSS is not yet the pooled
-saving (freeing them is the next step); ``--link``, ``--compress`` and
-``--sync`` are refused (the sends do not pass through the link emulation);
-one stage per device (no stage replicas yet).
+Evaluation and checkpoint: before an evaluation and at ``finish`` each
+stage's owner broadcasts its layers' parameters and buffers (the others
+first give them storage), so every device evaluates the whole, current
+model on its shard of the test set, and rank 0 writes it to checkpoint.pt.
+A checkpoint during the run (``--checkpoint-every``, train/checkpoint.py)
+holds each device's own stage: its layers' state (``state_dict``) and its
+optimizer's; resuming restores each stage on its device, so the resumed run
+ends as the uninterrupted one (tests/train/test_pipeline.py).
+
+Links (``--link``, or each device's link in the cluster file; virtual mode
+only): the step's virtual time comes from a timeline of the schedule as it
+ran. Each stage records its forward and backward of each micro-batch, in
+the order it ran them, with their measured seconds (the last stage's loss
+counted in its forward); after the step the stages all-gather these (a
+small real collective, not charged) and every device replays the same
+timeline (``plan.stages.pipeline_timeline``): an action starts when its stage is free
+and its input has arrived (a forward: the previous stage's activation of
+that micro-batch; a backward: the next stage's gradient), and each transfer
+is one point-to-point round over the slower of the two devices' links,
+``latency + bytes / bandwidth`` (``cluster/links.py``), of the tensor sizes
+counted above. A stage's sends leave in the order it made them, one after
+the other on its link (which they hold for the whole transfer, latency
+included: conservative); computing does not wait for a send. Each stage
+starts from its own clock, so the pipeline's bubble (stages waiting for the
+first activations and the last gradients) and the link time on the critical
+path both land in the virtual step time; the optimizer's step is added
+after the stage's last action. ``virtual_comm_s`` is the modelled time of the
+transfers a stage sends and receives (its link busy); the rest of its step
+beyond compute is waiting (``wait_s`` in the summary).
+
+Limits: from the first gather on (an evaluation, the end of the run) every
+device holds the whole model's weights, so the per-step peak memory shows
+the pooled saving only up to the first evaluation (the memory benchmark
+runs without); ``--compress`` and ``--sync`` are refused, and ``--link-mode
+enforced`` (nothing sleeps: the timeline above is the model); the
+broadcasts that gather the model for evaluation are not charged to the
+links (evaluation is not training); one stage per device (no stage
+replicas yet).
 """
 from __future__ import annotations
 
@@ -60,31 +97,38 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from edgetrain.cluster.profiles import plan_devices
-from edgetrain.plan.model import device_gflops, idle_process_mb
-from edgetrain.plan.split import StageDevice, layer_costs, plan_split
-from edgetrain.plan.stages import describe_stages, pipeline_layers, stage_bounds
+from edgetrain.comm import device_clock
+from edgetrain.models.init import META, is_meta, materialise
+from edgetrain.plan.model import device_gflops, device_links, idle_process_mb
+from edgetrain.plan.split import StageDevice, layer_costs, p2p_seconds, plan_split
+from edgetrain.plan.stages import (BACKWARD, FORWARD, describe_stages, pipeline_layers, pipeline_timeline,
+                                   stage_bounds)
+from edgetrain.train.fsdp import clock_summary
 from edgetrain.train.strategy import STRATEGIES, StepResult, Strategy
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
 class TimedStage(PipelineStage):
-    """A ``PipelineStage`` that sums the seconds of its own forward and backward compute."""
+    """A ``PipelineStage`` that sums the seconds of its own forward and backward compute and keeps, for the
+    step's timeline, each one as ``[FORWARD or BACKWARD, micro-batch, seconds]`` in the order it ran."""
 
     compute_s = 0.0
 
-    def _timed(self, run, *args, **kwargs):
+    def _timed(self, kind: int, run, chunk: int, *args, **kwargs):
         started = time.perf_counter()
         try:
-            return run(*args, **kwargs)
+            return run(chunk, *args, **kwargs)
         finally:
-            self.compute_s += time.perf_counter() - started
+            seconds = time.perf_counter() - started
+            self.compute_s += seconds
+            self.actions.append([kind, chunk, seconds])
 
-    def forward_one_chunk(self, *args, **kwargs):
-        return self._timed(super().forward_one_chunk, *args, **kwargs)
+    def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+        return self._timed(FORWARD, super().forward_one_chunk, fwd_chunk_id, *args, **kwargs)
 
-    def backward_one_chunk(self, *args, **kwargs):
-        return self._timed(super().backward_one_chunk, *args, **kwargs)
+    def backward_one_chunk(self, bwd_chunk_id, *args, **kwargs):
+        return self._timed(BACKWARD, super().backward_one_chunk, bwd_chunk_id, *args, **kwargs)
 
 
 def _nbytes(tensors) -> int:
@@ -102,11 +146,16 @@ class Pipeline(Strategy):
     def calibration_batch(self) -> None:
         return None  # a stage alone is not the model the throttle would time
 
+    def materialise(self, model: nn.Module) -> nn.Module:
+        # stays on meta (a model built for real is moved): setup materialises this device's stage only
+        return materialise(model, self.context.spec.seed, self.context.device, keep=lambda name: False)
+
     def setup(self, model: nn.Module) -> None:
         c = self.context
         pipeline = c.spec.pipeline
-        for tensor in [*model.parameters(), *model.buffers()]:  # every device starts from device 0's model
-            dist.broadcast(tensor.data, src=0)
+        if not any(is_meta(m) for m in model.modules()):  # a model passed built: every device starts from device 0's
+            for tensor in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(tensor.data, src=0)
         self.whole = model
         self.layers = pipeline_layers(model)
         self.plan: list[str] = []
@@ -114,21 +163,31 @@ class Pipeline(Strategy):
             pipeline = dataclasses.replace(pipeline, starts=self._planned_starts())
         self.bounds = stage_bounds(pipeline, self.layers, c.world)
         first, end = self.bounds[c.rank]
+        stage_input, stage_output = self._boundary_examples(first, end, c.cfg.batch_size // pipeline.microbatches)
+        mine = [name for name, _ in self.layers[first:end]]
+        # this stage's layers only; the others stay on meta until an evaluation gathers them
+        materialise(model, c.spec.seed, c.device, keep=lambda name: any(name == layer or name.startswith(layer + ".")
+                                                                         for layer in mine))
         self.stage_module = nn.Sequential(*(layer for _, layer in self.layers[first:end]))
         self.is_first, self.is_last = c.rank == 0, c.rank == c.world - 1
         self.sent = self.received = 0
         self.stage_module.register_forward_hook(self._count_bytes)
-        stage_input, stage_output = self._boundary_examples(first, end, c.cfg.batch_size // pipeline.microbatches)
         self.stage = TimedStage(self.stage_module, c.rank, c.world, c.device,
                                 input_args=stage_input, output_args=stage_output)
+        self.stage.actions = []
+        self.output_bytes = 0 if self.is_last else _nbytes(stage_output)  # one micro-batch's activation
+        self.clock = device_clock(self.whole, c.spec, c.rank, c.world, c.stats, c.link, "pipeline")
         scale = 1.0 / c.cfg.batch_size
 
         def loss_fn(out, target):  # summed over micro-batches: the mean loss over the global batch
-            return F.cross_entropy(out, target, reduction="sum") * scale
+            started = time.perf_counter()
+            loss = F.cross_entropy(out, target, reduction="sum") * scale
+            self.stage.actions[-1][2] += time.perf_counter() - started  # part of the forward just timed
+            return loss
 
         self.schedule = SCHEDULES[pipeline.schedule](self.stage, n_microbatches=pipeline.microbatches,
                                                      loss_fn=loss_fn, scale_grads=False)
-        self.stale = False  # whether other stages' layers changed since this device last gathered them
+        self.stale = True  # whether other stages' layers changed (or were never had) since this device last gathered them
         self.finished = False
 
     def _planned_starts(self) -> tuple[int, ...]:
@@ -137,12 +196,15 @@ class Pipeline(Strategy):
         starts = torch.zeros(c.world - 1, dtype=torch.int64)
         if c.rank == 0:
             cfg = c.cfg
-            devices = [StageDevice(d.label, device_gflops(d.profile)[0], d.profile.memory_mb)
-                       for d in plan_devices(cfg, c.world)]
+            specs = plan_devices(cfg, c.world)
+            devices = [StageDevice(d.label, device_gflops(d.profile)[0], d.profile.memory_mb, d.profile.memory_gbps)
+                       for d in specs]
+            links = device_links(specs)  # what the run's link emulator charges, as edgetrain plan models it
             copies = 2 if cfg.optimizer == "adam" else int(cfg.momentum > 0)
             plan = plan_split(layer_costs(self.layers, c.input_shape), devices, cfg.batch_size,
                               c.spec.pipeline.microbatches, c.spec.pipeline.schedule, copies,
-                              fixed_mb=idle_process_mb(), what=f"model {cfg.model}")
+                              fixed_mb=idle_process_mb(), what=f"model {cfg.model}",
+                              transfer_s=lambda s, nbytes: p2p_seconds(links, s - 1, s, nbytes))
             self.plan = plan.explain()
             print("pipeline stages planned (plan/split.py):\n  " + "\n  ".join(self.plan), flush=True)
             starts = torch.tensor(plan.starts, dtype=torch.int64)
@@ -155,19 +217,22 @@ class Pipeline(Strategy):
 
         Given to ``PipelineStage``, they spare it the shape-inference forward it would otherwise run at the
         first step, which would feed empty (uninitialised) activations through later stages' BatchNorm.
+        A model still on the meta device gives the shapes without computing.
         """
         was_training = self.whole.training
         self.whole.eval()  # BatchNorm's running statistics stay as they are
         c = self.context
-        activation = torch.zeros(1, *c.input_shape, device=c.device)
+        on_meta = any(is_meta(m) for m in self.whole.modules())
+        activation = torch.zeros(1, *c.input_shape, device=META if on_meta else c.device)
         for index, (_, layer) in enumerate(self.layers[:end]):
             if index == first:
                 stage_input = activation
             activation = layer(activation)
         self.whole.train(was_training)
         # requires_grad: gradients flow back across every cut (the first stage's input is the images)
-        return (stage_input.new_empty(microbatch, *stage_input.shape[1:]).requires_grad_(first > 0),
-                activation.new_empty(microbatch, *activation.shape[1:]).requires_grad_())
+        return (torch.empty(microbatch, *stage_input.shape[1:], dtype=stage_input.dtype,
+                            device=c.device).requires_grad_(first > 0),
+                torch.empty(microbatch, *activation.shape[1:], dtype=activation.dtype, device=c.device).requires_grad_())
 
     def _count_bytes(self, module, inputs, output) -> None:
         # Forward: the output goes to the next stage; backward: the input's gradient goes to the previous one.
@@ -180,6 +245,8 @@ class Pipeline(Strategy):
 
     def train_step(self, x, y, optimizer) -> StepResult:
         c = self.context
+        self.clock.emulator.start_step()
+        self.stage.actions = []
         optimizer.zero_grad(set_to_none=True)
         sent, received, compute = self.sent, self.received, self.stage.compute_s
         losses: list[torch.Tensor] = []
@@ -187,14 +254,40 @@ class Pipeline(Strategy):
         # the first stage feeds the images, the last one scores the labels
         out = self.schedule.step(*((x,) if self.is_first else ()),
                                  **(dict(target=y, losses=losses) if self.is_last else {}))
-        comm_s = max(0.0, time.perf_counter() - started - (self.stage.compute_s - compute))
+        ended = time.perf_counter()
+        comm_s = max(0.0, ended - started - (self.stage.compute_s - compute))
         c.stats.record(self.sent - sent, self.received - received, 0, comm_s)
         optimizer.step()
         self.stale = True
+        metrics = {"comm_busy_s": None, **self._close_step(time.perf_counter() - ended)}
         if not self.is_last:
-            return StepResult(0.0, 0, 0, comm_s, {"comm_busy_s": None})
+            return StepResult(0.0, 0, 0, comm_s, metrics)
         loss_sum = float(sum(loss.item() for loss in losses)) * c.cfg.batch_size
-        return StepResult(loss_sum, int((out.detach().argmax(1) == y).sum()), len(y), comm_s, {"comm_busy_s": None})
+        return StepResult(loss_sum, int((out.detach().argmax(1) == y).sum()), len(y), comm_s, metrics)
+
+    def _close_step(self, optimizer_s: float) -> dict:
+        """The device clock after this step: host time without links, else the timeline's (module docstring)."""
+        emulator = self.clock.emulator
+        if not emulator.virtual:
+            step = emulator.finish_step()
+        else:
+            mine = torch.tensor([emulator.virtual_s, optimizer_s, self.output_bytes,
+                                 *(v for action in self.stage.actions for v in action)], dtype=torch.float64)
+            everyone = [torch.empty_like(mine) for _ in range(self.context.world)]
+            dist.all_gather(everyone, mine)  # the same length everywhere: 2 M actions per stage
+            starts, optimizer_seconds, output_bytes = ([float(t[i]) for t in everyone] for i in range(3))
+            actions = [[(int(a[0]), int(a[1]), float(a[2])) for a in t[3:].view(-1, 3)] for t in everyone]
+
+            def transfer_s(kind: int, sender: int, receiver: int) -> float:
+                nbytes = output_bytes[min(sender, receiver)]  # the activation at the cut, or its gradient
+                return emulator.model_time("p2p", int(nbytes), peers=[sender, receiver])
+
+            ends, link_s = pipeline_timeline(starts, actions, transfer_s)
+            rank = self.context.rank
+            step = emulator.close_step_at(ends[rank] + optimizer_seconds[rank],
+                                          sum(a[2] for a in actions[rank]) + optimizer_seconds[rank], link_s[rank])
+        return {"virtual_s": step["virtual_s"], "virtual_compute_s": step["compute_s"],
+                "virtual_comm_s": step["comm_model_s"]}
 
     def gather(self) -> None:
         """Every stage's owner broadcasts its layers' state: every device then holds the whole, current model."""
@@ -202,16 +295,26 @@ class Pipeline(Strategy):
             return
         for stage, (first, end) in enumerate(self.bounds):
             for _, layer in self.layers[first:end]:
+                if any(is_meta(m) for m in layer.modules()):  # another stage's layer: storage for its owner's values
+                    layer.to_empty(device=self.context.device)
                 for tensor in [*layer.parameters(), *layer.buffers()]:
                     dist.broadcast(tensor.data, src=stage)
         self.stale = False
 
     def finish(self) -> None:
         self.gather()
+        self.clock.finish()
 
     @property
     def eval_model(self) -> nn.Module:
         return _GatheredForEvaluation(self)
+
+    def state_dict(self) -> dict:
+        return {"model": self.stage_module.state_dict()}  # this stage's layers: what this device trains
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stage_module.load_state_dict(state["model"])
+        self.stale = True  # the other stages' layers are gathered anew before an evaluation
 
     def checkpoint_state(self, optimizer) -> dict:
         # the optimizer state is this stage's (rank 0's): whole models, per-stage optimizers
@@ -219,9 +322,9 @@ class Pipeline(Strategy):
 
     def summary(self) -> dict:
         p = self.context.spec.pipeline
-        return {"sync": "pipeline", "pipeline": {"schedule": p.schedule, "microbatches": p.microbatches,
-                                                 "stages": describe_stages(self.layers, self.bounds),
-                                                 "plan": self.plan}}
+        return {**clock_summary(self.clock), "sync": "pipeline",
+                "pipeline": {"schedule": p.schedule, "microbatches": p.microbatches,
+                             "stages": describe_stages(self.layers, self.bounds), "plan": self.plan}}
 
 
 class _GatheredForEvaluation(nn.Module):

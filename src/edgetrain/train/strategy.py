@@ -4,9 +4,12 @@ The loop (``train.loop``) knows nothing of how devices split the work; it
 drives a ``Strategy`` the same way for every kind, on every device::
 
     strategy = STRATEGIES[spec.strategy](context)   # StrategyContext: config, spec, rank, world, ...
+    model = strategy.materialise(model)  # the model built on the meta device: what this device holds of it
     model = strategy.adapt(model)   # change layers (BatchNorm, tiles); before the throttle sees the model
     strategy.calibration_batch      # samples of the throttle's reference pass (None: no reference pass)
     strategy.setup(model)           # wrap the model, build the exchange (collectives: every device calls it)
+    strategy.rebuild(rank, world, local_batch)  # the same again on a new group (elastic membership), then
+                                    # load_state_dict; strategies that split the model refuse --min-devices
     optimizer over strategy.parameters()
     per step:  strategy.train_step(x, y, optimizer) -> StepResult
     strategy.finish()               # final exchange: every device holds the same model afterwards
@@ -34,6 +37,8 @@ the whole model's state, which only it can gather.
 from __future__ import annotations
 
 import abc
+import dataclasses
+import gc
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +51,7 @@ from edgetrain.comm import build_sync
 from edgetrain.comm.accounting import CommStats
 from edgetrain.config import TrainConfig
 from edgetrain.models.batchnorm import convert_batchnorm
+from edgetrain.models.init import materialise
 from edgetrain.spec import RunSpec
 from edgetrain.tiling import TiledTraining
 
@@ -84,6 +90,11 @@ class Strategy(abc.ABC):
     def __init__(self, context: StrategyContext):
         self.context = context
 
+    def materialise(self, model: nn.Module) -> nn.Module:
+        """The model the loop built on the meta device, with what this device holds of it on the device and
+        initialised per layer (models/init.py); default: every layer. A model built for real is only moved."""
+        return materialise(model, self.context.spec.seed, self.context.device)
+
     def adapt(self, model: nn.Module) -> nn.Module:
         """The model with its layers changed for this strategy, before the throttle measures it (default: as is)."""
         return model
@@ -120,6 +131,12 @@ class Strategy(abc.ABC):
         """Called after ``setup`` when a run resumes."""
         self.eval_model.load_state_dict(state["model"])
 
+    def rebuild(self, rank: int, world: int, local_batch: int) -> None:
+        """``setup`` again for a new set of devices (train/elastic.py), on the same model, after the new
+        process group is formed; the state comes next, through ``load_state_dict``."""
+        self.context = dataclasses.replace(self.context, rank=rank, world=world, local_batch=local_batch)
+        self.setup(self.eval_model)
+
     def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> dict:
         """Rank 0, after ``finish``: the whole model's and optimizer's state for checkpoint.pt."""
         return {"model": self.eval_model.state_dict(), "optimizer": optimizer.state_dict()}
@@ -137,6 +154,11 @@ class DataParallel(Strategy):
     ``comm_s`` of a step: the wait after the last gradient bucket was handed
     to the all-reduce until backward returned (the part compute did not
     hide), plus the exchanges of ``after_backward`` and ``after_step``.
+
+    A step the sync mode says this device sits out (``sync.trains``: a round it
+    was not sampled for, or past the round's deadline) runs no forward,
+    backward or optimizer step: only ``after_step`` (the round's exchange, if
+    due), and it scores 0 samples.
     """
 
     name = "ddp"
@@ -158,6 +180,10 @@ class DataParallel(Strategy):
     def train_step(self, x, y, optimizer) -> StepResult:
         c = self.context
         started = time.perf_counter()
+        if not self.sync.trains(self.steps):  # not sampled for the round, or past its deadline (comm/local_sgd.py)
+            self.sync.after_step(self.steps)
+            self.steps += 1
+            return StepResult(0.0, 0, 0, time.perf_counter() - started, self.sync.step_metrics())
         collectives = c.stats.snapshot()["collectives"]
         optimizer.zero_grad(set_to_none=True)
         out = self.sync.model(x)
@@ -181,6 +207,15 @@ class DataParallel(Strategy):
 
     def finish(self) -> None:
         self.sync.finish()
+
+    def rebuild(self, rank: int, world: int, local_batch: int) -> None:
+        # The old DDP must be gone before the new one wraps the model: its reducer's gradient hooks would
+        # otherwise all-reduce over the destroyed group. Error-feedback residuals go with it; the peer's
+        # state (load_state_dict) brings the survivors' back, a departed device's are lost.
+        self.sync.close()
+        self.sync = None
+        gc.collect()
+        super().rebuild(rank, world, local_batch)
 
     @property
     def eval_model(self) -> nn.Module:

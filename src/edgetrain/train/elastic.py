@@ -1,0 +1,268 @@
+"""Elastic membership of emulated devices, the devices' side (``--min-devices K``).
+
+Default (``--min-devices`` unset or equal to the device count): fail-stop,
+one lost device ends the run (cluster/launch.py). Below it, the devices
+that remain go on without a restart, and a device that comes back joins
+them; the launcher decides who is in each *generation*
+(cluster/membership.py: keys, quorum, limits). torchft's Manager is the
+model: a quorum from outside, the process group re-formed under a new store
+prefix, the state healed from a live peer.
+
+Protocol, per step (``boundary``, before the batch is taken): every member
+reads the store's change counter and the members agree on it (a MAX
+all-reduce of 8 bytes), so that all of them switch at the same step; then
+each keeps a snapshot of its state at the start of the step (model, sync
+mode state with error-feedback memory, optimizer, scheduler, step, epoch,
+evaluations; ``torch.save`` bytes in memory).
+
+A change (``reform``) starts from an agreed counter change or from a
+collective that failed because a peer died (gloo raises as soon as the
+peer's sockets close; ``cluster.peers.wait`` bounds the rest by
+``--timeout``). Each member then:
+
+1. destroys its process group (all of it: DDP's, the sync mode's groups);
+2. asks the launcher for the next generation and waits (bounded) for its
+   member list; new ranks follow first ranks;
+3. forms the new gloo group over the same loopback store
+   (``PrefixStore("elastic/gen<n>/pg")``) and rebuilds the strategy on it
+   (``Strategy.rebuild``: DDP is wrapped again, the sync mode built anew);
+4. receives the state from the first member that is not new (its snapshot
+   of the start of the step, broadcast as bytes and read back with
+   ``torch.load(weights_only=True)``: tensors and plain values only, never
+   an arbitrary pickle); every member, the sender too, loads it, so the
+   step in which a device died is done again from its start, by everyone,
+   on the same state, and counted once. Each device keeps its own byte
+   tally and device clock;
+5. re-splits the same global batch over the new members (in proportion to
+   their first shares, so even stays even and speed-proportional stays
+   so; decided by the launcher) and continues the epoch where it was. The
+   learning rate is unchanged, as the global batch and the loss scaling
+   (the gradient of the mean loss over the global batch) are.
+
+A failure while a generation forms (another device lost) starts the next
+one. A failure that changes no membership is raised as it is (a real
+error, not a departure).
+
+A returning device (the launcher starts it again with ``EDGETRAIN_ELASTIC_JOIN``
+set, e.g. ``EDGETRAIN_FAULT=kill:rank=1:step=5:back=20``) announces itself
+instead of the ordinary rendezvous (``join``), is admitted at the members'
+next step boundary, builds its strategy on the new group, and receives the
+state like the others (``start``). It does not repeat the fault that took
+it down, nor do faults of its rank it missed while away.
+
+Records: the state's sender appends one ``MembershipRecord`` (records.py)
+per kind of change to ``membership.jsonl`` and prints one line on stderr;
+the summary holds them all.
+
+Limits: failures are caught in the training steps and at step boundaries;
+a device lost during an evaluation or the final exchange ends the run. A
+departed device's error-feedback residuals are lost (they lived only in its
+memory), and the samples it had counted in the epoch's training accuracy
+with it. Data-parallel strategies with ``--sync sync`` (any compressor) or
+``local:H`` only; ``config.resolve`` refuses the rest, checkpoints and
+partitions. Each step pays a state snapshot (one copy of model and
+optimizer state) and a tiny all-reduce.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from edgetrain.cluster.membership import (CHANGES_KEY, JOIN_ENV, admitted_key, group_prefix, join_key, members_key,
+                                          request_key)
+from edgetrain.cluster.peers import broadcast_bytes, check_rank_environment, wait
+from edgetrain.cluster.profiles import DeviceSpec
+from edgetrain.errors import EdgetrainError
+from edgetrain.records import EvalRecord, MembershipRecord, StepRecord
+from edgetrain.spec import RunSpec
+from edgetrain.train.checkpoint import MEMBERSHIP_FILE, append_membership
+
+_OWN_COUNTERS = ("clock", "tally")  # sync mode state each device keeps for itself (its bytes, its clock)
+
+
+class MembershipChanged(Exception):
+    """The members agreed at a step boundary that the device set changes (a device joins or left)."""
+
+
+class Elastic:
+    """One device's part in an elastic run; see the module docstring for the protocol."""
+
+    failures = (RuntimeError, EdgetrainError, MembershipChanged)
+
+    def __init__(self, spec: RunSpec, devices: list[DeviceSpec], local_batches: list[int], run_dir: str | None):
+        self.spec, self.devices, self.run_dir = spec, devices, run_dir
+        self.device_id, world = check_rank_environment()
+        self.members = list(range(world))
+        self.joined: list[int] = []
+        self.generation = self.seen = 0
+        self.joining = os.environ.get(JOIN_ENV) == "1"
+        self.joined_at = 0  # a returning device: the step it received the state at
+        self.local_batches = list(local_batches)
+        self.snapshot = b""
+        self.strategy = None  # the loop's objects, from ``start``
+        self.store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                   timeout=timedelta(seconds=spec.timeout_s))
+
+    @property
+    def rank(self) -> int:
+        return self.members.index(self.device_id)
+
+    @property
+    def world(self) -> int:
+        return len(self.members)
+
+    @property
+    def faults(self):
+        """The run's injected faults; a returning device skips those up to the step it rejoined at."""
+        return tuple(f for f in self.spec.faults if not self.joining or f.step > self.joined_at)
+
+    # -- a returning device -------------------------------------------------------------
+    def join(self) -> tuple[int, int]:
+        """Announce this device and wait to be admitted at the members' next step; (rank, world)."""
+        self.store.set(join_key(self.device_id), "1")
+        self.store.add(CHANGES_KEY, 1)
+        self._await(admitted_key(self.device_id), 2 * self.spec.timeout_s + 60,
+                    "was not admitted back by the devices that went on")
+        self._decided(int(self.store.get(admitted_key(self.device_id))))
+        self._connect()
+        return self.rank, self.world
+
+    def start(self, strategy, optimizer, scheduler, sampler, loader, step: int, epoch: int,
+              evals: list[EvalRecord]) -> tuple[int, int, list[EvalRecord]]:
+        """Before the first step: what a change needs from the loop; a returning device also receives the
+        current state here (step, epoch, evaluations)."""
+        self.strategy, self.optimizer, self.scheduler, self.sampler, self.loader = (
+            strategy, optimizer, scheduler, sampler, loader)
+        if not self.joining:
+            return step, epoch, evals
+        state = self._receive(self._own_counters())
+        self.joined_at = state["step"]
+        self.sampler.resume_at(state["epoch"], state["step"] - state["epoch"] * len(self.sampler))
+        return state["step"], state["epoch"], [EvalRecord.from_dict(e) for e in state["evals"]]
+
+    # -- every step -----------------------------------------------------------------------
+    def boundary(self, step: int, epoch: int, evals: list[EvalRecord]) -> None:
+        """Keep the snapshot of the start of ``step`` (first: a failure in the check below restores it too),
+        then agree on the change counter and raise ``MembershipChanged`` if it moved."""
+        buffer = io.BytesIO()
+        torch.save({"strategy": self.strategy.state_dict(), "optimizer": self.optimizer.state_dict(),
+                    "scheduler": self.scheduler.state_dict(), "step": step, "epoch": epoch,
+                    "evals": [e.to_dict() for e in evals]}, buffer)
+        self.snapshot = buffer.getvalue()
+        changes = torch.tensor([self.store.add(CHANGES_KEY, 0)], dtype=torch.int64)
+        if self.world > 1:
+            wait(dist.all_reduce(changes, op=dist.ReduceOp.MAX, async_op=True), self.spec.timeout_s,
+                 "membership check")
+        if int(changes.item()) > self.seen:
+            raise MembershipChanged()
+
+    def reform(self, error: BaseException, epoch: int):
+        """A new generation after ``error``; the sender's state of the start of its step restored on all.
+        Returns the loop's new (rank, world, local batches, batch iterator, step)."""
+        noticed = time.perf_counter()
+        before = list(self.members)
+        own = self._own_counters()
+        while True:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            self.store.set(request_key(self.generation + 1, self.device_id), "1")
+            self._await(members_key(self.generation + 1), 2 * self.spec.timeout_s,
+                        "got no answer from the launcher about the devices that go on")
+            self._decided(self.generation + 1)
+            try:
+                self._connect()
+                state = self._receive(own)
+                break
+            except self.failures:  # lost another device while forming this one: the next generation
+                continue
+        if self.members == before and not (self.left or self.joined) and not isinstance(error, MembershipChanged):
+            # nobody left or came: not a departure but an error of its own (a device that left and is back
+            # within one generation, noticed late, leaves the list unchanged but is a change)
+            raise error
+        step = state["step"]  # the same as this device's unless it finished the step before a peer noticed
+        if state["epoch"] != epoch:
+            raise EdgetrainError(f"{self.devices[self.device_id].label} was at epoch {epoch + 1} when device(s) "
+                                 f"{self.left} left, its peers at epoch {state['epoch'] + 1}; start the run again")
+        self.sampler.reshard(self.local_batches, self.rank)
+        self.sampler.resume_at(epoch, step - epoch * len(self.sampler))
+        self._record(step, time.perf_counter() - noticed)
+        return self.rank, self.world, self.local_batches, iter(self.loader), step
+
+    # -- the end ---------------------------------------------------------------------------
+    def all_records(self) -> list[StepRecord]:
+        """Every device's step records, departed ones and earlier lives of returning ones included (from the
+        run directory's per-device files, which each device flushes every step)."""
+        files = [Path(self.run_dir) / f"metrics-{d}.jsonl" for d in range(len(self.devices))]
+        return [StepRecord.from_dict(json.loads(line)) for f in files if f.exists()
+                for line in f.read_text().splitlines() if line.strip()]
+
+    def history(self) -> list[MembershipRecord]:
+        path = Path(self.run_dir) / MEMBERSHIP_FILE
+        lines = path.read_text().splitlines() if path.exists() else []
+        return [MembershipRecord.from_dict(json.loads(line)) for line in lines if line.strip()]
+
+    # -- inside --------------------------------------------------------------------------
+    def _await(self, key: str, timeout_s: float, what: str) -> None:
+        try:
+            self.store.wait([key], timedelta(seconds=timeout_s))
+        except (RuntimeError, dist.DistStoreError) as e:
+            raise EdgetrainError(f"{self.devices[self.device_id].label} {what} within {timeout_s:g} s "
+                                 f"({str(e).splitlines()[0]}); raise --timeout if the devices are slow") from None
+
+    def _decided(self, generation: int) -> None:
+        """The launcher's member list for ``generation`` (this device must be on it) and the new split."""
+        decided = json.loads(self.store.get(members_key(generation)))
+        self.generation, self.members = generation, decided["members"]
+        self.left, self.joined, self.seen = decided["left"], decided["joined"], decided["changes"]
+        if self.device_id not in self.members:
+            raise EdgetrainError(f"{self.devices[self.device_id].label} was left out of the devices that go on")
+        self.local_batches = decided["local_batches"]
+
+    def _connect(self) -> None:
+        """Form the generation's group; the strategy is set up on it again (a returning device sets its own up)."""
+        dist.init_process_group("gloo", store=dist.PrefixStore(group_prefix(self.generation), self.store),
+                                rank=self.rank, world_size=self.world, timeout=timedelta(seconds=self.spec.timeout_s))
+        if self.strategy is not None:
+            self.strategy.rebuild(self.rank, self.world, self.local_batches[self.rank])
+
+    def _source(self) -> int:
+        """The rank that sends the state: the first member that was already training."""
+        return next(r for r, d in enumerate(self.members) if d not in self.joined)
+
+    def _receive(self, own: dict) -> dict:
+        """The sender's snapshot, loaded by every member (keeping each device's own counters)."""
+        payload = broadcast_bytes(self.snapshot, self._source(), self.spec.timeout_s, "state from a peer")
+        state = torch.load(io.BytesIO(payload), weights_only=True)
+        state["strategy"].get("sync", {}).update(own)
+        self.strategy.load_state_dict(state["strategy"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        return state
+
+    def _own_counters(self) -> dict:
+        sync = self.strategy.state_dict().get("sync", {})
+        return {k: sync[k] for k in _OWN_COUNTERS if k in sync}
+
+    def _record(self, step: int, took_s: float) -> None:
+        """The sender's record and line for each kind of change (one change may bring both)."""
+        if self.rank != self._source():
+            return
+        for kind, which in (("leave", self.left), ("join", self.joined)):
+            if not which:
+                continue
+            record = MembershipRecord(wall_s=time.time(), step=step, kind=kind, devices=which, world=self.world,
+                                      state_from="peer", took_s=took_s)
+            if self.run_dir:
+                append_membership(self.run_dir, record)
+            names = ", ".join(f"device {d} ({self.devices[d].profile.name})" for d in which)
+            verb, goes = ("left", "go on") if kind == "leave" else ("joined", "train")
+            print(f"edgetrain: {names} {verb} at step {step}; {self.world} of {len(self.devices)} devices {goes} "
+                  f"(min {self.spec.min_devices}); re-formed in {took_s:.1f} s", file=sys.stderr, flush=True)

@@ -1,0 +1,140 @@
+"""Elastic membership of emulated devices (--min-devices, train/elastic.py, cluster/membership.py)."""
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from edgetrain import train
+from edgetrain.cluster.launch import launch_local
+from edgetrain.cluster.membership import JOIN_ENV, ElasticLaunch
+from edgetrain.config import load_config, resolve
+from edgetrain.errors import EdgetrainError
+from edgetrain.records import RunSummary
+from edgetrain.spec import FaultSpec, parse_fault
+from edgetrain.train.strategy import DataParallel
+from edgetrain_testing import FAST
+
+KILL_STEP, STEPS = 5, 24
+SMALL = dict(dataset="synthetic", image_size=8, synthetic_samples=1024, batch_size=30, steps=STEPS, lr=0.05,
+             devices=3, min_devices=2, compress="topk:0.2", **FAST)
+PARAMS_ENV = "EDGETRAIN_TEST_PARAMS_DIR"
+
+
+class GatedNet(nn.Module):
+    """A tiny CNN whose devices, a few steps after the kill, wait (at most 120 s) until the killed device has
+    been started again: the rejoin then happens while steps remain, however slowly processes start here."""
+
+    def __init__(self, gate: str):
+        super().__init__()
+        self.gate, self.calls = gate, 0
+        self.body = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 10))
+
+    def __setstate__(self, state):  # the returning device's own copy (train's deepcopy) opens the gate
+        super().__setstate__(state)
+        if os.environ.get(JOIN_ENV):
+            Path(self.gate).touch()
+
+    def forward(self, x):
+        self.calls += 1
+        deadline = time.monotonic() + 120
+        while self.calls == KILL_STEP + 2 and not Path(self.gate).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.body(x)
+
+
+class KeepsParams(DataParallel):
+    """Data parallel, and each device leaves its final parameters where the test reads them."""
+
+    def finish(self) -> None:
+        super().finish()
+        torch.save(self.model.state_dict(), Path(os.environ[PARAMS_ENV]) / f"device-{os.environ['RANK']}.pt")
+
+
+@pytest.mark.slow
+def test_a_killed_device_leaves_the_others_go_on_and_it_rejoins_identical(tmp_path, monkeypatch):
+    monkeypatch.setenv("EDGETRAIN_FAULT", f"kill:rank=1:step={KILL_STEP}:back=0")
+    monkeypatch.setenv(PARAMS_ENV, str(tmp_path))
+    summary = train(SMALL, model=GatedNet(str(tmp_path / "gate")), strategy=KeepsParams, output=str(tmp_path),
+                    run_name="elastic")
+    run_dir = tmp_path / "elastic"
+    assert summary["steps"] == STEPS
+    changes = [json.loads(line) for line in (run_dir / "membership.jsonl").read_text().splitlines()]
+    assert [(c["kind"], c["devices"], c["world"], c["state_from"]) for c in changes] == [
+        ("leave", [1], 2, "peer"), ("join", [1], 3, "peer")]
+    assert changes[0]["step"] == KILL_STEP and KILL_STEP < changes[1]["step"] < STEPS
+    assert all(c["took_s"] < 10 for c in changes), changes  # measured on the device that sent the state
+    assert [m.to_dict() for m in RunSummary.from_dict(summary).membership] == changes
+    # The loss curve goes on: device 0 ran every step once; device 1 until the kill and again after it joined.
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["rank"] == 0] == list(range(STEPS))
+    steps_of_1 = [r["step"] for r in records if r["rank"] == 1]
+    assert steps_of_1 == list(range(KILL_STEP)) + list(range(changes[1]["step"], STEPS))
+    # Whole batches after the change too: the global batch re-split over 2, then 3 devices.
+    for step in range(STEPS):
+        assert sum(r["samples"] for r in records if r["step"] == step) == 30, step
+    final = {d: torch.load(tmp_path / f"device-{d}.pt", weights_only=True) for d in range(3)}
+    for name, value in final[0].items():
+        assert torch.equal(value, final[1][name]) and torch.equal(value, final[2][name]), name
+
+
+def _dies_unless_first() -> None:
+    if os.environ["RANK"] != "0":
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(600)  # the launcher stops it: fewer than --min-devices remain
+
+
+def test_fewer_devices_than_min_devices_stop_the_run_in_one_line():
+    with pytest.raises(EdgetrainError) as failure:  # a survivor left waiting would end in the deadline's line
+        launch_local(3, _dies_unless_first, (), ["device 0 (host)", "device 1 (rpi4)", "device 2 (rpi4)"],
+                     deadline_s=120, elastic=ElasticLaunch(min_devices=2, local_batches=(1, 1, 1), timeout_s=5))
+    assert str(failure.value) == ("lost device 1 (rpi4), device 2 (rpi4); 1 of 3 devices remain, fewer than "
+                                  "--min-devices 2, so the run stopped; lower --min-devices or keep the devices up")
+
+
+def test_min_devices_is_parsed_once_and_refused_where_it_cannot_apply(monkeypatch):
+    monkeypatch.delenv("EDGETRAIN_FAULT", raising=False)
+    assert resolve(load_config(devices=3, min_devices=2)).min_devices == 2
+    assert resolve(load_config(devices=3, min_devices=3)).min_devices is None  # all devices: fail-stop
+    assert resolve(load_config(devices=3)).min_devices is None
+    refused = {
+        "more than the 3 devices": dict(min_devices=4),
+        "strategy tiled splits": dict(min_devices=2, strategy="tiled", grid="1x3"),
+        "--sync async:2 is not elastic yet": dict(min_devices=2, sync="async:2"),
+        "restore from a peer, not from checkpoints": dict(min_devices=2, checkpoint_every=5),
+        "--partition iid would lose": dict(min_devices=2, partition="iid"),
+        "local_batch 10,10,12 cannot be re-split": dict(min_devices=2, batch_size=32, local_batch="10,10,12"),
+    }
+    for message, options in refused.items():
+        with pytest.raises(EdgetrainError, match=message):
+            load_config(devices=3, **options)
+    with pytest.raises(EdgetrainError, match="must be >= 1"):
+        load_config(devices=3, min_devices=0)
+
+
+def test_a_fault_may_bring_its_device_back_in_an_elastic_run_only(monkeypatch):
+    assert parse_fault("kill:rank=1:step=5:back=20") == FaultSpec("kill", 1, 5, 20.0)
+    for bad in ("stop:rank=1:step=5:back=2", "kill:rank=1:step=5:back=soon", "kill:rank=1:step=5:back=-1"):
+        with pytest.raises(EdgetrainError, match="must be ACTION:rank=R:step=S"):
+            parse_fault(bad)
+    monkeypatch.setenv("EDGETRAIN_FAULT", "kill:rank=1:step=5:back=20")
+    with pytest.raises(EdgetrainError, match="which needs an elastic run; add --min-devices below --devices"):
+        load_config(devices=3)
+    assert resolve(load_config(devices=3, min_devices=2)).faults[0].back_s == 20.0
+
+
+def test_membership_changes_are_drawn_on_the_training_curves():
+    from edgetrain.report import plots, training
+
+    summary = RunSummary.from_dict({"per_device": [], "throughput_samples_per_s": 1.0, "membership": [
+        {"wall_s": 1.0, "step": 5, "kind": "leave", "devices": [1], "world": 2, "state_from": "peer", "took_s": 1.2},
+        {"wall_s": 9.0, "step": 9, "kind": "join", "devices": [1], "world": 3, "state_from": "peer", "took_s": 2.0}]})
+    assert training.curves("run", summary, [], []).changes == [(5, "leave"), (9, "join")]
+    run = plots.RunCurves("run", [1, 2, 3], [1.0, 0.9, 0.8], [0.1, 0.2, 0.3], None, [], [], [], [(2, "leave")])
+    figure = plots.plot_training_curves([run])
+    lines = [line for ax in figure.axes for line in ax.get_lines() if line.get_linestyle() == "--"]
+    assert [list(line.get_xdata()) for line in lines] == [[2, 2], [2, 2], [0.2, 0.2], [0.2, 0.2]]
