@@ -1,7 +1,6 @@
 """The numbers a training run records: FLOPs of the model and shape it trained, each device's rated peak,
 and the model it trained, truthfully enough that a config which cannot rebuild it is refused."""
 import json
-import statistics
 
 import pytest
 import torch
@@ -66,12 +65,13 @@ def test_a_device_reuses_freed_activations_instead_of_faulting_in_fresh_pages(tm
     step (glibc handed the activations back to the kernel at each step's end), about 5% more CPU per step."""
     if not throttle.keep_freed_memory():
         pytest.skip("this C library has no mallopt (not glibc): the device keeps the allocator's defaults")
-    train(dict(FAST, dataset="synthetic", image_size=32, synthetic_samples=64 * 10, batch_size=64, steps=10,
+    train(dict(FAST, dataset="synthetic", image_size=32, synthetic_samples=64 * 14, batch_size=64, steps=14,
                threads=1, output=str(tmp_path), run_name="faults"))
     records = [json.loads(line) for line in (tmp_path / "faults" / "metrics.jsonl").read_text().splitlines()]
-    steady = [r["page_faults"] for r in records[-4:]]  # the first steps allocate what the others reuse
-    # the median: a step that grows the heap (a record list, the host's other work) may fault once
-    assert statistics.median(steady) < 500, steady
+    steady = [r["page_faults"] for r in records[-8:]]  # the first steps allocate what the others reuse
+    # most steps, not all: a step that grows the heap (a record list, the host's other work) may fault
+    # 4096 pages once in a while (CI saw [0, 4096, 4096, 0]); without the fix every step faults ~10,000
+    assert sum(faults < 500 for faults in steady) >= 5, steady
     summary = json.loads((tmp_path / "faults" / "summary.json").read_text())
     assert summary["per_device"][0]["page_faults"] >= 0
 
