@@ -9,7 +9,7 @@ from edgetrain.config import TrainConfig, resolve
 from edgetrain.errors import EdgetrainError
 from edgetrain.models import build_model
 from edgetrain.models.init import build_on_meta, materialise
-from edgetrain.train.strategy import STRATEGIES, StrategyContext
+from edgetrain.train.strategy import StrategyContext, registered_strategy
 
 CPU = torch.device("cpu")
 
@@ -43,7 +43,7 @@ def _held(rank, world):
     held = {}
     for strategy, options in (("pipeline", dict(stages="4", microbatches=2)), ("fsdp", {})):
         cfg = TrainConfig(model="small_cnn", strategy=strategy, devices=world, batch_size=8, progress=False, **options)
-        chosen = STRATEGIES[strategy](StrategyContext(cfg, resolve(cfg), rank, world, 8, (1, 8, 8), CommStats()))
+        chosen = registered_strategy(strategy)(StrategyContext(cfg, resolve(cfg), rank, world, 8, (1, 8, 8), CommStats()))
         model = chosen.adapt(chosen.materialise(build_on_meta(build_model, "small_cnn", 1, 10)))
         chosen.setup(model)
         held[strategy] = {name: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()

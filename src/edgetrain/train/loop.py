@@ -97,7 +97,7 @@ from edgetrain.report.files import atomic_write, save_torch, write_json
 from edgetrain.spec import RunSpec
 from edgetrain.train.checkpoint import Checkpointer, resume_hint, rng_state, set_rng_state
 from edgetrain.train.elastic import Elastic
-from edgetrain.train.strategy import STRATEGIES, StepResult, Strategy, StrategyContext
+from edgetrain.train.strategy import StepResult, Strategy, StrategyContext, registered_strategy
 from edgetrain.train.tensorboard_log import TensorBoardLog, write_missing_devices
 
 
@@ -361,7 +361,7 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
                strategy_class: type[Strategy] | None = None, datasets: dict | None = None) -> dict | None:
     """Train on this device; rank 0 returns the run summary, the others None.
 
-    ``strategy_class``: a ``Strategy`` to train with instead of ``STRATEGIES[spec.strategy]``;
+    ``strategy_class``: a ``Strategy`` to train with instead of ``registered_strategy(spec.strategy)``;
     ``registered`` and ``datasets``: models and datasets registered in the launching process.
     """
     started = time.perf_counter()
@@ -398,7 +398,7 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
     flops_per_sample = training_flops_per_sample(model, input_shape=data.input_shape,
                                                  num_classes=data.num_classes) if rank == 0 or elastic else None
     stats = CommStats()
-    strategy = (strategy_class or STRATEGIES[spec.strategy])(StrategyContext(
+    strategy = (strategy_class or registered_strategy(spec.strategy))(StrategyContext(
         cfg, spec, rank, world, local_batches[rank], tuple(data.input_shape), stats, at.me.link, at.device,
         steps_per_epoch=len(data.train) // cfg.batch_size))
     model = strategy.adapt(strategy.materialise(model))

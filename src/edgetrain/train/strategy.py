@@ -3,7 +3,7 @@
 The loop (``train.loop``) knows nothing of how devices split the work; it
 drives a ``Strategy`` the same way for every kind, on every device::
 
-    strategy = STRATEGIES[spec.strategy](context)   # StrategyContext: config, spec, rank, world, ...
+    strategy = registered_strategy(spec.strategy)(context)   # StrategyContext: config, spec, rank, world, ...
     model = strategy.materialise(model)  # the model built on the meta device: what this device holds of it
     model = strategy.adapt(model)   # change layers (BatchNorm, tiles); before the throttle sees the model
     strategy.calibration_batch      # samples of the throttle's reference pass (None: no reference pass)
@@ -28,9 +28,10 @@ summed over the samples it scored, how many it got right, how many it scored
 communication that compute did not hide, and extra ``StepRecord`` fields.
 
 A new strategy is a class here, or in a module of its own that adds itself
-to ``STRATEGIES`` and is imported at the end of this one (``fsdp.py``,
-``pipeline.py``); ``edgetrain.train.train(strategy=Cls)`` runs one that is
-not registered (tests/train/test_strategy.py trains with one written there).
+to ``STRATEGIES`` and is named in ``_STRATEGY_MODULES`` at the end of this
+one (``fsdp.py``, ``pipeline.py``: ``registered_strategy`` imports it when a
+run asks for it); ``edgetrain.train.train(strategy=Cls)`` runs one that is not
+registered (tests/train/test_strategy.py trains with one written there).
 ``checkpoint_state`` is the one hook a sharded strategy needs beyond these:
 the whole model's state, which only it can gather.
 """
@@ -39,6 +40,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import gc
+import importlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -280,7 +282,14 @@ class Tiled(Strategy):
 
 STRATEGIES: dict[str, type[Strategy]] = {"ddp": DataParallel, "tiled": Tiled}
 
-# Strategies in modules of their own subclass Strategy and add themselves to STRATEGIES when imported;
-# a plain import (no names taken) works whichever of the two modules is imported first.
-import edgetrain.train.fsdp  # noqa: E402,F401  (fsdp)
-import edgetrain.train.pipeline  # noqa: E402,F401  (pipeline)
+# Strategies in modules of their own subclass Strategy and add themselves to STRATEGIES when imported. They
+# are imported only by a run that asks for them: FSDP2 and torch.distributed.pipelining pull in DTensor and
+# dynamo, 1.3 s of the 3.4 s a device spends importing (python -X importtime), which a ddp run never uses.
+_STRATEGY_MODULES = {"fsdp": "edgetrain.train.fsdp", "pipeline": "edgetrain.train.pipeline"}
+
+
+def registered_strategy(name: str) -> type[Strategy]:
+    """The Strategy that ``--strategy name`` trains with, its module imported on first use."""
+    if name not in STRATEGIES and name in _STRATEGY_MODULES:
+        importlib.import_module(_STRATEGY_MODULES[name])
+    return STRATEGIES[name]
