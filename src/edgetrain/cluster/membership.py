@@ -14,13 +14,19 @@ which they cannot do once a peer is gone. Keys of the store:
   process ends (``lost``), a returning device when it announces itself; the
   members read it at every step boundary and agree (a MAX all-reduce) to
   change together when it moved.
+- ``elastic/lost``: a counter the launcher adds 1 to when a member's
+  process ends. Each member watches it from a thread of its own and,
+  when it moves, cuts its gloo connections (train/elastic.py: fast
+  failure detection), so no member waits ``--timeout`` in a collective
+  with a peer that already left it.
 - ``elastic/join/<d>``: device ``d``, started again, asks to join;
   ``elastic/join/<d>/gen`` is the generation it was admitted to.
 - ``elastic/gen<n>/dev/<d>``: member ``d`` asks for generation ``n``
   (after a failed collective or an agreed change).
 - ``elastic/gen<n>/members``: the launcher's answer, JSON: ``members``
   (ranks in order), ``left`` and ``joined`` (first ranks), ``changes``
-  (the counter when it decided: later moves are the next change) and
+  (the counter when it decided: later moves are the next change),
+  ``lost`` (the same for ``elastic/lost``) and
   ``local_batches``: the same global batch re-split over the members in
   proportion to their first shares (speed-proportional where the first
   split was), decided once here so that every member agrees.
@@ -45,6 +51,7 @@ from dataclasses import dataclass
 from edgetrain.cluster.profiles import split_by_weights
 
 CHANGES_KEY = "elastic/changes"
+LOST_KEY = "elastic/lost"
 JOIN_ENV = "EDGETRAIN_ELASTIC_JOIN"  # set to 1 in a device the launcher started again
 
 
@@ -97,6 +104,7 @@ class Lighthouse:
         if device in self.members and device not in self.departed:  # one left out already is no news
             self.departed.add(device)
             self.store.add(CHANGES_KEY, 1)
+            self.store.add(LOST_KEY, 1)
         return self._too_few(len(set(self.members) - self.departed))
 
     def restarting(self, device: int) -> None:
@@ -126,11 +134,12 @@ class Lighthouse:
         if len(members) < self.launch.min_devices:
             return silent, self._too_few(len(members))
         changes = self.store.add(CHANGES_KEY, 0)  # the members' count of changes from now on
+        lost = self.store.add(LOST_KEY, 0)  # and of losses: the members' watchers cut on a later one
         # The same global batch over the new set, in proportion to the first split (which followed the
         # devices' speeds where --local-batch balanced): decided here, once, so every member agrees.
         batches = split_by_weights(sum(self.launch.local_batches), [self.launch.local_batches[d] for d in members])
         self.store.set(members_key(n), json.dumps({"members": members, "left": left, "joined": joining,
-                                                   "changes": changes, "local_batches": batches}))
+                                                   "changes": changes, "lost": lost, "local_batches": batches}))
         for d in joining:
             self.store.set(admitted_key(d), str(n))
         self.members, self.generation, self._first_request = members, n, None

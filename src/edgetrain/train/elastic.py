@@ -16,9 +16,19 @@ mode state with error-feedback memory, optimizer, scheduler, step, epoch,
 evaluations; ``torch.save`` bytes in memory).
 
 A change (``reform``) starts from an agreed counter change or from a
-collective that failed because a peer died (gloo raises as soon as the
-peer's sockets close; ``cluster.peers.wait`` bounds the rest by
-``--timeout``). Each member then:
+collective that failed because a peer died. Gloo raises at once only on the
+peers that had a connection in use with the dead one; the others would wait
+in the collective for ``--timeout`` (measured: 4 devices, the two not next
+to the dead one in gloo's ring waited 30 s of a 30 s timeout). So each
+member runs a *watcher* thread that reads the launcher's ``elastic/lost``
+counter every 0.2 s and, when it moves past the count of the member's
+generation, cuts the member's gloo connections (``cluster.peers.
+cut_connections``): every collective in flight fails at once and every
+member starts the change within a poll of the death. torchft aborts its
+process groups on a quorum change for the same reason; torch 2.13's gloo
+has no abort that wakes a pending collective. The watcher holds the same
+lock as ``reform``, so it never cuts a generation being formed. Each
+member then:
 
 1. destroys its process group (all of it: DDP's, the sync mode's groups);
 2. asks the launcher for the next generation and waits (bounded) for its
@@ -69,6 +79,7 @@ import io
 import json
 import os
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -76,9 +87,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from edgetrain.cluster.membership import (CHANGES_KEY, JOIN_ENV, admitted_key, group_prefix, join_key, members_key,
-                                          request_key)
-from edgetrain.cluster.peers import broadcast_bytes, check_rank_environment, wait
+from edgetrain.cluster.membership import (CHANGES_KEY, JOIN_ENV, LOST_KEY, admitted_key, group_prefix, join_key,
+                                          members_key, request_key)
+from edgetrain.cluster.peers import broadcast_bytes, check_rank_environment, cut_connections, wait
 from edgetrain.cluster.profiles import DeviceSpec
 from edgetrain.errors import EdgetrainError
 from edgetrain.records import EvalRecord, MembershipRecord, StepRecord
@@ -86,6 +97,7 @@ from edgetrain.spec import RunSpec
 from edgetrain.train.checkpoint import MEMBERSHIP_FILE, append_membership
 
 _OWN_COUNTERS = ("clock", "tally")  # sync mode state each device keeps for itself (its bytes, its clock)
+_WATCH_EVERY_S = 0.2  # how often the watcher reads the launcher's count of lost devices
 
 
 class MembershipChanged(Exception):
@@ -103,6 +115,8 @@ class Elastic:
         self.members = list(range(world))
         self.joined: list[int] = []
         self.generation = self.seen = 0
+        self.lost_seen = 0  # the launcher's count of lost devices when this generation was decided
+        self._forming = threading.Lock()  # held by reform; the watcher never cuts a group being formed
         self.joining = os.environ.get(JOIN_ENV) == "1"
         self.joined_at = 0  # a returning device: the step it received the state at
         self.local_batches = list(local_batches)
@@ -141,6 +155,7 @@ class Elastic:
         current state here (step, epoch, evaluations)."""
         self.strategy, self.optimizer, self.scheduler, self.sampler, self.loader = (
             strategy, optimizer, scheduler, sampler, loader)
+        threading.Thread(target=self._watch, name="edgetrain-elastic-watcher", daemon=True).start()
         if not self.joining:
             return step, epoch, evals
         state = self._receive(self._own_counters())
@@ -167,6 +182,10 @@ class Elastic:
     def reform(self, error: BaseException, epoch: int):
         """A new generation after ``error``; the sender's state of the start of its step restored on all.
         Returns the loop's new (rank, world, local batches, batch iterator, step)."""
+        with self._forming:
+            return self._reform(error, epoch)
+
+    def _reform(self, error: BaseException, epoch: int):
         noticed = time.perf_counter()
         before = list(self.members)
         own = self._own_counters()
@@ -217,11 +236,30 @@ class Elastic:
             raise EdgetrainError(f"{self.devices[self.device_id].label} {what} within {timeout_s:g} s "
                                  f"({str(e).splitlines()[0]}); raise --timeout if the devices are slow") from None
 
+    def _watch(self) -> None:
+        """The watcher thread: cut this device's gloo connections when the launcher reports a member lost
+        after this generation was decided (see the module docstring). Ends with the run's store."""
+        port = int(os.environ["MASTER_PORT"])
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], port, is_master=False,
+                              timeout=timedelta(seconds=self.spec.timeout_s))  # its own client: not thread-safe
+        cut_for = 0
+        while True:
+            time.sleep(_WATCH_EVERY_S)
+            try:
+                lost = int(store.add(LOST_KEY, 0))
+            except (RuntimeError, dist.DistStoreError):  # the launcher closed the store: the run is over
+                return
+            with self._forming:
+                if lost > max(self.lost_seen, cut_for):
+                    cut_for = lost
+                    cut_connections(keep_port=port)
+
     def _decided(self, generation: int) -> None:
         """The launcher's member list for ``generation`` (this device must be on it) and the new split."""
         decided = json.loads(self.store.get(members_key(generation)))
         self.generation, self.members = generation, decided["members"]
         self.left, self.joined, self.seen = decided["left"], decided["joined"], decided["changes"]
+        self.lost_seen = decided["lost"]
         if self.device_id not in self.members:
             raise EdgetrainError(f"{self.devices[self.device_id].label} was left out of the devices that go on")
         self.local_batches = decided["local_batches"]
