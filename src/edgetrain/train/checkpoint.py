@@ -167,7 +167,7 @@ def check_resume_devices(run_dir: str | Path, devices: int, partitioned: bool) -
     is its own, so another device count would train on other data (before any device starts)."""
     if not partitioned:
         return
-    written_by = torch.load(checkpoint_files(run_dir)[-1], mmap=True, weights_only=True)["world"]
+    written_by = _load(checkpoint_files(run_dir)[-1], mmap=True)["world"]
     if written_by != devices:
         raise EdgetrainError(f"the checkpoint in {run_dir} was written by {written_by} devices, each with its own "
                              f"partition of the data; resume it with --devices {written_by}")
@@ -203,7 +203,7 @@ def _to_bytes(obj: Any) -> torch.Tensor:
 
 
 def _from_bytes(data: torch.Tensor) -> Any:
-    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
+    return _load(io.BytesIO(data.numpy().tobytes()))
 
 
 class Checkpointer:
@@ -369,3 +369,10 @@ def append_membership(run_dir: str | Path, record: MembershipRecord) -> None:
     """One line of ``membership.jsonl``: every membership change, from a peer (train/elastic.py) or a resume."""
     with open(Path(run_dir) / MEMBERSHIP_FILE, "a", encoding="utf-8") as f:
         f.write(json.dumps(record.to_dict()) + "\n")
+
+
+def _load(source, **options):
+    """``torch.load(weights_only=True)`` of a checkpoint; an fsdp one holds DTensor shards, whose class the
+    loader must know: imported here (0.6 s), not at every device's start (train/strategy.py imports fsdp lazily)."""
+    import torch.distributed.tensor  # noqa: F401
+    return torch.load(source, weights_only=True, **options)
