@@ -2,6 +2,7 @@
 all-reduced among its replicas through edgetrain's compressors. One device's parameters without compression,
 identical replicas and counted bytes with top-k and error feedback, the all-reduce's invariants on 4 devices,
 refusals."""
+import json
 import math
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from edgetrain_testing import FAST, on_devices, run_cli
 from edgetrain import train
 from edgetrain.config import TrainConfig, resolve
 from edgetrain.errors import EdgetrainError
+from edgetrain.spec import get_link
 
 HIDDEN, BATCH, STEPS = 24, 32, 3
 
@@ -70,7 +72,24 @@ def test_topk_with_error_feedback_keeps_replicas_identical_and_counts_its_payloa
     # top-k is gathered, not summed: each device sends its k (fp32 value, int32 index) pairs to its one peer
     topk = 2 * sum(8 * math.ceil(ratio * n) for n in STAGE_PARAMS)
     assert summary["bytes_sent_total"] == STEPS * (2 * BATCH * HIDDEN * 4 + topk)
+    # on the clock: each stage's link carries its replica's 2 M cut transfers (GPipe), then one all-gather round
+    # with its peer replica. Stage 0 waits for all of them (its last backward needs the last gradient back), so
+    # its step lasts at least that; no clock runs ahead of every step's transfers plus every device's compute
+    # (summed over the steps so far: a stage may start a step waiting for another's end of the last one).
     assert summary["link_mode"] == "virtual"
+    microbatches, link = 2, get_link("20mbit:5ms")
+    transfer = link.latency_s + (BATCH // 2 // microbatches) * HIDDEN * 4 / link.goodput_Bps
+    records = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    clock, bound = dict.fromkeys(range(4), 0.0), 0.0
+    for step in range(STEPS):
+        mine = {r["rank"]: r for r in records if r["step"] == step}
+        bound += max(m["virtual_comm_s"] for m in mine.values()) + sum(m["virtual_compute_s"] for m in mine.values())
+        for rank, r in mine.items():
+            gather = link.latency_s + 8 * math.ceil(ratio * STAGE_PARAMS[rank % 2]) / link.goodput_Bps
+            assert r["virtual_comm_s"] == pytest.approx(2 * microbatches * transfer + gather)
+            assert r["virtual_s"] - clock[rank] >= (r["virtual_comm_s"] if rank % 2 == 0 else gather) - 1e-9
+            assert r["virtual_s"] <= bound + 1e-9
+        clock = {rank: r["virtual_s"] for rank, r in mine.items()}
 
 
 def _exchange(rank, world, method):
