@@ -798,9 +798,11 @@ class RunSpec:
     than ``sync``; DGC with optimizer momentum (applied twice); with
     ``strategy: tiled`` any ``compress``, ``sync`` or ``link`` (tiled training
     exchanges halos, feature maps and gradients uncompressed and unemulated,
-    step by step); with ``strategy: fsdp`` or ``pipeline`` the same three (PyTorch's own
-    collectives, counted but not compressed or emulated), a ``partition`` with
-    ``pipeline`` and checkpoints or ``resume`` with either (not supported yet);
+    step by step); with ``strategy: fsdp`` or ``pipeline`` a ``compress`` or ``sync``
+    (PyTorch's own collectives, counted but not compressed), ``link_mode: enforced`` with
+    ``pipeline``, a ``partition`` with ``pipeline``; ``pipeline_replicas`` D > 1 (hybrid) takes a
+    ``compress`` (PowerSGD excepted) and refuses checkpoints and ``resume``, devices that are not
+    a multiple of D, a D that does not divide the batch and micro-batches that do not divide B / D;
     ``grid`` or ``groups`` without ``strategy: tiled``;
     ``partition`` with ``strategy: tiled`` (every device reads the whole
     batch); ``sync: fedavg`` without a ``partition`` (federated devices train on

@@ -160,3 +160,12 @@ def test_the_cli_refuses_a_bad_combination_in_one_line_before_any_device_starts(
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "not a multiple of pipeline_replicas 2" in lines[0], result.stderr
+
+
+def test_plan_says_it_does_not_model_replicas(tmp_path):
+    config = tmp_path / "hybrid.yaml"
+    config.write_text("strategy: pipeline\ndevices: 4\npipeline_replicas: 2\n")
+    result = run_cli("plan", "--config", str(config), "--strategy", "pipeline", "--output", str(tmp_path))
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "does not model pipeline replicas yet" in lines[0], result.stderr

@@ -1,4 +1,5 @@
-"""``--strategy pipeline``: the model's layers split into stages, one stage per device, micro-batched.
+"""``--strategy pipeline``: the model's layers split into stages, one stage per device, micro-batched; with
+``--pipeline-replicas D``, D such pipelines side by side whose stages all-reduce their gradients (hybrid).
 
 PyTorch's own engine runs it: ``torch.distributed.pipelining`` (a
 ``PipelineStage`` per device and a ``ScheduleGPipe`` or ``Schedule1F1B``),
@@ -9,8 +10,8 @@ split planner (``plan.split``: counted per-layer FLOPs and memory against
 each device's rated GFLOPS and memory limit), which rank 0 runs, prints and
 broadcasts. ``plan.stages.check_sequential`` has checked before any device
 started that the model can be cut between its layers. Every device receives the whole global batch (the first
-stage reads the images, the last the labels); the schedule cuts it into
-``--microbatches`` M equal micro-batches:
+stage reads the images, the last the labels; with replicas, its replica's batch: below); the schedule cuts
+it into ``--microbatches`` M equal micro-batches:
 
 - ``gpipe``: every micro-batch forward, then every backward; a stage holds
   the activations of all M micro-batches at once;
@@ -27,14 +28,47 @@ own statistics (``B/M`` samples, not ``B``) and updates its running
 statistics M times per step, as data parallelism with local BatchNorm does
 per device; ``--batchnorm sync`` is refused (one stage holds each layer).
 
+Hybrid, S stages x D replicas (``--pipeline-replicas D``, devices = S x D).
+Layout: device ``rank`` is stage ``s = rank % S`` of replica ``r = rank // S``;
+replica 0 is devices 0 .. S-1, the devices of a run without replicas. Every
+device creates one gloo group per replica (the pipeline's sends, given to
+``PipelineStage``) and one per stage (its D devices), in the same order.
+Data: the global batch ``B`` is cut into D shares of ``b = B / D``
+(``data_share``: the sampler's slices of one shuffled global batch, as data
+parallelism's), replica ``r`` reads share ``r`` and cuts it into M
+micro-batches. Maths: replica ``r``'s loss is ``sum(cross-entropy) / b`` over
+its share, so its summed micro-batch gradients ``g_r`` are those of its mean
+loss; after backward each device averages its stage's gradients over its D
+replicas (``allreduce_gradients``: ``comm.exchange.average``, the one
+compressed all-reduce every sync mode uses), ``mean(g_r) = (1/D) sum_r
+(1/b) sum_{i in r} grad l_i = (1/B) sum_i grad l_i``, the gradient of the
+mean loss over the global batch: with ``--compress none`` and no BatchNorm,
+S x D devices give one device's parameters (tests/train/test_pipeline_hybrid.py).
+Any of edgetrain's compressors applies there (``--compress``; PowerSGD, a DDP
+hook, is refused), with its error feedback kept per parameter name
+(``compress/memory.py``: sent + residual == what was fed, summed over the
+replicas, tested on 4 devices). Every replica of a stage applies the same
+decoded mean (an all-reduce's sum, or every payload decoded and combined in
+rank order, the same on every device) through the same optimizer from the
+same start, so the replicas stay bit-identical, lossy compressor or not;
+``finish`` checks it (a digest of each stage's parameters, all-gathered:
+``replicas_identical`` in the summary) before the gather takes replica 0's
+stages. BatchNorm running statistics are not all-reduced: each replica keeps
+its own, and the gathered model has replica 0's (as DDP broadcasts rank 0's).
+
 Accounting: the last stage scores the batch (loss, accuracy, samples); the
 other stages report zero samples, so sums over devices give the global
-batch. Bytes are what each stage hands to the schedule to send: its output
+batch (with replicas, each replica's last stage scores its share). Bytes are what each stage hands to the
+schedule to send: its output
 activation per micro-batch forwards (all stages but the last) and the
 gradient of its input backwards (all but the first), each the size of the
-tensor, fp32; received bytes the converse. ``comm_s`` is the step's time in
+tensor, fp32; received bytes the converse. With replicas, add the stage's
+all-reduce as ``exchange.average`` counts it: the compressor's packed payload
+times the ring's traffic (``ring_allreduce_bytes`` for a summable one,
+``ring_allgather_bytes`` otherwise). ``comm_s`` is the step's time in
 the schedule less this stage's forward and backward compute: waiting for
-sends, receives and the pipeline's bubble (``comm_busy_s`` is not measured).
+sends, receives and the pipeline's bubble (``comm_busy_s`` is not measured),
+plus the all-reduce's wall time.
 
 Building: the model arrives on the meta device (models/init.py, no
 storage); the split and the cut shapes are computed there (the planner costs
@@ -74,16 +108,28 @@ first activations and the last gradients) and the link time on the critical
 path both land in the virtual step time; the optimizer's step is added
 after the stage's last action. ``virtual_comm_s`` is the modelled time of the
 transfers a stage sends and receives (its link busy); the rest of its step
-beyond compute is waiting (``wait_s`` in the summary).
+beyond compute is waiting (``wait_s`` in the summary). With replicas, every
+device replays every replica's timeline (the actions are all-gathered over
+all devices); the stage's all-reduce starts when the last of its D devices
+is ready (its replica's timeline end for that stage, plus its encoding and
+decoding seconds, measured), lasts the collective's modelled time on the D
+devices' links (charged by ``exchange.average`` through the emulator), then
+the optimizer steps: the all-reduce never overlaps the pipeline (backward
+is over before the gradients are averaged), as data parallelism's
+blocking hooks assume too.
 
 Limits: from the first gather on (an evaluation, the end of the run) every
 device holds the whole model's weights, so the per-step peak memory shows
 the pooled saving only up to the first evaluation (the memory benchmark
-runs without); ``--compress`` and ``--sync`` are refused, and ``--link-mode
-enforced`` (nothing sleeps: the timeline above is the model); the
+runs without); ``--sync`` is refused, ``--compress`` without replicas (one
+pipeline has no all-reduce to compress), and ``--link-mode enforced``
+(nothing sleeps: the timeline above is the model); the
 broadcasts that gather the model for evaluation are not charged to the
-links (evaluation is not training); one stage per device (no stage
-replicas yet).
+links (evaluation is not training). With replicas: checkpoints during the
+run and ``--resume`` are refused (the error-feedback state is not saved
+yet); every replica gets the same split (``--stages auto`` plans stage s for
+the weakest of its D devices and each cut for the slowest of its D links,
+on a replica's batch ``B / D``); ``edgetrain plan`` does not model replicas.
 """
 from __future__ import annotations
 
