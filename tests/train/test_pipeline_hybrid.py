@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from edgetrain_testing import FAST, on_devices, run_cli
+from edgetrain_testing import FAST, on_devices
 from edgetrain import train
 from edgetrain.config import TrainConfig, resolve
 from edgetrain.errors import EdgetrainError
@@ -153,19 +153,3 @@ def test_hybrid_refuses_what_it_cannot_run(options, message):
 def test_replicas_need_strategy_pipeline():
     with pytest.raises(EdgetrainError, match="'pipeline_replicas' 2 needs strategy pipeline"):
         resolve(TrainConfig(pipeline_replicas=2, devices=2))
-
-
-def test_the_cli_refuses_a_bad_combination_in_one_line_before_any_device_starts():
-    result = run_cli("train", "--strategy", "pipeline", "--devices", "3", "--pipeline-replicas", "2")
-    assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "not a multiple of pipeline_replicas 2" in lines[0], result.stderr
-
-
-def test_plan_says_it_does_not_model_replicas(tmp_path):
-    config = tmp_path / "hybrid.yaml"
-    config.write_text("strategy: pipeline\ndevices: 4\npipeline_replicas: 2\n")
-    result = run_cli("plan", "--config", str(config), "--strategy", "pipeline", "--output", str(tmp_path))
-    assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "does not model pipeline replicas yet" in lines[0], result.stderr
