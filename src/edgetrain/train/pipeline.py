@@ -263,7 +263,7 @@ class Pipeline(Strategy):
         # so the gradient is the mean loss's over the global batch B = D x replica batch
         scale = 1.0 / self.replica_batch
 
-        def loss_fn(out, target):  # summed over micro-batches: the mean loss over the global batch
+        def loss_fn(out, target):  # summed over micro-batches: the mean loss over this replica's batch
             started = time.perf_counter()
             loss = F.cross_entropy(out, target, reduction="sum") * scale
             self.stage.actions[-1][2] += time.perf_counter() - started  # part of the forward just timed
