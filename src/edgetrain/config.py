@@ -430,9 +430,9 @@ def _resolve_pipeline(cfg: TrainConfig) -> PipelineSpec:
         raise EdgetrainError(f"config key 'devices' {cfg.devices} is not a multiple of pipeline_replicas {replicas} "
                              f"(devices = stages x replicas); set --devices to a multiple of {replicas}")
     if known and pipeline.stages is not None and cfg.devices != pipeline.stages * replicas:
-        per = "one per device" if replicas == 1 else f"x {replicas} replicas = {pipeline.stages * replicas} devices"
+        per = ", one per device" if replicas == 1 else f"; with {replicas} replicas that is {pipeline.stages * replicas}"
         raise EdgetrainError(f"config key 'devices' is {cfg.devices} but stages {cfg.stages} make {pipeline.stages} "
-                             f"stages, {per}; set --devices {pipeline.stages * replicas}")
+                             f"stages{per}; set --devices {pipeline.stages * replicas}")
     if replicas > 1 and (cfg.checkpoint_every or cfg.checkpoint_every_s or cfg.resume):
         raise EdgetrainError(f"checkpoints during the run (--checkpoint-every/--resume) are not supported with "
                              f"--pipeline-replicas {replicas} yet (each replica's error-feedback state is not saved); "
