@@ -26,6 +26,8 @@ def paths(tmp_path):
     p["binary"].write_bytes(b"\x80\x81\xfe binary \x00")
     p["badyaml"] = tmp_path / "bad.yaml"
     p["badyaml"].write_text("model: [unclosed\n")
+    p["hybrid"] = tmp_path / "hybrid.yaml"
+    p["hybrid"].write_text("strategy: pipeline\ndevices: 4\npipeline_replicas: 2\n")
     p["partial"] = tmp_path / "cifar-partial"
     p["partial"].mkdir()
     (p["partial"] / "data_batch_1").write_bytes(b"")
@@ -86,6 +88,10 @@ TRAIN = [
     (["--sync", "fedavg:1"], "--sync fedavg:1 trains each device on its own data, which needs a partition; add --partition"),
     (["--partition", "dirichlet:0"], "dirichlet alpha must be a finite number > 0"),
     (["--strategy", "pipeline", "--partition", "iid"], "config key 'partition' iid does not apply to strategy pipeline"),
+    (["--strategy", "pipeline", "--devices", "3", "--pipeline-replicas", "2"],
+     "config key 'devices' 3 is not a multiple of pipeline_replicas 2"),
+    (["--strategy", "pipeline", "--compress", "topk:0.01"], "(a single pipeline: nothing to all-reduce); add "
+                                                             "--pipeline-replicas D"),
     (["--dataset", "cifar10", "--data-dir", "{tmp}/nope"], "does not exist"),
     (["--dataset", "cifar10", "--data-dir", "{partial}"], "data_batch_2, data_batch_3, data_batch_4, data_batch_5, "
                                                           "test_batch are missing"),
@@ -125,6 +131,7 @@ OTHERS = [
     (["plan", "--stragglers", "0.1:nan"], "the slowdown >= 1 (finite)"),
     (["plan", "--output", "{file}"], "exists and is not one"),
     (["plan", "--lr", "0.1"], "unrecognized arguments: --lr 0.1"),
+    (["plan", "--config", "{hybrid}", "--strategy", "pipeline"], "edgetrain plan does not model pipeline replicas yet"),
     (["report"], "the following arguments are required: RUN_DIR"),
     (["report", "{empty}"], "summary.json lacks key 'per_device'"),
     (["report", "{listrun}"], "summary.json must hold a JSON object, not a list"),

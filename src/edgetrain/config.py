@@ -113,6 +113,9 @@ class TrainConfig:
     pipeline_schedule: str = _opt("gpipe", "pipeline schedule for --strategy pipeline: gpipe (all forwards, then all "
                                   "backwards) or 1f1b (one forward, one backward: fewer activations held)",
                                   choices=PIPELINE_SCHEDULES)
+    pipeline_replicas: int = _opt(1, "--strategy pipeline: D pipelines side by side (devices = stages x D), each on "
+                                  "1/D of the global batch, each stage's gradients all-reduced among its D devices "
+                                  "through --compress", minimum=1)
 
     # run control and output
     eval: bool = _opt(True, "evaluate on the test set after every epoch")
@@ -291,19 +294,32 @@ def resolve(cfg: TrainConfig) -> RunSpec:
     # their bytes and charge them to the link emulation), not edgetrain's compressors or sync modes.
     own_exchanges = {"fsdp": "parameter all-gathers and gradient reduce-scatters",
                      "pipeline": "activation and gradient sends between stages"}
+    # A hybrid pipeline (--pipeline-replicas D > 1) all-reduces each stage's gradients among its D replicas
+    # through edgetrain's compressors (comm/exchange.py): --compress applies there, and only there.
+    hybrid = cfg.strategy == "pipeline" and cfg.pipeline_replicas > 1
     if cfg.strategy in own_exchanges:
-        for key, text, ignored in (("compress", compress.text, compress.method != "none"),
+        for key, text, ignored in (("compress", compress.text, compress.method != "none" and not hybrid),
                                    ("sync", sync.text, sync.mode != "sync")):
             if ignored:
+                fix = (" (a single pipeline: nothing to all-reduce); add --pipeline-replicas D for D pipelines "
+                       "whose stages all-reduce their gradients compressed, drop --compress"
+                       if key == "compress" and cfg.strategy == "pipeline" else "; drop --" + key)
                 raise EdgetrainError(f"config key '{key}' {text} does not apply to strategy {cfg.strategy}, whose "
-                                     f"{own_exchanges[cfg.strategy]} are uncompressed and synchronous; "
-                                     f"drop --{key} or use --strategy ddp")
+                                     f"{own_exchanges[cfg.strategy]} are uncompressed and synchronous{fix} "
+                                     f"or use --strategy ddp")
+    if hybrid and compress.is_powersgd:
+        raise EdgetrainError("config key 'compress' powersgd is a DDP gradient hook, which a pipeline's replicas do "
+                             "not use; with --pipeline-replicas use topk, randk, sign, threshold, int8, qsgd, fp16 or "
+                             "bf16")
     if cfg.strategy == "pipeline" and cfg.link_mode == "enforced":
         raise EdgetrainError("link mode enforced does not apply to strategy pipeline, whose sends are charged on a "
                              "timeline of micro-batches (train/pipeline.py); use --link-mode virtual")
     pipeline = _resolve_pipeline(cfg) if cfg.strategy == "pipeline" else None
     if pipeline is None and cfg.stages != "auto":
         raise EdgetrainError(f"config key 'stages' {cfg.stages} needs strategy pipeline (--strategy pipeline)")
+    if pipeline is None and cfg.pipeline_replicas != 1:
+        raise EdgetrainError(f"config key 'pipeline_replicas' {cfg.pipeline_replicas} needs strategy pipeline "
+                             f"(--strategy pipeline); for data parallelism alone use --strategy ddp")
     tiling = None
     if cfg.strategy == "tiled":
         # Tiled training's exchanges (halos, the hand-off, gradients) run uncompressed, every step, on
@@ -394,18 +410,33 @@ def _resolve_min_devices(cfg: TrainConfig, sync, partition, faults) -> int | Non
 
 
 def _resolve_pipeline(cfg: TrainConfig) -> PipelineSpec:
+    replicas = cfg.pipeline_replicas
     pipeline = PipelineSpec(parse_stages(cfg.stages), cfg.microbatches, cfg.pipeline_schedule,
-                            planned=cfg.stages.strip().lower() == "auto")
+                            planned=cfg.stages.strip().lower() == "auto", replicas=replicas)
     if cfg.batchnorm == "sync":
         raise EdgetrainError("config key 'batchnorm' sync does not apply to strategy pipeline: each BatchNorm lives "
                              "on one stage and normalises each micro-batch; use --batchnorm local")
-    if cfg.batch_size % cfg.microbatches:
-        raise EdgetrainError(f"config key 'microbatches' {cfg.microbatches} does not divide batch_size "
-                             f"{cfg.batch_size}; pick a divisor of it")
-    if (pipeline.stages is not None and not cfg.cluster and "WORLD_SIZE" not in os.environ
-            and cfg.devices != pipeline.stages):
+    if cfg.batch_size % replicas:
+        raise EdgetrainError(f"config key 'pipeline_replicas' {replicas} does not divide batch_size {cfg.batch_size} "
+                             f"(each replica trains on batch_size / {replicas}); pick a divisor of it")
+    per_replica = cfg.batch_size // replicas
+    if per_replica % cfg.microbatches:
+        of = f"batch_size {cfg.batch_size}" if replicas == 1 else f"a replica's batch {per_replica} (batch_size / " \
+                                                                   f"pipeline_replicas)"
+        raise EdgetrainError(f"config key 'microbatches' {cfg.microbatches} does not divide {of}; pick a divisor "
+                             f"of it")
+    known = not cfg.cluster and "WORLD_SIZE" not in os.environ  # else the devices check it, knowing their number
+    if known and cfg.devices % replicas:
+        raise EdgetrainError(f"config key 'devices' {cfg.devices} is not a multiple of pipeline_replicas {replicas} "
+                             f"(devices = stages x replicas); set --devices to a multiple of {replicas}")
+    if known and pipeline.stages is not None and cfg.devices != pipeline.stages * replicas:
+        per = ", one per device" if replicas == 1 else f"; with {replicas} replicas that is {pipeline.stages * replicas}"
         raise EdgetrainError(f"config key 'devices' is {cfg.devices} but stages {cfg.stages} make {pipeline.stages} "
-                             f"stages, one per device; set --devices {pipeline.stages}")
+                             f"stages{per}; set --devices {pipeline.stages * replicas}")
+    if replicas > 1 and (cfg.checkpoint_every or cfg.checkpoint_every_s or cfg.resume):
+        raise EdgetrainError(f"checkpoints during the run (--checkpoint-every/--resume) are not supported with "
+                             f"--pipeline-replicas {replicas} yet (each replica's error-feedback state is not saved); "
+                             f"drop them or use --pipeline-replicas 1")
     return pipeline
 
 

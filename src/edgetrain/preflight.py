@@ -54,7 +54,7 @@ def check_before_launch(cfg: TrainConfig, spec: RunSpec, model: Any = None) -> N
     if spec.pipeline is not None:
         check_sequential(model, torch.randn(2, channels, height, width), f"model {cfg.model}")
         if not cfg.cluster and "WORLD_SIZE" not in os.environ:  # else the devices check it, knowing their number
-            stage_bounds(spec.pipeline, pipeline_layers(model), cfg.devices)
+            stage_bounds(spec.pipeline, pipeline_layers(model), cfg.devices // spec.pipeline.replicas)
 
 
 def check_data(cfg: TrainConfig) -> None:

@@ -64,7 +64,8 @@ e.g. ``20mbit:5ms:jitter=1ms:loss=0.01``; a cluster file may give a mapping.
 What a ``Link`` costs in time is ``cluster.links``' model, not parsing.
 
 ``--stages auto|even|S1,S2,...`` (planned, even, or the layers at which
-pipeline stages 1, 2, ... start), ``--microbatches M`` and ``--pipeline-schedule gpipe|1f1b`` make a
+pipeline stages 1, 2, ... start), ``--microbatches M``, ``--pipeline-schedule gpipe|1f1b`` and
+``--pipeline-replicas D`` (D pipelines of S stages each, devices = S x D) make a
 ``PipelineSpec``; whether the model can be cut there is checked on the model
 (``plan.stages``).
 
@@ -614,12 +615,16 @@ class PipelineSpec:
 
     ``starts`` are layer indices (the model's layers in forward order, ``plan.stages.pipeline_layers``):
     ``--stages 4,8`` gives stage 0 the layers 0-3, stage 1 the layers 4-7 and stage 2 the rest.
+    ``replicas`` D > 1 runs D such pipelines side by side (hybrid: devices = stages x D, device ``rank`` is
+    stage ``rank % S`` of replica ``rank // S``), each on ``B / D`` of the global batch, the D devices of a
+    stage all-reducing its gradients through ``--compress`` (train/pipeline.py).
     """
 
     starts: tuple[int, ...] | None
     microbatches: int
     schedule: str               # PIPELINE_SCHEDULES
     planned: bool = False       # --stages auto: the split planner (plan.split) chooses ``starts`` on the devices
+    replicas: int = 1           # --pipeline-replicas: pipelines side by side, each stage's gradients all-reduced
 
     @property
     def stages(self) -> int | None:
@@ -793,9 +798,11 @@ class RunSpec:
     than ``sync``; DGC with optimizer momentum (applied twice); with
     ``strategy: tiled`` any ``compress``, ``sync`` or ``link`` (tiled training
     exchanges halos, feature maps and gradients uncompressed and unemulated,
-    step by step); with ``strategy: fsdp`` or ``pipeline`` the same three (PyTorch's own
-    collectives, counted but not compressed or emulated), a ``partition`` with
-    ``pipeline`` and checkpoints or ``resume`` with either (not supported yet);
+    step by step); with ``strategy: fsdp`` or ``pipeline`` a ``compress`` or ``sync``
+    (PyTorch's own collectives, counted but not compressed), ``link_mode: enforced`` with
+    ``pipeline``, a ``partition`` with ``pipeline``; ``pipeline_replicas`` D > 1 (hybrid) takes a
+    ``compress`` (PowerSGD excepted) and refuses checkpoints and ``resume``, devices that are not
+    a multiple of D, a D that does not divide the batch and micro-batches that do not divide B / D;
     ``grid`` or ``groups`` without ``strategy: tiled``;
     ``partition`` with ``strategy: tiled`` (every device reads the whole
     batch); ``sync: fedavg`` without a ``partition`` (federated devices train on

@@ -122,6 +122,11 @@ class LinkEmulator:
         self.end(started, [(kind, bytes_sent)], peers, bytes_recv)
         return result
 
+    def step_charged(self) -> tuple[float, float]:
+        """(real seconds blocked in exchanges, modelled seconds charged) in this step so far: for a strategy that
+        works out its own step's clock from several exchanges (a hybrid pipeline, train/pipeline.py)."""
+        return self._blocked, self._model
+
     def blocked(self, seconds: float) -> None:
         """Real time spent waiting on communication outside ``run`` (e.g. an async wait)."""
         self._blocked += seconds

@@ -107,6 +107,14 @@ def parse_stragglers(text: str) -> tuple[float, float]:
 
 
 def run(args: argparse.Namespace) -> int:
+    overrides = {k: v for k, v in vars(args).items() if k in PLAN_FIELDS}
+    cfg = load_config(args.config, **overrides)
+    if cfg.pipeline_replicas != 1:  # a config file's: the option itself is not one of plan's
+        raise EdgetrainError(f"config key 'pipeline_replicas' {cfg.pipeline_replicas}: edgetrain plan does not model "
+                             f"pipeline replicas yet (it plans one pipeline over the devices); drop it from the "
+                             f"config file to plan one pipeline")
+    check_output_dir(cfg.output, "config key 'output'")
+    # imported after the config's own checks, so that they answer before torch loads
     from edgetrain.plan.config import plan_inputs, predict_inputs
     from edgetrain.plan.report import (console, device_groups, plot_scaling, print_prediction, print_scaling,
                                        print_simulation, print_strategies)
@@ -114,9 +122,6 @@ def run(args: argparse.Namespace) -> int:
     from edgetrain.plan.strategies import compare
     from edgetrain.report.files import new_run_dir, write_json
 
-    overrides = {k: v for k, v in vars(args).items() if k in PLAN_FIELDS}
-    cfg = load_config(args.config, **overrides)
-    check_output_dir(cfg.output, "config key 'output'")
     straggler_prob, straggler_factor = parse_stragglers(args.stragglers)
     counts = parse_scale(args.scale) if args.scale else None
     strategies = PLAN_STRATEGIES[args.strategy]

@@ -414,8 +414,7 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
     strategy.setup(model)
 
     train_set, sampler, partition = build_training_data(data, at.me, spec.partition,
-                                                        local_batches if strategy.shard_data else [cfg.batch_size],
-                                                        rank if strategy.shard_data else 0, spec.seed)
+                                                        *strategy.data_share(local_batches), spec.seed)
     if partition is not None and rank == 0:
         print(partition.describe(), flush=True)
     if len(sampler) == 0:

@@ -1,4 +1,5 @@
-"""``--strategy pipeline``: the model's layers split into stages, one stage per device, micro-batched.
+"""``--strategy pipeline``: the model's layers split into stages, one stage per device, micro-batched; with
+``--pipeline-replicas D``, D such pipelines side by side whose stages all-reduce their gradients (hybrid).
 
 PyTorch's own engine runs it: ``torch.distributed.pipelining`` (a
 ``PipelineStage`` per device and a ``ScheduleGPipe`` or ``Schedule1F1B``),
@@ -9,8 +10,8 @@ split planner (``plan.split``: counted per-layer FLOPs and memory against
 each device's rated GFLOPS and memory limit), which rank 0 runs, prints and
 broadcasts. ``plan.stages.check_sequential`` has checked before any device
 started that the model can be cut between its layers. Every device receives the whole global batch (the first
-stage reads the images, the last the labels); the schedule cuts it into
-``--microbatches`` M equal micro-batches:
+stage reads the images, the last the labels; with replicas, its replica's batch: below); the schedule cuts
+it into ``--microbatches`` M equal micro-batches:
 
 - ``gpipe``: every micro-batch forward, then every backward; a stage holds
   the activations of all M micro-batches at once;
@@ -27,14 +28,47 @@ own statistics (``B/M`` samples, not ``B``) and updates its running
 statistics M times per step, as data parallelism with local BatchNorm does
 per device; ``--batchnorm sync`` is refused (one stage holds each layer).
 
+Hybrid, S stages x D replicas (``--pipeline-replicas D``, devices = S x D).
+Layout: device ``rank`` is stage ``s = rank % S`` of replica ``r = rank // S``;
+replica 0 is devices 0 .. S-1, the devices of a run without replicas. Every
+device creates one gloo group per replica (the pipeline's sends, given to
+``PipelineStage``) and one per stage (its D devices), in the same order.
+Data: the global batch ``B`` is cut into D shares of ``b = B / D``
+(``data_share``: the sampler's slices of one shuffled global batch, as data
+parallelism's), replica ``r`` reads share ``r`` and cuts it into M
+micro-batches. Maths: replica ``r``'s loss is ``sum(cross-entropy) / b`` over
+its share, so its summed micro-batch gradients ``g_r`` are those of its mean
+loss; after backward each device averages its stage's gradients over its D
+replicas (``allreduce_gradients``: ``comm.exchange.average``, the one
+compressed all-reduce every sync mode uses), ``mean(g_r) = (1/D) sum_r
+(1/b) sum_{i in r} grad l_i = (1/B) sum_i grad l_i``, the gradient of the
+mean loss over the global batch: with ``--compress none`` and no BatchNorm,
+S x D devices give one device's parameters (tests/train/test_pipeline_hybrid.py).
+Any of edgetrain's compressors applies there (``--compress``; PowerSGD, a DDP
+hook, is refused), with its error feedback kept per parameter name
+(``compress/memory.py``: sent + residual == what was fed, summed over the
+replicas, tested on 4 devices). Every replica of a stage applies the same
+decoded mean (an all-reduce's sum, or every payload decoded and combined in
+rank order, the same on every device) through the same optimizer from the
+same start, so the replicas stay bit-identical, lossy compressor or not;
+``finish`` checks it (a digest of each stage's parameters, all-gathered:
+``replicas_identical`` in the summary) before the gather takes replica 0's
+stages. BatchNorm running statistics are not all-reduced: each replica keeps
+its own, and the gathered model has replica 0's (as DDP broadcasts rank 0's).
+
 Accounting: the last stage scores the batch (loss, accuracy, samples); the
 other stages report zero samples, so sums over devices give the global
-batch. Bytes are what each stage hands to the schedule to send: its output
+batch (with replicas, each replica's last stage scores its share). Bytes are what each stage hands to the
+schedule to send: its output
 activation per micro-batch forwards (all stages but the last) and the
 gradient of its input backwards (all but the first), each the size of the
-tensor, fp32; received bytes the converse. ``comm_s`` is the step's time in
+tensor, fp32; received bytes the converse. With replicas, add the stage's
+all-reduce as ``exchange.average`` counts it: the compressor's packed payload
+times the ring's traffic (``ring_allreduce_bytes`` for a summable one,
+``ring_allgather_bytes`` otherwise). ``comm_s`` is the step's time in
 the schedule less this stage's forward and backward compute: waiting for
-sends, receives and the pipeline's bubble (``comm_busy_s`` is not measured).
+sends, receives and the pipeline's bubble (``comm_busy_s`` is not measured),
+plus the all-reduce's wall time.
 
 Building: the model arrives on the meta device (models/init.py, no
 storage); the split and the cut shapes are computed there (the planner costs
@@ -74,20 +108,34 @@ first activations and the last gradients) and the link time on the critical
 path both land in the virtual step time; the optimizer's step is added
 after the stage's last action. ``virtual_comm_s`` is the modelled time of the
 transfers a stage sends and receives (its link busy); the rest of its step
-beyond compute is waiting (``wait_s`` in the summary).
+beyond compute is waiting (``wait_s`` in the summary). With replicas, every
+device replays every replica's timeline (the actions are all-gathered over
+all devices); the stage's all-reduce starts when the last of its D devices
+is ready (its replica's timeline end for that stage, plus its encoding and
+decoding seconds, measured), lasts the collective's modelled time on the D
+devices' links (charged by ``exchange.average`` through the emulator), then
+the optimizer steps: the all-reduce never overlaps the pipeline (backward
+is over before the gradients are averaged), as data parallelism's
+blocking hooks assume too.
 
 Limits: from the first gather on (an evaluation, the end of the run) every
 device holds the whole model's weights, so the per-step peak memory shows
 the pooled saving only up to the first evaluation (the memory benchmark
-runs without); ``--compress`` and ``--sync`` are refused, and ``--link-mode
-enforced`` (nothing sleeps: the timeline above is the model); the
+runs without); ``--sync`` is refused, ``--compress`` without replicas (one
+pipeline has no all-reduce to compress), and ``--link-mode enforced``
+(nothing sleeps: the timeline above is the model); the
 broadcasts that gather the model for evaluation are not charged to the
-links (evaluation is not training); one stage per device (no stage
-replicas yet).
+links (evaluation is not training). With replicas: checkpoints during the
+run and ``--resume`` are refused (the error-feedback state is not saved
+yet); every replica gets the same split (``--stages auto`` plans stage s for
+the weakest of its D devices and each cut for the slowest of its D links,
+on a replica's batch ``B / D``); ``edgetrain plan`` does not model replicas.
 """
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
+import hashlib
 import time
 
 import torch
@@ -96,13 +144,18 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from edgetrain.cluster.peers import all_gather_json
 from edgetrain.cluster.profiles import plan_devices
 from edgetrain.comm import device_clock
+from edgetrain.comm.compress.spec import build_compressor
+from edgetrain.comm.exchange import average
+from edgetrain.errors import EdgetrainError
 from edgetrain.models.init import META, is_meta, materialise
 from edgetrain.plan.model import device_gflops, device_links, idle_process_mb
 from edgetrain.plan.split import StageDevice, layer_costs, p2p_seconds, plan_split
 from edgetrain.plan.stages import (BACKWARD, FORWARD, describe_stages, pipeline_layers, pipeline_timeline,
                                    stage_bounds)
+from edgetrain.spec import get_link
 from edgetrain.train.fsdp import clock_summary
 from edgetrain.train.strategy import STRATEGIES, StepResult, Strategy
 
@@ -140,7 +193,20 @@ class Pipeline(Strategy):
     """The model's layers in stages over the devices (``torch.distributed.pipelining``)."""
 
     name = "pipeline"
-    shard_data = False  # every stage gets the whole global batch; the schedule cuts it into micro-batches
+    shard_data = False  # every stage gets its replica's whole batch; the schedule cuts it into micro-batches
+
+    def data_share(self, local_batches: list[int]) -> tuple[list[int], int]:
+        # the global batch is cut into one share per replica: every stage of replica r reads share r
+        replicas = self.context.spec.pipeline.replicas
+        return [self.context.cfg.batch_size // replicas] * replicas, self.context.rank // self._stages()
+
+    def _stages(self) -> int:
+        """S, the stages of one pipeline: the devices over the replicas (one line if they do not divide)."""
+        c, replicas = self.context, self.context.spec.pipeline.replicas
+        if c.world % replicas:
+            raise EdgetrainError(f"the run has {c.world} devices, not a multiple of pipeline_replicas {replicas} "
+                                 f"(devices = stages x replicas); use a multiple of {replicas} devices")
+        return c.world // replicas
 
     @property
     def calibration_batch(self) -> None:
@@ -159,27 +225,45 @@ class Pipeline(Strategy):
         self.whole = model
         self.layers = pipeline_layers(model)
         self.plan: list[str] = []
+        # Rank layout: replica r is the pipeline of devices r*S .. r*S+S-1, so device rank is stage rank % S of
+        # replica rank // S (replica 0 is the devices of a run without replicas, and its stage s is device s).
+        self.replicas, self.stages = pipeline.replicas, self._stages()
+        self.stage_index, self.replica = c.rank % self.stages, c.rank // self.stages
+        self.replica_batch = c.cfg.batch_size // self.replicas
+        self.pipe_group = self.stage_group = None  # None: the default group (one pipeline, no all-reduce)
+        if self.replicas > 1:
+            self._make_groups()
         if pipeline.planned:
             pipeline = dataclasses.replace(pipeline, starts=self._planned_starts())
-        self.bounds = stage_bounds(pipeline, self.layers, c.world)
-        first, end = self.bounds[c.rank]
-        stage_input, stage_output = self._boundary_examples(first, end, c.cfg.batch_size // pipeline.microbatches)
+        self.bounds = stage_bounds(pipeline, self.layers, self.stages)
+        first, end = self.bounds[self.stage_index]
+        stage_input, stage_output = self._boundary_examples(first, end, self.replica_batch // pipeline.microbatches)
         mine = [name for name, _ in self.layers[first:end]]
         # this stage's layers only; the others stay on meta until an evaluation gathers them
         materialise(model, c.spec.seed, c.device, keep=lambda name: any(name == layer or name.startswith(layer + ".")
                                                                          for layer in mine))
         self.stage_module = nn.Sequential(*(layer for _, layer in self.layers[first:end]))
-        self.is_first, self.is_last = c.rank == 0, c.rank == c.world - 1
+        self.is_first, self.is_last = self.stage_index == 0, self.stage_index == self.stages - 1
         self.sent = self.received = 0
         self.stage_module.register_forward_hook(self._count_bytes)
-        self.stage = TimedStage(self.stage_module, c.rank, c.world, c.device,
-                                input_args=stage_input, output_args=stage_output)
+        self.stage = TimedStage(self.stage_module, self.stage_index, self.stages, c.device,
+                                input_args=stage_input, output_args=stage_output, group=self.pipe_group)
         self.stage.actions = []
         self.output_bytes = 0 if self.is_last else _nbytes(stage_output)  # one micro-batch's activation
         self.clock = device_clock(self.whole, c.spec, c.rank, c.world, c.stats, c.link, "pipeline")
-        scale = 1.0 / c.cfg.batch_size
+        if self.replicas > 1:
+            # error feedback keyed per parameter name (compress/memory.py); a shared seed: random-k draws the
+            # same indices on every replica of the stage
+            link = get_link(c.link) if c.link is not None else c.spec.link
+            self.compressor, self.memory = build_compressor(c.spec.compress, link, c.spec.seed, c.rank)
+            self.param_names = tuple(name for name, _ in self.stage_module.named_parameters())
+        self.exchange = (0.0, 0.0)  # this step's all-reduce: (seconds computing: encode, decode; modelled link s)
+        self.replicas_identical: bool | None = None
+        # each replica's loss is its own batch's sum / its batch; the all-reduce averages over the D replicas,
+        # so the gradient is the mean loss's over the global batch B = D x replica batch
+        scale = 1.0 / self.replica_batch
 
-        def loss_fn(out, target):  # summed over micro-batches: the mean loss over the global batch
+        def loss_fn(out, target):  # summed over micro-batches: the mean loss over this replica's batch
             started = time.perf_counter()
             loss = F.cross_entropy(out, target, reduction="sum") * scale
             self.stage.actions[-1][2] += time.perf_counter() - started  # part of the forward just timed
@@ -190,21 +274,46 @@ class Pipeline(Strategy):
         self.stale = True  # whether other stages' layers changed (or were never had) since this device last gathered them
         self.finished = False
 
+    def _make_groups(self) -> None:
+        """One gloo group per replica (its pipeline's sends) and one per stage (its D devices' all-reduce).
+
+        Every device creates every group, in the same order, as ``dist.new_group`` requires."""
+        c, stages, replicas = self.context, self.stages, self.replicas
+        timeout = dt.timedelta(seconds=c.spec.timeout_s)
+        for r in range(replicas):
+            group = dist.new_group([r * stages + s for s in range(stages)], backend="gloo", timeout=timeout)
+            if r == self.replica:
+                self.pipe_group = group
+        for s in range(stages):
+            group = dist.new_group([r * stages + s for r in range(replicas)], backend="gloo", timeout=timeout)
+            if s == self.stage_index:
+                self.stage_group = group
+        self.stage_ranks = [r * stages + self.stage_index for r in range(replicas)]
+
     def _planned_starts(self) -> tuple[int, ...]:
-        """Rank 0 plans the split (plan.split) and prints why; every device receives the same stage starts."""
-        c = self.context
-        starts = torch.zeros(c.world - 1, dtype=torch.int64)
+        """Rank 0 plans the split (plan.split) and prints why; every device receives the same stage starts.
+
+        With replicas, every pipeline gets the same split: stage s is planned for the weakest of its D devices
+        (least GFLOPS, memory and memory bandwidth) and each cut for the slowest of the D links across it, on a
+        replica's batch (B / D)."""
+        c, S, D = self.context, self.stages, self.replicas
+        starts = torch.zeros(S - 1, dtype=torch.int64)
         if c.rank == 0:
             cfg = c.cfg
             specs = plan_devices(cfg, c.world)
-            devices = [StageDevice(d.label, device_gflops(d.profile)[0], d.profile.memory_mb, d.profile.memory_gbps)
-                       for d in specs]
+            devices = []
+            for s in range(S):
+                mine = [specs[r * S + s] for r in range(D)]
+                rated = [(device_gflops(d.profile)[0], d.profile.memory_mb, d.profile.memory_gbps) for d in mine]
+                devices.append(StageDevice(" / ".join(d.label for d in mine), min(g for g, _, _ in rated),
+                                           _least(m for _, m, _ in rated), _least(b for _, _, b in rated)))
             links = device_links(specs)  # what the run's link emulator charges, as edgetrain plan models it
             copies = 2 if cfg.optimizer == "adam" else int(cfg.momentum > 0)
-            plan = plan_split(layer_costs(self.layers, c.input_shape), devices, cfg.batch_size,
+            plan = plan_split(layer_costs(self.layers, c.input_shape), devices, self.replica_batch,
                               c.spec.pipeline.microbatches, c.spec.pipeline.schedule, copies,
                               fixed_mb=idle_process_mb(), what=f"model {cfg.model}",
-                              transfer_s=lambda s, nbytes: p2p_seconds(links, s - 1, s, nbytes))
+                              transfer_s=lambda s, nbytes: max(p2p_seconds(links, r * S + s - 1, r * S + s, nbytes)
+                                                               for r in range(D)))
             self.plan = plan.explain()
             print("pipeline stages planned (plan/split.py):\n  " + "\n  ".join(self.plan), flush=True)
             starts = torch.tensor(plan.starts, dtype=torch.int64)
@@ -257,13 +366,30 @@ class Pipeline(Strategy):
         ended = time.perf_counter()
         comm_s = max(0.0, ended - started - (self.stage.compute_s - compute))
         c.stats.record(self.sent - sent, self.received - received, 0, comm_s)
+        if self.replicas > 1:
+            comm_s += self._allreduce_gradients()
+        optimizer_started = time.perf_counter()
         optimizer.step()
         self.stale = True
-        metrics = {"comm_busy_s": None, **self._close_step(time.perf_counter() - ended)}
+        metrics = {"comm_busy_s": None, **self._close_step(time.perf_counter() - optimizer_started)}
         if not self.is_last:
             return StepResult(0.0, 0, 0, comm_s, metrics)
-        loss_sum = float(sum(loss.item() for loss in losses)) * c.cfg.batch_size
+        loss_sum = float(sum(loss.item() for loss in losses)) * self.replica_batch
         return StepResult(loss_sum, int((out.detach().argmax(1) == y).sum()), len(y), comm_s, metrics)
+
+    def _allreduce_gradients(self) -> float:
+        """This stage's gradients averaged over its D replicas (``allreduce_gradients``); the exchange's compute
+        and modelled link seconds kept for the step's clock; returns the seconds it took."""
+        emulator = self.clock.emulator
+        blocked, modelled = emulator.step_charged()
+        started = time.perf_counter()
+        allreduce_gradients(list(self.stage_module.parameters()), self.param_names, self.compressor, self.memory,
+                            emulator, self.stage_group, self.stage_ranks)
+        seconds = time.perf_counter() - started
+        blocked_now, modelled_now = emulator.step_charged()
+        # encoding and decoding is this device's compute; the collective itself is charged as modelled link time
+        self.exchange = (max(0.0, seconds - (blocked_now - blocked)), modelled_now - modelled)
+        return seconds
 
     def _close_step(self, optimizer_s: float) -> dict:
         """The device clock after this step: host time without links, else the timeline's (module docstring)."""
@@ -271,21 +397,31 @@ class Pipeline(Strategy):
         if not emulator.virtual:
             step = emulator.finish_step()
         else:
-            mine = torch.tensor([emulator.virtual_s, optimizer_s, self.output_bytes,
+            exchange_compute, exchange_model = self.exchange
+            mine = torch.tensor([emulator.virtual_s, optimizer_s, self.output_bytes, exchange_compute,
                                  *(v for action in self.stage.actions for v in action)], dtype=torch.float64)
             everyone = [torch.empty_like(mine) for _ in range(self.context.world)]
             dist.all_gather(everyone, mine)  # the same length everywhere: 2 M actions per stage
-            starts, optimizer_seconds, output_bytes = ([float(t[i]) for t in everyone] for i in range(3))
-            actions = [[(int(a[0]), int(a[1]), float(a[2])) for a in t[3:].view(-1, 3)] for t in everyone]
+            starts, optimizer_seconds, output_bytes, exchange_s = ([float(t[i]) for t in everyone] for i in range(4))
+            actions = [[(int(a[0]), int(a[1]), float(a[2])) for a in t[4:].view(-1, 3)] for t in everyone]
+            S, s, rank = self.stages, self.stage_index, self.context.rank
+            ready = []  # per replica: when its device of this stage is ready to all-reduce (or, alone, done)
+            for r in range(self.replicas):  # every device replays every replica's timeline: the same jitter draws
+                ranks = [r * S + i for i in range(S)]
 
-            def transfer_s(kind: int, sender: int, receiver: int) -> float:
-                nbytes = output_bytes[min(sender, receiver)]  # the activation at the cut, or its gradient
-                return emulator.model_time("p2p", int(nbytes), peers=[sender, receiver])
+                def transfer_s(kind: int, sender: int, receiver: int, ranks=ranks) -> float:
+                    nbytes = output_bytes[ranks[min(sender, receiver)]]  # the activation at the cut, or its gradient
+                    return emulator.model_time("p2p", int(nbytes), peers=[ranks[sender], ranks[receiver]])
 
-            ends, link_s = pipeline_timeline(starts, actions, transfer_s)
-            rank = self.context.rank
-            step = emulator.close_step_at(ends[rank] + optimizer_seconds[rank],
-                                          sum(a[2] for a in actions[rank]) + optimizer_seconds[rank], link_s[rank])
+                ends, link_s = pipeline_timeline([starts[g] for g in ranks], [actions[g] for g in ranks], transfer_s)
+                ready.append(ends[s] + exchange_s[ranks[s]])
+                if r == self.replica:
+                    my_link_s = link_s[s]
+            # the all-reduce among the stage's replicas starts when the last of them is ready (none: no wait),
+            # lasts its modelled time, then the optimizer steps
+            step = emulator.close_step_at(max(ready) + exchange_model + optimizer_seconds[rank],
+                                          sum(a[2] for a in actions[rank]) + exchange_compute + optimizer_seconds[rank],
+                                          my_link_s + exchange_model)
         return {"virtual_s": step["virtual_s"], "virtual_compute_s": step["compute_s"],
                 "virtual_comm_s": step["comm_model_s"]}
 
@@ -302,8 +438,22 @@ class Pipeline(Strategy):
         self.stale = False
 
     def finish(self) -> None:
+        if self.replicas > 1 and self.replicas_identical is None:
+            self.replicas_identical = self._replicas_agree()
         self.gather()
         self.clock.finish()
+
+    def _replicas_agree(self) -> bool:
+        """Whether every stage's D replicas hold bit-identical parameters (every device: one all-gather).
+
+        They should: each applies the same averaged gradient (the all-reduce's decoded mean is computed the same
+        way on every replica) through the same optimizer from the same start. The gather for evaluation takes
+        replica 0's stages, so a difference would otherwise go unseen."""
+        digest = hashlib.sha256()
+        for p in self.stage_module.parameters():
+            digest.update(p.detach().cpu().contiguous().numpy().tobytes())
+        everyone = all_gather_json([self.stage_index, digest.hexdigest()])
+        return all(len({d for s, d in everyone if s == stage}) == 1 for stage in range(self.stages))
 
     @property
     def eval_model(self) -> nn.Module:
@@ -322,9 +472,32 @@ class Pipeline(Strategy):
 
     def summary(self) -> dict:
         p = self.context.spec.pipeline
+        hybrid = {} if self.replicas == 1 else {
+            "compress": self.context.spec.compress.text, "replica_batch": self.replica_batch,
+            "layout": "device rank = replica x stages + stage", "replicas_identical": self.replicas_identical}
         return {**clock_summary(self.clock), "sync": "pipeline",
-                "pipeline": {"schedule": p.schedule, "microbatches": p.microbatches,
-                             "stages": describe_stages(self.layers, self.bounds), "plan": self.plan}}
+                "pipeline": {"schedule": p.schedule, "microbatches": p.microbatches, "replicas": self.replicas,
+                             "stages": describe_stages(self.layers, self.bounds), "plan": self.plan, **hybrid}}
+
+
+def allreduce_gradients(params: list[nn.Parameter], names: tuple[str, ...], compressor, memory, emulator, group,
+                        peers: list[int]) -> None:
+    """Replace each parameter's gradient by its mean over ``group`` (a stage's replicas; ``peers`` their global
+    ranks) through ``comm.exchange.average``: the run's compressor, error feedback kept per parameter name,
+    bytes counted and the collective charged to ``emulator``. Every device of the group gets the same mean."""
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params])
+    mean = average(flat, compressor, memory, emulator, key="gradients", group=group,
+                   segments=tuple(p.numel() for p in params), names=names, peers=peers)
+    offset = 0
+    for p in params:
+        p.grad = mean[offset:offset + p.numel()].view_as(p).to(p.dtype)
+        offset += p.numel()
+
+
+def _least(values):
+    """The smallest of the values that are given (None: no limit, or not rated), else None."""
+    given = [v for v in values if v is not None]
+    return min(given) if given else None
 
 
 class _GatheredForEvaluation(nn.Module):

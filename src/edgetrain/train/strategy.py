@@ -20,7 +20,9 @@ drives a ``Strategy`` the same way for every kind, on every device::
 
 ``shard_data`` says what the sampler hands each device: its own share of the
 global batch (``local_batches[rank]``, data parallel) or the whole global
-batch (tiled: every device runs its tile of every image).
+batch (tiled: every device runs its tile of every image); ``data_share``
+turns it into the sampler's shares and this device's index among them
+(a hybrid pipeline overrides it: one share per replica, read by all its stages).
 
 ``StepResult`` is this device's part of the step's accounting: the loss
 summed over the samples it scored, how many it got right, how many it scored
@@ -91,6 +93,11 @@ class Strategy(abc.ABC):
 
     def __init__(self, context: StrategyContext):
         self.context = context
+
+    def data_share(self, local_batches: list[int]) -> tuple[list[int], int]:
+        """(the shares the global batch is cut into, the index of the one this device reads): the sampler's."""
+        c = self.context
+        return (local_batches, c.rank) if self.shard_data else ([c.cfg.batch_size], 0)
 
     def materialise(self, model: nn.Module) -> nn.Module:
         """The model the loop built on the meta device, with what this device holds of it on the device and
