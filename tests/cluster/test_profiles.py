@@ -148,3 +148,18 @@ def test_balanced_split_never_leaves_a_device_without_samples(tmp_path):
     cfg = load_config(cluster=str(path), batch_size=4, local_batch="balanced")
     assert split_batch(cfg, plan_devices(cfg)) == [1, 1, 2]
 
+
+
+def test_a_cluster_mixing_throttled_and_unthrottled_devices_trains(tmp_path):
+    """The throttle's calibration takes turns through collectives; an unthrottled ``host`` device must take part
+    too, else it went on to the strategy's set-up while the rpi4 waited in the turns (hung until --timeout)."""
+    from edgetrain import train
+
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text("devices: [{profile: host}, {profile: rpi4}]\n")
+    started = time.monotonic()
+    summary = train(dict(dataset="digits", steps=2, batch_size=16, cluster=str(cluster), output=str(tmp_path),
+                         progress=False, eval=False, timeout=20))
+    assert summary["steps"] == 2 and time.monotonic() - started < 20
+    speeds = [device["throttle_reference_pass_s"] for device in summary["per_device"]]
+    assert speeds[0] is None and speeds[1] > 0  # only the rpi4 measured a reference pass

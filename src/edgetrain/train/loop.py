@@ -211,8 +211,12 @@ def set_up_device(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], sp
                        accelerator_device(spec.accelerator, local_rank), bool(elastic and elastic.joining))
 
 
-def calibrate_throttle(throttle: Throttle, model: nn.Module, example: torch.Tensor | None, at: DeviceSetup) -> None:
-    """The reference pass (this model, this device's batch, warm and unthrottled), then the duty cycle."""
+def calibrate_throttle(throttle: Throttle | None, model: nn.Module, example: torch.Tensor | None,
+                       at: DeviceSetup) -> None:
+    """The reference pass (this model, this device's batch, warm and unthrottled), then the duty cycle.
+
+    Every device of a run with a throttled device calls it, an unthrottled one (``throttle`` None) too: the
+    turns are collectives, and a cluster may mix throttled profiles with ``host`` devices."""
     if example is not None:
         # One device of each host at a time: devices sharing host cores would otherwise slow
         # each other's reference, and with it the whole run.
@@ -221,11 +225,12 @@ def calibrate_throttle(throttle: Throttle, model: nn.Module, example: torch.Tens
         if not alone:
             dist.all_reduce(turns, op=dist.ReduceOp.MAX)
         for turn in range(int(turns.item())):
-            if turn == at.local_rank:
+            if turn == at.local_rank and throttle:
                 throttle.calibrate(model, example)
             if not alone:
                 dist.barrier()
-    throttle.attach(model)
+    if throttle:
+        throttle.attach(model)
 
 
 class StepRecorder:
@@ -403,10 +408,10 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
         steps_per_epoch=len(data.train) // cfg.batch_size))
     model = strategy.adapt(strategy.materialise(model))
     throttle = Throttle(at.speed) if at.speed is not None else None
-    if throttle:
+    if cfg.throttle and any(speed is not None for speed in speeds):  # the same on every device: all take part
         phase(cfg, rank, "calibrating the throttle: a reference pass per device, one device of this host at a time")
         batch = strategy.calibration_batch
-        if mine:  # the resumed device keeps its calibration
+        if mine and throttle:  # the resumed device keeps its calibration
             vars(throttle).update(mine["throttle"])
         calibrate_throttle(throttle, model, None if batch is None or mine else
                            torch.randn(batch, *data.input_shape, device=at.device), at)
