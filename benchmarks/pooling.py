@@ -2,7 +2,7 @@
 a model over a device's memory.
 
     PYTHONPATH=src python benchmarks/pooling.py [--part split|wifi|all] [--steps 20] [--rounds 2] [--cluster FILE]
-    PYTHONPATH=src python benchmarks/pooling.py --part memory [--steps 3] [--data-dir CIFAR]
+    PYTHONPATH=src python benchmarks/pooling.py --part memory [--steps 2] [--pooled pipeline,fsdp] [--data-dir CIFAR]
 
 **Planned against even split** (``--part split``):
 
@@ -18,23 +18,38 @@ first step); the planner's own figures, printed first, are modelled.
 
 **Memory** (``--part memory``): 2 GB ``smart-speaker-2g`` devices, CIFAR-10
 (the subset at ``--data-dir``), a ``WideMlp`` (Flatten, 8 hidden W x W
-linear layers with ReLU, no BatchNorm), global batch 32, SGD with momentum.
-Every device builds the model on the meta device and materialises only what
-it holds (models/init.py). Devices run unthrottled (host speed, so the
-throughput is the host's, not a smart speaker's) but each is checked against
-its profile's 2,048 MiB: a step whose measured peak RSS passes it stops the
-run with the loop's memory error.
+linear layers with ReLU, no BatchNorm), global batch 32 (pipeline: 4
+micro-batches, GPipe, ``--stages auto``), SGD with momentum, ``--steps``
+(default 2) steps per run, no evaluation. Every device builds the model on
+the meta device and materialises only what it holds (models/init.py).
+Devices run unthrottled (host speed, so throughput is this shared host's,
+not a smart speaker's) but each is checked against its profile's 2,048 MiB:
+a step whose measured peak RSS (VmHWM) passes it stops the run with the
+loop's memory error. Every figure of a run is measured; the planner's lines
+are marked modelled.
 
-- *Over one device's memory*: W = 3584 (114M parameters). The planner
-  (``plan.strategies``, modelled) predicts ddp, fsdp and pipeline on 4
-  devices; then real runs: ddp (on 2 devices: its per-device memory does not
-  depend on their number, and 4 would need about 9 GB of this shared host),
-  fsdp and pipeline on 4. Per device: measured peak RSS against the limit,
-  throughput and bytes sent per step.
-- *Memory pooled*: the largest W (multiple of 256) the planner fits on one
-  device (ddp) and on 4 (fsdp or pipeline, whichever fits more), modelled;
-  then a real run at each size confirms it trains under the limit
-  (measured), and the parameter counts give the pooled ratio (target >= 3x).
+- *Largest on one device*: real runs of ddp on 1 device, from
+  ``--start-width`` up or down by 1.125x until one trains and one does not,
+  then bisection to a multiple of 256.
+- *Over one device's memory*: at the smallest width that did not train on
+  one device, the planner (modelled) for ddp, fsdp and pipeline on 4
+  devices, then real runs: ddp on 2 devices (its per-device memory does not
+  depend on their number past one, and 4 devices near 2 GB each would take
+  more of the shared host than needed), fsdp and pipeline on 4. Per device:
+  peak RSS in the steps against the limit, and after the final exchange
+  (``run_peak_rss_mb``: a pooled model is gathered onto rank 0 for
+  checkpoint.pt there), throughput and bytes sent per step.
+- *Largest on 4 devices*: the same search for each of ``--pooled``
+  (pipeline, fsdp), from the width where the 3x target would be; a width
+  "trains" when its steps stay under the limit (the loop's check). The
+  ratio of parameters, best of 4 devices against 1, is judged against the
+  target (>= 3x). Where rank 0 passed the limit at the end, the line says so.
+- ``--widths W,W``: only single runs of ``--pooled`` on 4 devices at those
+  widths (e.g. to find where the end of the run also stays under).
+
+Planning is not used to search: ``count_costs`` builds the model for real
+in the launching process (about 3 x 4 bytes per parameter; at W 8704 this
+process reached 10 GB), so the planner runs at the over-memory width only.
 
 ``--part wifi`` (``pipeline_against_fsdp``): on ``--link wifi-20m``, two
 emulated host devices train two models with ``--strategy pipeline``
@@ -57,6 +72,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -109,8 +125,8 @@ def mlp_params(width: int, depth: int = 8, inputs: int = 3 * 32 * 32, classes: i
     return inputs * width + width + depth * (width * width + width) + width * classes + classes
 
 
-MEMORY_LIMIT_WIDTH = 3584
 LIMIT_MB = 2048
+WIDTH_STEP = 256  # the search's resolution: widths are multiples of it
 
 
 def _memory_config(data_dir: str, steps: int, output: str, **overrides) -> dict:
@@ -120,72 +136,143 @@ def _memory_config(data_dir: str, steps: int, output: str, **overrides) -> dict:
 
 
 def planned(cfg: dict, strategies: tuple[str, ...], runtime_mb: float):
-    """The planner's prediction (modelled) of ``strategies`` for ``cfg``: a ``PlanComparison``."""
+    """The planner's prediction (modelled) of ``strategies`` for ``cfg``: a ``PlanComparison``.
+
+    It counts costs on the model built for real in this process (plan/costs.py), about 3 x 4 bytes per
+    parameter: called at the one width of the over-memory section only, not in the search (at W 8704,
+    633M parameters, this process reached 10 GB)."""
     inputs = plan_inputs(TrainConfig(**{k: v for k, v in cfg.items() if k != "strategy"}))
     pred = predict_inputs(inputs, runtime_mb=runtime_mb)
     return compare(inputs, pred, strategies, cfg["microbatches"], "gpipe")
 
 
-def measured(cfg: dict, label: str) -> dict | None:
-    """A real run (measured): per device peak RSS against the limit, throughput, bytes; None if it stopped."""
+def wait_for_memory(need_mb: float, max_wait_s: float = 600) -> None:
+    """Start a run only when the shared host has ``need_mb`` available (its devices may reach their limits)."""
+    import psutil
+
+    waited = 0.0
+    while psutil.virtual_memory().available / 2**20 < need_mb and waited < max_wait_s:
+        time.sleep(10)
+        waited += 10
+    if waited:
+        print(f"  (waited {waited:.0f} s for {need_mb:,.0f} MiB of host memory)", flush=True)
+
+
+def attempt(cfg: dict, label: str) -> tuple[str, dict | None]:
+    """A real run (measured): ``("trained", summary)``, ``("over", None)`` when a device's peak RSS passed its
+    limit at the end of a step (the loop's memory error), ``("refused", None)`` when the pipeline planner
+    refused the split (modelled, before the first step). Any other error stops the benchmark."""
+    wait_for_memory(cfg.get("devices", 1) * LIMIT_MB * 1.3 + 1024)
     try:
         summary = train(cfg, run_name=label)
     except EdgetrainError as e:
-        print(f"  {label}: stopped (measured): {e}", flush=True)
-        return None
-    peaks = ", ".join(f"{d['peak_rss_mb']:,.0f}" for d in summary["per_device"])
-    print(f"  {label}: trained {summary['steps']} steps (measured): peak RSS per device {peaks} MiB of "
-          f"{LIMIT_MB:,}; {summary['throughput_samples_per_s']:,.1f} samples/s (host speed, unthrottled); "
+        text = str(e)
+        if "ran out of memory" in text:
+            print(f"  {label}: stopped (measured): {text}", flush=True)
+            return "over", None
+        if "does not fit" in text or "alone needs" in text:
+            print(f"  {label}: refused by the planner (modelled, no step ran): {text}", flush=True)
+            return "refused", None
+        raise
+    per = summary["per_device"]
+    steps_peaks = ", ".join(f"{d['peak_rss_mb']:,.0f}" for d in per)
+    run_peaks = ", ".join(f"{d['run_peak_rss_mb']:,.0f}" for d in per)
+    over_at_end = [d["rank"] for d in per if d["run_peak_rss_mb"] > LIMIT_MB]
+    print(f"  {label}: trained {summary['steps']} steps (measured): peak RSS per device in the steps {steps_peaks} "
+          f"MiB of {LIMIT_MB:,}; after the final gather (checkpoint.pt on rank 0) {run_peaks} MiB"
+          + (f" (device {', '.join(map(str, over_at_end))} over its limit at the end)" if over_at_end else "")
+          + f"; {summary['throughput_samples_per_s']:,.1f} samples/s (host speed, unthrottled); "
           f"{summary['bytes_sent_per_step_per_device'] / 1e6:,.1f} MB sent per device per step", flush=True)
-    return summary
+    return "trained", summary
 
 
-def largest_width(cfg: dict, strategies: tuple[str, ...], runtime_mb: float, low: int, high: int) -> tuple[int, str]:
-    """The largest width (multiple of 256) at which one of ``strategies`` fits every device (modelled)."""
-    best = (0, "")
-    while low <= high:
-        width = (low + high) // 2 // 256 * 256
-        comparison = planned({**cfg, "model": wide_mlp(width)}, strategies, runtime_mb)
-        fits = [r for r in comparison.strategies if r.fits]
-        print(f"  W {width} ({mlp_params(width) / 1e6:,.0f}M parameters): "
-              + "; ".join(f"{r.strategy} {r.memory_total_mb_max or 0:,.0f} MiB" if r.memory_total_mb_max
-                          else f"{r.strategy} refused" for r in comparison.strategies)
-              + f" (modelled) -> {'fits' if fits else 'does not fit'}", flush=True)
-        if fits:
-            best = (width, min(fits, key=lambda r: r.memory_total_mb_max).strategy)
-            low = width + 256
-        else:
-            high = width - 256
-    return best
+def largest_trained(name: str, cfg_at, start: int, grow: float = 1.125) -> tuple[int, int, dict]:
+    """The largest width (multiple of ``WIDTH_STEP``) whose real run trains (measured), by bracketing from
+    ``start`` (up or down by ``grow``) then bisecting: ``(largest that trained, smallest that did not, runs)``,
+    ``runs`` mapping each width tried to its outcome and summary."""
+    runs: dict[int, tuple[str, dict | None]] = {}
+
+    def trains(width: int) -> bool:
+        runs[width] = attempt(cfg_at(width), f"{name}-W{width}")
+        return runs[width][0] == "trained"
+
+    def snap(width: float) -> int:
+        return max(WIDTH_STEP, int(round(width / WIDTH_STEP)) * WIDTH_STEP)
+
+    print(f"  [{name}] W {start} ({mlp_params(start) / 1e6:,.1f}M parameters):", flush=True)
+    if trains(start):
+        low, high = start, None
+        while high is None:
+            width = max(snap(low * grow), low + WIDTH_STEP)
+            print(f"  [{name}] W {width} ({mlp_params(width) / 1e6:,.1f}M parameters):", flush=True)
+            low, high = (width, None) if trains(width) else (low, width)
+    else:
+        low, high = None, start
+        while low is None:
+            width = min(snap(high / grow), high - WIDTH_STEP)
+            if width < WIDTH_STEP:
+                return 0, high, runs
+            print(f"  [{name}] W {width} ({mlp_params(width) / 1e6:,.1f}M parameters):", flush=True)
+            low, high = (width, high) if trains(width) else (None, width)
+    while high - low > WIDTH_STEP:
+        width = (low + high) // 2 // WIDTH_STEP * WIDTH_STEP
+        print(f"  [{name}] W {width} ({mlp_params(width) / 1e6:,.1f}M parameters):", flush=True)
+        low, high = (width, high) if trains(width) else (low, width)
+    return low, high, runs
 
 
-def memory_benchmark(data_dir: str, steps: int, scratch: str) -> None:
+def memory_benchmark(data_dir: str, steps: int, scratch: str, pooled: tuple[str, ...], start_one: int,
+                     widths: tuple[int, ...] = ()) -> None:
     from edgetrain.plan.model import idle_process_mb
 
     runtime_mb = idle_process_mb()
-    print(f"idle device process (measured): {runtime_mb:,.0f} MiB; limit per smart-speaker-2g: {LIMIT_MB:,} MiB")
-    model = wide_mlp(MEMORY_LIMIT_WIDTH)
-    print(f"\n== over one device's memory: WideMlp W {MEMORY_LIMIT_WIDTH}, "
-          f"{mlp_params(MEMORY_LIMIT_WIDTH) / 1e6:,.1f}M parameters ==")
-    base = _memory_config(data_dir, steps, scratch, model=model, devices=4)
-    for row in planned(base, ("ddp", "fsdp", "pipeline"), runtime_mb).strategies:
-        print(f"  plan (modelled): {row.describe()}", flush=True)
-    measured({**base, "devices": 2}, "ddp-2-devices")
-    for strategy in ("fsdp", "pipeline"):
-        measured({**base, "strategy": strategy}, f"{strategy}-4-devices")
+    print(f"idle device process (measured): {runtime_mb:,.0f} MiB; limit per smart-speaker-2g: {LIMIT_MB:,} MiB; "
+          f"{steps} steps per run, devices unthrottled (host speed), batch 32, SGD momentum 0.9", flush=True)
 
-    print("\n== memory pooled: the largest WideMlp on 1 device and on 4 (planner, modelled) ==")
-    one, _ = largest_width({**base, "devices": 1}, ("ddp",), runtime_mb, 1024, 8192)
-    four, strategy = largest_width(base, ("fsdp", "pipeline"), runtime_mb, 1024, 16384)
-    print(f"  largest on 1 device: W {one} ({mlp_params(one) / 1e6:,.1f}M parameters), ddp (modelled)")
-    print(f"  largest on 4 devices: W {four} ({mlp_params(four) / 1e6:,.1f}M parameters), {strategy} (modelled)")
-    confirmed_one = measured(_memory_config(data_dir, steps, scratch, model=wide_mlp(one), devices=1), f"ddp-1-W{one}")
-    confirmed_four = measured({**base, "model": wide_mlp(four), "strategy": strategy}, f"{strategy}-4-W{four}")
-    ratio = mlp_params(four) / mlp_params(one)
-    verdict = "MET" if ratio >= 3 and confirmed_one and confirmed_four else "MISSED"
-    print(f"memory pooled: {mlp_params(four) / 1e6:,.1f}M / {mlp_params(one) / 1e6:,.1f}M parameters = {ratio:.2f}x "
-          f"(target >= 3; sizes modelled, both {'confirmed' if confirmed_one and confirmed_four else 'NOT confirmed'} "
-          f"by a measured run) {verdict}")
+    def config(width: int, devices: int, **extra) -> dict:
+        return _memory_config(data_dir, steps, scratch, model=wide_mlp(width), devices=devices, **extra)
+
+    if widths:  # --widths: single runs on 4 devices at these widths, no search (e.g. where the end stays under)
+        for strategy in pooled:
+            for width in widths:
+                print(f"  [{strategy}-4] W {width} ({mlp_params(width) / 1e6:,.1f}M parameters):", flush=True)
+                attempt(config(width, 4, strategy=strategy), f"{strategy}-4-W{width}")
+        return
+
+    print("\n== the largest WideMlp that trains on one device (ddp on 1 device; real runs, measured) ==", flush=True)
+    one, one_over, _ = largest_trained("ddp-1", lambda w: config(w, 1), start_one)
+    print(f"  largest on 1 device: W {one} ({mlp_params(one) / 1e6:,.1f}M parameters) trained; "
+          f"W {one_over} ({mlp_params(one_over) / 1e6:,.1f}M) did not (measured)", flush=True)
+
+    over = one_over
+    print(f"\n== over one device's memory: WideMlp W {over}, {mlp_params(over) / 1e6:,.1f}M parameters "
+          f"(the smallest width that did not train on one device) ==", flush=True)
+    for row in planned(config(over, 4), ("ddp", "fsdp", "pipeline"), runtime_mb).strategies:
+        print(f"  plan (modelled): {row.describe()}", flush=True)
+    # ddp on 2 devices: its per-device memory does not depend on their number past 1 (a replica and its
+    # buckets each), and 4 devices near 2 GB each would take more of this shared host than needed
+    attempt(config(over, 2), f"ddp-2-W{over}")
+    for strategy in ("fsdp", "pipeline"):
+        attempt(config(over, 4, strategy=strategy), f"{strategy}-4-W{over}")
+
+    print("\n== the largest WideMlp that trains on 4 devices (real runs, measured) ==", flush=True)
+    # Start where the 3x target would be (parameters grow about as W^2), then bracket and bisect.
+    start = max(int(round(one * 3 ** 0.5 / WIDTH_STEP)) * WIDTH_STEP, over)
+    four = {}
+    for strategy in pooled:
+        low, high, runs = largest_trained(f"{strategy}-4", lambda w: config(w, 4, strategy=strategy), start)
+        how = "measured" if runs[high][0] == "over" else "refused by the planner, modelled"
+        end_peak = max(d["run_peak_rss_mb"] for d in runs[low][1]["per_device"]) if low else float("nan")
+        print(f"  largest with {strategy} on 4 devices: W {low} ({mlp_params(low) / 1e6:,.1f}M parameters) "
+              f"trained; W {high} ({mlp_params(high) / 1e6:,.1f}M) did not ({how}); at W {low} the highest "
+              f"peak after the final gather was {end_peak:,.0f} MiB", flush=True)
+        four[strategy] = low
+    best = max(four, key=four.get)
+    ratio = mlp_params(four[best]) / mlp_params(one)
+    print(f"\nmemory pooled (measured): {mlp_params(four[best]) / 1e6:,.1f}M parameters on 4 devices ({best}, "
+          f"W {four[best]}) / {mlp_params(one) / 1e6:,.1f}M on 1 (W {one}) = {ratio:.2f}x (target >= 3) "
+          f"{'MET' if ratio >= 3 else 'MISSED'}; widths to the nearest {WIDTH_STEP} below the first that did "
+          f"not train, so each side's largest is short by less than one step", flush=True)
 
 
 def deep_mlp(in_channels: int = 1, num_classes: int = 10) -> DeepMlp:
@@ -223,7 +310,7 @@ def pipeline_against_fsdp(steps: int, scratch: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, help="steps per run (default: 20; --part memory: 3)")
+    parser.add_argument("--steps", type=int, help="steps per run (default: 20; --part memory: 2)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--cluster", help="cluster file (default: 2 rpi5 + 2 rpi-zero-2w)")
     parser.add_argument("--part", choices=("split", "wifi", "memory", "all"), default="all",
@@ -231,11 +318,18 @@ def main() -> None:
                              "memory: a model over one device's memory, and the largest model pooled (not in all)")
     parser.add_argument("--data-dir", default=str(Path(__file__).resolve().parents[1].parent / "shared" / "data" /
                                                   "cifar10-subset" / "cifar-10-batches-py"))
+    parser.add_argument("--pooled", default="pipeline,fsdp",
+                        help="--part memory: strategies searched on 4 devices (pipeline, fsdp or both)")
+    parser.add_argument("--start-width", type=int, default=3584,
+                        help="--part memory: where the one-device search starts (a multiple of 256)")
+    parser.add_argument("--widths", help="--part memory: only single runs of --pooled on 4 devices at these widths "
+                                         "(comma-separated), no search")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="pooling-") as scratch:
         print(f"host load average at start: {', '.join(f'{v:.1f}' for v in os.getloadavg())}", flush=True)
         if args.part == "memory":
-            memory_benchmark(args.data_dir, args.steps or 3, scratch)
+            memory_benchmark(args.data_dir, args.steps or 2, scratch, tuple(args.pooled.split(",")), args.start_width,
+                             tuple(int(w) for w in args.widths.split(",")) if args.widths else ())
             print(f"host load average at end: {', '.join(f'{v:.1f}' for v in os.getloadavg())}")
             return
         if args.part in ("wifi", "all"):

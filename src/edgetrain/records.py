@@ -235,6 +235,12 @@ class DeviceSummary(Record):
 
     ``details``: its rated peak (``bench.flops.device_peak``) and what it
     achieved against it (``bench.flops.achieved``), where known.
+
+    ``peak_rss_mb``: the highest peak resident set (VmHWM) at the end of a
+    training step, what a profile's memory limit is checked against during
+    the run; ``run_peak_rss_mb``: VmHWM after the strategy's final exchange
+    (``finish``: a pipeline's or fsdp's gather of the whole model onto rank 0
+    for checkpoint.pt), so the whole run up to the summary.
     """
 
     rank: int
@@ -254,6 +260,7 @@ class DeviceSummary(Record):
     bytes_sent: int | None = None
     bytes_recv: int | None = None
     peak_rss_mb: float | None = None
+    run_peak_rss_mb: float | None = None
     page_faults: float | None = None
     throttle_slept_s: float | None = None
     throttle_reference_pass_s: float | None = None
@@ -261,7 +268,7 @@ class DeviceSummary(Record):
     details: dict = field(default_factory=dict)
 
     details_field: ClassVar[str | None] = "details"
-    omit_when_none: ClassVar[tuple[str, ...]] = ("page_faults",)
+    omit_when_none: ClassVar[tuple[str, ...]] = ("page_faults", "run_peak_rss_mb")
 
 
 @dataclass(kw_only=True)

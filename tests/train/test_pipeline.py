@@ -11,6 +11,7 @@ from edgetrain_testing import FAST
 from edgetrain import train
 from edgetrain.config import TrainConfig, resolve
 from edgetrain.errors import EdgetrainError
+from edgetrain.models import register_model
 from edgetrain.plan.stages import (BACKWARD, FORWARD, check_sequential, pipeline_layers, pipeline_timeline,
                                    schedule_order, stage_bounds)
 from edgetrain.spec import PipelineSpec
@@ -158,3 +159,38 @@ def test_one_stage_is_the_whole_model():
     layers = pipeline_layers(DigitsMlp())
     for starts in (None, ()):  # even, and what the planner gives one device
         assert stage_bounds(PipelineSpec(starts, 1, "gpipe"), layers, 1) == [(0, 6)]
+
+
+BIG = 4096  # a BIG x BIG fp32 layer is 64 MiB: past glibc's mmap threshold, so receiving one shows in VmHWM
+
+
+class TwoBigLayers(nn.Module):
+    """With stages "4": stage 0 holds Linear(64, BIG) and one BIG x BIG layer, stage 1 the other and the head."""
+
+    def __init__(self, in_channels: int = 1, num_classes: int = 10):
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, BIG), nn.ReLU(), nn.Linear(BIG, BIG), nn.ReLU(),
+                                  nn.Linear(BIG, BIG), nn.ReLU(), nn.Linear(BIG, num_classes))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+@pytest.mark.slow
+def test_at_the_end_only_rank_0_receives_the_other_stages_and_the_run_peak_shows_it(tmp_path):
+    # Built by name, so each device builds it on meta and materialises its own stage only (models/init.py).
+    register_model("two_big_layers", TwoBigLayers)
+    # One micro-batch and no weight decay: a step then makes no layer-sized temporaries (accumulating a second
+    # micro-batch's gradient, SGD's weight-decay term), which would hide a received layer under the steps' peak.
+    summary = train(dict(model="two_big_layers", dataset="digits", steps=2, batch_size=16, microbatches=1, lr=0.01,
+                         weight_decay=0.0, output=str(tmp_path), **FAST), devices=2, strategy="pipeline", stages="4")
+    first, second = summary["per_device"]
+    layer_mb = BIG * BIG * 4 / 2**20
+    # rank 0 received stage 1's BIG x BIG layer after training, for checkpoint.pt: its run peak passes its steps'
+    assert first["run_peak_rss_mb"] >= first["peak_rss_mb"] + layer_mb / 2
+    # rank 1 received nothing (before: a broadcast gave it stage 0's layers too, 65 MiB more at the end)
+    assert second["run_peak_rss_mb"] < second["peak_rss_mb"] + layer_mb / 2
+    weights = _weights(summary)
+    assert [tuple(weights[f"body.{i}.weight"].shape) for i in (1, 3, 5, 7)] == [(BIG, 64), (BIG, BIG), (BIG, BIG),
+                                                                               (10, BIG)]
+    assert all(torch.isfinite(w).all() and w.abs().sum() > 0 for w in weights.values())

@@ -526,6 +526,13 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
 
     train_totals = torch.tensor([epoch_loss, epoch_correct, epoch_seen], dtype=torch.float64)
     mine = _device_summary(records, at, local_batches[rank], throttle)
+    if limit_mb is not None and mine.run_peak_rss_mb > limit_mb:
+        # Warned, not raised: training is done and rank 0 still writes checkpoint.pt; but a real device of this
+        # size would not have survived the final exchange (a pooled model gathered whole onto rank 0), and the
+        # summary says so (run_peak_rss_mb) rather than only the steps' peak, which stayed under the limit.
+        print(f"edgetrain: warning: {at.me.label} went over its memory at the end of the run: peak "
+              f"{mine.run_peak_rss_mb:.0f} MiB > its {limit_mb} MiB after the final exchange ({strategy.name}); "
+              f"its training steps peaked at {mine.peak_rss_mb:.0f} MiB", file=sys.stderr, flush=True)
     if world > 1:
         dist.all_reduce(train_totals)
         # JSON, not pickles: see cluster/peers
@@ -588,6 +595,7 @@ def _device_summary(records: list[StepRecord], at: DeviceSetup, local_batch: int
         comm_busy_s=None if any(r.comm_busy_s is None for r in timed) else mean("comm_busy_s"),
         bytes_sent=sum(r.bytes_sent for r in records), bytes_recv=sum(r.bytes_recv for r in records),
         peak_rss_mb=max((r.peak_rss_mb for r in records), default=peak_rss_mb()),
+        run_peak_rss_mb=peak_rss_mb(),  # called after strategy.finish(): the final gather included
         throttle_slept_s=throttle.slept if throttle else 0.0,
         # Measured: CPU time of a warm unthrottled forward + backward pass, and how much more the throttled
         # ones cost (median); the throttle divides charged CPU time by the latter.

@@ -80,10 +80,12 @@ weights, gradients and optimizer state, no more. A model passed built
 (``train(config, model=...)``) is whole on every device, from device 0's
 weights.
 
-Evaluation and checkpoint: before an evaluation and at ``finish`` each
-stage's owner broadcasts its layers' parameters and buffers (the others
-first give them storage), so every device evaluates the whole, current
-model on its shard of the test set, and rank 0 writes it to checkpoint.pt.
+Evaluation and checkpoint: before an evaluation each stage's owner
+broadcasts its layers' parameters and buffers (the others first give them
+storage), so every device evaluates the whole, current model on its shard
+of the test set. At ``finish`` only rank 0 receives the other stages'
+layers (sent point to point), and writes the whole model to checkpoint.pt;
+the other devices keep their stage only.
 A checkpoint during the run (``--checkpoint-every``, train/checkpoint.py)
 holds each device's own stage: its layers' state (``state_dict``) and its
 optimizer's; resuming restores each stage on its device, so the resumed run
@@ -118,12 +120,13 @@ the optimizer steps: the all-reduce never overlaps the pipeline (backward
 is over before the gradients are averaged), as data parallelism's
 blocking hooks assume too.
 
-Limits: from the first gather on (an evaluation, the end of the run) every
-device holds the whole model's weights, so the per-step peak memory shows
-the pooled saving only up to the first evaluation (the memory benchmark
-runs without); ``--sync`` is refused, ``--compress`` without replicas (one
-pipeline has no all-reduce to compress), and ``--link-mode enforced``
-(nothing sleeps: the timeline above is the model); the
+Limits: from the first evaluation on every device holds the whole model's
+weights, so the per-step peak memory shows the pooled saving only up to it
+(the memory benchmark runs without); at the end rank 0 holds the whole
+model (for checkpoint.pt) beside its stage's state, which the device
+summary's ``run_peak_rss_mb`` shows; ``--sync`` is refused, ``--compress``
+without replicas (one pipeline has no all-reduce to compress), and
+``--link-mode enforced`` (nothing sleeps: the timeline above is the model); the
 broadcasts that gather the model for evaluation are not charged to the
 links (evaluation is not training). With replicas: checkpoints during the
 run and ``--resume`` are refused (the error-feedback state is not saved
@@ -437,10 +440,33 @@ class Pipeline(Strategy):
                     dist.broadcast(tensor.data, src=stage)
         self.stale = False
 
+    def gather_to_first(self) -> None:
+        """Rank 0 alone receives every other stage's layers (point to point from their owners), for checkpoint.pt.
+
+        Not a broadcast: the other devices have no use for the whole model after training (an evaluation
+        gathers it itself), and a broadcast would make each of them hold it, which a model pooled over
+        devices because it does not fit one would not survive."""
+        c = self.context
+        for stage, (first, end) in enumerate(self.bounds[1:], start=1):
+            if c.rank not in (0, stage):
+                continue
+            for _, layer in self.layers[first:end]:
+                if c.rank == 0 and any(is_meta(m) for m in layer.modules()):
+                    layer.to_empty(device=c.device)
+                for tensor in [*layer.parameters(), *layer.buffers()]:
+                    if c.rank == 0:
+                        dist.recv(tensor.data, src=stage)
+                    else:
+                        dist.send(tensor.data, dst=0)
+
     def finish(self) -> None:
+        if self.finished:
+            return
+        self.finished = True
         if self.replicas > 1 and self.replicas_identical is None:
             self.replicas_identical = self._replicas_agree()
-        self.gather()
+        if self.stale:
+            self.gather_to_first()  # the other devices' copies stay stale: an evaluation broadcasts anew
         self.clock.finish()
 
     def _replicas_agree(self) -> bool:
