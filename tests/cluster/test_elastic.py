@@ -4,15 +4,17 @@ import os
 import signal
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from edgetrain import train
 from edgetrain.cluster.launch import launch_local
-from edgetrain.cluster.membership import JOIN_ENV, ElasticLaunch
+from edgetrain.cluster.membership import CHANGES_KEY, ElasticLaunch
 from edgetrain.cluster.peers import cut_connections
 from edgetrain.config import load_config, resolve
 from edgetrain.errors import EdgetrainError
@@ -28,24 +30,24 @@ PARAMS_ENV = "EDGETRAIN_TEST_PARAMS_DIR"
 
 
 class GatedNet(nn.Module):
-    """A tiny CNN whose devices, a few steps after the kill, wait (at most 120 s) until the killed device has
-    been started again: the rejoin then happens while steps remain, however slowly processes start here."""
+    """A tiny CNN whose devices, a few steps after the kill, wait (at most 120 s) until the killed device,
+    started again, has asked to join (the launcher's change counter: 1 for the leave, 1 for the join): the
+    rejoin then happens while steps remain, however slowly processes start here. A returning device asks only
+    once its data and model are ready (train/loop.py), so the gate cannot open earlier than that."""
 
-    def __init__(self, gate: str):
+    def __init__(self):
         super().__init__()
-        self.gate, self.calls = gate, 0
+        self.calls = 0
         self.body = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 10))
-
-    def __setstate__(self, state):  # the returning device's own copy (train's deepcopy) opens the gate
-        super().__setstate__(state)
-        if os.environ.get(JOIN_ENV):
-            Path(self.gate).touch()
 
     def forward(self, x):
         self.calls += 1
-        deadline = time.monotonic() + 120
-        while self.calls == KILL_STEP + 2 and not Path(self.gate).exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        if self.calls == KILL_STEP + 2:
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                  timeout=timedelta(seconds=30))
+            deadline = time.monotonic() + 120
+            while store.add(CHANGES_KEY, 0) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
         return self.body(x)
 
 
@@ -61,7 +63,7 @@ class KeepsParams(DataParallel):
 def test_a_killed_device_leaves_the_others_go_on_and_it_rejoins_identical(tmp_path, monkeypatch):
     monkeypatch.setenv("EDGETRAIN_FAULT", f"kill:rank=1:step={KILL_STEP}:back=0")
     monkeypatch.setenv(PARAMS_ENV, str(tmp_path))
-    summary = train(SMALL, model=GatedNet(str(tmp_path / "gate")), strategy=KeepsParams, output=str(tmp_path),
+    summary = train(SMALL, model=GatedNet(), strategy=KeepsParams, output=str(tmp_path),
                     run_name="elastic")
     run_dir = tmp_path / "elastic"
     assert summary["steps"] == STEPS

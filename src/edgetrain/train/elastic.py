@@ -54,10 +54,15 @@ one. A failure that changes no membership is raised as it is (a real
 error, not a departure).
 
 A returning device (the launcher starts it again with ``EDGETRAIN_ELASTIC_JOIN``
-set, e.g. ``EDGETRAIN_FAULT=kill:rank=1:step=5:back=20``) announces itself
-instead of the ordinary rendezvous (``join``), is admitted at the members'
-next step boundary, builds its strategy on the new group, and receives the
-state like the others (``start``). It does not repeat the fault that took
+set, e.g. ``EDGETRAIN_FAULT=kill:rank=1:step=5:back=20``) first loads its
+data, builds its model and counts its FLOPs (train/loop.py ``run_worker``),
+then announces itself instead of the ordinary rendezvous (``join``), is
+admitted at the members' next step boundary, builds its strategy on the new
+group, and receives the state like the others (``start``). The members wait
+for it from its announcement to the state's broadcast, so it announces
+itself only once its own slow set-up is done (seen in benchmarks/chaos.py on
+a loaded host: joins took 35-62 s when it announced itself before loading
+its data). It does not repeat the fault that took
 it down, nor do faults of its rank it missed while away.
 
 Records: the state's sender appends one ``MembershipRecord`` (records.py)

@@ -60,6 +60,7 @@ a profile it is also rated against that profile's peak (``device_peak``).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime as dt
 import json
 import math
@@ -193,7 +194,10 @@ def set_up_device(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], sp
     """Rendezvous and admission (a returning device of an elastic run: admission by its peers), host cores
     and threads, seed, accelerator."""
     device_id = check_rank_environment()[0]
-    rank, world = elastic.join() if elastic and elastic.joining else init_distributed(cfg, cluster_token)
+    returning = bool(elastic and elastic.joining)
+    # A returning device joins later (run_worker), once its data and model are ready: the members wait for it
+    # from its join on. Until then it has no rank (-1: it prints no phase) and no group.
+    rank, world = (-1, len(devices)) if returning else init_distributed(cfg, cluster_token)
     me = devices[device_id]
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", rank)), int(os.environ.get("LOCAL_WORLD_SIZE", world))
     speed = speeds[device_id] if cfg.throttle else None
@@ -208,7 +212,7 @@ def set_up_device(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], sp
     torch.set_num_threads(threads)
     torch.manual_seed(spec.seed)
     return DeviceSetup(device_id, rank, world, local_rank, local_world, me, speed, cores, threads,
-                       accelerator_device(spec.accelerator, local_rank), bool(elastic and elastic.joining))
+                       accelerator_device(spec.accelerator, local_rank), returning)
 
 
 def calibrate_throttle(throttle: Throttle | None, model: nn.Module, example: torch.Tensor | None,
@@ -383,9 +387,7 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
         register_dataset(name, factory)
     elastic = Elastic(spec, devices, local_batches, run_dir) if spec.min_devices else None  # train/elastic.py
     at = set_up_device(cfg, spec, devices, speeds, cluster_token, elastic)
-    rank, world, local_batches = at.rank, at.world, elastic.local_batches if elastic else local_batches
-    checkpoints = Checkpointer(spec.checkpoint, run_dir, rank, world, spec.timeout_s)
-    run_state, mine = checkpoints.load()  # (None, None) for a new run
+    rank = at.rank
 
     phase(cfg, rank, f"loading data: {cfg.dataset}")
     data = build_data(cfg)
@@ -402,6 +404,12 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
     phase(cfg, rank, f"counting FLOPs: {cfg.model} at {'x'.join(map(str, data.input_shape))}")
     flops_per_sample = training_flops_per_sample(model, input_shape=data.input_shape,
                                                  num_classes=data.num_classes) if rank == 0 or elastic else None
+    if at.returning:  # ready to train: admitted at the members' next step (train/elastic.py)
+        rank, world = elastic.join()
+        at = dataclasses.replace(at, rank=rank, world=world)
+    rank, world, local_batches = at.rank, at.world, elastic.local_batches if elastic else local_batches
+    checkpoints = Checkpointer(spec.checkpoint, run_dir, rank, world, spec.timeout_s)
+    run_state, mine = checkpoints.load()  # (None, None) for a new run
     stats = CommStats()
     strategy = (strategy_class or registered_strategy(spec.strategy))(StrategyContext(
         cfg, spec, rank, world, local_batches[rank], tuple(data.input_shape), stats, at.me.link, at.device,
