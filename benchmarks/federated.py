@@ -73,10 +73,13 @@ METHODS = {
     "fedavg-weighted-reset": dict(sync="fedavg:1:weighted:reset"),
     "scaffold-weighted-reset": dict(sync="fedavg:1:scaffold:weighted:reset"),
     "fedprox-0.1": dict(sync="fedavg:1:prox=0.1"),
-    # diagnostic, not a contender: FedAvg on IID partitions (how much of the gap is the non-IID split)
+    # diagnostics, not contenders: FedAvg on IID partitions (how much of the gap is the non-IID split), and
+    # rounds of 5 local steps (3 rounds per epoch: 3x the rounds and bytes at the same epochs)
     "fedavg-iid": dict(sync="fedavg:1", partition="iid"),
+    "fedavg-h5": dict(sync="fedavg:steps=5"),
 }
-REFERENCES = ("centralized", "fedavg-iid")  # not federated methods on the non-IID split: out of the targets
+# out of the targets: not federated, not on the non-IID split, or not at the same number of rounds
+REFERENCES = ("centralized", "fedavg-iid", "fedavg-h5")
 STRAGGLER_SPEED = 0.1  # of one host core: far past a deadline of 2x the median round time
 
 
