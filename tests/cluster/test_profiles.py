@@ -148,3 +148,15 @@ def test_balanced_split_never_leaves_a_device_without_samples(tmp_path):
     cfg = load_config(cluster=str(path), batch_size=4, local_batch="balanced")
     assert split_batch(cfg, plan_devices(cfg)) == [1, 1, 2]
 
+
+
+@pytest.mark.slow
+def test_a_cluster_of_host_and_throttled_devices_starts(tmp_path):
+    # The host profile has no throttle; it skipped the calibration's collectives while the throttled
+    # device waited in them, and the run hung until the peer timeout (issue 14's fedavg-drop30 row).
+    from edgetrain import train
+    from edgetrain_testing import FAST
+    path = write(tmp_path, "profiles: {slow: {base: host, speed: 0.5}}\ndevices: [host, slow]\n")
+    summary = train(dict(FAST, model="small_cnn", dataset="digits", devices=2, cluster=str(path), throttle=True,
+                         steps=2, batch_size=16, output=str(tmp_path), timeout=60))
+    assert summary["steps"] == 2

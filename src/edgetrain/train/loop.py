@@ -211,8 +211,13 @@ def set_up_device(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], sp
                        accelerator_device(spec.accelerator, local_rank), bool(elastic and elastic.joining))
 
 
-def calibrate_throttle(throttle: Throttle, model: nn.Module, example: torch.Tensor | None, at: DeviceSetup) -> None:
-    """The reference pass (this model, this device's batch, warm and unthrottled), then the duty cycle."""
+def calibrate_throttle(throttle: Throttle | None, model: nn.Module, example: torch.Tensor | None,
+                       at: DeviceSetup) -> None:
+    """The reference pass (this model, this device's batch, warm and unthrottled), then the duty cycle.
+
+    Every device calls it when any device of the run is throttled: the turns are collectives, so a
+    device at host speed (``throttle`` None: nothing to measure) still takes part in them. Skipping
+    them left a cluster of host and throttled profiles waiting on each other forever."""
     if example is not None:
         # One device of each host at a time: devices sharing host cores would otherwise slow
         # each other's reference, and with it the whole run.
@@ -221,11 +226,12 @@ def calibrate_throttle(throttle: Throttle, model: nn.Module, example: torch.Tens
         if not alone:
             dist.all_reduce(turns, op=dist.ReduceOp.MAX)
         for turn in range(int(turns.item())):
-            if turn == at.local_rank:
+            if turn == at.local_rank and throttle is not None:
                 throttle.calibrate(model, example)
             if not alone:
                 dist.barrier()
-    throttle.attach(model)
+    if throttle is not None:
+        throttle.attach(model)
 
 
 class StepRecorder:
@@ -403,10 +409,10 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
         steps_per_epoch=len(data.train) // cfg.batch_size))
     model = strategy.adapt(strategy.materialise(model))
     throttle = Throttle(at.speed) if at.speed is not None else None
-    if throttle:
+    if cfg.throttle and any(s is not None for s in speeds):  # all devices, throttled or not: see calibrate_throttle
         phase(cfg, rank, "calibrating the throttle: a reference pass per device, one device of this host at a time")
         batch = strategy.calibration_batch
-        if mine:  # the resumed device keeps its calibration
+        if mine and throttle:  # the resumed device keeps its calibration
             vars(throttle).update(mine["throttle"])
         calibrate_throttle(throttle, model, None if batch is None or mine else
                            torch.randn(batch, *data.input_shape, device=at.device), at)
