@@ -24,14 +24,19 @@ FedAvg by more than the spreads.
 ``fedavg-drop30``: 30% of the clients (the last ones) are stragglers,
 throttled to ``STRAGGLER_SPEED`` of a host core while the others run
 unthrottled, and ``--round-deadline auto`` drops a client that would miss the
-round's deadline: round 0 waits for everyone (no deadline yet), then the
-stragglers miss every round (their partitions' data never reaches the
-model), send nothing and only receive the new global model. The summary's
-``round_participation`` says who joined which rounds.
+round's deadline: round 0 waits for everyone (no deadline yet), then a
+straggler that misses a round (its partition's data does not reach the model
+that round) sends nothing and only receives the new global model. The
+summary's ``round_participation`` (kept in ``--json``) says who joined how
+many rounds: how many drop depends on the host's load, since the unthrottled
+clients share its cores.
+
+``fedavg-iid`` (FedAvg on IID partitions) and ``fedavg-h5`` (rounds of 5
+local steps) are diagnostics, left out of the targets.
 
 Usage (from the repository root)::
 
-    PYTHONPATH=src python benchmarks/federated.py --rounds 15 --seeds 0,1    # every method, about 50 minutes
+    PYTHONPATH=src python benchmarks/federated.py --rounds 15 --seeds 1,2 --methods centralized,fedavg,fedprox,scaffold
     PYTHONPATH=src python benchmarks/federated.py --methods fedavg,scaffold --rounds 3
 """
 from __future__ import annotations
