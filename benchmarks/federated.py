@@ -24,14 +24,19 @@ FedAvg by more than the spreads.
 ``fedavg-drop30``: 30% of the clients (the last ones) are stragglers,
 throttled to ``STRAGGLER_SPEED`` of a host core while the others run
 unthrottled, and ``--round-deadline auto`` drops a client that would miss the
-round's deadline: round 0 waits for everyone (no deadline yet), then the
-stragglers miss every round (their partitions' data never reaches the
-model), send nothing and only receive the new global model. The summary's
-``round_participation`` says who joined which rounds.
+round's deadline: round 0 waits for everyone (no deadline yet), then a
+straggler that misses a round (its partition's data does not reach the model
+that round) sends nothing and only receives the new global model. The
+summary's ``round_participation`` (kept in ``--json``) says who joined how
+many rounds: how many drop depends on the host's load, since the unthrottled
+clients share its cores.
+
+``fedavg-iid`` (FedAvg on IID partitions) and ``fedavg-h5`` (rounds of 5
+local steps) are diagnostics, left out of the targets.
 
 Usage (from the repository root)::
 
-    PYTHONPATH=src python benchmarks/federated.py --rounds 15 --seeds 0,1    # every method, about 50 minutes
+    PYTHONPATH=src python benchmarks/federated.py --rounds 15 --seeds 1,2 --methods centralized,fedavg,fedprox,scaffold
     PYTHONPATH=src python benchmarks/federated.py --methods fedavg,scaffold --rounds 3
 """
 from __future__ import annotations
@@ -66,8 +71,24 @@ METHODS = {
     # tuning: server momentum (Hsu et al. 2019), which the literature finds helps on non-IID data
     "fedavgm": dict(sync="fedavg:1", server_opt="fedavgm:lr=1:momentum=0.9"),
     "scaffold-fedavgm": dict(sync="fedavg:1:scaffold", server_opt="fedavgm:lr=1:momentum=0.9"),
+    "fedavgm-0.2": dict(sync="fedavg:1", server_opt="fedavgm:lr=0.2:momentum=0.9"),  # effective server lr 2
+    # tuning: updates weighted by partition size (McMahan's n_k / n) and a fresh client optimizer each round
+    "fedavg-weighted": dict(sync="fedavg:1:weighted"),
+    "fedavg-reset": dict(sync="fedavg:1:reset"),
+    "fedavg-weighted-reset": dict(sync="fedavg:1:weighted:reset"),
+    "scaffold-weighted-reset": dict(sync="fedavg:1:scaffold:weighted:reset"),
+    "fedprox-0.1": dict(sync="fedavg:1:prox=0.1"),
+    # diagnostics, not contenders: FedAvg on IID partitions (how much of the gap is the non-IID split), and
+    # rounds of 5 local steps (3 rounds per epoch: 3x the rounds and bytes at the same epochs)
+    "fedavg-iid": dict(sync="fedavg:1", partition="iid"),
+    "fedavg-h5": dict(sync="fedavg:steps=5"),
 }
-STRAGGLER_SPEED = 0.1  # of one host core: far past a deadline of 2x the median round time
+# out of the targets: not federated, not on the non-IID split, or not at the same number of rounds
+REFERENCES = ("centralized", "fedavg-iid", "fedavg-h5")
+# of one host core: far past a deadline of 2x the median round time. Not 0.1: the unthrottled clients
+# share this host's cores (10 clients on 2 cores: about 0.2 core each, less under other load), so at 0.1
+# a straggler was only about 2x slower and made the deadline in 22 of its 45 rounds (measured, seed 1)
+STRAGGLER_SPEED = 0.02
 
 
 def straggler_cluster(clients: int, fraction: float, path: Path) -> Path:
@@ -80,7 +101,7 @@ def straggler_cluster(clients: int, fraction: float, path: Path) -> Path:
 
 
 def run(label: str, args, seed: int, out: Path) -> dict:
-    cfg = dict(model="small_cnn", dataset="cifar10", data_dir=str(args.data_dir), devices=args.clients,
+    cfg = dict(model=args.model, dataset="cifar10", data_dir=str(args.data_dir), devices=args.clients,
                epochs=args.rounds, batch_size=args.batch_size, lr=args.lr, partition=args.partition,
                link="lte-10m", throttle=False, threads=1, progress=False, eval=True, seed=seed,
                output=str(out), run_name=f"{label}-seed{seed}", timeout=300)
@@ -118,19 +139,36 @@ def table(results: list[dict], methods: list[str]) -> list[str]:
 
 
 def targets(results: list[dict]) -> list[str]:
-    """Issue 14's targets, on the seeds' means: best federated method within 5 pp of centralized, ahead of FedAvg."""
-    means = {m: mean_spread([r["test_accuracy"] for r in results if r["method"] == m])
+    """Issue 14's targets, on the seeds' means: best federated method within 5 pp of centralized, ahead of FedAvg.
+
+    Only methods run on the same seeds as centralized and fedavg compete (a method's one seed against
+    fedavg's mean of two compares seeds, not methods), and "ahead" needs two seeds or more: the lead must
+    exceed the two methods' spreads, which one seed cannot show."""
+    seeds = {m: sorted(r["seed"] for r in results if r["method"] == m)
              for m in dict.fromkeys(r["method"] for r in results)}
-    federated = {m: v for m, v in means.items() if m != "centralized"}
-    if "centralized" not in means or "fedavg" not in means or len(federated) < 2:
-        return ["targets: need centralized, fedavg and another federated method"]
-    best = max((m for m in federated if m != "fedavg"), key=lambda m: federated[m][0])
-    gap = means["centralized"][0] - federated[best][0]
-    lead = federated[best][0] - means["fedavg"][0]
-    resolved = lead > federated[best][1] + means["fedavg"][1]
-    return [f"best federated method other than fedavg: {best}, {gap * 100:.1f} pp below centralized "
-            f"(target <= 5 pp: {'met' if gap <= 0.05 else 'not met'}), {lead * 100:+.1f} pp against fedavg "
-            f"(target ahead: {'met' if resolved else 'not met' if lead <= 0 else 'not resolved by the spreads'})"]
+    means = {m: mean_spread([r["test_accuracy"] for r in results if r["method"] == m]) for m in seeds}
+    if "centralized" not in means or "fedavg" not in means:
+        return ["targets: need centralized and fedavg"]
+    common = seeds["fedavg"]
+    if seeds["centralized"] != common:
+        return [f"targets: centralized and fedavg ran on different seeds ({seeds['centralized']}, {common})"]
+    candidates = [m for m in means if m not in REFERENCES and m != "fedavg" and seeds[m] == common]
+    left_out = [m for m in means if m not in REFERENCES and m != "fedavg" and seeds[m] != common]
+    note = [f"not compared (other seeds than fedavg's {common}): {', '.join(left_out)}"] if left_out else []
+    if not candidates:
+        return ["targets: need another federated method on fedavg's seeds"] + note
+    best = max(candidates, key=lambda m: means[m][0])
+    gap = means["centralized"][0] - means[best][0]
+    lead = means[best][0] - means["fedavg"][0]
+    if lead <= 0:
+        ahead = "not met"
+    elif len(common) < 2:
+        ahead = "not resolved: one seed"
+    else:
+        ahead = "met" if lead > means[best][1] + means["fedavg"][1] else "not resolved by the spreads"
+    return [f"best federated method other than fedavg on seeds {common}: {best}, {gap * 100:.1f} pp below "
+            f"centralized (target <= 5 pp: {'met' if gap <= 0.05 else 'not met'}), {lead * 100:+.1f} pp against "
+            f"fedavg (target ahead: {ahead})"] + note
 
 
 def main() -> int:
@@ -140,6 +178,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=320, help="global batch (32 per client with 10 clients)")
     p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--model", default="small_cnn", help="every method's model, e.g. small_cnn_gn (GroupNorm)")
     p.add_argument("--partition", default="dirichlet:0.5")
     p.add_argument("--seeds", default="0", help="comma-separated seeds; every method runs once per seed")
     p.add_argument("--data-dir", type=Path, default=DATA)
@@ -151,8 +190,8 @@ def main() -> int:
         results = [r for path in args.from_json for r in json.loads(path.read_text())["results"]]
         methods = [m for m in METHODS if any(r["method"] == m for r in results)]
         first = results[0]["config"]
-        print(f"{first['devices']} clients, {args.partition}, {first['epochs']} rounds of 1 local epoch, lte-10m "
-              f"(virtual clock), seeds per method: "
+        print(f"{first['model']}, {first['devices']} clients, {args.partition}, {first['epochs']} rounds of 1 local "
+              f"epoch, lr {first['lr']}, lte-10m (virtual clock), seeds per method: "
               + ", ".join(f"{m} {sorted(r['seed'] for r in results if r['method'] == m)}" for m in methods))
         print("\n".join(table(results, methods) + [""] + targets(results)))
         return 0
@@ -170,8 +209,8 @@ def main() -> int:
                 print(f"{label} seed {seed}: accuracy {r['test_accuracy']:.2%}, wall {r['wall_s']:.0f} s", flush=True)
                 if args.json:
                     write_json(args.json, {"results": results})
-    print(f"\n{args.clients} clients, {args.partition}, {args.rounds} rounds of 1 local epoch, "
-          f"lte-10m (virtual clock), seeds {args.seeds}")
+    print(f"\n{args.model}, {args.clients} clients, {args.partition}, {args.rounds} rounds of 1 local epoch, "
+          f"lr {args.lr}, lte-10m (virtual clock), seeds {args.seeds}")
     print("\n".join(table(results, methods) + [""] + targets(results)))
     return 0
 

@@ -46,7 +46,8 @@ def _opt(default: Any, help: str, choices: tuple | None = None, minimum: float |
 @dataclass
 class TrainConfig:
     # what to train
-    model: str = _opt("small_cnn", "model name from the registry: small_cnn, resnet18, yolo_tiny (or one you registered)")
+    model: str = _opt("small_cnn", "model name from the registry: small_cnn, small_cnn_gn (GroupNorm), resnet18, "
+                      "yolo_tiny (or one you registered)")
     dataset: str = _opt("digits", "digits (ships with scikit-learn), cifar10 (official python format, needs data_dir), "
                         "synthetic, imagefolder or npz (your files at data_dir), or a name you registered")
     data_dir: str | None = _opt(None, "directory holding CIFAR-10's data_batch_1..5 and test_batch; the image folder "
@@ -86,7 +87,7 @@ class TrainConfig:
     # communication over edge links
     compress: str = _opt("none", "gradient compression, e.g. none, fp16, topk:0.01, powersgd:2")
     sync: str = _opt("sync", "synchronisation: sync, local:H, async:S, gossip, fedavg:E (federated rounds of E local "
-                     "epochs; fedavg:steps=H; options :prox=MU, :scaffold)")
+                     "epochs; fedavg:steps=H; options :prox=MU, :scaffold, :weighted, :reset)")
     server_opt: str = _opt("fedavg", "federated server step: fedavg, fedavgm[:lr=1:momentum=0.9] or "
                            "fedadam[:lr=0.01:beta1=0.9:beta2=0.99:eps=0.001]")
     participation: float = _opt(1.0, "federated rounds: fraction of devices sampled per round, in (0, 1]")

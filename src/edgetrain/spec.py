@@ -43,7 +43,9 @@ refuses combinations that cannot run (``RunSpec``'s docstring lists them).
                                                ``--compress none`` only
 ``fedavg:E``, ``fedavg:steps=H``               federated rounds of ``E`` local epochs (or
 ``...:prox=MU``, ``...:scaffold``              ``H`` steps); FedProx term, SCAFFOLD control
-                                               variates; as ``local:H``'s compressors; needs
+``...:weighted``, ``...:reset``                variates, updates weighted by sample counts,
+                                               client optimizer reset each round;
+                                               as ``local:H``'s compressors; needs
                                                ``--partition``
 =============================================  ===========================================
 
@@ -212,6 +214,8 @@ class SyncSpec:
     local_epochs: int = 0      # fedavg:E: a round is E epochs of local steps (0: ``period`` steps)
     prox_mu: float | None = None   # fedavg:...:prox=MU: FedProx's proximal term (None: not FedProx)
     scaffold: bool = False     # fedavg:...:scaffold: SCAFFOLD's control variates
+    weighted: bool = False     # fedavg:...:weighted: updates weighted by the devices' sample counts (McMahan's n_k/n)
+    reset: bool = False        # fedavg:...:reset: a fresh client optimizer (no momentum carried over) each round
 
 
 def parse_sync(text: str | None) -> SyncSpec:
@@ -270,7 +274,7 @@ def _parse_fedavg(rest: list[str], text: str) -> SyncSpec:
     fix = "e.g. --sync fedavg:1 (one local epoch per round) or fedavg:steps=20"
     if not rest:
         raise EdgetrainError(f"fedavg needs the local work per round; {fix}")
-    epochs, period, mu, scaffold = 0, 0, None, False
+    epochs, period, mu, scaffold, weighted, reset = 0, 0, None, False, False, False
     for i, token in enumerate(rest):
         key, eq, value = token.partition("=")
         if i == 0 and not eq:
@@ -281,14 +285,19 @@ def _parse_fedavg(rest: list[str], text: str) -> SyncSpec:
             mu = _float(value, token, text)
         elif i > 0 and token == "scaffold":
             scaffold = True
+        elif i > 0 and token == "weighted":
+            weighted = True
+        elif i > 0 and token == "reset":
+            reset = True
         else:
             raise EdgetrainError(f"unknown fedavg option {token!r} in --sync {text!r}; write fedavg:E or "
-                                 "fedavg:steps=H, then optionally :prox=MU and :scaffold")
+                                 "fedavg:steps=H, then optionally :prox=MU, :scaffold, :weighted and :reset")
     if max(epochs, period) < 1:
         raise EdgetrainError(f"fedavg needs at least one local epoch or step per round, got {text!r}; {fix}")
     if mu is not None and not (mu >= 0 and math.isfinite(mu)):
         raise EdgetrainError(f"fedavg prox=MU must be a finite number >= 0, got {mu:g} in {text!r}; e.g. prox=0.01")
-    return SyncSpec("fedavg", period=period, local_epochs=epochs, prox_mu=mu, scaffold=scaffold, text=text)
+    return SyncSpec("fedavg", period=period, local_epochs=epochs, prox_mu=mu, scaffold=scaffold, weighted=weighted,
+                    reset=reset, text=text)
 
 
 SERVER_OPTIMIZERS = {"fedavg": {}, "fedavgm": {"lr": 1.0, "momentum": 0.9},

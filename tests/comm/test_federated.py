@@ -9,8 +9,8 @@ from edgetrain import train
 from edgetrain.comm.accounting import CommStats
 from edgetrain.comm.compress.spec import build_compressor
 from edgetrain.comm.emulation import LinkEmulator
-from edgetrain.comm.federated import (FederatedAveraging, corrected_gradient, sample_participants, server_optimizer,
-                                      server_step)
+from edgetrain.comm.federated import (FederatedAveraging, control_weights, corrected_gradient, sample_participants,
+                                      server_optimizer, server_step, update_weights)
 from edgetrain.config import load_config, resolve
 from edgetrain.errors import EdgetrainError
 from edgetrain.spec import parse_compress, parse_server_opt, parse_sync
@@ -78,6 +78,21 @@ def test_scaffold_control_is_the_mean_raw_gradient_of_the_round():
     assert fed.summary()["rounds"] == 1
 
 
+def test_weighted_updates_and_controls_follow_the_sample_counts():
+    n, scales, u = [100, 300, 50, 550], [1.0, 1.0, 0.5, 2.0], torch.randn(4, 6)
+    members = [0, 1, 3]  # device 2 sat the round out
+    w = update_weights(n, scales, members)
+    plain_mean = torch.stack([w[i] * u[i] for i in members]).mean(0)  # what the members' exchange computes
+    want = sum(n[i] / scales[i] * u[i] for i in members) / sum(n[i] for i in members)  # McMahan's n_k / n
+    assert torch.allclose(plain_mean, want, atol=1e-6)
+    # equal counts and loss scales: the plain mean, as without :weighted
+    assert update_weights([7, 7, 7], [1.0] * 3, [0, 2]) == {0: 1.0, 2: 1.0}
+    v = control_weights(n, members)
+    step = torch.stack([v[i] * u[i] for i in members]).mean(0) * len(members) / len(n)  # c += |S|/N mean_S
+    assert torch.allclose(step, sum(n[i] / sum(n) * u[i] for i in members), atol=1e-6)
+    assert parse_sync("fedavg:1:scaffold:weighted").weighted and not parse_sync("fedavg:1").weighted
+
+
 @pytest.mark.parametrize("text, message", [
     ("fedavg", "needs the local work per round"), ("fedavg:0", "at least one local epoch"),
     ("fedavg:steps=x", "whole number"), ("fedavg:1:prox=-1", "prox=MU must be"), ("fedavg:1:fast", "unknown fedavg"),
@@ -130,3 +145,20 @@ def test_fedavg_with_one_local_step_is_data_parallel_and_fedprox_mu_0_is_fedavg(
     two = parameters(train(cfg, sync="fedavg:steps=2"))
     assert not torch.allclose(two["classifier.weight"], ddp["classifier.weight"], rtol=1e-4, atol=1e-5)
     assert_same(two, parameters(train(cfg, sync="fedavg:steps=2:prox=0")))
+    # a fresh client optimizer each round of one step: SGD's first step has no momentum, so DDP without it
+    reset = parameters(train(cfg, sync="fedavg:steps=1:reset"))
+    assert_same(parameters(train(cfg, momentum=0.0)), reset)
+    assert not torch.allclose(reset["classifier.weight"], ddp["classifier.weight"], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_weighted_fedavg_gathers_the_partition_sizes_and_changes_the_model(tmp_path):
+    cfg = dict(model="small_cnn", dataset="digits", devices=2, steps=4, batch_size=32, lr=0.1,
+               partition="dirichlet:0.3", output=str(tmp_path), **FAST)
+    plain = train(cfg, sync="fedavg:steps=2")
+    weighted = train(cfg, sync="fedavg:steps=2:weighted")
+    assert weighted["weighted"] and not plain["weighted"] and weighted["rounds"] == 2
+    sizes = weighted["partition"]["sizes"]
+    assert sizes[0] != sizes[1]  # so the weights differ from the plain mean's
+    a, b = parameters(plain), parameters(weighted)
+    assert not torch.allclose(a["classifier.weight"], b["classifier.weight"], rtol=1e-4, atol=1e-5)

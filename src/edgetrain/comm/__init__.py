@@ -137,7 +137,8 @@ def build_sync(model: nn.Module, spec: RunSpec, rank: int, world_size: int, stat
         if period < 1:
             raise ValueError(f"--sync {sync.text} needs steps_per_epoch to count its local epochs in steps")
         return FederatedAveraging(model, world_size, rank, emulator, period, compressor, memory, spec.server_opt,
-                                  spec.participation, sync.prox_mu, sync.scaffold, seed, group=group,
+                                  spec.participation, sync.prox_mu, sync.scaffold, seed, sync.weighted, sync.reset,
+                                  group=group,
                                   deadline=spec.round_deadline, **common)
     if sync.mode == "local":
         return LocalSGD(model, world_size, emulator, sync.period, compressor, memory, sync.nesterov,

@@ -18,12 +18,13 @@ from torch import nn
 
 from edgetrain.errors import EdgetrainError
 from edgetrain.models.resnet import ResNet18
-from edgetrain.models.small_cnn import SmallCNN
+from edgetrain.models.small_cnn import SmallCNN, SmallCNNGroupNorm
 from edgetrain.models.yolo_tiny import YoloTiny
 
 ModelFactory = Callable[..., nn.Module]
 
-MODELS: dict[str, ModelFactory] = {"small_cnn": SmallCNN, "resnet18": ResNet18, "yolo_tiny": YoloTiny}
+MODELS: dict[str, ModelFactory] = {"small_cnn": SmallCNN, "small_cnn_gn": SmallCNNGroupNorm,
+                                   "resnet18": ResNet18, "yolo_tiny": YoloTiny}
 _BUILTIN = frozenset(MODELS)
 
 

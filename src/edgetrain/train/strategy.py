@@ -124,6 +124,9 @@ class Strategy(abc.ABC):
     def finish(self) -> None:
         """After the last step, on every device. Calling it again must do nothing."""
 
+    def data_ready(self, samples: int) -> None:
+        """The loop built this device's own training data (a partition): ``samples`` of them, before step 0."""
+
     @property
     @abc.abstractmethod
     def eval_model(self) -> nn.Module: ...
@@ -183,6 +186,12 @@ class DataParallel(Strategy):
         self.sync = build_sync(self.model, c.spec, c.rank, c.world, c.stats, c.link, c.steps_per_epoch)
         self.steps = 0
 
+    def data_ready(self, samples: int) -> None:
+        # federated rounds weighted by sample counts (fedavg:E:weighted) need every device's
+        c = self.context
+        if hasattr(self.sync, "set_samples"):
+            self.sync.set_samples(samples, c.local_batch * c.world / c.cfg.batch_size)
+
     def parameters(self):
         return self.model.parameters()
 
@@ -190,7 +199,7 @@ class DataParallel(Strategy):
         c = self.context
         started = time.perf_counter()
         if not self.sync.trains(self.steps):  # not sampled for the round, or past its deadline (comm/local_sgd.py)
-            self.sync.after_step(self.steps)
+            self._after_step(optimizer)
             self.steps += 1
             return StepResult(0.0, 0, 0, time.perf_counter() - started, self.sync.step_metrics())
         collectives = c.stats.snapshot()["collectives"]
@@ -203,7 +212,7 @@ class DataParallel(Strategy):
         t_after_backward = time.perf_counter()
         optimizer.step()
         t_optimizer = time.perf_counter()
-        self.sync.after_step(self.steps)
+        self._after_step(optimizer)
         ended = time.perf_counter()
         self.steps += 1
         after = c.stats.snapshot()
@@ -213,6 +222,13 @@ class DataParallel(Strategy):
         comm_s = hidden_wait + (t_after_backward - t_backward) + (ended - t_optimizer)
         return StepResult(loss_sum.item(), int((out.detach().argmax(1) == y).sum()), len(y), comm_s,
                           self.sync.step_metrics())
+
+    def _after_step(self, optimizer) -> None:
+        rounds = getattr(self.sync, "averages", 0)
+        self.sync.after_step(self.steps)
+        if getattr(self.sync, "reset_client_optimizer", False) and self.sync.averages != rounds:
+            # fedavg:E:reset: the round ended, so the client optimizer starts the next one afresh
+            optimizer.state.clear()  # SGD rebuilds its momentum buffer from the next gradient
 
     def finish(self) -> None:
         self.sync.finish()
