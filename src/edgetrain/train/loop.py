@@ -89,7 +89,7 @@ from edgetrain.config import TrainConfig
 from edgetrain.data import build_data, register_dataset, shard_indices
 from edgetrain.data.dedup import drop_near_duplicates
 from edgetrain.data.device_data import build_training_data
-from edgetrain.data.partition import PartitionReport
+from edgetrain.data.partition import PartitionReport, PartitionSampler
 from edgetrain.errors import EdgetrainError, Terminated
 from edgetrain.models import build_model, count_parameters, register_model
 from edgetrain.models.init import build_on_meta
@@ -430,6 +430,8 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
                                                         *strategy.data_share(local_batches), spec.seed)
     if partition is not None and rank == 0:
         print(partition.describe(), flush=True)
+    if isinstance(sampler, PartitionSampler):  # a device's own data: federated rounds may weight by its size
+        strategy.data_ready(len(sampler.indices))
     if len(sampler) == 0:
         raise EdgetrainError(f"batch_size {cfg.batch_size} is larger than the {len(data.train)} training images of "
                              f"{data.name}; lower batch_size")
