@@ -3,6 +3,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from torch import nn
+
 REPO = Path(__file__).resolve().parents[1]
 CIFAR = REPO.parent / "shared" / "data" / "cifar10-subset" / "cifar-10-batches-py"
 
@@ -27,3 +29,19 @@ def run_cli(*args: str, timeout: float = 120, cwd=None) -> subprocess.CompletedP
 
 # Quiet, fast defaults for training runs in tests.
 FAST = dict(progress=False, eval=False, throttle=False, timeout=30)
+
+
+class DigitsMlp(nn.Module):
+    """A small MLP on 8x8 digits without BatchNorm: pipeline stages, micro-batches and replicas then change
+    nothing but the order of summation, so tests/train/test_pipeline*.py compare it with one device."""
+
+    HIDDEN = 24
+
+    def __init__(self):
+        super().__init__()
+        hidden = self.HIDDEN
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden),
+                                  nn.Tanh(), nn.Linear(hidden, 10))
+
+    def forward(self, x):
+        return self.body(x)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from edgetrain_testing import FAST
+from edgetrain_testing import FAST, DigitsMlp
 from edgetrain import train
 from edgetrain.config import TrainConfig, resolve
 from edgetrain.errors import EdgetrainError
@@ -16,19 +16,7 @@ from edgetrain.plan.stages import (BACKWARD, FORWARD, check_sequential, pipeline
                                    schedule_order, stage_bounds)
 from edgetrain.spec import PipelineSpec
 
-HIDDEN = 24
-
-
-class DigitsMlp(nn.Module):
-    """No BatchNorm: micro-batches then change nothing but the order of summation."""
-
-    def __init__(self):
-        super().__init__()
-        self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN),
-                                  nn.Tanh(), nn.Linear(HIDDEN, 10))
-
-    def forward(self, x):
-        return self.body(x)
+HIDDEN = DigitsMlp.HIDDEN
 
 
 class Residual(nn.Module):

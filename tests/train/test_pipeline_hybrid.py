@@ -10,25 +10,13 @@ import pytest
 import torch
 from torch import nn
 
-from edgetrain_testing import FAST, on_devices
+from edgetrain_testing import FAST, DigitsMlp, on_devices
 from edgetrain import train
 from edgetrain.config import TrainConfig, resolve
 from edgetrain.errors import EdgetrainError
 from edgetrain.spec import get_link
 
-HIDDEN, BATCH, STEPS = 24, 32, 3
-
-
-class DigitsMlp(nn.Module):
-    """No BatchNorm: replicas and micro-batches then change nothing but the order of summation."""
-
-    def __init__(self):
-        super().__init__()
-        self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN),
-                                  nn.Tanh(), nn.Linear(HIDDEN, 10))
-
-    def forward(self, x):
-        return self.body(x)
+HIDDEN, BATCH, STEPS = DigitsMlp.HIDDEN, 32, 3
 
 
 def _model():
