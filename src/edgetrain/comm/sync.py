@@ -78,6 +78,11 @@ class SyncMode:
     """What every mode shares: the clock, the byte tally against fp32 all-reduce, the report."""
 
     name = "sync"
+    averages = 0                     # rounds averaged so far (the round-based modes count them)
+    reset_client_optimizer = False   # fedavg:E:reset: the strategy clears its optimizer when ``averages`` moves
+
+    def set_samples(self, samples: int, loss_scale: float) -> None:
+        """This device's training samples and loss scale; only federated rounds weighted by them use it."""
 
     def __init__(self, model: nn.Module, world_size: int, emulator: LinkEmulator, clock_group=None,
                  spec: str = "sync", compress: str = "none"):

@@ -152,6 +152,7 @@ from edgetrain.cluster.profiles import plan_devices
 from edgetrain.comm import device_clock
 from edgetrain.comm.compress.spec import build_compressor
 from edgetrain.comm.exchange import average
+from edgetrain.comm.params import flatten, unflatten
 from edgetrain.errors import EdgetrainError
 from edgetrain.models.init import META, is_meta, materialise
 from edgetrain.plan.model import device_gflops, device_links, idle_process_mb
@@ -511,13 +512,13 @@ def allreduce_gradients(params: list[nn.Parameter], names: tuple[str, ...], comp
     """Replace each parameter's gradient by its mean over ``group`` (a stage's replicas; ``peers`` their global
     ranks) through ``comm.exchange.average``: the run's compressor, error feedback kept per parameter name,
     bytes counted and the collective charged to ``emulator``. Every device of the group gets the same mean."""
-    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params])
-    mean = average(flat, compressor, memory, emulator, key="gradients", group=group,
-                   segments=tuple(p.numel() for p in params), names=names, peers=peers)
-    offset = 0
     for p in params:
-        p.grad = mean[offset:offset + p.numel()].view_as(p).to(p.dtype)
-        offset += p.numel()
+        if p.grad is None:  # a parameter this step did not reach: a zero gradient, as DDP all-reduces it
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
+    mean = average(flatten(grads), compressor, memory, emulator, key="gradients", group=group,
+                   segments=tuple(p.numel() for p in params), names=names, peers=peers)
+    unflatten(mean, grads)
 
 
 def _least(values):

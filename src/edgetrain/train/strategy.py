@@ -189,8 +189,7 @@ class DataParallel(Strategy):
     def data_ready(self, samples: int) -> None:
         # federated rounds weighted by sample counts (fedavg:E:weighted) need every device's
         c = self.context
-        if hasattr(self.sync, "set_samples"):
-            self.sync.set_samples(samples, c.local_batch * c.world / c.cfg.batch_size)
+        self.sync.set_samples(samples, c.local_batch * c.world / c.cfg.batch_size)
 
     def parameters(self):
         return self.model.parameters()
@@ -224,9 +223,9 @@ class DataParallel(Strategy):
                           self.sync.step_metrics())
 
     def _after_step(self, optimizer) -> None:
-        rounds = getattr(self.sync, "averages", 0)
+        rounds = self.sync.averages
         self.sync.after_step(self.steps)
-        if getattr(self.sync, "reset_client_optimizer", False) and self.sync.averages != rounds:
+        if self.sync.reset_client_optimizer and self.sync.averages != rounds:
             # fedavg:E:reset: the round ended, so the client optimizer starts the next one afresh
             optimizer.state.clear()  # SGD rebuilds its momentum buffer from the next gradient
 
