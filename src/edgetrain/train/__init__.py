@@ -68,8 +68,11 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     if spec.checkpoint.resume_dir and rank == 0:
         check_resume_devices(spec.checkpoint.resume_dir, len(devices), spec.partition.local)
     check_device_data(cfg, spec, devices, local_batches, rank if torchrun else None)  # the cluster file's 'data'
+    # digits' loader imports scikit-learn, a second of CPU in every device process: the launcher loads it once
+    # and hands it to its emulated devices with their arguments. Under torchrun each device loads its own.
+    data = build_data(cfg) if cfg.dataset == "digits" and not torchrun else None
     if spec.partition.local:  # a split that leaves a device short of a batch: refused before any device starts
-        split_dataset(build_data(cfg).train.labels, spec.partition, local_batches, spec.seed)
+        split_dataset((data or build_data(cfg)).train.labels, spec.partition, local_batches, spec.seed)
     beyond = next((f.rank for f in spec.faults if f.rank >= len(devices)), None)
     if beyond is not None:
         raise EdgetrainError(f"EDGETRAIN_FAULT names device {beyond}, but the run has {len(devices)} "
@@ -90,7 +93,7 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
         write_yaml(run_dir / "config.yaml", cfg.to_dict())
 
     args = (cfg, spec, devices, local_batches, speeds, str(run_dir) if run_dir else None, model, user_models(),
-            cluster_token, strategy, user_datasets())
+            cluster_token, strategy, user_datasets(), data)
     if torchrun:
         return run_worker(*args)
     phase(cfg, rank, f"starting {len(devices)} emulated device(s) on this host")

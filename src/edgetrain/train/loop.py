@@ -86,7 +86,7 @@ from edgetrain.cluster.profiles import DeviceSpec
 from edgetrain.cluster.throttle import Throttle, assign_cores, keep_freed_memory, page_faults, peak_rss_mb, pin
 from edgetrain.comm.accounting import CommStats
 from edgetrain.config import TrainConfig
-from edgetrain.data import build_data, register_dataset, shard_indices
+from edgetrain.data import DataSplit, build_data, register_dataset, shard_indices
 from edgetrain.data.dedup import drop_near_duplicates
 from edgetrain.data.device_data import build_training_data
 from edgetrain.data.partition import PartitionReport, PartitionSampler
@@ -367,11 +367,13 @@ class RunWriter:
 def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local_batches: list[int],
                speeds: list[float | None], run_dir: str | None, user_model: nn.Module | None = None,
                registered: dict | None = None, cluster_token: str = "",
-               strategy_class: type[Strategy] | None = None, datasets: dict | None = None) -> dict | None:
+               strategy_class: type[Strategy] | None = None, datasets: dict | None = None,
+               loaded: DataSplit | None = None) -> dict | None:
     """Train on this device; rank 0 returns the run summary, the others None.
 
     ``strategy_class``: a ``Strategy`` to train with instead of ``registered_strategy(spec.strategy)``;
-    ``registered`` and ``datasets``: models and datasets registered in the launching process.
+    ``registered`` and ``datasets``: models and datasets registered in the launching process; ``loaded``:
+    the dataset as the launching process loaded it (else this device loads it).
     """
     started = time.perf_counter()
     # A device that sits out the first steps (rounds it is no member of, comm/local_sgd.py) steps the schedule
@@ -390,7 +392,8 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
     rank = at.rank
 
     phase(cfg, rank, f"loading data: {cfg.dataset}")
-    data = build_data(cfg)
+    # Our own copy, as for the model: spawn hands every device the launcher's tensors in shared memory.
+    data = copy.deepcopy(loaded) if loaded is not None else build_data(cfg)
     if spec.dedup is not None:
         phase(cfg, rank, f"dropping near-duplicate training images (pHash within {spec.dedup.threshold} bits)")
         data, dedup = drop_near_duplicates(data, spec.dedup)
