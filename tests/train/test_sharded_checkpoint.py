@@ -8,24 +8,11 @@ import torch
 from edgetrain import load_checkpoint, train
 from edgetrain.errors import EdgetrainError
 from edgetrain.train.checkpoint import checkpoint_files, checkpoint_step, check_resume_devices
-from edgetrain_testing import FAST
+from edgetrain_testing import FAST, keys_written_by_rank
 
 # 64 synthetic 8x8 images in global batches of 16: 4 steps an epoch, so the checkpoint of step 4 starts epoch 1.
 SMALL = dict(model="small_cnn", dataset="synthetic", image_size=8, synthetic_samples=64, batch_size=16, steps=6,
              lr=0.1, checkpoint_every=2, keep_checkpoints=3, devices=2, **FAST)
-
-
-
-def _keys_written_by(directory: Path) -> dict[int, set[str]]:
-    """Per rank, the keys whose data lies in that rank's DCP file (DCP's metadata says where each item is)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    storage = FileSystemReader(directory).read_metadata().storage_data
-    by_rank: dict[int, set[str]] = {}
-    for index, info in storage.items():
-        rank = int(info.relative_path.split("_")[2])  # __<rank>_0.distcp
-        by_rank.setdefault(rank, set()).add(index.fqn)
-    return by_rank
 
 
 @pytest.mark.slow
@@ -44,7 +31,7 @@ def test_a_sharded_or_staged_run_resumes_as_the_uninterrupted_one(tmp_path, opti
                                                         "device-1.pt", "run.pt"]
     # Each device's file holds its own part: a shard of every parameter (fsdp: each parameter in both files, with
     # half its rows), or its stage's layers only (pipeline: no key in both files).
-    written = _keys_written_by(newest)
+    written = keys_written_by_rank(newest)
     models = [{k for k in written[r] if k.startswith("model.")} for r in (0, 1)]
     if options["strategy"] == "fsdp":
         assert models[0] == models[1] and "model.classifier.weight" in models[0]

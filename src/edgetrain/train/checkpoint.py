@@ -101,6 +101,7 @@ the step; it keeps asynchronous devices within a step of each other.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -320,7 +321,9 @@ class Checkpointer:
 
         template = strategy.sharded_state(optimizer)  # this device's tensors, as they are laid out now
         tensors, _ = split_sharded(template)
-        dcp.load(tensors, storage_reader=dcp.FileSystemReader(mine["parts_dir"]), no_dist=not _distributed(self.world))
+        with _one_process():
+            dcp.load(tensors, storage_reader=dcp.FileSystemReader(mine["parts_dir"]),
+                     no_dist=not _distributed(self.world))
         strategy.load_sharded_state({part: {**tensors.get(part, {}), **mine["sharded"].get(part, {})}
                                      for part in template}, optimizer)
 
@@ -425,6 +428,14 @@ def _distributed(world: int) -> bool:
     return world > 1 and dist.is_available() and dist.is_initialized()
 
 
+@contextlib.contextmanager
+def _one_process():
+    """DCP without a process group (one device, or reading offline) warns that it assumes one process: it is."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
 def _barrier(world: int, timeout_s: float, what: str) -> None:
     if _distributed(world):
         wait(dist.barrier(async_op=True), timeout_s, what)
@@ -486,7 +497,8 @@ def write_parts(target: Path, tensors: dict, own: dict, run: dict, rank: int, wo
         raise EdgetrainError(f"device {rank} cannot see the checkpoint directory {temporary} that device 0 made: "
                              f"every device of a pipeline or fsdp run writes its own part there; put the run "
                              f"directory (--output) on a file system every node shares, at the same path")
-    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(temporary), no_dist=not _distributed(world))
+    with _one_process():
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(temporary), no_dist=not _distributed(world))
     save_torch(temporary / device_file(rank), own)
     _barrier(world, timeout_s, "checkpoint parts barrier")  # every part is on disk
     if rank == 0:
@@ -546,8 +558,7 @@ def _read_parts(folder: Path) -> dict:
     metadata = reader.read_metadata()
     flat = {key: torch.empty(entry.size, dtype=entry.properties.dtype)
             for key, entry in metadata.state_dict_metadata.items() if isinstance(entry, TensorStorageMetadata)}
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
+    with _one_process():
         dcp.load(flat, storage_reader=reader, no_dist=True)  # DCP joins the shards of every device
     parts: dict = {"model": {}, "optimizer": {}}
     for key, tensor in flat.items():
