@@ -34,6 +34,54 @@ run. With ``--resume`` under torchrun every node reads the run's
 ``config.yaml`` (so every node needs the run directory, e.g. on a shared file
 system), and rank 0 alone reads the checkpoint.
 
+Pooled strategies (``Strategy.pooled``: pipeline, fsdp) hold a model no
+device could hold whole, so nothing is gathered: every device writes its own
+part, with PyTorch's ``torch.distributed.checkpoint`` (DCP), into a directory
+(``write_parts``):
+
+- ``checkpoints/step-<step>/`` during the run, ``checkpoint/`` for the final
+  model (written by every device after ``finish``, before the summary, so
+  ``run_peak_rss_mb`` counts it);
+- ``__<rank>_0.distcp``: device ``rank``'s tensors, ``Strategy.sharded_state``:
+  its stage's layers (pipeline) or its ``DTensor`` shard of every parameter
+  (fsdp), and its optimizer's state, all keyed by the whole model's names
+  (the optimizer's flattened per parameter, ``flatten_optimizer_state_dict``,
+  as torchtitan does for pipelines: no two devices write one key with
+  different values, which DCP would de-duplicate); ``.metadata``: DCP's index
+  of where each key's pieces are, written by rank 0 once every device's data
+  is written and synced;
+- ``device-<rank>.pt``: the device's own small state (``torch.save``, read
+  with ``weights_only``): what the list above names but the model and the
+  optimizer's tensors (RNG, records, scheduler, its optimizer's
+  hyper-parameters by parameter name; fsdp: its own BatchNorm statistics, as
+  each device keeps its own during the run);
+- ``run.pt``: the run's state (rank 0's), written last.
+
+Atomicity: rank 0 makes the hidden ``.step-<step>.tmp/`` (or
+``.checkpoint.tmp/``), a barrier, every device writes its files there, a
+second barrier (both bounded by ``--timeout``, as are DCP's own gathers over
+the run's gloo group), then rank 0 writes ``run.pt`` and renames the
+directory into place (one ``rename``) and prunes. A write killed at any
+point leaves the previous checkpoints whole and at most the hidden
+directory, which rank 0 removes when the run resumes (``remove_stale_parts``)
+or writes that name again. Resuming, rank 0 picks the newest checkpoint and
+broadcasts its ``run.pt`` and path; each device reads its own
+``device-<rank>.pt``, then, once its strategy and optimizer are built, its
+part of the model and optimizer (``load_sharded``: DCP reads into this
+device's tensors as they are laid out, a collective), so a resumed pooled
+run ends bit for bit as the uninterrupted one (tested,
+tests/train/test_sharded_checkpoint.py). What each device holds meanwhile is
+its part and the small state above, never another device's part; DCP's
+planning gathers one entry per tensor to rank 0 (bounded metadata).
+Limits: every device reads and writes the run directory, so under torchrun
+it must be on a file system every node shares at the same path (one line
+otherwise); another device count is refused (``check_resume_devices``; DCP
+could reshard the tensors, but the per-device state is not mapped yet);
+``.metadata`` is DCP's pickle, so a checkpoint directory is trusted input,
+like any file ``torch.load`` reads without ``weights_only``.
+``load_checkpoint`` reads either format back whole in one process (DCP with
+``no_dist``): the run's final model for users and tests.
+
 Another number of devices. A checkpoint written by N devices resumes on M
 (``--resume RUN_DIR --devices M``, or a torchrun restart with another node
 count): every device takes device 0's model, strategy state, optimizer,

@@ -63,22 +63,26 @@ same weights as one device or DDP. A model passed built
 The throttle's reference pass is skipped (``calibration_batch`` None): it
 would need the whole model.
 
-Checkpoints during the run (``--checkpoint-every``, train/checkpoint.py):
-each device's sharded state, as FSDP2 gives it (``state_dict()`` of the
-sharded model and of the optimizer: ``DTensor`` shards, the state
-``torch.distributed.checkpoint`` would save), inside edgetrain's one atomic
-file per checkpoint rather than DCP's directory of per-rank files, so that
-the write-then-rename protocol, pruning and ``--resume`` stay one for every
-strategy. Resuming, each device loads its own shards back with the same
-number of devices (the file says how many wrote it), and the resumed run
-ends as the uninterrupted one (tests/train/test_fsdp.py). The final
-checkpoint.pt stays the whole, gathered state.
+Checkpoints (train/checkpoint.py, "Pooled strategies"): every device writes
+its own shards with ``torch.distributed.checkpoint`` (DCP), nothing is
+gathered. ``sharded_state`` is ``get_state_dict`` of the sharded model and
+optimizer (``DTensor`` shards, the optimizer's state flattened per parameter
+name), into ``checkpoints/step-<N>/`` during the run, where each device's
+BatchNorm statistics (plain tensors, its own with ``--batchnorm local``) go
+to its own small file instead (``state_dict``: DCP would keep one device's);
+and at the end, after ``finish`` broadcast rank 0's statistics, with them
+into ``RUN_DIR/checkpoint/``, which ``edgetrain.load_checkpoint`` reads
+back whole (DCP joins the shards) in one process. Resuming, each device
+reads its own shards back into place with the same number of devices (the
+checkpoint says how many wrote it; another count is refused), and the
+resumed run ends as the uninterrupted one
+(tests/train/test_sharded_checkpoint.py).
 
 Limits:
 
-- steps hold a shard plus the largest gathered unit (and its gradient);
-- ``finish`` gathers the whole model and optimizer state on rank 0 for the
-  checkpoint (plain tensors, ``torch.load(weights_only=True)`` reads it);
+- steps hold a shard plus the largest gathered unit (and its gradient); the
+  final checkpoint adds, per device, at most one tensor's copy at a time (DCP
+  copies a shard that is a view of a larger buffer before writing it);
 - ``--compress`` and ``--sync`` other than ``sync`` are refused
   (``config.resolve``): FSDP's all-gathers and reduce-scatters do not go
   through edgetrain's compressors.

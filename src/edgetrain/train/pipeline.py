@@ -52,9 +52,10 @@ decoded mean (an all-reduce's sum, or every payload decoded and combined in
 rank order, the same on every device) through the same optimizer from the
 same start, so the replicas stay bit-identical, lossy compressor or not;
 ``finish`` checks it (a digest of each stage's parameters, all-gathered:
-``replicas_identical`` in the summary) before the gather takes replica 0's
-stages. BatchNorm running statistics are not all-reduced: each replica keeps
-its own, and the gathered model has replica 0's (as DDP broadcasts rank 0's).
+``replicas_identical`` in the summary); an evaluation's gather takes replica
+0's stages. BatchNorm running statistics are not all-reduced: each replica
+keeps its own; the evaluated model has replica 0's (as DDP broadcasts rank
+0's), the final checkpoint whichever replica's copy DCP keeps of each key.
 
 Accounting: the last stage scores the batch (loss, accuracy, samples); the
 other stages report zero samples, so sums over devices give the global
@@ -83,13 +84,16 @@ weights.
 Evaluation and checkpoint: before an evaluation each stage's owner
 broadcasts its layers' parameters and buffers (the others first give them
 storage), so every device evaluates the whole, current model on its shard
-of the test set. At ``finish`` only rank 0 receives the other stages'
-layers (sent point to point), and writes the whole model to checkpoint.pt;
-the other devices keep their stage only.
-A checkpoint during the run (``--checkpoint-every``, train/checkpoint.py)
-holds each device's own stage: its layers' state (``state_dict``) and its
-optimizer's; resuming restores each stage on its device, so the resumed run
-ends as the uninterrupted one (tests/train/test_pipeline.py).
+of the test set. Checkpoints never gather: every device writes its own
+stage (train/checkpoint.py, "Pooled strategies"), its layers' state under
+their names in the whole model and its optimizer's state by those names
+(``sharded_state``), with ``torch.distributed.checkpoint``: during the run
+into ``checkpoints/step-<N>/``, at the end into ``RUN_DIR/checkpoint/``
+(``edgetrain.load_checkpoint`` reads it back whole, model and every stage's
+optimizer state, in one process). Resuming restores each stage on its
+device, so the resumed run ends as the uninterrupted one
+(tests/train/test_sharded_checkpoint.py). With replicas every replica of a
+stage writes the same keys with the same values, which DCP writes once.
 
 Links (``--link``, or each device's link in the cluster file; virtual mode
 only): the step's virtual time comes from a timeline of the schedule as it
@@ -122,9 +126,9 @@ blocking hooks assume too.
 
 Limits: from the first evaluation on every device holds the whole model's
 weights, so the per-step peak memory shows the pooled saving only up to it
-(the memory benchmark runs without); at the end rank 0 holds the whole
-model (for checkpoint.pt) beside its stage's state, which the device
-summary's ``run_peak_rss_mb`` shows; ``--sync`` is refused, ``--compress``
+(the memory benchmark runs without); at the end no device receives another
+stage (each writes its own, above), so ``run_peak_rss_mb`` stays a stage's
+unless the run evaluates; ``--sync`` is refused, ``--compress``
 without replicas (one pipeline has no all-reduce to compress), and
 ``--link-mode enforced`` (nothing sleeps: the timeline above is the model); the
 broadcasts that gather the model for evaluation are not charged to the
