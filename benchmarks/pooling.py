@@ -36,9 +36,10 @@ are marked modelled.
   devices, then real runs: ddp on 2 devices (its per-device memory does not
   depend on their number past one, and 4 devices near 2 GB each would take
   more of the shared host than needed), fsdp and pipeline on 4. Per device:
-  peak RSS in the steps against the limit, and after the final exchange
-  (``run_peak_rss_mb``: a pooled model is gathered onto rank 0 for
-  checkpoint.pt there), throughput and bytes sent per step.
+  peak RSS in the steps against the limit, and after the end of the run
+  (``run_peak_rss_mb``: the final exchange and the final checkpoint, which
+  each device of a pooled run writes its own part of, ``RUN_DIR/checkpoint/``),
+  throughput and bytes sent per step.
 - *Largest on 4 devices*: the same search for each of ``--pooled``
   (pipeline, fsdp), from the width where the 3x target would be; a width
   "trains" when its steps stay under the limit (the loop's check). The
@@ -179,7 +180,7 @@ def attempt(cfg: dict, label: str) -> tuple[str, dict | None]:
     run_peaks = ", ".join(f"{d['run_peak_rss_mb']:,.0f}" for d in per)
     over_at_end = [d["rank"] for d in per if d["run_peak_rss_mb"] > LIMIT_MB]
     print(f"  {label}: trained {summary['steps']} steps (measured): peak RSS per device in the steps {steps_peaks} "
-          f"MiB of {LIMIT_MB:,}; after the final gather (checkpoint.pt on rank 0) {run_peaks} MiB"
+          f"MiB of {LIMIT_MB:,}; after the end (final checkpoint written) {run_peaks} MiB"
           + (f" (device {', '.join(map(str, over_at_end))} over its limit at the end)" if over_at_end else "")
           + f"; {summary['throughput_samples_per_s']:,.1f} samples/s (host speed, unthrottled); "
           f"{summary['bytes_sent_per_step_per_device'] / 1e6:,.1f} MB sent per device per step", flush=True)
@@ -265,7 +266,7 @@ def memory_benchmark(data_dir: str, steps: int, scratch: str, pooled: tuple[str,
         end_peak = max(d["run_peak_rss_mb"] for d in runs[low][1]["per_device"]) if low else float("nan")
         print(f"  largest with {strategy} on 4 devices: W {low} ({mlp_params(low) / 1e6:,.1f}M parameters) "
               f"trained; W {high} ({mlp_params(high) / 1e6:,.1f}M) did not ({how}); at W {low} the highest "
-              f"peak after the final gather was {end_peak:,.0f} MiB", flush=True)
+              f"peak after the end was {end_peak:,.0f} MiB", flush=True)
         four[strategy] = low
     best = max(four, key=four.get)
     ratio = mlp_params(four[best]) / mlp_params(one)

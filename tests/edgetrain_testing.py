@@ -45,3 +45,14 @@ class DigitsMlp(nn.Module):
 
     def forward(self, x):
         return self.body(x)
+
+
+def keys_written_by_rank(directory) -> dict[int, set[str]]:
+    """A directory of parts (train/checkpoint.py ``write_parts``): per rank, the keys whose data lies in that
+    rank's own DCP file, ``__<rank>_0.distcp``, as DCP's metadata says."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    written: dict[int, set[str]] = {}
+    for index, info in FileSystemReader(directory).read_metadata().storage_data.items():
+        written.setdefault(int(info.relative_path.split("_")[2]), set()).add(index.fqn)
+    return written

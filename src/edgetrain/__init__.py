@@ -5,6 +5,7 @@ Python API::
     import edgetrain
     summary = edgetrain.train({"model": "resnet18", "dataset": "cifar10", "data_dir": "...", "devices": 4})
     summary = edgetrain.train("config.yaml", model=MyNet(), devices=2)   # your own nn.Module
+    state = edgetrain.load_checkpoint(summary["run_dir"])  # the final model, whole: {"model", "optimizer", ...}
 
 ``edgetrain.train`` is the function; the training loop itself lives in the
 ``edgetrain.train`` subpackage (``from edgetrain.train.loop import run_worker``).
@@ -34,10 +35,11 @@ _LAZY = {
     "build_model": "edgetrain.models",
     "register_model": "edgetrain.models",
     "register_dataset": "edgetrain.data",
+    "load_checkpoint": "edgetrain.train.checkpoint",
 }
 
 __all__ = ["train", "TrainConfig", "load_config", "EdgetrainError", "build_model", "register_model",
-           "register_dataset", "__version__"]
+           "register_dataset", "load_checkpoint", "__version__"]
 
 
 def __getattr__(name: str):

@@ -130,7 +130,8 @@ class TrainConfig:
     tensorboard: bool = _opt(False, "also write TensorBoard event files to <run>/tensorboard/ (needs the tensorboard "
                              "package: pip install tensorboard)")
     checkpoint_every: int | None = _opt(None, "write a checkpoint every N steps (atomic; default: only the final "
-                                        "checkpoint.pt); SIGTERM then also stops with one", minimum=1)
+                                        "model, checkpoint.pt or, pipeline and fsdp, checkpoint/); SIGTERM then "
+                                        "also stops with one", minimum=1)
     checkpoint_every_s: float | None = _opt(None, "write a checkpoint every S seconds (rank 0's clock decides, "
                                             "the devices agree at the next step); with --checkpoint-every too, "
                                             "whichever comes first", minimum=1.0)

@@ -239,8 +239,8 @@ class DeviceSummary(Record):
     ``peak_rss_mb``: the highest peak resident set (VmHWM) at the end of a
     training step, what a profile's memory limit is checked against during
     the run; ``run_peak_rss_mb``: VmHWM after the strategy's final exchange
-    (``finish``: a pipeline's or fsdp's gather of the whole model onto rank 0
-    for checkpoint.pt), so the whole run up to the summary.
+    (``finish``) and the final checkpoint (a pipeline's or fsdp's devices each
+    write their own part of it), so the whole run up to the summary.
     """
 
     rank: int

@@ -6,12 +6,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from edgetrain import train
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from edgetrain import load_checkpoint, train
 from edgetrain.comm.compress.memory import DGCMemory, ResidualMemory
 from edgetrain.config import load_config
 from edgetrain.data import GlobalBatchSampler
 from edgetrain.errors import EdgetrainError
 from edgetrain.spec import CheckpointSpec
+from edgetrain.train import checkpoint
 from edgetrain.train.checkpoint import (Checkpointer, check_resumable, check_resume_devices, checkpoint_files,
                                         checkpoint_step, device_state_for, elastic_run_dir)
 from edgetrain_testing import FAST, run_cli
@@ -111,6 +115,69 @@ def test_a_write_that_dies_half_way_leaves_no_partial_checkpoint(tmp_path, monke
         checkpoints.save(2, {"step": 2}, {"weights": torch.ones(3)})
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000001.pt"]  # no temporary either
     assert torch.load(checkpoint_files(tmp_path)[0], weights_only=True)["step"] == 1
+
+
+class _WholePart:
+    """A pooled strategy's two hooks over a plain module on one device (whose part is all of it)."""
+
+    def __init__(self, seed: int):
+        torch.manual_seed(seed)
+        self.model = nn.Linear(3, 2)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9)
+        self.model(torch.randn(4, 3)).sum().backward()
+        self.optimizer.step()  # momentum to keep
+
+    def sharded_state(self, optimizer, final=False):
+        model, optim = get_state_dict(self.model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
+        return {"model": model, "optimizer": optim}
+
+    def load_sharded_state(self, state, optimizer):
+        set_state_dict(self.model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=StateDictOptions(flatten_optimizer_state_dict=True))
+
+
+def test_a_pooled_write_killed_half_way_leaves_the_previous_checkpoint_usable(tmp_path, monkeypatch):
+    writer = Checkpointer(CheckpointSpec(every_steps=1, keep=2), str(tmp_path), rank=0, world=1, timeout_s=5)
+    saved = _WholePart(0)
+    writer.save(1, {"step": 1}, {"note": "step 1"}, saved.sharded_state(saved.optimizer))
+    real_save = checkpoint.save_torch
+
+    def killed_before_the_rename(path, obj):
+        if path.name == "run.pt":  # every device's part is written, the directory not renamed yet
+            raise KeyboardInterrupt
+        real_save(path, obj)
+
+    monkeypatch.setattr(checkpoint, "save_torch", killed_before_the_rename)
+    later = _WholePart(1)
+    with pytest.raises(KeyboardInterrupt):
+        writer.save(2, {"step": 2}, {"note": "step 2"}, later.sharded_state(later.optimizer))
+    monkeypatch.setattr(checkpoint, "save_torch", real_save)
+    folder = tmp_path / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == [".step-00000002.tmp", "step-00000001"]
+    assert [checkpoint_step(p) for p in checkpoint_files(tmp_path)] == [1]
+    # Resuming removes the half-written parts and reads step 1's back into place, model and momentum.
+    reader = Checkpointer(CheckpointSpec(resume_dir=str(tmp_path)), None, rank=0, world=1, timeout_s=5)
+    run_state, mine = reader.load()
+    assert run_state["step"] == 1 and mine["note"] == "step 1"
+    assert sorted(p.name for p in folder.iterdir()) == ["step-00000001"]
+    resumed = _WholePart(2)
+    reader.load_sharded(resumed, resumed.optimizer, mine)
+    for a, b in zip([*saved.model.parameters(), *saved.optimizer.state.values()],
+                    [*resumed.model.parameters(), *resumed.optimizer.state.values()]):
+        a, b = (a["momentum_buffer"], b["momentum_buffer"]) if isinstance(a, dict) else (a, b)
+        assert torch.equal(a, b)
+    # The public loader reads a directory of parts whole, with the optimizer's state by parameter name.
+    whole = load_checkpoint(folder / "step-00000001")
+    assert torch.equal(whole["model"]["weight"], saved.model.weight) and whole["step"] == 1
+    assert torch.equal(whole["optimizer"]["state"]["bias"]["momentum_buffer"],
+                       saved.optimizer.state[saved.model.bias]["momentum_buffer"])
+    assert whole["optimizer"]["param_groups"][0]["params"] == ["weight", "bias"]
+    assert whole["optimizer"]["param_groups"][0]["lr"] == 0.1
+
+
+def test_load_checkpoint_of_a_run_that_did_not_finish_is_one_line(tmp_path):
+    with pytest.raises(EdgetrainError, match=r"holds no final checkpoint .*: the run did not finish; resume it"):
+        load_checkpoint(tmp_path)
 
 
 def test_resume_refuses_an_option_that_changes_the_training(tmp_path):

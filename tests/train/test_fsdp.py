@@ -8,13 +8,13 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from edgetrain_testing import FAST, on_devices
-from edgetrain import train
+from edgetrain import load_checkpoint, train
 from edgetrain.config import TrainConfig, resolve
 from edgetrain.errors import EdgetrainError
 
 
 def _checkpoint(summary):
-    return torch.load(Path(summary["run_dir"]) / "checkpoint.pt", weights_only=True)
+    return load_checkpoint(summary["run_dir"])  # ddp's checkpoint.pt, fsdp's checkpoint/ of every device's shards
 
 
 @pytest.mark.slow
@@ -28,7 +28,7 @@ def test_fsdp_gives_ddps_parameters_after_k_steps_and_counts_its_bytes(tmp_path)
     for key, value in ddp_state.items():
         if "running" not in key and "num_batches" not in key:  # DDP broadcasts rank 0's statistics each step
             assert torch.allclose(fsdp_state[key], value, rtol=1e-4, atol=1e-6), key
-    # The checkpoint is whole (gathered, plain tensors) and so is the optimizer's momentum.
+    # Read back whole (every device's shards joined, plain tensors), and so is the optimizer's momentum.
     assert all(type(v) is torch.Tensor for v in fsdp_state.values())
     assert fsdp_state["classifier.weight"].shape == (10, 128)
     momentum = _checkpoint(fsdp)["optimizer"]["state"]

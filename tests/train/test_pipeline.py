@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from edgetrain_testing import FAST, DigitsMlp
-from edgetrain import train
+from edgetrain_testing import FAST, DigitsMlp, keys_written_by_rank
+from edgetrain import load_checkpoint, train
 from edgetrain.config import TrainConfig, resolve
 from edgetrain.errors import EdgetrainError
 from edgetrain.models import register_model
@@ -34,7 +34,7 @@ def _model():
 
 
 def _weights(summary):
-    return torch.load(Path(summary["run_dir"]) / "checkpoint.pt", weights_only=True)["model"]
+    return load_checkpoint(summary["run_dir"])["model"]  # checkpoint.pt, or a pipeline's checkpoint/ of parts
 
 
 @pytest.mark.slow
@@ -49,8 +49,12 @@ def test_pipeline_gives_one_devices_parameters_after_k_steps_and_counts_each_cut
                           pipeline_schedule="1f1b", run_name="1f1b")}
     for name, summary in runs.items():
         assert summary["strategy"] == "pipeline" and summary["steps"] == steps, name
+        # read back whole by the public loader from every device's part (checkpoint/), model and optimizer
+        final = load_checkpoint(summary["run_dir"])
+        assert final["model"].keys() == one.keys() and final["step"] == steps, name
         for key, value in one.items():
-            assert torch.allclose(_weights(summary)[key], value, rtol=1e-5, atol=1e-6), (name, key)
+            assert torch.allclose(final["model"][key], value, rtol=1e-5, atol=1e-6), (name, key)
+        assert set(final["optimizer"]["state"]) == {k for k in one if k.endswith(("weight", "bias"))}, name
     # Each cut carries a (micro-batch x features) fp32 activation forwards and its gradient backwards.
     # Planned over 2 equal devices: the first Linear (the most FLOPs: 64 inputs) alone against the rest,
     # cut after it (HIDDEN features); stages 2,4: after the first Linear and after the second.
@@ -165,19 +169,23 @@ class TwoBigLayers(nn.Module):
 
 
 @pytest.mark.slow
-def test_at_the_end_only_rank_0_receives_the_other_stages_and_the_run_peak_shows_it(tmp_path):
+def test_at_the_end_each_device_writes_its_own_stage_and_receives_no_other(tmp_path):
     # Built by name, so each device builds it on meta and materialises its own stage only (models/init.py).
     register_model("two_big_layers", TwoBigLayers)
     # One micro-batch and no weight decay: a step then makes no layer-sized temporaries (accumulating a second
     # micro-batch's gradient, SGD's weight-decay term), which would hide a received layer under the steps' peak.
     summary = train(dict(model="two_big_layers", dataset="digits", steps=2, batch_size=16, microbatches=1, lr=0.01,
                          weight_decay=0.0, output=str(tmp_path), **FAST), devices=2, strategy="pipeline", stages="4")
-    first, second = summary["per_device"]
     layer_mb = BIG * BIG * 4 / 2**20
-    # rank 0 received stage 1's BIG x BIG layer after training, for checkpoint.pt: its run peak passes its steps'
-    assert first["run_peak_rss_mb"] >= first["peak_rss_mb"] + layer_mb / 2
-    # rank 1 received nothing (before: a broadcast gave it stage 0's layers too, 65 MiB more at the end)
-    assert second["run_peak_rss_mb"] < second["peak_rss_mb"] + layer_mb / 2
+    # Neither device received the other's BIG x BIG layer at the end (before: rank 0 gathered every stage for
+    # checkpoint.pt, 65 MiB more); each wrote its own stage into checkpoint/ (torch.distributed.checkpoint).
+    for device in summary["per_device"]:
+        assert device["run_peak_rss_mb"] < device["peak_rss_mb"] + layer_mb / 2, device["rank"]
+    written = keys_written_by_rank(Path(summary["run_dir"]) / summary["checkpoint"])
+    stage = {0: ("body.1.", "body.3."), 1: ("body.5.", "body.7.")}
+    assert set(written) == {0, 1}
+    for rank, keys in written.items():  # the model and its optimizer state: this device's stage's only
+        assert keys and all(any(p in key for p in stage[rank]) for key in keys), (rank, keys)
     weights = _weights(summary)
     assert [tuple(weights[f"body.{i}.weight"].shape) for i in (1, 3, 5, 7)] == [(BIG, 64), (BIG, BIG), (BIG, BIG),
                                                                                (10, BIG)]

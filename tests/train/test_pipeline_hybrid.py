@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from edgetrain_testing import FAST, DigitsMlp, on_devices
-from edgetrain import train
+from edgetrain import load_checkpoint, train
 from edgetrain.config import TrainConfig, resolve
 from edgetrain.errors import EdgetrainError
 from edgetrain.spec import get_link
@@ -25,7 +25,7 @@ def _model():
 
 
 def _weights(summary):
-    return torch.load(Path(summary["run_dir"]) / "checkpoint.pt", weights_only=True)["model"]
+    return load_checkpoint(summary["run_dir"])["model"]  # checkpoint.pt, or a pipeline's checkpoint/ of parts
 
 
 # stages "2": stage 0 is Flatten + Linear(64, H), stage 1 the rest

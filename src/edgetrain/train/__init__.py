@@ -30,7 +30,8 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     records it as ``module:QualName`` (config.yaml, summary.json), which a
     later run from that config refuses until the model is passed again.
     Each device trains its own copy of it: your object is left as it was, and
-    the trained weights are in ``<run_dir>/checkpoint.pt``.
+    the trained weights are in ``<run_dir>/checkpoint.pt`` (pipeline, fsdp: ``<run_dir>/checkpoint/``, every
+    device's part); ``edgetrain.load_checkpoint(run_dir)`` reads either back whole.
     ``strategy`` is the config's ``strategy`` key or a ``train.strategy.Strategy``
     subclass (defined at module level) to train with instead of a built-in one.
     """

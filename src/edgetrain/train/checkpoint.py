@@ -34,6 +34,54 @@ run. With ``--resume`` under torchrun every node reads the run's
 ``config.yaml`` (so every node needs the run directory, e.g. on a shared file
 system), and rank 0 alone reads the checkpoint.
 
+Pooled strategies (``Strategy.pooled``: pipeline, fsdp) hold a model no
+device could hold whole, so nothing is gathered: every device writes its own
+part, with PyTorch's ``torch.distributed.checkpoint`` (DCP), into a directory
+(``write_parts``):
+
+- ``checkpoints/step-<step>/`` during the run, ``checkpoint/`` for the final
+  model (written by every device after ``finish``, before the summary, so
+  ``run_peak_rss_mb`` counts it);
+- ``__<rank>_0.distcp``: device ``rank``'s tensors, ``Strategy.sharded_state``:
+  its stage's layers (pipeline) or its ``DTensor`` shard of every parameter
+  (fsdp), and its optimizer's state, all keyed by the whole model's names
+  (the optimizer's flattened per parameter, ``flatten_optimizer_state_dict``,
+  as torchtitan does for pipelines: no two devices write one key with
+  different values, which DCP would de-duplicate); ``.metadata``: DCP's index
+  of where each key's pieces are, written by rank 0 once every device's data
+  is written and synced;
+- ``device-<rank>.pt``: the device's own small state (``torch.save``, read
+  with ``weights_only``): what the list above names but the model and the
+  optimizer's tensors (RNG, records, scheduler, its optimizer's
+  hyper-parameters by parameter name; fsdp: its own BatchNorm statistics, as
+  each device keeps its own during the run);
+- ``run.pt``: the run's state (rank 0's), written last.
+
+Atomicity: rank 0 makes the hidden ``.step-<step>.tmp/`` (or
+``.checkpoint.tmp/``), a barrier, every device writes its files there, a
+second barrier (both bounded by ``--timeout``, as are DCP's own gathers over
+the run's gloo group), then rank 0 writes ``run.pt`` and renames the
+directory into place (one ``rename``) and prunes. A write killed at any
+point leaves the previous checkpoints whole and at most the hidden
+directory, which rank 0 removes when the run resumes (``remove_stale_parts``)
+or writes that name again. Resuming, rank 0 picks the newest checkpoint and
+broadcasts its ``run.pt`` and path; each device reads its own
+``device-<rank>.pt``, then, once its strategy and optimizer are built, its
+part of the model and optimizer (``load_sharded``: DCP reads into this
+device's tensors as they are laid out, a collective), so a resumed pooled
+run ends bit for bit as the uninterrupted one (tested,
+tests/train/test_sharded_checkpoint.py). What each device holds meanwhile is
+its part and the small state above, never another device's part; DCP's
+planning gathers one entry per tensor to rank 0 (bounded metadata).
+Limits: every device reads and writes the run directory, so under torchrun
+it must be on a file system every node shares at the same path (one line
+otherwise); another device count is refused (``check_resume_devices``; DCP
+could reshard the tensors, but the per-device state is not mapped yet);
+``.metadata`` is DCP's pickle, so a checkpoint directory is trusted input,
+like any file ``torch.load`` reads without ``weights_only``.
+``load_checkpoint`` reads either format back whole in one process (DCP with
+``no_dist``): the run's final model for users and tests.
+
 Another number of devices. A checkpoint written by N devices resumes on M
 (``--resume RUN_DIR --devices M``, or a torchrun restart with another node
 count): every device takes device 0's model, strategy state, optimizer,
@@ -101,15 +149,18 @@ the step; it keeps asynchronous devices within a step of each other.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
 import random
 import re
+import shutil
 import signal
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +168,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from edgetrain.cluster.peers import all_gather_json
 from edgetrain.comm.exchange import wait
 from edgetrain.errors import EdgetrainError
 from edgetrain.records import MembershipRecord
@@ -124,14 +176,25 @@ from edgetrain.report.files import remove_stale_temps, save_torch
 from edgetrain.spec import CheckpointSpec
 
 CHECKPOINT_DIR = "checkpoints"
-_NAME = re.compile(r"step-(\d+)\.pt")
+FINAL_FILE = "checkpoint.pt"  # the final model of a run whose devices each hold all of it
+FINAL_DIR = "checkpoint"      # the final model of a pooled run (pipeline, fsdp): every device's part
+RUN_FILE = "run.pt"           # in a directory of parts: the run's state, written by rank 0 last
+_NAME = re.compile(r"step-(\d+)(\.pt)?")
+_PARTS_TEMPORARY = ".tmp"     # .step-<N>.tmp/, .checkpoint.tmp/: parts being written, renamed when all are there
 
 
 def checkpoint_files(run_dir: str | Path) -> list[Path]:
-    """The run's checkpoints, oldest first (hidden temporaries of a killed write are not among them)."""
+    """The run's checkpoints, oldest first: ``step-<N>.pt`` files, or ``step-<N>/`` directories of the
+    devices' parts (a pooled strategy's); the hidden temporaries of a killed write are not among them."""
     folder = Path(run_dir) / CHECKPOINT_DIR
-    found = [(int(m.group(1)), p) for p in folder.glob("step-*.pt") if (m := _NAME.fullmatch(p.name))]
+    found = [(int(m.group(1)), p) for p in folder.glob("step-*")
+             if (m := _NAME.fullmatch(p.name)) and bool(m.group(2)) != p.is_dir()]
     return [p for _, p in sorted(found)]
+
+
+def device_file(rank: int) -> str:
+    """In a directory of parts: device ``rank``'s own small state (``torch.save``, read with weights_only)."""
+    return f"device-{rank}.pt"
 
 
 def checkpoint_step(path: Path) -> int:
@@ -165,12 +228,16 @@ def elastic_run_dir(output: str, run_name: str | None) -> Path | None:
 def check_resume_devices(run_dir: str | Path, devices: int, partitioned: bool) -> None:
     """One line if the run cannot go on with ``devices`` devices: with ``--partition`` each device's data
     is its own, so another device count would train on other data (before any device starts)."""
-    if not partitioned:
+    newest = checkpoint_files(run_dir)[-1]
+    parts = newest.is_dir()  # a pooled strategy's: each device wrote its own part
+    if not (partitioned or parts):
         return
-    written_by = _load(checkpoint_files(run_dir)[-1], mmap=True)["world"]
+    written_by = _load(newest / RUN_FILE) if parts else _load(newest, mmap=True)
+    written_by = written_by["world"]
     if written_by != devices:
-        raise EdgetrainError(f"the checkpoint in {run_dir} was written by {written_by} devices, each with its own "
-                             f"partition of the data; resume it with --devices {written_by}")
+        held = "its own part of the model (pipeline or fsdp)" if parts else "its own partition of the data"
+        raise EdgetrainError(f"the checkpoint in {run_dir} was written by {written_by} devices, each with {held}; "
+                             f"resume it with --devices {written_by}")
 
 
 def rng_state(device: torch.device) -> dict:
@@ -217,6 +284,7 @@ class Checkpointer:
         self.saved_step: int | None = None
         self._last_save = time.monotonic()
         self.departed_records: list[dict] = []  # step records of devices a resume with fewer left behind
+        self._shared: Path | None = None  # pooled strategies: the run directory every device writes its part into
 
     def due(self, step: int, start_step: int) -> bool:
         """Whether a checkpoint is written before ``step`` (every device calls this at every step)."""
@@ -252,9 +320,13 @@ class Checkpointer:
             signal.signal(signal.SIGTERM, self._previous)
             self._previous = None
 
-    def save(self, step: int, run_state: dict, device_state: dict) -> None:
-        """Every device: gather the devices' states on rank 0, which writes one file and prunes old ones."""
+    def save(self, step: int, run_state: dict, device_state: dict, sharded: dict | None = None) -> None:
+        """Every device: gather the devices' states on rank 0, which writes one file and prunes old ones; or,
+        with ``sharded`` (a pooled strategy's ``sharded_state``), every device writes its own part."""
         self.saved_step, self._last_save = step, time.monotonic()
+        if sharded is not None:
+            self._save_parts(step, run_state, device_state, sharded)
+            return
         mine = _to_bytes(device_state)
         states = [mine]
         if self.world > 1:
@@ -271,8 +343,37 @@ class Checkpointer:
         save_torch(self.run_dir / CHECKPOINT_DIR / f"step-{step:08d}.pt",
                    {**run_state, "world": self.world, "devices": [_from_bytes(s) for s in states],
                     "departed_records": self.departed_records})
+        self._prune()
+
+    def _prune(self) -> None:
         for old in checkpoint_files(self.run_dir)[:-self.spec.keep]:
-            old.unlink(missing_ok=True)
+            _remove(old)
+
+    def _save_parts(self, step: int, run_state: dict, device_state: dict, sharded: dict) -> None:
+        """A pooled strategy's checkpoint: ``checkpoints/step-<step>/``, every device's part (module docstring)."""
+        if self._shared is None:
+            self._shared = shared_run_dir(self.run_dir, self.world)
+        if self._shared is None:  # rank 0 has no run directory (a test's Checkpointer): nothing is written
+            return
+        tensors, rest = split_sharded(sharded)
+        write_parts(self._shared / CHECKPOINT_DIR / f"step-{step:08d}", tensors, {**device_state, "sharded": rest},
+                    {**run_state, "world": self.world, "departed_records": self.departed_records, "parts": True},
+                    self.rank, self.world, self.timeout_s)
+        if self.rank == 0:
+            self._prune()
+
+    def load_sharded(self, strategy, optimizer, mine: dict) -> None:
+        """Every device of a resumed pooled run, after ``setup`` and with its optimizer built: this device's part
+        of the model and optimizer read back from the checkpoint's directory (DCP, a collective) into place."""
+        import torch.distributed.checkpoint as dcp
+
+        template = strategy.sharded_state(optimizer)  # this device's tensors, as they are laid out now
+        tensors, _ = split_sharded(template)
+        with _one_process():
+            dcp.load(tensors, storage_reader=dcp.FileSystemReader(mine["parts_dir"]),
+                     no_dist=not _distributed(self.world))
+        strategy.load_sharded_state({part: {**tensors.get(part, {}), **mine["sharded"].get(part, {})}
+                                     for part in template}, optimizer)
 
     def load(self) -> tuple[dict | None, dict | None]:
         """Every device, before training: (the run's state, this device's state) from the newest checkpoint of
@@ -284,9 +385,14 @@ class Checkpointer:
         loading = time.perf_counter()
         data = torch.empty(0, dtype=torch.uint8)
         if self.rank == 0 and self.spec.resume_dir:
-            remove_stale_temps(Path(self.spec.resume_dir) / CHECKPOINT_DIR)  # a write the kill interrupted
-            data = torch.frombuffer(bytearray(checkpoint_files(self.spec.resume_dir)[-1].read_bytes()),
-                                    dtype=torch.uint8)
+            folder = Path(self.spec.resume_dir) / CHECKPOINT_DIR
+            remove_stale_temps(folder)  # a write the kill interrupted
+            remove_stale_parts(folder)
+            newest = checkpoint_files(self.spec.resume_dir)[-1]
+            if newest.is_dir():  # every device's part: rank 0 sends the run's state and where the parts are
+                data = _to_bytes({**_load(newest / RUN_FILE), "parts_dir": str(newest.resolve())})
+            else:
+                data = torch.frombuffer(bytearray(newest.read_bytes()), dtype=torch.uint8)
         if self.world > 1:
             size = torch.tensor([data.numel()], dtype=torch.int64)
             wait(dist.broadcast(size, src=0, async_op=True), self.timeout_s, "checkpoint size broadcast")
@@ -298,7 +404,9 @@ class Checkpointer:
             return None, None
         state = _from_bytes(data)
         self.departed_records = list(state.get("departed_records", []))
-        if state["world"] == self.world:
+        if state.get("parts"):
+            mine = self._own_part(state)
+        elif state["world"] == self.world:
             mine = state["devices"][self.rank]
         else:
             mine, dropped = device_state_for(state["devices"], self.rank, self.world)
@@ -312,6 +420,20 @@ class Checkpointer:
         if self.rank == 0 and self.run_dir is not None:
             record_membership(self.run_dir, state, self.world, time.perf_counter() - loading)
         return state, mine
+
+    def _own_part(self, state: dict) -> dict:
+        """A pooled run's checkpoint: this device's own small state, read from the shared directory (the model
+        and optimizer come later, ``load_sharded``)."""
+        if state["world"] != self.world:  # train() refuses it before any device starts; a torchrun restart too
+            raise EdgetrainError(f"the checkpoint of step {state['step']} was written by {state['world']} devices, "
+                                 f"each with its own part of the model; resume it with --devices {state['world']}")
+        parts = Path(state["parts_dir"])
+        path = parts / device_file(self.rank)
+        if not path.is_file():
+            raise EdgetrainError(f"device {self.rank} cannot read its part of the checkpoint, {path}: every device "
+                                 f"of a pipeline or fsdp run reads its own; put the run directory on a file system "
+                                 f"every node shares, at the same path")
+        return {**_load(path), "parts_dir": str(parts)}
 
 
 def device_state_for(saved: list[dict], rank: int, world: int) -> tuple[dict, list[str]]:
@@ -348,6 +470,167 @@ def _without_error_feedback(state: Any) -> tuple[Any, bool]:
             found |= inner
         out[key] = value
     return out, found
+
+
+def _distributed(world: int) -> bool:
+    return world > 1 and dist.is_available() and dist.is_initialized()
+
+
+@contextlib.contextmanager
+def _one_process():
+    """DCP without a process group (one device, or reading offline) warns that it assumes one process: it is."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def _barrier(world: int, timeout_s: float, what: str) -> None:
+    if _distributed(world):
+        wait(dist.barrier(async_op=True), timeout_s, what)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def remove_stale_parts(folder: str | Path) -> list[Path]:
+    """Delete the hidden directories of parts a killed write left (``.step-<N>.tmp/``); return them. Called
+    by rank 0 when a run resumes (no device of it writes then) and before each write of the same name."""
+    removed = [p for p in Path(folder).glob(f".*{_PARTS_TEMPORARY}") if p.is_dir()]
+    for p in removed:
+        shutil.rmtree(p, ignore_errors=True)
+    return removed
+
+
+def shared_run_dir(run_dir: str | Path | None, world: int) -> Path | None:
+    """Rank 0's run directory, on every device (a collective): pooled strategies write every device's part
+    there, so under torchrun, where only rank 0 is given it, it must be on a file system the nodes share."""
+    names = all_gather_json(str(run_dir) if run_dir else None) if _distributed(world) else [
+        str(run_dir) if run_dir else None]
+    return Path(names[0]) if names[0] else None
+
+
+def split_sharded(state: dict) -> tuple[dict, dict]:
+    """(its tensors, the rest) of a strategy's ``sharded_state`` (``{"model": {...}, "optimizer": {...}}``, keyed
+    by the whole model's names): the tensors go to DCP, the rest (the optimizer's hyper-parameters per
+    parameter) to the device's own file, so that DCP holds tensors only and no value it would deduplicate."""
+    tensors: dict = {}
+    rest: dict = {}
+    for part, values in state.items():
+        tensors[part], rest[part] = {}, {}
+        for key, value in values.items():
+            (tensors if isinstance(value, torch.Tensor) else rest)[part][key] = value
+    return tensors, rest
+
+
+def write_parts(target: Path, tensors: dict, own: dict, run: dict, rank: int, world: int, timeout_s: float) -> None:
+    """Every device (a collective): write this device's part of a checkpoint directory ``target`` atomically.
+
+    Rank 0 makes the hidden ``.<name>.tmp/`` beside ``target`` (removing one a killed write left); after a
+    barrier every device writes its tensors there with ``torch.distributed.checkpoint.save`` (its own
+    ``__<rank>_0.distcp``; rank 0 adds DCP's ``.metadata`` once every device's data is written and synced) and its
+    ``own`` small state as ``device-<rank>.pt``; after a second barrier rank 0 writes ``run`` as ``run.pt`` and
+    renames the directory to ``target``. Every barrier and DCP's collectives are bounded by the run's timeout."""
+    import torch.distributed.checkpoint as dcp
+
+    temporary = target.parent / f".{target.name}{_PARTS_TEMPORARY}"
+    if rank == 0:
+        shutil.rmtree(temporary, ignore_errors=True)
+        temporary.mkdir(parents=True)
+    _barrier(world, timeout_s, "checkpoint directory barrier")
+    if not temporary.is_dir():
+        raise EdgetrainError(f"device {rank} cannot see the checkpoint directory {temporary} that device 0 made: "
+                             f"every device of a pipeline or fsdp run writes its own part there; put the run "
+                             f"directory (--output) on a file system every node shares, at the same path")
+    with _one_process():
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(temporary), no_dist=not _distributed(world))
+    save_torch(temporary / device_file(rank), own)
+    _barrier(world, timeout_s, "checkpoint parts barrier")  # every part is on disk
+    if rank == 0:
+        save_torch(temporary / RUN_FILE, run)
+        if target.exists():  # the same step written again (a timed checkpoint at the step a run resumed from)
+            old = target.parent / f".{target.name}.old{_PARTS_TEMPORARY}"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(target, old)
+            os.replace(temporary, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(temporary, target)
+
+
+def save_final_parts(run_dir: str | Path | None, sharded: dict, step: int, config: dict, rank: int, world: int,
+                     timeout_s: float) -> None:
+    """Every device of a pooled run, at its end: the final model and optimizer as ``RUN_DIR/checkpoint/``, each
+    device writing its own part (``write_parts``); ``load_checkpoint`` reads it back whole in one process."""
+    directory = shared_run_dir(run_dir, world)
+    if directory is None:
+        return
+    tensors, rest = split_sharded(sharded)
+    write_parts(directory / FINAL_DIR, tensors, {"sharded": rest},
+                {"step": step, "config": config, "world": world, "parts": True}, rank, world, timeout_s)
+
+
+def load_checkpoint(path: str | Path) -> dict:
+    """A run's final model, whole, in this process: ``{"model", "optimizer", "step", "config"}``.
+
+    ``path``: a run directory, its ``checkpoint.pt`` or its ``checkpoint/`` directory (a pipeline's or fsdp's
+    run: every device's part), or an in-run ``checkpoints/step-<N>/`` directory of one. ``model`` maps each
+    parameter's and buffer's name in the whole model to its tensor; ``optimizer`` is keyed by those names
+    for a pooled run (``{"state": {name: {...}}, "param_groups": [{..., "params": [names]}]}``, as
+    ``torch.distributed.checkpoint.state_dict.get_state_dict`` gives it) and as ``optimizer.state_dict()``
+    otherwise. Tensors are read with ``weights_only``; a directory's ``.metadata`` is DCP's own pickle, so
+    read only checkpoints you trust."""
+    path = Path(path)
+    if path.is_dir() and (path / FINAL_FILE).is_file():
+        path = path / FINAL_FILE
+    elif path.is_dir() and (path / FINAL_DIR / RUN_FILE).is_file():
+        path = path / FINAL_DIR
+    if path.is_file():
+        return _load(path)
+    if (path / RUN_FILE).is_file():
+        return _read_parts(path)
+    raise EdgetrainError(f"{path} holds no final checkpoint ({FINAL_FILE}, or {FINAL_DIR}/ for a pipeline or fsdp "
+                         f"run): the run did not finish; resume it with edgetrain train --resume RUN_DIR, or give "
+                         f"a run directory that finished")
+
+
+def _read_parts(folder: Path) -> dict:
+    """Every device's part of ``folder`` (``write_parts``) joined into one whole state (``load_checkpoint``)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(folder)
+    metadata = reader.read_metadata()
+    flat = {key: torch.empty(entry.size, dtype=entry.properties.dtype)
+            for key, entry in metadata.state_dict_metadata.items() if isinstance(entry, TensorStorageMetadata)}
+    with _one_process():
+        dcp.load(flat, storage_reader=reader, no_dist=True)  # DCP joins the shards of every device
+    parts: dict = {"model": {}, "optimizer": {}}
+    for key, tensor in flat.items():
+        part, name = metadata.planner_data[key]
+        parts[part][name] = tensor
+    hyper: dict = {}
+    for own in sorted(folder.glob("device-*.pt")):
+        hyper.update(_load(own)["sharded"].get("optimizer", {}))
+    state: dict = {}
+    for key, tensor in parts["optimizer"].items():  # state.<parameter name>.<its state's key>
+        name, item = key[len("state."):].rsplit(".", 1)
+        state.setdefault(name, {})[item] = tensor
+    groups: list[dict] = []
+    by_name: dict = {}
+    for key, value in hyper.items():  # param_groups.<parameter name>.<hyper-parameter>
+        name, item = key[len("param_groups."):].rsplit(".", 1)
+        by_name.setdefault(name, {})[item] = value
+    for name in [n for n in parts["model"] if n in by_name] + [n for n in by_name if n not in parts["model"]]:
+        settings = by_name[name]
+        if not groups or {k: v for k, v in groups[-1].items() if k != "params"} != settings:
+            groups.append({**settings, "params": []})
+        groups[-1]["params"].append(name)
+    return {**_load(folder / RUN_FILE), "model": parts["model"],
+            "optimizer": {"state": state, "param_groups": groups}}
 
 
 MEMBERSHIP_FILE = "membership.jsonl"

@@ -63,22 +63,26 @@ same weights as one device or DDP. A model passed built
 The throttle's reference pass is skipped (``calibration_batch`` None): it
 would need the whole model.
 
-Checkpoints during the run (``--checkpoint-every``, train/checkpoint.py):
-each device's sharded state, as FSDP2 gives it (``state_dict()`` of the
-sharded model and of the optimizer: ``DTensor`` shards, the state
-``torch.distributed.checkpoint`` would save), inside edgetrain's one atomic
-file per checkpoint rather than DCP's directory of per-rank files, so that
-the write-then-rename protocol, pruning and ``--resume`` stay one for every
-strategy. Resuming, each device loads its own shards back with the same
-number of devices (the file says how many wrote it), and the resumed run
-ends as the uninterrupted one (tests/train/test_fsdp.py). The final
-checkpoint.pt stays the whole, gathered state.
+Checkpoints (train/checkpoint.py, "Pooled strategies"): every device writes
+its own shards with ``torch.distributed.checkpoint`` (DCP), nothing is
+gathered. ``sharded_state`` is ``get_state_dict`` of the sharded model and
+optimizer (``DTensor`` shards, the optimizer's state flattened per parameter
+name), into ``checkpoints/step-<N>/`` during the run, where each device's
+BatchNorm statistics (plain tensors, its own with ``--batchnorm local``) go
+to its own small file instead (``state_dict``: DCP would keep one device's);
+and at the end, after ``finish`` broadcast rank 0's statistics, with them
+into ``RUN_DIR/checkpoint/``, which ``edgetrain.load_checkpoint`` reads
+back whole (DCP joins the shards) in one process. Resuming, each device
+reads its own shards back into place with the same number of devices (the
+checkpoint says how many wrote it; another count is refused), and the
+resumed run ends as the uninterrupted one
+(tests/train/test_sharded_checkpoint.py).
 
 Limits:
 
-- steps hold a shard plus the largest gathered unit (and its gradient);
-- ``finish`` gathers the whole model and optimizer state on rank 0 for the
-  checkpoint (plain tensors, ``torch.load(weights_only=True)`` reads it);
+- steps hold a shard plus the largest gathered unit (and its gradient); the
+  final checkpoint adds, per device, at most one tensor's copy at a time (DCP
+  copies a shard that is a view of a larger buffer before writing it);
 - ``--compress`` and ``--sync`` other than ``sync`` are refused
   (``config.resolve``): FSDP's all-gathers and reduce-scatters do not go
   through edgetrain's compressors.
@@ -86,13 +90,12 @@ Limits:
 from __future__ import annotations
 
 import copy
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
@@ -102,6 +105,8 @@ from edgetrain.comm.accounting import ring_allgather_bytes, ring_allreduce_bytes
 from edgetrain.comm.emulation import LinkEmulator
 from edgetrain.models.init import initialised_layers, is_meta, materialise
 from edgetrain.train.strategy import STRATEGIES, DataParallel, StepResult, Strategy
+
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)  # one key per parameter and state (checkpoints)
 
 
 def sharding_units(model: nn.Module) -> list[nn.Module]:
@@ -169,6 +174,7 @@ class FullyShardedDataParallel(Strategy):
     """Data parallel over the batch, with the model's state sharded over the devices (FSDP2)."""
 
     name = "fsdp"
+    pooled = True
 
     adapt = DataParallel.adapt  # --batchnorm sync: CrossDeviceBatchNorm2d, as in data parallelism
 
@@ -196,14 +202,11 @@ class FullyShardedDataParallel(Strategy):
             for tensor in [*model.parameters(), *model.buffers()]:
                 dist.broadcast(tensor.to_local() if isinstance(tensor, DTensor) else tensor.data, src=0)
         self.model = model
-        self.optimizer: torch.optim.Optimizer | None = None  # the loop's, seen at the first step
-        self.checkpoint: dict | None = None
-        self.final_gather_s: float | None = None
+        self.finished = False
 
     def train_step(self, x, y, optimizer) -> StepResult:
         c = self.context
         busy_before = c.stats.snapshot()["comm_s"]
-        self.optimizer = optimizer
         self.clock.emulator.start_step()
         optimizer.zero_grad(set_to_none=True)
         out = self.model(x)
@@ -217,20 +220,34 @@ class FullyShardedDataParallel(Strategy):
                           self.clock.step_metrics())
 
     def finish(self) -> None:
-        if self.checkpoint is not None:
+        if self.finished:
             return
+        self.finished = True
         self.clock.finish()
-        for buffer in self.model.buffers():
+        for buffer in self.model.buffers():  # rank 0's BatchNorm statistics: the final model's
             dist.broadcast(buffer.data, src=0)
-        # collective: every device sends its shards, rank 0 keeps the whole state (on CPU) for the checkpoint
-        started = time.perf_counter()
-        model_state, optimizer_state = get_state_dict(
-            self.model, self.optimizer or [], options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        self.checkpoint = {"model": model_state, "optimizer": optimizer_state}
-        self.final_gather_s = time.perf_counter() - started
+        # nothing is gathered: every device writes its own shards (sharded_state)
 
-    def checkpoint_state(self, optimizer) -> dict:
-        return self.checkpoint
+    def sharded_state(self, optimizer, final: bool = False) -> dict:
+        # DTensor shards, as FSDP2 holds them; the optimizer's state flattened by parameter name
+        model, optim = get_state_dict(self.model, optimizer, options=FLAT)
+        if not final:  # during the run each device's own BatchNorm statistics: in state_dict, its own file
+            model = {key: value for key, value in model.items() if isinstance(value, DTensor)}
+        return {"model": model, "optimizer": optim}
+
+    def load_sharded_state(self, state: dict, optimizer) -> None:
+        set_state_dict(self.model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=StateDictOptions(flatten_optimizer_state_dict=True, strict=False))
+
+    def state_dict(self) -> dict:
+        """This device's buffers (BatchNorm statistics: each device's own, as with DDP's local BatchNorm);
+        its shards and optimizer state are its part of the checkpoint (``sharded_state``)."""
+        return {"buffers": {name: b.detach().clone() for name, b in self.model.named_buffers()}}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        for name, buffer in self.model.named_buffers():
+            buffer.copy_(state["buffers"][name])
 
     @property
     def eval_model(self) -> nn.Module:
@@ -240,7 +257,7 @@ class FullyShardedDataParallel(Strategy):
         units = sharding_units(self.model)
         shard = sum(p.to_local().numel() for p in self.model.parameters())
         return {**clock_summary(self.clock), "sync": "fsdp",
-                "fsdp": {"units": len(units) + 1, "final_gather_s": self.final_gather_s, "shard_parameters": shard}}
+                "fsdp": {"units": len(units) + 1, "shard_parameters": shard}}
 
 
 def clock_summary(clock) -> dict:

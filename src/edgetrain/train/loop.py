@@ -96,7 +96,8 @@ from edgetrain.models.init import build_on_meta
 from edgetrain.records import DeviceSummary, EvalRecord, MembershipRecord, RunSummary, StepRecord
 from edgetrain.report.files import atomic_write, save_torch, write_json
 from edgetrain.spec import RunSpec
-from edgetrain.train.checkpoint import Checkpointer, resume_hint, rng_state, set_rng_state
+from edgetrain.train.checkpoint import (FINAL_DIR, FINAL_FILE, Checkpointer, resume_hint, rng_state,
+                                        save_final_parts, set_rng_state)
 from edgetrain.train.elastic import Elastic
 from edgetrain.train.strategy import StepResult, Strategy, StrategyContext, registered_strategy
 from edgetrain.train.tensorboard_log import TensorBoardLog, write_missing_devices
@@ -331,12 +332,14 @@ class RunWriter:
     def summary(self, cfg: TrainConfig, strategy: Strategy, optimizer, per_device: list[DeviceSummary], train_totals,
                 evals: list[EvalRecord], params, data, world, local_batches, steps, wall_s, flops_per_sample,
                 partition: PartitionReport | None = None, membership: list[MembershipRecord] | None = None) -> dict:
-        """Rank 0, last: checkpoint.pt and summary.json; returns the summary as written."""
+        """Rank 0, last: checkpoint.pt (a pooled strategy's devices wrote checkpoint/ already) and summary.json;
+        returns the summary as written."""
         run_dir = self.run_dir
         for d in per_device:
             d.details.update(achieved(flops_per_sample["total_flops"], d.samples_per_s, d.details.get("peak_gflops")))
-        save_torch(run_dir / "checkpoint.pt", {**strategy.checkpoint_state(optimizer), "step": steps,
-                                               "config": cfg.to_dict()})
+        if not strategy.pooled:
+            save_torch(run_dir / FINAL_FILE, {**strategy.checkpoint_state(optimizer), "step": steps,
+                                              "config": cfg.to_dict()})
         step_s = sum(d.step_s for d in per_device) / world
         split = {k: sum(getattr(d, f"{k}_s") for d in per_device) / world for k in ("data", "compute", "comm")}
         last = evals[-1] if evals else None
@@ -357,7 +360,8 @@ class RunWriter:
             bytes_sent_total=bytes_sent, bytes_recv_total=sum(d.bytes_recv for d in per_device),
             bytes_sent_per_step_per_device=bytes_sent / max(steps, 1) / world,
             peak_rss_mb_max=max(d.peak_rss_mb for d in per_device),
-            wall_time_s=wall_s, batchnorm=cfg.batchnorm, per_device=per_device, checkpoint="checkpoint.pt",
+            wall_time_s=wall_s, batchnorm=cfg.batchnorm, per_device=per_device,
+            checkpoint=FINAL_DIR if strategy.pooled else FINAL_FILE,
             details={**strategy.summary(), **data.details, **({"partition": partition.to_dict()} if partition else {})},
         ).to_dict()
         write_json(run_dir / "summary.json", summary)
@@ -457,7 +461,10 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
     epoch_loss = epoch_correct = epoch_seen = 0.0
     if mine:
         strategy.load_state_dict(mine["strategy"])
-        optimizer.load_state_dict(mine["optimizer"])
+        if strategy.pooled:  # this device's part, from the checkpoint's directory (DCP; a collective)
+            checkpoints.load_sharded(strategy, optimizer, mine)
+        else:
+            optimizer.load_state_dict(mine["optimizer"])
         scheduler.load_state_dict(mine["scheduler"])
         records = [StepRecord.from_dict(r) for r in mine["records"]]
         evals = [EvalRecord.from_dict(e) for e in run_state["evals"]]
@@ -483,10 +490,13 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
                 checkpoints.save(step, {
                     "step": step, "epoch": epoch, "evals": [e.to_dict() for e in evals],
                     "wall_s": time.perf_counter() - started, "config": cfg.to_dict()}, {
-                    "strategy": strategy.state_dict(), "optimizer": optimizer.state_dict(),
+                    "strategy": strategy.state_dict(),
+                    # a pooled strategy's optimizer state is in its part (sharded_state), not in every device's
+                    **({} if strategy.pooled else {"optimizer": optimizer.state_dict()}),
                     "scheduler": scheduler.state_dict(), "rng": rng_state(at.device),
                     "records": [r.to_dict() for r in records], "epoch_totals": [epoch_loss, epoch_correct, epoch_seen],
-                    "ema_loss": ema_loss, "throttle": _throttle_state(throttle)})
+                    "ema_loss": ema_loss, "throttle": _throttle_state(throttle)},
+                    strategy.sharded_state(optimizer) if strategy.pooled else None)
                 if checkpoints.stopped:
                     break
             # EDGETRAIN_FAULT, for tests and chaos runs
@@ -536,15 +546,19 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
         bar.close()
     strategy.finish()  # no-op if the last epoch already called it
     writer.close()
+    if strategy.pooled:  # every device writes its own part of the final model: RUN_DIR/checkpoint/
+        save_final_parts(run_dir, strategy.sharded_state(optimizer, final=True), step, cfg.to_dict(), rank, world,
+                         spec.timeout_s)
 
     train_totals = torch.tensor([epoch_loss, epoch_correct, epoch_seen], dtype=torch.float64)
     mine = _device_summary(records, at, local_batches[rank], throttle)
     if limit_mb is not None and mine.run_peak_rss_mb > limit_mb:
-        # Warned, not raised: training is done and rank 0 still writes checkpoint.pt; but a real device of this
-        # size would not have survived the final exchange (a pooled model gathered whole onto rank 0), and the
-        # summary says so (run_peak_rss_mb) rather than only the steps' peak, which stayed under the limit.
+        # Warned, not raised: training is done and the final model is written; but a real device of this size
+        # would not have survived the end of the run (an evaluation gathers a pooled model whole on every
+        # device), and the summary says so (run_peak_rss_mb) rather than only the steps' peak.
         print(f"edgetrain: warning: {at.me.label} went over its memory at the end of the run: peak "
-              f"{mine.run_peak_rss_mb:.0f} MiB > its {limit_mb} MiB after the final exchange ({strategy.name}); "
+              f"{mine.run_peak_rss_mb:.0f} MiB > its {limit_mb} MiB after the final exchange and checkpoint "
+              f"({strategy.name}); "
               f"its training steps peaked at {mine.peak_rss_mb:.0f} MiB", file=sys.stderr, flush=True)
     if world > 1:
         dist.all_reduce(train_totals)
@@ -608,7 +622,7 @@ def _device_summary(records: list[StepRecord], at: DeviceSetup, local_batch: int
         comm_busy_s=None if any(r.comm_busy_s is None for r in timed) else mean("comm_busy_s"),
         bytes_sent=sum(r.bytes_sent for r in records), bytes_recv=sum(r.bytes_recv for r in records),
         peak_rss_mb=max((r.peak_rss_mb for r in records), default=peak_rss_mb()),
-        run_peak_rss_mb=peak_rss_mb(),  # called after strategy.finish(): the final gather included
+        run_peak_rss_mb=peak_rss_mb(),  # called after strategy.finish() and the final checkpoint's write
         throttle_slept_s=throttle.slept if throttle else 0.0,
         # Measured: CPU time of a warm unthrottled forward + backward pass, and how much more the throttled
         # ones cost (median); the throttle divides charged CPU time by the latter.

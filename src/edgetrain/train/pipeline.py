@@ -52,9 +52,10 @@ decoded mean (an all-reduce's sum, or every payload decoded and combined in
 rank order, the same on every device) through the same optimizer from the
 same start, so the replicas stay bit-identical, lossy compressor or not;
 ``finish`` checks it (a digest of each stage's parameters, all-gathered:
-``replicas_identical`` in the summary) before the gather takes replica 0's
-stages. BatchNorm running statistics are not all-reduced: each replica keeps
-its own, and the gathered model has replica 0's (as DDP broadcasts rank 0's).
+``replicas_identical`` in the summary); an evaluation's gather takes replica
+0's stages. BatchNorm running statistics are not all-reduced: each replica
+keeps its own; the evaluated model has replica 0's (as DDP broadcasts rank
+0's), the final checkpoint whichever replica's copy DCP keeps of each key.
 
 Accounting: the last stage scores the batch (loss, accuracy, samples); the
 other stages report zero samples, so sums over devices give the global
@@ -83,13 +84,16 @@ weights.
 Evaluation and checkpoint: before an evaluation each stage's owner
 broadcasts its layers' parameters and buffers (the others first give them
 storage), so every device evaluates the whole, current model on its shard
-of the test set. At ``finish`` only rank 0 receives the other stages'
-layers (sent point to point), and writes the whole model to checkpoint.pt;
-the other devices keep their stage only.
-A checkpoint during the run (``--checkpoint-every``, train/checkpoint.py)
-holds each device's own stage: its layers' state (``state_dict``) and its
-optimizer's; resuming restores each stage on its device, so the resumed run
-ends as the uninterrupted one (tests/train/test_pipeline.py).
+of the test set. Checkpoints never gather: every device writes its own
+stage (train/checkpoint.py, "Pooled strategies"), its layers' state under
+their names in the whole model and its optimizer's state by those names
+(``sharded_state``), with ``torch.distributed.checkpoint``: during the run
+into ``checkpoints/step-<N>/``, at the end into ``RUN_DIR/checkpoint/``
+(``edgetrain.load_checkpoint`` reads it back whole, model and every stage's
+optimizer state, in one process). Resuming restores each stage on its
+device, so the resumed run ends as the uninterrupted one
+(tests/train/test_sharded_checkpoint.py). With replicas every replica of a
+stage writes the same keys with the same values, which DCP writes once.
 
 Links (``--link``, or each device's link in the cluster file; virtual mode
 only): the step's virtual time comes from a timeline of the schedule as it
@@ -122,9 +126,9 @@ blocking hooks assume too.
 
 Limits: from the first evaluation on every device holds the whole model's
 weights, so the per-step peak memory shows the pooled saving only up to it
-(the memory benchmark runs without); at the end rank 0 holds the whole
-model (for checkpoint.pt) beside its stage's state, which the device
-summary's ``run_peak_rss_mb`` shows; ``--sync`` is refused, ``--compress``
+(the memory benchmark runs without); at the end no device receives another
+stage (each writes its own, above), so ``run_peak_rss_mb`` stays a stage's
+unless the run evaluates; ``--sync`` is refused, ``--compress``
 without replicas (one pipeline has no all-reduce to compress), and
 ``--link-mode enforced`` (nothing sleeps: the timeline above is the model); the
 broadcasts that gather the model for evaluation are not charged to the
@@ -145,6 +149,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                     set_optimizer_state_dict)
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from edgetrain.cluster.peers import all_gather_json
@@ -164,6 +170,7 @@ from edgetrain.train.fsdp import clock_summary
 from edgetrain.train.strategy import STRATEGIES, StepResult, Strategy
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)  # one key per parameter and state (checkpoints)
 
 
 class TimedStage(PipelineStage):
@@ -197,6 +204,7 @@ class Pipeline(Strategy):
     """The model's layers in stages over the devices (``torch.distributed.pipelining``)."""
 
     name = "pipeline"
+    pooled = True
     shard_data = False  # every stage gets its replica's whole batch; the schedule cuts it into micro-batches
 
     def data_share(self, local_batches: list[int]) -> tuple[list[int], int]:
@@ -441,34 +449,13 @@ class Pipeline(Strategy):
                     dist.broadcast(tensor.data, src=stage)
         self.stale = False
 
-    def gather_to_first(self) -> None:
-        """Rank 0 alone receives every other stage's layers (point to point from their owners), for checkpoint.pt.
-
-        Not a broadcast: the other devices have no use for the whole model after training (an evaluation
-        gathers it itself), and a broadcast would make each of them hold it, which a model pooled over
-        devices because it does not fit one would not survive."""
-        c = self.context
-        for stage, (first, end) in enumerate(self.bounds[1:], start=1):
-            if c.rank not in (0, stage):
-                continue
-            for _, layer in self.layers[first:end]:
-                if c.rank == 0 and any(is_meta(m) for m in layer.modules()):
-                    layer.to_empty(device=c.device)
-                for tensor in [*layer.parameters(), *layer.buffers()]:
-                    if c.rank == 0:
-                        dist.recv(tensor.data, src=stage)
-                    else:
-                        dist.send(tensor.data, dst=0)
-
     def finish(self) -> None:
         if self.finished:
             return
         self.finished = True
         if self.replicas > 1 and self.replicas_identical is None:
             self.replicas_identical = self._replicas_agree()
-        if self.stale:
-            self.gather_to_first()  # the other devices' copies stay stale: an evaluation broadcasts anew
-        self.clock.finish()
+        self.clock.finish()  # nothing is gathered: every device writes its own stage (sharded_state)
 
     def _replicas_agree(self) -> bool:
         """Whether every stage's D replicas hold bit-identical parameters (every device: one all-gather).
@@ -487,15 +474,22 @@ class Pipeline(Strategy):
         return _GatheredForEvaluation(self)
 
     def state_dict(self) -> dict:
-        return {"model": self.stage_module.state_dict()}  # this stage's layers: what this device trains
+        return {}  # this stage's layers and optimizer state are its part of the checkpoint: sharded_state
 
     def load_state_dict(self, state: dict) -> None:
-        self.stage_module.load_state_dict(state["model"])
         self.stale = True  # the other stages' layers are gathered anew before an evaluation
 
-    def checkpoint_state(self, optimizer) -> dict:
-        # the optimizer state is this stage's (rank 0's): whole models, per-stage optimizers
-        return {"model": self.whole.state_dict(), "optimizer": optimizer.state_dict()}
+    def sharded_state(self, optimizer, final: bool = False) -> dict:
+        # this stage's layers under their names in the whole model, and its optimizer's state by those names
+        first, end = self.bounds[self.stage_index]
+        model = {f"{name}.{key}": value for name, layer in self.layers[first:end]
+                 for key, value in layer.state_dict().items()}
+        return {"model": model, "optimizer": get_optimizer_state_dict(self.whole, optimizer, options=FLAT)}
+
+    def load_sharded_state(self, state: dict, optimizer) -> None:
+        self.whole.load_state_dict(state["model"], strict=False)  # this stage's layers only
+        set_optimizer_state_dict(self.whole, optimizer, state["optimizer"], options=FLAT)
+        self.stale = True
 
     def summary(self) -> dict:
         p = self.context.spec.pipeline

@@ -17,6 +17,7 @@ drives a ``Strategy`` the same way for every kind, on every device::
     strategy.summary()              # extra fields for summary.json (RunSummary.details)
     strategy.state_dict()           # what a checkpoint holds (default: the model); load_state_dict after setup
     strategy.checkpoint_state(opt)  # rank 0: model and optimizer state for checkpoint.pt
+    strategy.sharded_state(opt)     # pooled strategies (``pooled``), every device: its part, for its own files
 
 ``shard_data`` says what the sampler hands each device: its own share of the
 global batch (``local_batches[rank]``, data parallel) or the whole global
@@ -34,8 +35,12 @@ to ``STRATEGIES`` and is named in ``_STRATEGY_MODULES`` at the end of this
 one (``fsdp.py``, ``pipeline.py``: ``registered_strategy`` imports it when a
 run asks for it); ``edgetrain.train.train(strategy=Cls)`` runs one that is not
 registered (tests/train/test_strategy.py trains with one written there).
-``checkpoint_state`` is the one hook a sharded strategy needs beyond these:
-the whole model's state, which only it can gather.
+A strategy whose devices each hold only part of the model (``pooled``:
+pipeline, fsdp) never gathers it whole: instead of ``checkpoint_state``,
+``sharded_state`` gives this device's part of the model and optimizer keyed
+by the whole model's names, which every device writes itself
+(train/checkpoint.py: ``checkpoints/step-<N>/`` during the run,
+``checkpoint/`` at its end), and ``load_sharded_state`` takes it back.
 """
 from __future__ import annotations
 
@@ -90,6 +95,7 @@ class Strategy(abc.ABC):
 
     name = "strategy"
     shard_data = True
+    pooled = False  # True: each device holds only its part of the model; checkpoints are every device's part
 
     def __init__(self, context: StrategyContext):
         self.context = context
@@ -150,8 +156,20 @@ class Strategy(abc.ABC):
         self.setup(self.eval_model)
 
     def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> dict:
-        """Rank 0, after ``finish``: the whole model's and optimizer's state for checkpoint.pt."""
+        """Rank 0, after ``finish``: the whole model's and optimizer's state for checkpoint.pt (not ``pooled``)."""
         return {"model": self.eval_model.state_dict(), "optimizer": optimizer.state_dict()}
+
+    def sharded_state(self, optimizer: torch.optim.Optimizer, final: bool = False) -> dict:
+        """A ``pooled`` strategy, every device: ``{"model": {name: tensor}, "optimizer": {key: value}}``, this
+        device's part only, keyed by the whole model's names (the optimizer's flattened as
+        ``torch.distributed.checkpoint.state_dict`` does with ``flatten_optimizer_state_dict``: one key per
+        parameter and state, so no two devices write the same key with different values). ``final``: after
+        ``finish``, for the run's final model."""
+        raise NotImplementedError(f"strategy {self.name} holds the whole model on every device: checkpoint_state")
+
+    def load_sharded_state(self, state: dict, optimizer: torch.optim.Optimizer) -> None:
+        """A ``pooled`` strategy: ``sharded_state``'s dict, read back, into this device's part (after ``setup``)."""
+        raise NotImplementedError(f"strategy {self.name} holds the whole model on every device")
 
 
 class DataParallel(Strategy):
