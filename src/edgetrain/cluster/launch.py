@@ -1,6 +1,6 @@
 """Starting the devices of a run.
 
-*Emulated*: ``launch_local`` spawns one process per device on this host, with
+*Emulated*: ``launch_local`` starts one process per device on this host, with
 the same environment ``torchrun`` gives its workers (``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), so the worker code is the
 same in both cases. It then watches them: the first device to fail stops the
@@ -25,9 +25,23 @@ exception, so its ``finally`` blocks and atexit hooks run (temporary files
 removed, loader workers joined, no leaked semaphores). The launcher stops the
 devices with SIGCONT + SIGTERM, waits ``_STOP_GRACE_S``, then SIGKILLs each
 device's process group. If the launcher itself dies (SIGKILL, OOM killer),
-Linux sends every device SIGTERM (``prctl(PR_SET_PDEATHSIG)``, set first thing
-in the device; it then checks that its parent is still the launcher, in case
-it died before the call).
+its fork server dies with it (``cluster/fork_server.py``) and Linux sends every
+device SIGTERM (``prctl(PR_SET_PDEATHSIG)``, set first thing in the device; it
+then checks that its parent is still the launcher's fork server, in case it
+died before the call).
+
+How a device process starts: forked from multiprocessing's fork server, which
+the launching process starts once (at its first run) with torch,
+``torch._dynamo`` (torch's optimizers import it at first use), edgetrain's
+training code and scikit-learn imported (``_PRELOAD``). A fresh interpreter
+took 3 to 4 s of CPU to import them, per device: on a 2-core host emulating
+several devices that was most of a short run (the test suite's, and each
+``bench`` point's). The server is single-threaded and has run no torch
+operation (so no OpenMP pool is forked), and each device gets the launcher's
+environment and stdout/stderr as they are when it starts, as a spawned process
+would. The server and multiprocessing's resource tracker are the launcher's
+helpers, not devices: they end with it (``is_fork_server``,
+``device_processes``).
 
 Loader workers (``--workers``) are forked by their device, in its process
 group, with their own parent-death signal (``loader_worker_init``).
@@ -38,7 +52,7 @@ echoes. If all reports are echoes, a device that said nothing and is stopped
 when at least two peers timed out (with two devices a silent, running one may
 just be slower to report its own timeout, so the reporter keeps the blame).
 
-Scripts: a spawned device first re-imports the user's ``__main__`` (as
+Scripts: a device first re-imports the user's ``__main__`` (as
 ``__mp_main__``); a script that calls ``edgetrain.train`` without an
 ``if __name__ == "__main__":`` guard would start a run inside every device.
 ``refuse_nested_launch`` (first thing in ``train``) catches that while the
