@@ -33,8 +33,8 @@ died before the call).
 How a device process starts: forked from multiprocessing's fork server, which
 the launching process starts once (at its first run) with torch,
 ``torch._dynamo`` (torch's optimizers import it at first use), edgetrain's
-training code and scikit-learn imported (``_PRELOAD``). A fresh interpreter
-took 3 to 4 s of CPU to import them, per device: on a 2-core host emulating
+training code imported (``_PRELOAD``). A fresh interpreter took about 3 s
+of CPU to import them, per device: on a 2-core host emulating
 several devices that was most of a short run (the test suite's, and each
 ``bench`` point's). The server is single-threaded and has run no torch
 operation (so no OpenMP pool is forked), and each device gets the launcher's
@@ -313,12 +313,14 @@ def _loopback_store(world: int):
     return store, store.port
 
 
-# Imported once by the fork server, so that a device starts with them loaded: each costs a fresh interpreter
-# seconds of CPU (torch about 1.5, torch._dynamo, which torch's optimizers and dispatch modes import on first
-# use, about 1.3; scikit-learn about 1), which on a 2-core host emulating several devices was most of a short
-# run's time. Nothing here may start a thread or OpenMP's pool: the devices are forked from this process.
-_PRELOAD = ["edgetrain.cluster.fork_server", "torch", "torch._dynamo", "torch.distributed", "edgetrain.train.loop", "edgetrain.train.pipeline",
-            "edgetrain.train.fsdp", "edgetrain.comm", "sklearn.datasets", "sklearn.model_selection"]
+# Imported once by the fork server, so that a device starts with them loaded: they cost a fresh interpreter
+# about 3 s of CPU (torch about 1.5, torch._dynamo, which torch's optimizers and dispatch modes import on
+# first use, about 1.3), which on a 2-core host emulating several devices was most of a short run's time.
+# Only what every device imports anyway (the pipeline and fsdp strategies add 2.5 MiB of RSS), so a
+# device's measured memory is what it would be on its own; not scikit-learn (digits: the launcher loads
+# it, train/__init__.py). Nothing here may start a thread or OpenMP's pool: the devices are forked from it.
+_PRELOAD = ["edgetrain.cluster.fork_server", "torch", "torch._dynamo", "torch.distributed", "edgetrain.train.loop",
+            "edgetrain.train.pipeline", "edgetrain.train.fsdp", "edgetrain.comm"]
 
 
 def _device_context():
