@@ -319,8 +319,9 @@ def _loopback_store(world: int):
 # Only what every device imports anyway (the pipeline and fsdp strategies add 2.5 MiB of RSS), so a
 # device's measured memory is what it would be on its own; not scikit-learn (digits: the launcher loads
 # it, train/__init__.py). Nothing here may start a thread or OpenMP's pool: the devices are forked from it.
-_PRELOAD = ["edgetrain.cluster.fork_server", "torch", "torch._dynamo", "torch.distributed", "edgetrain.train.loop",
-            "edgetrain.train.pipeline", "edgetrain.train.fsdp", "edgetrain.comm"]
+DEVICE_IMPORTS = ["torch", "torch._dynamo", "torch.distributed", "edgetrain.train.loop", "edgetrain.train.pipeline",
+                  "edgetrain.train.fsdp", "edgetrain.comm"]  # also plan.model.idle_process_mb's baseline
+_PRELOAD = ["edgetrain.cluster.fork_server", *DEVICE_IMPORTS]
 
 
 def _device_context():
