@@ -45,13 +45,15 @@ def test_sigterm_to_the_bench_stops_its_trainer_and_devices(tmp_path):
 
     import psutil
 
+    from edgetrain.cluster.launch import device_processes
+
     bench = subprocess.Popen([sys.executable, "-m", "edgetrain", "bench", "scaling", "--devices", "1,2", "--model",
                               "small_cnn", "--dataset", "digits", "--steps", "100000", "--output", str(tmp_path)],
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 90
+        deadline, bench_process = time.monotonic() + 90, psutil.Process(bench.pid)
         while time.monotonic() < deadline and not any(  # the trainer has started its device
-                "spawn_main" in " ".join(c.cmdline()) for c in psutil.Process(bench.pid).children(recursive=True)):
+                device_processes(p) for p in [bench_process, *bench_process.children(recursive=True)]):
             time.sleep(0.5)
         family = psutil.Process(bench.pid).children(recursive=True)
         assert family, "the bench started no trainer within 90 s"

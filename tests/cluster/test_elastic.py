@@ -70,7 +70,8 @@ def test_a_killed_device_leaves_the_others_go_on_and_it_rejoins_identical(tmp_pa
     changes = [json.loads(line) for line in (run_dir / "membership.jsonl").read_text().splitlines()]
     assert [(c["kind"], c["devices"], c["world"], c["state_from"]) for c in changes] == [
         ("leave", [1], 2, "peer"), ("join", [1], 3, "peer")]
-    assert changes[0]["step"] == KILL_STEP and KILL_STEP < changes[1]["step"] < STEPS
+    # A device forked from the fork server is back in milliseconds: it may join at the very step it left.
+    assert changes[0]["step"] == KILL_STEP and KILL_STEP <= changes[1]["step"] < STEPS
     assert all(c["took_s"] < 10 for c in changes), changes  # measured on the device that sent the state
     assert [m.to_dict() for m in RunSummary.from_dict(summary).membership] == changes
     # The loss curve goes on: device 0 ran every step once; device 1 until the kill and again after it joined.

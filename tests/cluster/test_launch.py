@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from edgetrain.cluster.launch import run_group
+from edgetrain.cluster.launch import is_fork_server, run_group
 from edgetrain.errors import EdgetrainError
 
 
@@ -37,7 +37,7 @@ def sleep_forever(rank: int, world: int) -> None:
 
 def _our_descendants() -> list[psutil.Process]:
     return [p for p in psutil.Process().children(recursive=True)
-            if "resource_tracker" not in " ".join(p.cmdline())]  # multiprocessing's, shared and kept
+            if not is_fork_server(p)]  # multiprocessing's helpers, shared and kept
 
 
 def _running(pid: int, grace_s: float = 5.0) -> bool:

@@ -10,6 +10,8 @@ import time
 import psutil
 import pytest
 
+from edgetrain.cluster.launch import device_processes
+
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux only")
 
 LONG_RUN = ["train", "--devices", "2", "--epochs", "1000", "--batch-size", "16", "--no-progress", "--no-eval",
@@ -34,7 +36,7 @@ def start_run(tmp_path, started, *extra: str, launcher: tuple[str, ...] = ("-m",
     launcher = psutil.Process(proc.pid)
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
-        devices = [c for c in launcher.children() if "resource_tracker" not in " ".join(_cmdline(c))]
+        devices = device_processes(launcher)
         if len(devices) == 2 and all(_safe_children(d) for d in devices):
             descendants = launcher.children(recursive=True)
             started.extend([launcher, *descendants])
@@ -141,9 +143,8 @@ def test_stopped_device_is_blamed_not_the_peer_that_timed_out(tmp_path, started)
 
 
 def _device(proc: subprocess.Popen, rank: int) -> psutil.Process:
-    """The launcher starts device 0 first, so in pid order its devices are ranks 0, 1, ..."""
-    devices = [c for c in psutil.Process(proc.pid).children() if "resource_tracker" not in " ".join(_cmdline(c))]
-    return sorted(devices, key=lambda p: p.pid)[rank]
+    """The launcher starts device 0 first, so in start order its devices are ranks 0, 1, ..."""
+    return device_processes(psutil.Process(proc.pid))[rank]
 
 
 @pytest.mark.parametrize("failures, silent, blamed", [

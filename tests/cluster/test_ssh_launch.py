@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from edgetrain.cli import build_parser, main
-from edgetrain.cluster.launch import _loopback_interface, free_port
+from edgetrain.cluster.launch import _loopback_interface, free_port, is_fork_server
 from edgetrain.ssh_launch import LaunchSpec, after_exit, load_hosts, train_flags
 from edgetrain.config import FIELDS, load_config
 from edgetrain.errors import EdgetrainError
@@ -118,7 +118,7 @@ def leftovers() -> list[str]:
     for p in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.Error):
             cmd = " ".join(p.cmdline())
-            if "edgetrain" in cmd or "torch.distributed.run" in cmd:
+            if ("edgetrain" in cmd or "torch.distributed.run" in cmd) and not is_fork_server(p):  # this test process's
                 names.append(f"{p.pid} {cmd[:120]}")
     return names
 

@@ -1,6 +1,6 @@
 """Starting the devices of a run.
 
-*Emulated*: ``launch_local`` spawns one process per device on this host, with
+*Emulated*: ``launch_local`` starts one process per device on this host, with
 the same environment ``torchrun`` gives its workers (``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), so the worker code is the
 same in both cases. It then watches them: the first device to fail stops the
@@ -25,9 +25,23 @@ exception, so its ``finally`` blocks and atexit hooks run (temporary files
 removed, loader workers joined, no leaked semaphores). The launcher stops the
 devices with SIGCONT + SIGTERM, waits ``_STOP_GRACE_S``, then SIGKILLs each
 device's process group. If the launcher itself dies (SIGKILL, OOM killer),
-Linux sends every device SIGTERM (``prctl(PR_SET_PDEATHSIG)``, set first thing
-in the device; it then checks that its parent is still the launcher, in case
-it died before the call).
+its fork server dies with it (``cluster/fork_server.py``) and Linux sends every
+device SIGTERM (``prctl(PR_SET_PDEATHSIG)``, set first thing in the device; it
+then checks that its parent is still the launcher's fork server, in case it
+died before the call).
+
+How a device process starts: forked from multiprocessing's fork server, which
+the launching process starts once (at its first run) with torch,
+``torch._dynamo`` (torch's optimizers import it at first use), edgetrain's
+training code imported (``_PRELOAD``). A fresh interpreter took about 3 s
+of CPU to import them, per device: on a 2-core host emulating
+several devices that was most of a short run (the test suite's, and each
+``bench`` point's). The server is single-threaded and has run no torch
+operation (so no OpenMP pool is forked), and each device gets the launcher's
+environment and stdout/stderr as they are when it starts, as a spawned process
+would. The server and multiprocessing's resource tracker are the launcher's
+helpers, not devices: they end with it (``is_fork_server``,
+``device_processes``).
 
 Loader workers (``--workers``) are forked by their device, in its process
 group, with their own parent-death signal (``loader_worker_init``).
@@ -38,7 +52,7 @@ echoes. If all reports are echoes, a device that said nothing and is stopped
 when at least two peers timed out (with two devices a silent, running one may
 just be slower to report its own timeout, so the reporter keeps the blame).
 
-Scripts: a spawned device first re-imports the user's ``__main__`` (as
+Scripts: a device first re-imports the user's ``__main__`` (as
 ``__mp_main__``); a script that calls ``edgetrain.train`` without an
 ``if __name__ == "__main__":`` guard would start a run inside every device.
 ``refuse_nested_launch`` (first thing in ``train``) catches that while the
@@ -102,7 +116,7 @@ def refuse_nested_launch() -> None:
     """Stop a run from starting inside a device process that is still importing the user's script."""
     if not getattr(mp.current_process(), "_inheriting", False):  # multiprocessing's own "bootstrapping" flag
         return
-    if os.environ.get(_DEVICE_ENV) == str(os.getppid()):
+    if os.environ.get(_DEVICE_ENV) and _started_by(int(os.environ[_DEVICE_ENV])):
         os._exit(_UNGUARDED_MAIN_EXIT)  # one of our devices: its launcher reports it as one line
     raise EdgetrainError(_UNGUARDED_MAIN_FIX)
 
@@ -123,10 +137,24 @@ def _set_parent_death_signal(sig: signal.Signals) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Get SIGTERM when the launcher dies, however it dies (elsewhere than Linux: the launcher's cleanup only)."""
+def _started_by(launcher_pid: int) -> bool:
+    """This process's parent is ``launcher_pid`` or the fork server that ``launcher_pid`` started."""
+    parent = os.getppid()
+    if parent == launcher_pid:
+        return True
+    try:
+        return psutil.Process(parent).ppid() == launcher_pid
+    except psutil.Error:
+        return False
+
+
+def _die_with_parent(launcher_pid: int) -> None:
+    """Get SIGTERM when the launcher dies, however it dies (elsewhere than Linux: the launcher's cleanup only).
+
+    The device's parent is the launcher's fork server, which ends when the launcher does (multiprocessing
+    closes its pipe), so the signal follows the launcher's death."""
     _set_parent_death_signal(signal.SIGTERM)
-    if os.getppid() != parent_pid:  # it died before prctl took effect: no signal will come
+    if not _started_by(launcher_pid):  # the launcher died before prctl took effect: no signal will come
         os._exit(128 + signal.SIGTERM)
 
 
@@ -150,9 +178,33 @@ def _loopback_interface() -> str | None:
     return None
 
 
+class _LauncherStdio:
+    """The launcher's stdout and stderr as they are when a device starts, handed to the device.
+
+    A device forked by the fork server would otherwise write to the server's, fixed when it started (for
+    a process that runs many trainings, such as a test session, those of the first)."""
+
+    def __reduce__(self):  # pickled while the device starts: DupFd sends the descriptors with it
+        from multiprocessing import reduction
+
+        return _LauncherStdio._attach, (reduction.DupFd(1), reduction.DupFd(2))
+
+    @staticmethod
+    def _attach(out, err) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for handle, fd in ((out, 1), (err, 2)):
+            received = handle.detach()
+            os.dup2(received, fd)
+            os.close(received)
+
+
 def _child(rank: int, world: int, port: int, parent_pid: int, target: Callable, args: tuple, results: Any,
-           log_dir: str | None, joining: bool = False) -> None:
+           log_dir: str | None, joining: bool = False, environ: dict | None = None, stdio: Any = None) -> None:
     _die_with_parent(parent_pid)
+    if environ is not None:  # the launcher's environment now, not the fork server's from when it started
+        os.environ.clear()
+        os.environ.update(environ)
     if joining:  # started again in an elastic run: it joins the devices that went on (train/elastic.py)
         os.environ[JOIN_ENV] = "1"
     os.setpgrp()
@@ -261,6 +313,57 @@ def _loopback_store(world: int):
     return store, store.port
 
 
+# Imported once by the fork server, so that a device starts with them loaded: they cost a fresh interpreter
+# about 3 s of CPU (torch about 1.5, torch._dynamo, which torch's optimizers and dispatch modes import on
+# first use, about 1.3), which on a 2-core host emulating several devices was most of a short run's time.
+# Only what every device imports anyway (the pipeline and fsdp strategies add 2.5 MiB of RSS), so a
+# device's measured memory is what it would be on its own; not scikit-learn (digits: the launcher loads
+# it, train/__init__.py). Nothing here may start a thread or OpenMP's pool: the devices are forked from it.
+DEVICE_IMPORTS = ["torch", "torch._dynamo", "torch.distributed", "edgetrain.train.loop", "edgetrain.train.pipeline",
+                  "edgetrain.train.fsdp", "edgetrain.comm"]  # also plan.model.idle_process_mb's baseline
+_PRELOAD = ["edgetrain.cluster.fork_server", *DEVICE_IMPORTS]
+
+
+def _device_context():
+    """multiprocessing's fork server, started once per launching process with ``_PRELOAD`` imported.
+
+    Forked from a clean, single-threaded server (not from the launcher, which may hold threads, a gloo
+    store and a big model), a device starts in milliseconds instead of seconds. It gets the launcher's
+    environment and stdout/stderr as they are at its start (``_child``), as a spawned process would."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def is_fork_server(process: psutil.Process) -> bool:
+    """``process`` is multiprocessing's fork server or resource tracker: helpers of the launching process that
+    end with it, not devices (a device, forked from the server, is the server's child)."""
+    try:
+        command = " ".join(process.cmdline())
+        parent = process.parent()
+        parent_command = " ".join(parent.cmdline()) if parent else ""
+    except psutil.Error:
+        return False
+    return "resource_tracker" in command or ("multiprocessing.forkserver" in command
+                                             and "multiprocessing.forkserver" not in parent_command)
+
+
+def device_processes(launcher: psutil.Process) -> list[psutil.Process]:
+    """The device processes ``launcher`` started (children of its fork server), in start order."""
+    found = []
+    try:
+        children = launcher.children()
+    except psutil.Error:
+        return []
+    for child in children:
+        if is_fork_server(child):
+            with contextlib.suppress(psutil.Error):
+                found += child.children()
+        else:  # started some other way (none today); kept so that a test sees it
+            found.append(child)
+    return sorted(found, key=lambda p: p.create_time())
+
+
 def _quiet_resource_tracker() -> None:
     """Start multiprocessing's resource tracker (shared by the devices) with its stderr on /dev/null.
 
@@ -303,13 +406,14 @@ def launch_local(world: int, target: Callable, args: tuple, labels: list[str], l
         raise EdgetrainError(f"the model or config cannot be sent to the device processes ({e}); "
                              f"define your model class at module level of an importable file") from None
     store, port = _loopback_store(world)
-    ctx = mp.get_context("spawn")
+    ctx = _device_context()
     _quiet_resource_tracker()
     results = ctx.Queue()
 
     def device(rank: int, joining: bool = False):
+        environ = {**os.environ, _DEVICE_ENV: str(os.getpid())}
         return ctx.Process(target=_child, args=(rank, world, port, os.getpid(), target, args, results, log_dir,
-                                                joining), name=f"edgetrain-device-{rank}")
+                                                joining, environ, _LauncherStdio()), name=f"edgetrain-device-{rank}")
 
     procs = [device(r) for r in range(world)]
     lighthouse = Lighthouse(store, world, elastic, labels) if elastic else None

@@ -72,9 +72,12 @@ MIB = 2**20
 
 @functools.lru_cache(maxsize=1)
 def idle_process_mb() -> float:
-    """RSS (MiB) of a fresh Python process that imported torch and edgetrain's training loop, measured now."""
-    code = ("import psutil, edgetrain.train.loop, edgetrain.comm; "
-            "print(psutil.Process().memory_info().rss / 2**20)")
+    """RSS (MiB) of an idle device process, measured now: a fresh Python process that imported what the
+    devices' fork server imports (``cluster.launch.DEVICE_IMPORTS``: torch, torch._dynamo, which torch's
+    optimizers import on first use, and edgetrain's training code)."""
+    from edgetrain.cluster.launch import DEVICE_IMPORTS
+
+    code = f"import psutil, {', '.join(DEVICE_IMPORTS)}; print(psutil.Process().memory_info().rss / 2**20)"
     env = dict(os.environ)
     src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
