@@ -30,36 +30,37 @@ def test_a_slow_device_gets_fewer_layers_and_the_split_beats_an_even_one():
 
 def test_every_stage_fits_its_devices_memory_even_when_speed_would_want_otherwise():
     # The fast device would take 8 of 10 layers, but 4 layers' weights, gradients and momentum
-    # (3 x 10 MiB each) plus 100 MiB fixed fill its 230 MiB.
+    # (3 x 10 MiB each), one more gradient being accumulated (4 micro-batches) and 100 MiB fixed fill its 230 MiB.
     devices = [StageDevice("fast-small", 40.0, memory_mb=230), StageDevice("slow-big", 10.0, memory_mb=4096)]
     plan = plan_split(_layers(10), devices, batch=32, microbatches=4, optimizer_copies=1, fixed_mb=100)
     assert _sizes(plan) == [4, 6]
     for memory, device in zip(plan.memory_mb, devices):
         assert memory <= device.memory_mb
-    assert plan.memory_mb[0] == pytest.approx(100 + 4 * 30)
+    assert plan.memory_mb[0] == pytest.approx(100 + 4 * 30 + 10)
 
 
 def test_1f1b_holds_fewer_micro_batches_on_early_stages_than_gpipe():
-    # 1 MiB saved per sample per layer; 1 MiB of weights (3 MiB with gradients and momentum)
+    # 1 MiB saved per sample per layer; 1 MiB of weights (3 MiB with gradients and momentum), + 1 accumulating
     layers = _layers(4, param_mib=1.0, activation_kib=1024.0)
     devices = [StageDevice("a", 10.0), StageDevice("b", 10.0)]
     gpipe = plan_split(layers, devices, batch=64, microbatches=8, schedule="gpipe")
     one_f_one_b = plan_split(layers, devices, batch=64, microbatches=8, schedule="1f1b")
-    assert gpipe.memory_mb == pytest.approx([6 + 2 * 64, 6 + 2 * 64])
-    assert one_f_one_b.memory_mb == pytest.approx([6 + 2 * 2 * 8, 6 + 2 * 1 * 8])  # min(M, S - s) micro-batches of 8
+    assert gpipe.memory_mb == pytest.approx([7 + 2 * 64, 7 + 2 * 64])
+    assert one_f_one_b.memory_mb == pytest.approx([7 + 2 * 2 * 8, 7 + 2 * 1 * 8])  # min(M, S - s) micro-batches of 8
 
 
 def test_a_model_that_does_not_fit_even_pooled_says_what_it_needs_and_what_the_cluster_has():
     devices = [StageDevice(f"speaker{i}", 10.0, memory_mb=100) for i in range(3)]
     with pytest.raises(EdgetrainError, match=r"does not fit these 3 devices even pooled: its stages need about "
-                                             r"3?[0-9]{2} MiB .* the devices have 300 MiB"):
+                                             r"400 MiB .* the devices have 300 MiB"):
         plan_split(_layers(12), devices, batch=8, microbatches=2, fixed_mb=10)
 
 
 def test_a_layer_too_big_for_any_device_is_named():
+    # 200 MiB of weights, as much of gradients and of momentum, and one more gradient while accumulating
     layers = _layers(4)
     layers[2] = LayerCost("huge.embedding", 1e9, 200 * MIB, 0, 0.0, 4096.0)
-    with pytest.raises(EdgetrainError, match=r"layer 2 \(huge.embedding\) .* alone needs 600 MiB .* largest device's 512"):
+    with pytest.raises(EdgetrainError, match=r"layer 2 \(huge.embedding\) .* alone needs 800 MiB .* largest device's 512"):
         plan_split(layers, [StageDevice("zero2w", 5.0, 512), StageDevice("zero2w", 5.0, 512)], batch=8, microbatches=2)
 
 
@@ -129,3 +130,9 @@ def test_when_the_link_bounds_the_step_the_stages_still_balance_behind_it():
     plan = plan_split(layers, devices, batch=32, microbatches=4, transfer_s=lambda s, nbytes: 1.0 + nbytes / 1e6)
     assert plan.step_s == plan.cut_s[0] > max(plan.stage_s)
     assert _sizes(plan) == [8, 2]  # as without the link: 4x the speed, 4x the layers
+
+
+def test_only_micro_batches_after_the_first_accumulate_a_gradient():
+    layers, device = _layers(2), [StageDevice("a", 10.0)]
+    assert plan_split(layers, device, batch=8, microbatches=1).memory_mb == pytest.approx([2 * 30])
+    assert plan_split(layers, device, batch=8, microbatches=2).memory_mb == pytest.approx([2 * 30 + 10])

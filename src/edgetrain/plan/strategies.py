@@ -220,7 +220,9 @@ def pipeline_strategy(inputs: PlanInputs, pred: Prediction, microbatches: int, s
         in_flight = batch if schedule == "gpipe" else min(microbatches, stages - s) * batch / microbatches
         params = sum(layer.param_bytes for layer in layers[first:end])
         memory.append({"weights": (params + sum(layer.buffer_bytes for layer in layers[first:end])) / MIB,
-                       "gradients": params / MIB, "optimizer": copies * params / MIB,
+                       "gradients": (params + (max(layer.param_bytes for layer in layers[first:end])
+                                               if microbatches > 1 else 0.0)) / MIB,  # + accumulation (plan/split.py)
+                       "optimizer": copies * params / MIB,
                        "activations": sum(layer.activation_bytes for layer in layers[first:end]) * in_flight / MIB,
                        "dataset": costs.dataset_bytes / MIB, "runtime": pred.runtime_mb})
     ends, _ = pipeline_timeline([0.0] * stages, actions,
