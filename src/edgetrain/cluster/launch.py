@@ -187,16 +187,26 @@ class _LauncherStdio:
     def __reduce__(self):  # pickled while the device starts: DupFd sends the descriptors with it
         from multiprocessing import reduction
 
-        return _LauncherStdio._attach, (reduction.DupFd(1), reduction.DupFd(2))
+        handles = []
+        for fd in (1, 2):
+            try:
+                os.fstat(fd)
+            except OSError:  # closed in the launcher (e.g. `>&-`): the device keeps the server's
+                handles.append(None)
+                continue
+            handles.append(reduction.DupFd(fd))
+        return _LauncherStdio._attach, tuple(handles)
 
     @staticmethod
     def _attach(out, err) -> None:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:  # None where the fork server started without it
+                stream.flush()
         for handle, fd in ((out, 1), (err, 2)):
-            received = handle.detach()
-            os.dup2(received, fd)
-            os.close(received)
+            if handle is not None:
+                received = handle.detach()
+                os.dup2(received, fd)
+                os.close(received)
 
 
 def _child(rank: int, world: int, port: int, parent_pid: int, target: Callable, args: tuple, results: Any,
