@@ -152,6 +152,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                      set_optimizer_state_dict)
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.utils.data import DataLoader, Subset
 
 from edgetrain.cluster.peers import all_gather_json
 from edgetrain.cluster.profiles import plan_devices
@@ -159,6 +160,7 @@ from edgetrain.comm import device_clock
 from edgetrain.comm.compress.spec import build_compressor
 from edgetrain.comm.exchange import average
 from edgetrain.comm.params import flatten, unflatten
+from edgetrain.data import shard_indices
 from edgetrain.errors import EdgetrainError
 from edgetrain.models.init import META, is_meta, materialise
 from edgetrain.plan.model import device_gflops, device_links, idle_process_mb
@@ -166,6 +168,7 @@ from edgetrain.plan.split import StageDevice, layer_costs, p2p_seconds, plan_spl
 from edgetrain.plan.stages import (BACKWARD, FORWARD, describe_stages, pipeline_layers, pipeline_timeline,
                                    stage_bounds)
 from edgetrain.spec import get_link
+from edgetrain.train.evaluation import mean_loss_and_accuracy, score
 from edgetrain.train.fsdp import clock_summary
 from edgetrain.train.strategy import STRATEGIES, StepResult, Strategy
 
@@ -250,8 +253,9 @@ class Pipeline(Strategy):
         self.bounds = stage_bounds(pipeline, self.layers, self.stages)
         first, end = self.bounds[self.stage_index]
         stage_input, stage_output = self._boundary_examples(first, end, self.replica_batch // pipeline.microbatches)
+        self.input_shape, self.input_dtype = tuple(stage_input.shape[1:]), stage_input.dtype  # one sample's
         mine = [name for name, _ in self.layers[first:end]]
-        # this stage's layers only; the others stay on meta until an evaluation gathers them
+        # this stage's layers only; the others stay on meta (no device ever receives them)
         materialise(model, c.spec.seed, c.device, keep=lambda name: any(name == layer or name.startswith(layer + ".")
                                                                          for layer in mine))
         self.stage_module = nn.Sequential(*(layer for _, layer in self.layers[first:end]))
@@ -283,7 +287,6 @@ class Pipeline(Strategy):
 
         self.schedule = SCHEDULES[pipeline.schedule](self.stage, n_microbatches=pipeline.microbatches,
                                                      loss_fn=loss_fn, scale_grads=False)
-        self.stale = True  # whether other stages' layers changed (or were never had) since this device last gathered them
         self.finished = False
 
     def _make_groups(self) -> None:
@@ -382,7 +385,6 @@ class Pipeline(Strategy):
             comm_s += self._allreduce_gradients()
         optimizer_started = time.perf_counter()
         optimizer.step()
-        self.stale = True
         metrics = {"comm_busy_s": None, **self._close_step(time.perf_counter() - optimizer_started)}
         if not self.is_last:
             return StepResult(0.0, 0, 0, comm_s, metrics)
@@ -437,17 +439,38 @@ class Pipeline(Strategy):
         return {"virtual_s": step["virtual_s"], "virtual_compute_s": step["compute_s"],
                 "virtual_comm_s": step["comm_model_s"]}
 
-    def gather(self) -> None:
-        """Every stage's owner broadcasts its layers' state: every device then holds the whole, current model."""
-        if not self.stale:
-            return
-        for stage, (first, end) in enumerate(self.bounds):
-            for _, layer in self.layers[first:end]:
-                if any(is_meta(m) for m in layer.modules()):  # another stage's layer: storage for its owner's values
-                    layer.to_empty(device=self.context.device)
-                for tensor in [*layer.parameters(), *layer.buffers()]:
-                    dist.broadcast(tensor.data, src=stage)
-        self.stale = False
+    @torch.no_grad()
+    def evaluate(self, dataset, batch: int = 256) -> tuple[float, float]:
+        """(mean loss, accuracy) over the whole test set, pipelined: no device holds more than its stage.
+
+        Every device of replica ``r`` walks the same shard (``shard_indices`` by replica, not by rank) in batches
+        of the replica's training batch (``batch`` is not used: a stage's activations stay those of a training
+        step's size or less); each stage, in eval mode (BatchNorm: its running statistics), runs its layers on
+        what the previous stage sent (the first: the images) and sends the result to the next one, point to
+        point over the replica's group; the last scores the logits against its own copy of the labels. The
+        totals are all-reduced over every device (the other stages add zeros). Not training: nothing is
+        counted in the byte tallies (``_count_bytes`` counts only with gradients on) nor charged to the links
+        or the device clock, as the broadcasts of the gather this replaced were not."""
+        c = self.context
+        was_training = self.stage_module.training
+        self.stage_module.eval()
+        totals = torch.zeros(3, dtype=torch.float64)
+        shard = Subset(dataset, shard_indices(len(dataset), self.replica, self.replicas))
+        for x, y in DataLoader(shard, batch_size=self.replica_batch):
+            if self.is_first:
+                activation = x.to(c.device)
+            else:  # the previous stage of this replica is the previous rank (layout: module docstring)
+                activation = torch.empty(len(y), *self.input_shape, dtype=self.input_dtype, device=c.device)
+                dist.recv(activation, src=c.rank - 1, group=self.pipe_group)
+            out = self.stage_module(activation)
+            if self.is_last:
+                totals += score(out, y.to(c.device))
+            else:
+                dist.send(out.contiguous(), dst=c.rank + 1, group=self.pipe_group)
+        self.stage_module.train(was_training)
+        if c.world > 1:
+            dist.all_reduce(totals)
+        return mean_loss_and_accuracy(totals)
 
     def finish(self) -> None:
         if self.finished:
@@ -461,8 +484,8 @@ class Pipeline(Strategy):
         """Whether every stage's D replicas hold bit-identical parameters (every device: one all-gather).
 
         They should: each applies the same averaged gradient (the all-reduce's decoded mean is computed the same
-        way on every replica) through the same optimizer from the same start. The gather for evaluation takes
-        replica 0's stages, so a difference would otherwise go unseen."""
+        way on every replica) through the same optimizer from the same start. Each replica evaluates with
+        its replica's stages, so a difference would show only as replicas scoring alike models differently."""
         digest = hashlib.sha256()
         for p in self.stage_module.parameters():
             digest.update(p.detach().cpu().contiguous().numpy().tobytes())
@@ -471,13 +494,15 @@ class Pipeline(Strategy):
 
     @property
     def eval_model(self) -> nn.Module:
-        return _GatheredForEvaluation(self)
+        # the whole model as this device holds it: its stage's layers, the others' on meta (``evaluate`` runs
+        # the stages instead)
+        return self.whole
 
     def state_dict(self) -> dict:
         return {}  # this stage's layers and optimizer state are its part of the checkpoint: sharded_state
 
     def load_state_dict(self, state: dict) -> None:
-        self.stale = True  # the other stages' layers are gathered anew before an evaluation
+        pass  # this stage's layers and optimizer state come back through load_sharded_state
 
     def sharded_state(self, optimizer, final: bool = False) -> dict:
         # this stage's layers under their names in the whole model, and its optimizer's state by those names
@@ -489,7 +514,6 @@ class Pipeline(Strategy):
     def load_sharded_state(self, state: dict, optimizer) -> None:
         self.whole.load_state_dict(state["model"], strict=False)  # this stage's layers only
         set_optimizer_state_dict(self.whole, optimizer, state["optimizer"], options=FLAT)
-        self.stale = True
 
     def summary(self) -> dict:
         p = self.context.spec.pipeline
@@ -519,22 +543,6 @@ def _least(values):
     """The smallest of the values that are given (None: no limit, or not rated), else None."""
     given = [v for v in values if v is not None]
     return min(given) if given else None
-
-
-class _GatheredForEvaluation(nn.Module):
-    """The whole model, gathered from the stages at the first forward after training changed it.
-
-    ``train.loop.evaluate`` calls forward as often on every device, so the gather (a collective) meets.
-    """
-
-    def __init__(self, strategy: Pipeline):
-        super().__init__()
-        self.whole = strategy.whole
-        self._strategy = [strategy]  # in a list: not a submodule
-
-    def forward(self, x):
-        self._strategy[0].gather()
-        return self.whole(x)
 
 
 STRATEGIES[Pipeline.name] = Pipeline
