@@ -528,8 +528,8 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
     mine = _device_summary(records, at, local_batches[rank], throttle)
     if limit_mb is not None and mine.run_peak_rss_mb > limit_mb:
         # Warned, not raised: training is done and the final model is written; but a real device of this size
-        # would not have survived the end of the run (an evaluation gathers a pooled model whole on every
-        # device), and the summary says so (run_peak_rss_mb) rather than only the steps' peak.
+        # would not have survived the end of the run (its evaluation, the final exchange or checkpoint), and
+        # the summary says so (run_peak_rss_mb) rather than only the steps' peak.
         print(f"edgetrain: warning: {at.me.label} went over its memory at the end of the run: peak "
               f"{mine.run_peak_rss_mb:.0f} MiB > its {limit_mb} MiB after the final exchange and checkpoint "
               f"({strategy.name}); "

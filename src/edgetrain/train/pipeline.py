@@ -52,10 +52,11 @@ decoded mean (an all-reduce's sum, or every payload decoded and combined in
 rank order, the same on every device) through the same optimizer from the
 same start, so the replicas stay bit-identical, lossy compressor or not;
 ``finish`` checks it (a digest of each stage's parameters, all-gathered:
-``replicas_identical`` in the summary); an evaluation's gather takes replica
-0's stages. BatchNorm running statistics are not all-reduced: each replica
-keeps its own; the evaluated model has replica 0's (as DDP broadcasts rank
-0's), the final checkpoint whichever replica's copy DCP keeps of each key.
+``replicas_identical`` in the summary); each replica evaluates its share of
+the test set with its own stages (Evaluation, below). BatchNorm running
+statistics are not all-reduced: each replica keeps its own, and scores its
+share of the test set with them; the final checkpoint holds whichever
+replica's copy DCP keeps of each key.
 
 Accounting: the last stage scores the batch (loss, accuracy, samples); the
 other stages report zero samples, so sums over devices give the global
@@ -76,17 +77,33 @@ storage); the split and the cut shapes are computed there (the planner costs
 one materialised copy of a layer at a time), then each device materialises
 and initialises its own stage's layers only, from per-layer seeds, so the
 stages together start from the weights one device or DDP would. The other
-stages' layers stay on meta: during training a device holds its stage's
-weights, gradients and optimizer state, no more. A model passed built
+stages' layers stay on meta: during training and evaluation a device holds
+its stage's weights, gradients and optimizer state, no more. A model passed built
 (``train(config, model=...)``) is whole on every device, from device 0's
 weights.
 
-Evaluation and checkpoint: before an evaluation each stage's owner
-broadcasts its layers' parameters and buffers (the others first give them
-storage), so every device evaluates the whole, current model on its shard
-of the test set. Checkpoints never gather: every device writes its own
-stage (train/checkpoint.py, "Pooled strategies"), its layers' state under
-their names in the whole model and its optimizer's state by those names
+Evaluation (``Pipeline.evaluate``, the loop's ``strategy.evaluate``) is
+pipelined as training is, nothing gathered: every device of replica ``r``
+walks the same shard of the test set (sharded by replica, not by rank) in
+batches of the replica's training batch ``B / D``; each stage, in eval mode
+(BatchNorm normalises with its running statistics), runs its layers on
+what the previous stage sent it (the first: the images) and sends the
+result on, point to point over the replica's group (plain ``dist.send`` /
+``recv`` under ``no_grad``, not the schedule: its buffers and state are
+built for the training step's micro-batches with gradients, and
+``schedule.eval`` would re-initialise them at every switch); the last stage
+scores the logits against its own copy of the labels, and the totals (loss
+sum, correct, samples) are all-reduced over every device, the other stages
+adding zeros. So every device gets the (loss, accuracy) of the whole model
+on the whole test set, as one device evaluating the final model does
+(tests/train/test_pipeline.py, with BatchNorm too; hybrid:
+test_pipeline_hybrid.py). Evaluation is not training: its sends are not
+counted in the byte tallies (``_count_bytes`` counts only with gradients
+on) nor charged to the links or the device clock.
+
+Checkpoints never gather: every device writes its own stage
+(train/checkpoint.py, "Pooled strategies"), its layers' state under their
+names in the whole model and its optimizer's state by those names
 (``sharded_state``), with ``torch.distributed.checkpoint``: during the run
 into ``checkpoints/step-<N>/``, at the end into ``RUN_DIR/checkpoint/``
 (``edgetrain.load_checkpoint`` reads it back whole, model and every stage's
@@ -124,15 +141,14 @@ the optimizer steps: the all-reduce never overlaps the pipeline (backward
 is over before the gradients are averaged), as data parallelism's
 blocking hooks assume too.
 
-Limits: from the first evaluation on every device holds the whole model's
-weights, so the per-step peak memory shows the pooled saving only up to it
-(the memory benchmark runs without); at the end no device receives another
-stage (each writes its own, above), so ``run_peak_rss_mb`` stays a stage's
-unless the run evaluates; ``--sync`` is refused, ``--compress``
+Limits: no device ever receives another stage's layers, neither to
+evaluate nor at the end (each writes its own, above), so
+``run_peak_rss_mb`` stays a stage's, evaluation on or off
+(tests/train/test_pipeline.py); ``--sync`` is refused, ``--compress``
 without replicas (one pipeline has no all-reduce to compress), and
-``--link-mode enforced`` (nothing sleeps: the timeline above is the model); the
-broadcasts that gather the model for evaluation are not charged to the
-links (evaluation is not training). With replicas: checkpoints during the
+``--link-mode enforced`` (nothing sleeps: the timeline above is the model);
+an evaluation's transfers are not charged to the links (evaluation is not
+training), and its batches are not cut into micro-batches. With replicas: checkpoints during the
 run and ``--resume`` are refused (the error-feedback state is not saved
 yet); every replica gets the same split (``--stages auto`` plans stage s for
 the weakest of its D devices and each cut for the slowest of its D links,
@@ -450,7 +466,7 @@ class Pipeline(Strategy):
         point over the replica's group; the last scores the logits against its own copy of the labels. The
         totals are all-reduced over every device (the other stages add zeros). Not training: nothing is
         counted in the byte tallies (``_count_bytes`` counts only with gradients on) nor charged to the links
-        or the device clock, as the broadcasts of the gather this replaced were not."""
+        or the device clock."""
         c = self.context
         was_training = self.stage_module.training
         self.stage_module.eval()
@@ -485,7 +501,7 @@ class Pipeline(Strategy):
 
         They should: each applies the same averaged gradient (the all-reduce's decoded mean is computed the same
         way on every replica) through the same optimizer from the same start. Each replica evaluates with
-        its replica's stages, so a difference would show only as replicas scoring alike models differently."""
+        its own stages, so a difference would otherwise show only in the test scores."""
         digest = hashlib.sha256()
         for p in self.stage_module.parameters():
             digest.update(p.detach().cpu().contiguous().numpy().tobytes())
