@@ -250,3 +250,20 @@ def test_an_evaluating_pipeline_device_receives_no_other_stage(tmp_path):
     layer_mb = BIG * BIG * 4 / 2**20
     for device in summary["per_device"]:
         assert device["run_peak_rss_mb"] < device["peak_rss_mb"] + layer_mb / 2, device["rank"]
+
+
+@pytest.mark.slow
+def test_an_evaluation_between_epochs_changes_nothing_in_training(tmp_path):
+    # Stage modules back in train mode, BatchNorm's running statistics untouched, no bytes counted: two epochs
+    # with an evaluation after each end on the weights (running statistics included) of two epochs without.
+    register_model("eval_digits_bn_mlp", DigitsBatchNormMlp)
+    cfg = dict(model="eval_digits_bn_mlp", dataset="digits", epochs=2, batch_size=256, lr=0.1,
+               output=str(tmp_path), **FAST)
+    runs = {evaluating: train({**cfg, "eval": evaluating}, devices=2, strategy="pipeline", stages="3",
+                              microbatches=2, run_name=f"eval-{evaluating}") for evaluating in (False, True)}
+    assert [e["epoch"] for e in runs[True]["evals"]] == [0, 1] and not runs[False]["evals"]
+    assert runs[True]["bytes_sent_total"] == runs[False]["bytes_sent_total"]
+    evaluated, plain = _weights(runs[True]), _weights(runs[False])
+    assert evaluated.keys() == plain.keys()
+    for key, value in plain.items():
+        assert torch.equal(evaluated[key], value), key
