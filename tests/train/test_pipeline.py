@@ -190,3 +190,80 @@ def test_at_the_end_each_device_writes_its_own_stage_and_receives_no_other(tmp_p
     assert [tuple(weights[f"body.{i}.weight"].shape) for i in (1, 3, 5, 7)] == [(BIG, 64), (BIG, BIG), (BIG, BIG),
                                                                                (10, BIG)]
     assert all(torch.isfinite(w).all() and w.abs().sum() > 0 for w in weights.values())
+
+
+class NamedDigitsMlp(DigitsMlp):
+    """DigitsMlp as ``build_model`` builds a registered model (by name: every device holds its stage only)."""
+
+    def __init__(self, in_channels: int = 1, num_classes: int = 10):
+        super().__init__()
+
+
+class DigitsBatchNormMlp(nn.Module):
+    """DigitsMlp with a BatchNorm after each hidden Linear: evaluation must use its running statistics."""
+
+    def __init__(self, in_channels: int = 1, num_classes: int = 10):
+        super().__init__()
+        hidden = HIDDEN
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, hidden), nn.BatchNorm1d(hidden), nn.ReLU(),
+                                  nn.Linear(hidden, hidden), nn.BatchNorm1d(hidden), nn.Tanh(),
+                                  nn.Linear(hidden, num_classes))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def _evaluated_whole(summary, model: nn.Module) -> tuple[float, float]:
+    """(loss, accuracy) of the run's final model, read back whole into ``model``, over the whole test set here."""
+    from edgetrain.data import build_data
+    from edgetrain.train.loop import evaluate
+
+    model.load_state_dict(load_checkpoint(summary["run_dir"])["model"])
+    return evaluate(model, build_data(TrainConfig(dataset="digits")).test, rank=0, world=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, architecture, options", [
+    ("eval_digits_mlp", NamedDigitsMlp, dict(devices=3, stages="2,4", microbatches=4)),
+    ("eval_digits_bn_mlp", DigitsBatchNormMlp, dict(devices=2, stages="3", microbatches=2, pipeline_schedule="1f1b")),
+])
+def test_pipelined_evaluation_scores_the_final_model_as_one_device_does(tmp_path, name, architecture, options):
+    register_model(name, architecture)  # built by name: every device holds its stage only, evaluation included
+    # 20 samples per replica batch: the test set (not a multiple of it) ends in a partial batch
+    summary = train(dict(model=name, dataset="digits", steps=3, batch_size=20, lr=0.1, output=str(tmp_path),
+                         **{**FAST, "eval": True}), strategy="pipeline", **options)
+    loss, accuracy = _evaluated_whole(summary, architecture())
+    assert summary["test_accuracy"] == pytest.approx(accuracy, abs=1e-9)
+    assert summary["test_loss"] == pytest.approx(loss, rel=1e-5)
+    assert summary["bytes_sent_total"] == 3 * 2 * 20 * HIDDEN * 4 * (2 if name == "eval_digits_mlp" else 1)
+
+
+@pytest.mark.slow
+def test_an_evaluating_pipeline_device_receives_no_other_stage(tmp_path):
+    # As test_at_the_end_each_device_writes_its_own_stage_and_receives_no_other, with an evaluation at the end:
+    # a gathered model would put the other stage's BIG x BIG layer (64 MiB) on each device.
+    register_model("two_big_layers", TwoBigLayers)
+    summary = train(dict(model="two_big_layers", dataset="digits", steps=2, batch_size=16, microbatches=1, lr=0.01,
+                         weight_decay=0.0, output=str(tmp_path), **{**FAST, "eval": True}),
+                    devices=2, strategy="pipeline", stages="4")
+    assert summary["test_accuracy"] is not None
+    layer_mb = BIG * BIG * 4 / 2**20
+    for device in summary["per_device"]:
+        assert device["run_peak_rss_mb"] < device["peak_rss_mb"] + layer_mb / 2, device["rank"]
+
+
+@pytest.mark.slow
+def test_an_evaluation_between_epochs_changes_nothing_in_training(tmp_path):
+    # Stage modules back in train mode, BatchNorm's running statistics untouched, no bytes counted: two epochs
+    # with an evaluation after each end on the weights (running statistics included) of two epochs without.
+    register_model("eval_digits_bn_mlp", DigitsBatchNormMlp)
+    cfg = dict(model="eval_digits_bn_mlp", dataset="digits", epochs=2, batch_size=256, lr=0.1,
+               output=str(tmp_path), **FAST)
+    runs = {evaluating: train({**cfg, "eval": evaluating}, devices=2, strategy="pipeline", stages="3",
+                              microbatches=2, run_name=f"eval-{evaluating}") for evaluating in (False, True)}
+    assert [e["epoch"] for e in runs[True]["evals"]] == [0, 1] and not runs[False]["evals"]
+    assert runs[True]["bytes_sent_total"] == runs[False]["bytes_sent_total"]
+    evaluated, plain = _weights(runs[True]), _weights(runs[False])
+    assert evaluated.keys() == plain.keys()
+    for key, value in plain.items():
+        assert torch.equal(evaluated[key], value), key

@@ -13,8 +13,10 @@ from torch import nn
 from edgetrain_testing import FAST, DigitsMlp, on_devices
 from edgetrain import load_checkpoint, train
 from edgetrain.config import TrainConfig, resolve
+from edgetrain.data import build_data
 from edgetrain.errors import EdgetrainError
 from edgetrain.spec import get_link
+from edgetrain.train.loop import evaluate
 
 HIDDEN, BATCH, STEPS = DigitsMlp.HIDDEN, 32, 3
 
@@ -36,8 +38,8 @@ STAGE_PARAMS = (64 * HIDDEN + HIDDEN, HIDDEN * HIDDEN + HIDDEN + HIDDEN * 10 + 1
 def test_two_stages_by_two_replicas_give_one_devices_parameters_and_count_their_bytes(tmp_path):
     cfg = dict(dataset="digits", steps=STEPS, batch_size=BATCH, lr=0.1, output=str(tmp_path), **FAST)
     one = _weights(train(cfg, model=_model(), devices=1, run_name="one"))
-    hybrid = train(cfg, model=_model(), devices=4, strategy="pipeline", stages="2", pipeline_replicas=2,
-                   microbatches=2, run_name="hybrid")
+    hybrid = train({**cfg, "eval": True}, model=_model(), devices=4, strategy="pipeline", stages="2",
+                   pipeline_replicas=2, microbatches=2, run_name="hybrid")
     assert hybrid["pipeline"]["replicas"] == 2 and hybrid["pipeline"]["replica_batch"] == BATCH // 2
     assert hybrid["pipeline"]["replicas_identical"] is True
     for key, value in one.items():
@@ -48,6 +50,13 @@ def test_two_stages_by_two_replicas_give_one_devices_parameters_and_count_their_
     cut = 2 * BATCH * HIDDEN * 4
     allreduce = 2 * sum(STAGE_PARAMS) * 4
     assert hybrid["bytes_sent_total"] == STEPS * (cut + allreduce)
+    # each replica evaluated its half of the test set through its stages (evaluation is not counted in the
+    # bytes above): together the whole test set, scored as its final model whole in one process scores it
+    model = DigitsMlp()
+    model.load_state_dict(_weights(hybrid))
+    loss, accuracy = evaluate(model, build_data(TrainConfig(dataset="digits")).test, rank=0, world=1)
+    assert hybrid["test_accuracy"] == pytest.approx(accuracy, abs=1e-9)
+    assert hybrid["test_loss"] == pytest.approx(loss, rel=1e-5)
 
 
 @pytest.mark.slow

@@ -70,9 +70,9 @@ the slower of the two links, queued on the sender's link::
     sent   = B x (output bytes per sample at the stage's end cut + input bytes at its start cut)
 
 which is what ``train/pipeline.py`` counts. Each device builds only its
-stage's layers (models/init.py), so during training its RSS is this stage
-memory; an evaluation then gathers the whole model on every device
-(``train/pipeline.py``'s limits), which is not modelled here.
+stage's layers (models/init.py) and evaluates through the stages without
+receiving the others' (``train/pipeline.py``), so its RSS is this stage
+memory; evaluation's own activations are not modelled here.
 
 **compare** predicts all three and recommends, among those whose every device
 fits its memory limit, the one with the fastest modelled step (ties: ddp,
@@ -241,8 +241,8 @@ def pipeline_strategy(inputs: PlanInputs, pred: Prediction, microbatches: int, s
     result = _strategy("pipeline", devices, step, batch / step,
                        [f"{schedule}, {microbatches} micro-batches of {batch // microbatches}, {stages} stages: "
                         f"bubble (S-1)/(M+S-1) = {bubble:.1%}", *split.explain(),
-                        "each device builds only its stage's layers; an evaluation gathers the whole model on "
-                        "every device (train/pipeline.py), which this stage memory leaves out"])
+                        "each device builds only its stage's layers, and evaluates through the stages without "
+                        "gathering the others (train/pipeline.py)"])
     result.bubble_fraction = bubble
     return result
 

@@ -74,9 +74,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, Subset
+from torch.utils.data import DataLoader
 
 from edgetrain.bench.flops import achieved, device_peak, training_flops_per_sample
 from edgetrain.cluster.faults import inject_fault
@@ -86,7 +85,7 @@ from edgetrain.cluster.profiles import DeviceSpec
 from edgetrain.cluster.throttle import Throttle, assign_cores, keep_freed_memory, page_faults, peak_rss_mb, pin
 from edgetrain.comm.accounting import CommStats
 from edgetrain.config import TrainConfig
-from edgetrain.data import DataSplit, build_data, register_dataset, shard_indices
+from edgetrain.data import DataSplit, build_data, register_dataset
 from edgetrain.data.dedup import drop_near_duplicates
 from edgetrain.data.device_data import build_training_data
 from edgetrain.data.partition import PartitionReport, PartitionSampler
@@ -99,6 +98,7 @@ from edgetrain.spec import RunSpec
 from edgetrain.train.checkpoint import (FINAL_DIR, FINAL_FILE, Checkpointer, resume_hint, rng_state,
                                         save_final_parts, set_rng_state)
 from edgetrain.train.elastic import Elastic
+from edgetrain.train.evaluation import evaluate  # noqa: F401  (imported from here: fleet/app.py, tests)
 from edgetrain.train.strategy import StepResult, Strategy, StrategyContext, registered_strategy
 from edgetrain.train.tensorboard_log import TensorBoardLog, write_missing_devices
 
@@ -137,32 +137,6 @@ def make_optimizer(cfg: TrainConfig, params, total_steps: int):
     else:
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
     return opt, sched
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, dataset, rank: int, world: int, batch: int = 256,
-             device: torch.device | None = None) -> tuple[float, float]:
-    """(mean loss, accuracy) over the whole test set, each device taking a shard.
-
-    Every device runs as many forward passes as the largest shard needs (an empty batch where its
-    own shard is done): a sharded model (fsdp) gathers its parameters inside forward, a collective
-    every device must join."""
-    was_training = model.training
-    model.eval()
-    totals = torch.zeros(3, dtype=torch.float64)
-    loader = DataLoader(Subset(dataset, shard_indices(len(dataset), rank, world)), batch_size=batch)
-    passes = math.ceil(math.ceil(len(dataset) / world) / batch)  # the largest shard's
-    for x, y in loader:
-        x, y = x.to(device or x.device), y.to(device or y.device)
-        out = model(x)
-        totals += torch.tensor([F.cross_entropy(out, y, reduction="sum").item(),
-                                (out.argmax(1) == y).sum().item(), len(y)], dtype=torch.float64)
-    for _ in range(passes - len(loader)):  # a shorter shard joins the others' last pass with an empty batch
-        model(dataset[0][0][None][:0].to(device or "cpu"))
-    if world > 1:
-        dist.all_reduce(totals)
-    model.train(was_training)
-    return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
 
 
 def accelerator_device(accelerator: str, local_rank: int = 0) -> torch.device:
@@ -534,7 +508,7 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
         if step >= total_steps or epoch == epochs - 1:
             strategy.finish()  # the last exchange: every device now holds the same model
         if cfg.eval:
-            test_loss, test_acc = evaluate(strategy.eval_model, data.test, rank, world, device=at.device)
+            test_loss, test_acc = strategy.evaluate(data.test)
             evals.append(EvalRecord(epoch=epoch, step=step, test_loss=test_loss, test_accuracy=test_acc))
             if rank == 0:
                 writer.evaluation(evals[-1])
@@ -554,8 +528,8 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
     mine = _device_summary(records, at, local_batches[rank], throttle)
     if limit_mb is not None and mine.run_peak_rss_mb > limit_mb:
         # Warned, not raised: training is done and the final model is written; but a real device of this size
-        # would not have survived the end of the run (an evaluation gathers a pooled model whole on every
-        # device), and the summary says so (run_peak_rss_mb) rather than only the steps' peak.
+        # would not have survived the end of the run (its evaluation, the final exchange or checkpoint), and
+        # the summary says so (run_peak_rss_mb) rather than only the steps' peak.
         print(f"edgetrain: warning: {at.me.label} went over its memory at the end of the run: peak "
               f"{mine.run_peak_rss_mb:.0f} MiB > its {limit_mb} MiB after the final exchange and checkpoint "
               f"({strategy.name}); "

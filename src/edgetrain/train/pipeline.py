@@ -52,10 +52,11 @@ decoded mean (an all-reduce's sum, or every payload decoded and combined in
 rank order, the same on every device) through the same optimizer from the
 same start, so the replicas stay bit-identical, lossy compressor or not;
 ``finish`` checks it (a digest of each stage's parameters, all-gathered:
-``replicas_identical`` in the summary); an evaluation's gather takes replica
-0's stages. BatchNorm running statistics are not all-reduced: each replica
-keeps its own; the evaluated model has replica 0's (as DDP broadcasts rank
-0's), the final checkpoint whichever replica's copy DCP keeps of each key.
+``replicas_identical`` in the summary); each replica evaluates its share of
+the test set with its own stages (Evaluation, below). BatchNorm running
+statistics are not all-reduced: each replica keeps its own, and scores its
+share of the test set with them; the final checkpoint holds whichever
+replica's copy DCP keeps of each key.
 
 Accounting: the last stage scores the batch (loss, accuracy, samples); the
 other stages report zero samples, so sums over devices give the global
@@ -76,17 +77,33 @@ storage); the split and the cut shapes are computed there (the planner costs
 one materialised copy of a layer at a time), then each device materialises
 and initialises its own stage's layers only, from per-layer seeds, so the
 stages together start from the weights one device or DDP would. The other
-stages' layers stay on meta: during training a device holds its stage's
-weights, gradients and optimizer state, no more. A model passed built
+stages' layers stay on meta: during training and evaluation a device holds
+its stage's weights, gradients and optimizer state, no more. A model passed built
 (``train(config, model=...)``) is whole on every device, from device 0's
 weights.
 
-Evaluation and checkpoint: before an evaluation each stage's owner
-broadcasts its layers' parameters and buffers (the others first give them
-storage), so every device evaluates the whole, current model on its shard
-of the test set. Checkpoints never gather: every device writes its own
-stage (train/checkpoint.py, "Pooled strategies"), its layers' state under
-their names in the whole model and its optimizer's state by those names
+Evaluation (``Pipeline.evaluate``, the loop's ``strategy.evaluate``) is
+pipelined as training is, nothing gathered: every device of replica ``r``
+walks the same shard of the test set (sharded by replica, not by rank) in
+batches of the replica's training batch ``B / D``; each stage, in eval mode
+(BatchNorm normalises with its running statistics), runs its layers on
+what the previous stage sent it (the first: the images) and sends the
+result on, point to point over the replica's group (plain ``dist.send`` /
+``recv`` under ``no_grad``, not the schedule: its buffers and state are
+built for the training step's micro-batches with gradients, and
+``schedule.eval`` would re-initialise them at every switch); the last stage
+scores the logits against its own copy of the labels, and the totals (loss
+sum, correct, samples) are all-reduced over every device, the other stages
+adding zeros. So every device gets the (loss, accuracy) of the whole model
+on the whole test set, as one device evaluating the final model does
+(tests/train/test_pipeline.py, with BatchNorm too; hybrid:
+test_pipeline_hybrid.py). Evaluation is not training: its sends are not
+counted in the byte tallies (``_count_bytes`` counts only with gradients
+on) nor charged to the links or the device clock.
+
+Checkpoints never gather: every device writes its own stage
+(train/checkpoint.py, "Pooled strategies"), its layers' state under their
+names in the whole model and its optimizer's state by those names
 (``sharded_state``), with ``torch.distributed.checkpoint``: during the run
 into ``checkpoints/step-<N>/``, at the end into ``RUN_DIR/checkpoint/``
 (``edgetrain.load_checkpoint`` reads it back whole, model and every stage's
@@ -124,15 +141,14 @@ the optimizer steps: the all-reduce never overlaps the pipeline (backward
 is over before the gradients are averaged), as data parallelism's
 blocking hooks assume too.
 
-Limits: from the first evaluation on every device holds the whole model's
-weights, so the per-step peak memory shows the pooled saving only up to it
-(the memory benchmark runs without); at the end no device receives another
-stage (each writes its own, above), so ``run_peak_rss_mb`` stays a stage's
-unless the run evaluates; ``--sync`` is refused, ``--compress``
+Limits: no device ever receives another stage's layers, neither to
+evaluate nor at the end (each writes its own, above), so
+``run_peak_rss_mb`` stays a stage's, evaluation on or off
+(tests/train/test_pipeline.py); ``--sync`` is refused, ``--compress``
 without replicas (one pipeline has no all-reduce to compress), and
-``--link-mode enforced`` (nothing sleeps: the timeline above is the model); the
-broadcasts that gather the model for evaluation are not charged to the
-links (evaluation is not training). With replicas: checkpoints during the
+``--link-mode enforced`` (nothing sleeps: the timeline above is the model);
+an evaluation's transfers are not charged to the links (evaluation is not
+training), and its batches are not cut into micro-batches. With replicas: checkpoints during the
 run and ``--resume`` are refused (the error-feedback state is not saved
 yet); every replica gets the same split (``--stages auto`` plans stage s for
 the weakest of its D devices and each cut for the slowest of its D links,
@@ -152,6 +168,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                      set_optimizer_state_dict)
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.utils.data import DataLoader, Subset
 
 from edgetrain.cluster.peers import all_gather_json
 from edgetrain.cluster.profiles import plan_devices
@@ -159,6 +176,7 @@ from edgetrain.comm import device_clock
 from edgetrain.comm.compress.spec import build_compressor
 from edgetrain.comm.exchange import average
 from edgetrain.comm.params import flatten, unflatten
+from edgetrain.data import shard_indices
 from edgetrain.errors import EdgetrainError
 from edgetrain.models.init import META, is_meta, materialise
 from edgetrain.plan.model import device_gflops, device_links, idle_process_mb
@@ -166,6 +184,7 @@ from edgetrain.plan.split import StageDevice, layer_costs, p2p_seconds, plan_spl
 from edgetrain.plan.stages import (BACKWARD, FORWARD, describe_stages, pipeline_layers, pipeline_timeline,
                                    stage_bounds)
 from edgetrain.spec import get_link
+from edgetrain.train.evaluation import mean_loss_and_accuracy, score
 from edgetrain.train.fsdp import clock_summary
 from edgetrain.train.strategy import STRATEGIES, StepResult, Strategy
 
@@ -250,8 +269,9 @@ class Pipeline(Strategy):
         self.bounds = stage_bounds(pipeline, self.layers, self.stages)
         first, end = self.bounds[self.stage_index]
         stage_input, stage_output = self._boundary_examples(first, end, self.replica_batch // pipeline.microbatches)
+        self.input_shape, self.input_dtype = tuple(stage_input.shape[1:]), stage_input.dtype  # one sample's
         mine = [name for name, _ in self.layers[first:end]]
-        # this stage's layers only; the others stay on meta until an evaluation gathers them
+        # this stage's layers only; the others stay on meta (no device ever receives them)
         materialise(model, c.spec.seed, c.device, keep=lambda name: any(name == layer or name.startswith(layer + ".")
                                                                          for layer in mine))
         self.stage_module = nn.Sequential(*(layer for _, layer in self.layers[first:end]))
@@ -283,7 +303,6 @@ class Pipeline(Strategy):
 
         self.schedule = SCHEDULES[pipeline.schedule](self.stage, n_microbatches=pipeline.microbatches,
                                                      loss_fn=loss_fn, scale_grads=False)
-        self.stale = True  # whether other stages' layers changed (or were never had) since this device last gathered them
         self.finished = False
 
     def _make_groups(self) -> None:
@@ -382,7 +401,6 @@ class Pipeline(Strategy):
             comm_s += self._allreduce_gradients()
         optimizer_started = time.perf_counter()
         optimizer.step()
-        self.stale = True
         metrics = {"comm_busy_s": None, **self._close_step(time.perf_counter() - optimizer_started)}
         if not self.is_last:
             return StepResult(0.0, 0, 0, comm_s, metrics)
@@ -437,17 +455,38 @@ class Pipeline(Strategy):
         return {"virtual_s": step["virtual_s"], "virtual_compute_s": step["compute_s"],
                 "virtual_comm_s": step["comm_model_s"]}
 
-    def gather(self) -> None:
-        """Every stage's owner broadcasts its layers' state: every device then holds the whole, current model."""
-        if not self.stale:
-            return
-        for stage, (first, end) in enumerate(self.bounds):
-            for _, layer in self.layers[first:end]:
-                if any(is_meta(m) for m in layer.modules()):  # another stage's layer: storage for its owner's values
-                    layer.to_empty(device=self.context.device)
-                for tensor in [*layer.parameters(), *layer.buffers()]:
-                    dist.broadcast(tensor.data, src=stage)
-        self.stale = False
+    @torch.no_grad()
+    def evaluate(self, dataset, batch: int = 256) -> tuple[float, float]:
+        """(mean loss, accuracy) over the whole test set, pipelined: no device holds more than its stage.
+
+        Every device of replica ``r`` walks the same shard (``shard_indices`` by replica, not by rank) in batches
+        of the replica's training batch (``batch`` is not used: a stage's activations stay those of a training
+        step's size or less); each stage, in eval mode (BatchNorm: its running statistics), runs its layers on
+        what the previous stage sent (the first: the images) and sends the result to the next one, point to
+        point over the replica's group; the last scores the logits against its own copy of the labels. The
+        totals are all-reduced over every device (the other stages add zeros). Not training: nothing is
+        counted in the byte tallies (``_count_bytes`` counts only with gradients on) nor charged to the links
+        or the device clock."""
+        c = self.context
+        was_training = self.stage_module.training
+        self.stage_module.eval()
+        totals = torch.zeros(3, dtype=torch.float64)
+        shard = Subset(dataset, shard_indices(len(dataset), self.replica, self.replicas))
+        for x, y in DataLoader(shard, batch_size=self.replica_batch):
+            if self.is_first:
+                activation = x.to(c.device)
+            else:  # the previous stage of this replica is the previous rank (layout: module docstring)
+                activation = torch.empty(len(y), *self.input_shape, dtype=self.input_dtype, device=c.device)
+                dist.recv(activation, src=c.rank - 1, group=self.pipe_group)
+            out = self.stage_module(activation)
+            if self.is_last:
+                totals += score(out, y.to(c.device))
+            else:
+                dist.send(out.contiguous(), dst=c.rank + 1, group=self.pipe_group)
+        self.stage_module.train(was_training)
+        if c.world > 1:
+            dist.all_reduce(totals)
+        return mean_loss_and_accuracy(totals)
 
     def finish(self) -> None:
         if self.finished:
@@ -461,8 +500,8 @@ class Pipeline(Strategy):
         """Whether every stage's D replicas hold bit-identical parameters (every device: one all-gather).
 
         They should: each applies the same averaged gradient (the all-reduce's decoded mean is computed the same
-        way on every replica) through the same optimizer from the same start. The gather for evaluation takes
-        replica 0's stages, so a difference would otherwise go unseen."""
+        way on every replica) through the same optimizer from the same start. Each replica evaluates with
+        its own stages, so a difference would otherwise show only in the test scores."""
         digest = hashlib.sha256()
         for p in self.stage_module.parameters():
             digest.update(p.detach().cpu().contiguous().numpy().tobytes())
@@ -471,13 +510,15 @@ class Pipeline(Strategy):
 
     @property
     def eval_model(self) -> nn.Module:
-        return _GatheredForEvaluation(self)
+        # the whole model as this device holds it: its stage's layers, the others' on meta (``evaluate`` runs
+        # the stages instead)
+        return self.whole
 
     def state_dict(self) -> dict:
         return {}  # this stage's layers and optimizer state are its part of the checkpoint: sharded_state
 
     def load_state_dict(self, state: dict) -> None:
-        self.stale = True  # the other stages' layers are gathered anew before an evaluation
+        pass  # this stage's layers and optimizer state come back through load_sharded_state
 
     def sharded_state(self, optimizer, final: bool = False) -> dict:
         # this stage's layers under their names in the whole model, and its optimizer's state by those names
@@ -489,7 +530,6 @@ class Pipeline(Strategy):
     def load_sharded_state(self, state: dict, optimizer) -> None:
         self.whole.load_state_dict(state["model"], strict=False)  # this stage's layers only
         set_optimizer_state_dict(self.whole, optimizer, state["optimizer"], options=FLAT)
-        self.stale = True
 
     def summary(self) -> dict:
         p = self.context.spec.pipeline
@@ -519,22 +559,6 @@ def _least(values):
     """The smallest of the values that are given (None: no limit, or not rated), else None."""
     given = [v for v in values if v is not None]
     return min(given) if given else None
-
-
-class _GatheredForEvaluation(nn.Module):
-    """The whole model, gathered from the stages at the first forward after training changed it.
-
-    ``train.loop.evaluate`` calls forward as often on every device, so the gather (a collective) meets.
-    """
-
-    def __init__(self, strategy: Pipeline):
-        super().__init__()
-        self.whole = strategy.whole
-        self._strategy = [strategy]  # in a list: not a submodule
-
-    def forward(self, x):
-        self._strategy[0].gather()
-        return self.whole(x)
 
 
 STRATEGIES[Pipeline.name] = Pipeline

@@ -13,7 +13,9 @@ drives a ``Strategy`` the same way for every kind, on every device::
     optimizer over strategy.parameters()
     per step:  strategy.train_step(x, y, optimizer) -> StepResult
     strategy.finish()               # final exchange: every device holds the same model afterwards
-    strategy.eval_model             # the module to evaluate
+    strategy.evaluate(test_set)     # (mean loss, accuracy) over the whole test set, every device the same;
+                                    # default: ``eval_model`` on this device's shard (train/evaluation.py)
+    strategy.eval_model             # the module the default evaluate runs
     strategy.summary()              # extra fields for summary.json (RunSummary.details)
     strategy.state_dict()           # what a checkpoint holds (default: the model); load_state_dict after setup
     strategy.checkpoint_state(opt)  # rank 0: model and optimizer state for checkpoint.pt
@@ -63,6 +65,7 @@ from edgetrain.models.batchnorm import convert_batchnorm
 from edgetrain.models.init import materialise
 from edgetrain.spec import RunSpec
 from edgetrain.tiling import TiledTraining
+from edgetrain.train.evaluation import evaluate
 
 
 @dataclass
@@ -136,6 +139,13 @@ class Strategy(abc.ABC):
     @property
     @abc.abstractmethod
     def eval_model(self) -> nn.Module: ...
+
+    def evaluate(self, dataset, batch: int = 256) -> tuple[float, float]:
+        """(mean loss, accuracy) over the whole test set ``dataset``, the same on every device (a collective:
+        every device calls it). Default: ``eval_model`` on this device's shard, in batches of ``batch``, the
+        totals all-reduced (``train.evaluation.evaluate``)."""
+        c = self.context
+        return evaluate(self.eval_model, dataset, c.rank, c.world, batch=batch, device=c.device)
 
     def summary(self) -> dict:
         return {}
