@@ -105,7 +105,7 @@ _TERMINATED = object()  # what a device "returns" when SIGTERM stopped it
 _DEVICE_ENV = "EDGETRAIN_LAUNCHER_PID"  # set for the devices only, to the launcher's pid
 _UNGUARDED_MAIN_EXIT = 86
 _UNGUARDED_MAIN_FIX = ("edgetrain.train was called while a device process imported your script (devices are "
-                       "spawned and re-import it); put the call under an `if __name__ == \"__main__\":` guard")
+                       "started and re-import it); put the call under an `if __name__ == \"__main__\":` guard")
 
 # Messages that are the echo of another device's failure rather than a cause.
 _ECHOES = ("connection closed", "connection reset", "broken pipe", "peer", "timed out", "timeout",
@@ -400,7 +400,7 @@ def _quiet_resource_tracker() -> None:
 def launch_local(world: int, target: Callable, args: tuple, labels: list[str], log_dir: str | None = None,
                  grace_s: float = 1.0, deadline_s: float | None = None,
                  deadline_fix: str = "give it more time", elastic: ElasticLaunch | None = None) -> list[Any]:
-    """Run ``target(*args)`` in ``world`` spawned processes; return their results in rank order.
+    """Run ``target(*args)`` in ``world`` device processes; return their results in rank order.
 
     A device that fails with an unexpected exception leaves its traceback in ``log_dir/device-<rank>.log``
     (without ``log_dir`` it prints it). Devices still running ``deadline_s`` after the start are stopped and

@@ -22,7 +22,7 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
           strategy: str | type | None = None, **overrides: Any) -> dict | None:
     """Train as ``config`` says (a ``TrainConfig``, a dict or a YAML path) with ``overrides`` on top.
 
-    On one host this spawns ``config.devices`` emulated devices and returns the
+    On one host this starts ``config.devices`` emulated devices and returns the
     run summary (also written to ``<run_dir>/summary.json``). Under torchrun it
     trains this process's device; rank 0 returns the summary, the others None.
     ``model`` is either the name of a registered model (the config key) or

@@ -1,7 +1,7 @@
 """The training loop every device runs: one short loop driving a ``Strategy``.
 
 ``run_worker`` is the body of one device process, whether ``launch_local``
-spawned it or ``torchrun`` did. It is four parts, in order:
+started it or ``torchrun`` did. It is four parts, in order:
 
 - ``set_up_device``: rendezvous and peer admission (cluster token, config
   hash; cluster/peers), host cores and threads, seed, accelerator;
@@ -358,8 +358,8 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
     # before its optimizer has stepped, which is intended: every device keeps the same learning rate per step.
     warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()` before `optimizer.step()`")
     if user_model is not None:
-        # Our own copy before anything else: spawn pickles the model with torch's reducers, which hand every
-        # device (and the caller) the same shared-memory storage, so the devices would all train one tensor.
+        # Our own copy before anything else: multiprocessing pickles the model with torch's reducers, which hand
+        # every device (and the caller) the same shared-memory storage, so the devices would all train one tensor.
         user_model = copy.deepcopy(user_model)
     for name, factory in (registered or {}).items():
         register_model(name, factory)
@@ -370,7 +370,7 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
     rank = at.rank
 
     phase(cfg, rank, f"loading data: {cfg.dataset}")
-    # Our own copy, as for the model: spawn hands every device the launcher's tensors in shared memory.
+    # Our own copy, as for the model: multiprocessing hands every device the launcher's tensors in shared memory.
     data = copy.deepcopy(loaded) if loaded is not None else build_data(cfg)
     if spec.dedup is not None:
         phase(cfg, rank, f"dropping near-duplicate training images (pHash within {spec.dedup.threshold} bits)")
