@@ -79,6 +79,11 @@ METHODS = {
     "fedavg-weighted-reset": dict(sync="fedavg:1:weighted:reset"),
     "scaffold-weighted-reset": dict(sync="fedavg:1:scaffold:weighted:reset"),
     "fedprox-0.1": dict(sync="fedavg:1:prox=0.1"),
+    # tuning: a server step past the clients' mean (averaging shrinks updates that disagree; FedExP, 2023),
+    # and server-side Adam (Reddi et al. 2021)
+    "fedavg-slr1.5": dict(sync="fedavg:1", server_opt="fedavgm:lr=1.5:momentum=0"),
+    "fedavg-slr2": dict(sync="fedavg:1", server_opt="fedavgm:lr=2:momentum=0"),
+    "fedadam": dict(sync="fedavg:1", server_opt="fedadam:lr=0.01"),
     # diagnostics, not contenders: FedAvg on IID partitions (how much of the gap is the non-IID split), and
     # rounds of 5 local steps (3 rounds per epoch: 3x the rounds and bytes at the same epochs)
     "fedavg-iid": dict(sync="fedavg:1", partition="iid"),
