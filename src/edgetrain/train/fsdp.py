@@ -90,12 +90,13 @@ Limits:
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
@@ -104,9 +105,8 @@ from edgetrain.comm import device_clock
 from edgetrain.comm.accounting import ring_allgather_bytes, ring_allreduce_bytes
 from edgetrain.comm.emulation import LinkEmulator
 from edgetrain.models.init import initialised_layers, is_meta, materialise
-from edgetrain.train.strategy import STRATEGIES, DataParallel, StepResult, Strategy
+from edgetrain.train.strategy import FLAT_OPTIMIZER, STRATEGIES, DataParallel, StepResult, Strategy
 
-FLAT = StateDictOptions(flatten_optimizer_state_dict=True)  # one key per parameter and state (checkpoints)
 
 
 def sharding_units(model: nn.Module) -> list[nn.Module]:
@@ -230,14 +230,14 @@ class FullyShardedDataParallel(Strategy):
 
     def sharded_state(self, optimizer, final: bool = False) -> dict:
         # DTensor shards, as FSDP2 holds them; the optimizer's state flattened by parameter name
-        model, optim = get_state_dict(self.model, optimizer, options=FLAT)
+        model, optim = get_state_dict(self.model, optimizer, options=FLAT_OPTIMIZER)
         if not final:  # during the run each device's own BatchNorm statistics: in state_dict, its own file
             model = {key: value for key, value in model.items() if isinstance(value, DTensor)}
         return {"model": model, "optimizer": optim}
 
     def load_sharded_state(self, state: dict, optimizer) -> None:
         set_state_dict(self.model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                       options=StateDictOptions(flatten_optimizer_state_dict=True, strict=False))
+                       options=dataclasses.replace(FLAT_OPTIMIZER, strict=False))
 
     def state_dict(self) -> dict:
         """This device's buffers (BatchNorm statistics: each device's own, as with DDP's local BatchNorm);

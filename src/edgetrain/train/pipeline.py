@@ -165,8 +165,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.utils.data import DataLoader, Subset
 
@@ -186,10 +185,9 @@ from edgetrain.plan.stages import (BACKWARD, FORWARD, describe_stages, pipeline_
 from edgetrain.spec import get_link
 from edgetrain.train.evaluation import mean_loss_and_accuracy, score
 from edgetrain.train.fsdp import clock_summary
-from edgetrain.train.strategy import STRATEGIES, StepResult, Strategy
+from edgetrain.train.strategy import FLAT_OPTIMIZER, STRATEGIES, StepResult, Strategy
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-FLAT = StateDictOptions(flatten_optimizer_state_dict=True)  # one key per parameter and state (checkpoints)
 
 
 class TimedStage(PipelineStage):
@@ -525,11 +523,11 @@ class Pipeline(Strategy):
         first, end = self.bounds[self.stage_index]
         model = {f"{name}.{key}": value for name, layer in self.layers[first:end]
                  for key, value in layer.state_dict().items()}
-        return {"model": model, "optimizer": get_optimizer_state_dict(self.whole, optimizer, options=FLAT)}
+        return {"model": model, "optimizer": get_optimizer_state_dict(self.whole, optimizer, options=FLAT_OPTIMIZER)}
 
     def load_sharded_state(self, state: dict, optimizer) -> None:
         self.whole.load_state_dict(state["model"], strict=False)  # this stage's layers only
-        set_optimizer_state_dict(self.whole, optimizer, state["optimizer"], options=FLAT)
+        set_optimizer_state_dict(self.whole, optimizer, state["optimizer"], options=FLAT_OPTIMIZER)
 
     def summary(self) -> dict:
         p = self.context.spec.pipeline

@@ -57,6 +57,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from edgetrain.comm import build_sync
 from edgetrain.comm.accounting import CommStats
@@ -66,6 +67,10 @@ from edgetrain.models.init import materialise
 from edgetrain.spec import RunSpec
 from edgetrain.tiling import TiledTraining
 from edgetrain.train.evaluation import evaluate
+
+# A pooled strategy's optimizer state in its part of a checkpoint (``sharded_state``): one key per parameter
+# name and state, so no two devices write the same key with different values.
+FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 @dataclass
