@@ -232,8 +232,7 @@ def check_resume_devices(run_dir: str | Path, devices: int, partitioned: bool) -
     parts = newest.is_dir()  # a pooled strategy's: each device wrote its own part
     if not (partitioned or parts):
         return
-    written_by = _load(newest / RUN_FILE) if parts else _load(newest, mmap=True)
-    written_by = written_by["world"]
+    written_by = (_load(newest / RUN_FILE) if parts else _load(newest, mmap=True))["world"]
     if written_by != devices:
         held = "its own part of the model (pipeline or fsdp)" if parts else "its own partition of the data"
         raise EdgetrainError(f"the checkpoint in {run_dir} was written by {written_by} devices, each with {held}; "
