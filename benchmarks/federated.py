@@ -50,6 +50,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from scipy import stats  # scikit-learn's dependency
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
@@ -84,6 +85,12 @@ METHODS = {
     "fedavg-slr1.5": dict(sync="fedavg:1", server_opt="fedavgm:lr=1.5:momentum=0"),
     "fedavg-slr2": dict(sync="fedavg:1", server_opt="fedavgm:lr=2:momentum=0"),
     "fedadam": dict(sync="fedavg:1", server_opt="fedadam:lr=0.01"),
+    # tuning: the two small leads combined, a mu between 0.01 and 0.1, server momentum that averages over about
+    # two rounds, and two-sided learning rates (half the client lr, twice the server's; Yang et al. 2021)
+    "fedprox-slr1.5": dict(sync="fedavg:1:prox=0.01", server_opt="fedavgm:lr=1.5:momentum=0"),
+    "fedprox-0.03": dict(sync="fedavg:1:prox=0.03"),
+    "fedavgm-0.5": dict(sync="fedavg:1", server_opt="fedavgm:lr=0.5:momentum=0.5"),
+    "fedavg-2sided": dict(sync="fedavg:1", lr=0.025, server_opt="fedavgm:lr=2:momentum=0"),
     # diagnostics, not contenders: FedAvg on IID partitions (how much of the gap is the non-IID split), and
     # rounds of 5 local steps (3 rounds per epoch: 3x the rounds and bytes at the same epochs)
     "fedavg-iid": dict(sync="fedavg:1", partition="iid"),
@@ -108,10 +115,12 @@ def straggler_cluster(clients: int, fraction: float, path: Path) -> Path:
 
 def run(label: str, args, seed: int, out: Path) -> dict:
     cfg = dict(model=args.model, dataset="cifar10", data_dir=str(args.data_dir), devices=args.clients,
-               epochs=args.rounds, batch_size=args.batch_size, lr=args.lr, partition=args.partition,
-               link="lte-10m", throttle=False, threads=1, progress=False, eval=True, seed=seed,
-               output=str(out), run_name=f"{label}-seed{seed}", timeout=300)
+               epochs=args.rounds * args.local_epochs, batch_size=args.batch_size, lr=args.lr,
+               partition=args.partition, link="lte-10m", throttle=False, threads=1, progress=False, eval=True,
+               seed=seed, output=str(out), run_name=f"{label}-seed{seed}", timeout=300)
     cfg.update(METHODS[label])
+    # the rows are written for one local epoch per round; --local-epochs E makes every round E epochs
+    cfg["sync"] = cfg["sync"].replace("fedavg:1", f"fedavg:{args.local_epochs}")
     stragglers = cfg.pop("stragglers", 0)
     if stragglers:
         cfg.update(cluster=str(straggler_cluster(args.clients, stragglers, out / f"{label}-cluster.yaml")),
@@ -132,16 +141,31 @@ def mean_spread(values: list[float]) -> tuple[float, float]:
 
 
 def table(results: list[dict], methods: list[str]) -> list[str]:
-    lines = ["| method | test accuracy (mean +- spread) | MB sent (busiest client) | virtual time s (modelled link) |",
-             "|---|---|---|---|"]
+    """One row per method. The means are over the seeds each method ran, which differ; the paired column
+    (the method minus fedavg on the seeds both ran, and how many) is the one that compares rows."""
+    fedavg = {r["seed"]: r["test_accuracy"] for r in results if r["method"] == "fedavg"}
+    lines = ["| method | seeds | test accuracy (mean +- spread) | against fedavg, paired (seeds) "
+             "| MB sent (busiest client) | virtual time s (modelled link) |",
+             "|---|---|---|---|---|---|"]
     for method in methods:
         runs = [r for r in results if r["method"] == method]
         accuracy, spread = mean_spread([r["test_accuracy"] for r in runs])
+        lead = [r["test_accuracy"] - fedavg[r["seed"]] for r in runs if r["seed"] in fedavg]
+        lead_text = "-" if method == "fedavg" or not lead else f"{np.mean(lead) * 100:+.2f} pp ({len(lead)})"
         mb = "-" if runs[0]["bytes_sent_max_device"] is None else f"{runs[0]['bytes_sent_max_device'] / 1e6:.2f}"
         vt = [r["virtual_time_max_device_s"] for r in runs if r["virtual_time_max_device_s"] is not None]
         vt_text = f"{np.mean(vt):.1f}" if vt else "-"
-        lines.append(f"| {method} | {accuracy:.2%} +- {spread:.2%} | {mb} | {vt_text} |")
+        seeds = ",".join(str(r["seed"]) for r in sorted(runs, key=lambda r: r["seed"]))
+        lines.append(f"| {method} | {seeds} | {accuracy:.2%} +- {spread:.2%} | {lead_text} | {mb} | {vt_text} |")
     return lines
+
+
+def lead_bound(differences: list[float], confidence: float = 0.95) -> float:
+    """The one-sided lower confidence bound of the mean of paired differences (Student's t); -inf for one."""
+    if len(differences) < 2:
+        return float("-inf")
+    d = np.asarray(differences)
+    return float(d.mean() - stats.t.ppf(confidence, len(d) - 1) * d.std(ddof=1) / np.sqrt(len(d)))
 
 
 def targets(results: list[dict]) -> list[str]:
@@ -152,9 +176,11 @@ def targets(results: list[dict]) -> list[str]:
     FedAvg on IID partitions (``fedavg-iid``), the same clients, rounds and local epochs with only the
     partition changed. Centralized training (one shuffled set) is the stricter reference and is checked too.
     Comparisons are paired by seed (a seed draws the partition, the initial model and the batches): a
-    method competes only on seeds where it and the reference both ran, and "ahead of FedAvg" is met when
-    it leads FedAvg on every one of at least 3 common seeds (one or two seeds cannot tell a lead from
-    noise)."""
+    method competes only on seeds where it and the reference both ran. "Ahead of FedAvg" is met when the
+    mean lead over at least 3 common seeds is above zero with 95% confidence: the one-sided lower bound
+    of Student's t interval on the paired differences (``lead_bound``) is above zero. How many seeds it
+    leads on is printed too; "on every seed" was this script's first rule, but it cannot be met at any
+    confidence by a method whose lead is smaller than one run's noise, however many seeds it runs."""
     by = {}
     for r in results:
         by.setdefault(r["method"], {})[r["seed"]] = r["test_accuracy"]
@@ -178,11 +204,13 @@ def targets(results: list[dict]) -> list[str]:
         lines.append(f"best federated method {best}: no seed in common with fedavg")
     else:
         ahead = sum(d > 0 for d in lead)
-        verdict = ("met" if ahead == len(lead) and len(lead) >= 3 else
-                   "not met" if ahead < len(lead) else f"not resolved: {len(lead)} seeds (needs 3 or more)")
+        bound = lead_bound(lead)
+        verdict = (f"not resolved: {len(lead)} seeds (needs 3 or more)" if len(lead) < 3 else
+                   "met" if bound > 0 else "not met")
         lines.append(f"best federated method other than fedavg: {best}, {float(np.mean(lead)) * 100:+.2f} pp against "
                      f"fedavg paired over {len(lead)} seeds (per seed: {', '.join(f'{d * 100:+.2f}' for d in lead)}; "
-                     f"ahead on {ahead} of {len(lead)}; target ahead of FedAvg: {verdict})")
+                     f"ahead on {ahead} of {len(lead)}; 95% lower bound {bound * 100:+.2f} pp; "
+                     f"target ahead of FedAvg: {verdict})")
     for reference, label in (("fedavg-iid", "IID training at the same rounds (FedAvg on IID partitions)"),
                              ("centralized", "centralized training at the same epochs")):
         gap = paired(reference, best) if reference in by else []
@@ -201,6 +229,8 @@ def main() -> int:
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
     p.add_argument("--clients", type=int, default=10)
     p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--local-epochs", type=int, default=1,
+                   help="local epochs per round (centralized trains rounds x local epochs epochs)")
     p.add_argument("--batch-size", type=int, default=320, help="global batch (32 per client with 10 clients)")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--model", default="small_cnn", help="every method's model, e.g. small_cnn_gn (GroupNorm)")
@@ -214,10 +244,11 @@ def main() -> int:
     if args.from_json:
         results = [r for path in args.from_json for r in json.loads(path.read_text())["results"]]
         methods = [m for m in METHODS if any(r["method"] == m for r in results)]
-        first = results[0]["config"]
-        print(f"{first['model']}, {first['devices']} clients, {args.partition}, {first['epochs']} rounds of 1 local "
-              f"epoch, lr {first['lr']}, lte-10m (virtual clock), seeds per method: "
-              + ", ".join(f"{m} {sorted(r['seed'] for r in results if r['method'] == m)}" for m in methods))
+        first = next((r for r in results if r["method"] == "fedavg"), results[0])["config"]
+        local_epochs = int(first["sync"].split(":")[1]) if first["sync"].startswith("fedavg:") else 1
+        print(f"{first['model']}, {first['devices']} clients, {first['partition']}, "
+              f"{first['epochs'] // local_epochs} rounds of {local_epochs} local epoch(s), "
+              f"lr {first['lr']}, lte-10m (virtual clock)")
         print("\n".join(table(results, methods) + [""] + targets(results)))
         return 0
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -234,7 +265,7 @@ def main() -> int:
                 print(f"{label} seed {seed}: accuracy {r['test_accuracy']:.2%}, wall {r['wall_s']:.0f} s", flush=True)
                 if args.json:
                     write_json(args.json, {"results": results})
-    print(f"\n{args.model}, {args.clients} clients, {args.partition}, {args.rounds} rounds of 1 local epoch, "
+    print(f"\n{args.model}, {args.clients} clients, {args.partition}, {args.rounds} rounds of {args.local_epochs} local epoch(s), "
           f"lr {args.lr}, lte-10m (virtual clock), seeds {args.seeds}")
     print("\n".join(table(results, methods) + [""] + targets(results)))
     return 0
