@@ -20,8 +20,9 @@ Measured, all on this host:
    step_s / epochs``; start-up and evaluation not included), test accuracy
    after the last epoch, and what dedup removed (``summary.json``);
 3. the issue's accuracy target, paired by seed: planted-dedup against clean
-   (a seed draws the initial model and the batches of both runs), the mean
-   of the differences within 0.5 pp. One run's accuracy moves by a point or
+   (a seed draws the initial model and the batches of both runs), read as
+   non-inferiority: the one-sided 95% lower bound of the mean difference
+   above -0.5 pp (``accuracy_target``). One run's accuracy moves by a point or
    two from seed to seed, so the target needs several seeds; on ``host``
    devices (unthrottled: the accuracy does not depend on the profile) a run
    is about a minute.
@@ -41,6 +42,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from scipy import stats  # scikit-learn's dependency
 from PIL import Image
 
 from edgetrain import train
@@ -114,19 +116,24 @@ def training(name: str, data_dir: Path, dedup: str, seed: int, args) -> dict:
 
 
 def accuracy_target(runs: list[dict]) -> str:
-    """Issue 14's target: training on the deduplicated planted set within 0.5 pp of the clean subset, as the
-    mean of the differences paired by seed (with their standard error: the runs are few and noisy)."""
+    """Issue 14's target: training on the deduplicated planted set within 0.5 pp of the clean subset, paired by
+    seed. Read as non-inferiority, the concern behind it (dedup must not cost accuracy): the one-sided 95%
+    lower bound of the mean difference (Student's t) is above -0.5 pp. The literal reading (the mean within
+    0.5 pp either way), the mean and its standard error are printed too: the runs are few and one run's accuracy moves by a point or two with the seed."""
     by = {(r["run"], r["seed"]): r["test_accuracy"] for r in runs}
     seeds = sorted(seed for run, seed in by if run == "clean" and ("planted-dedup", seed) in by)
-    if not seeds:
-        return "accuracy target: needs the clean and planted-dedup runs on a common seed"
+    if len(seeds) < 2:
+        return "accuracy target: needs the clean and planted-dedup runs on two or more common seeds"
     diffs = np.array([by["planted-dedup", s] - by["clean", s] for s in seeds]) * 100
-    error = diffs.std(ddof=1) / np.sqrt(len(diffs)) if len(diffs) > 1 else float("nan")
+    error = diffs.std(ddof=1) / np.sqrt(len(diffs))
+    bound = diffs.mean() - stats.t.ppf(0.95, len(diffs) - 1) * error
     clean = np.mean([by["clean", s] for s in seeds]) * 100
     dedup = np.mean([by["planted-dedup", s] for s in seeds]) * 100
     return (f"accuracy, planted-dedup against clean over seeds {seeds}: {dedup:.2f}% against {clean:.2f}%, "
             f"{diffs.mean():+.2f} pp (standard error {error:.2f}; per seed {', '.join(f'{d:+.2f}' for d in diffs)}); "
-            f"target within 0.5 pp: {'met' if abs(diffs.mean()) <= 0.5 else 'not met'}")
+            f"95% lower bound {bound:+.2f} pp; target no more than 0.5 pp below clean: "
+            f"{'met' if bound >= -0.5 else 'not met'}; mean within 0.5 pp either way: "
+            f"{'yes' if abs(diffs.mean()) <= 0.5 else 'no'}")
 
 
 def main() -> int:

@@ -39,6 +39,12 @@ Usage (from the repository root)::
 
     PYTHONPATH=src python benchmarks/federated.py --rounds 15 --seeds 1,2 --methods centralized,fedavg,fedprox,scaffold
     PYTHONPATH=src python benchmarks/federated.py --methods fedavg,scaffold --rounds 3
+    PYTHONPATH=src python benchmarks/federated.py --rounds 5 --local-epochs 5 --methods fedavg,scaffold,fedavg-iid
+
+``--local-epochs E`` makes every round E local epochs (the rows are written
+for one; centralized trains rounds x E epochs): with more local steps per
+round the clients drift further apart, which is what FedProx and SCAFFOLD
+correct.
 """
 from __future__ import annotations
 
