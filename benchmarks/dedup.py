@@ -42,13 +42,13 @@ import time
 from pathlib import Path
 
 import numpy as np
-from scipy import stats  # scikit-learn's dependency
 from PIL import Image
 
 from edgetrain import train
 from edgetrain.data.cifar import TEST_FILE, TRAIN_FILES, load_cifar10
 from edgetrain.data.dedup import find_near_duplicates
 from edgetrain.spec import DEDUP_DEFAULT_THRESHOLD
+from paired import lower_bound  # benchmarks/paired.py
 
 REPO = Path(__file__).resolve().parents[1]
 CIFAR = REPO.parent / "shared" / "data" / "cifar10-subset" / "cifar-10-batches-py"
@@ -119,14 +119,15 @@ def accuracy_target(runs: list[dict]) -> str:
     """Issue 14's target: training on the deduplicated planted set within 0.5 pp of the clean subset, paired by
     seed. Read as non-inferiority, the concern behind it (dedup must not cost accuracy): the one-sided 95%
     lower bound of the mean difference (Student's t) is above -0.5 pp. The literal reading (the mean within
-    0.5 pp either way), the mean and its standard error are printed too: the runs are few and one run's accuracy moves by a point or two with the seed."""
+    0.5 pp either way), the mean and its standard error are printed too: the runs are few and one run's
+    accuracy moves by a point or two with the seed."""
     by = {(r["run"], r["seed"]): r["test_accuracy"] for r in runs}
     seeds = sorted(seed for run, seed in by if run == "clean" and ("planted-dedup", seed) in by)
     if len(seeds) < 2:
         return "accuracy target: needs the clean and planted-dedup runs on two or more common seeds"
     diffs = np.array([by["planted-dedup", s] - by["clean", s] for s in seeds]) * 100
     error = diffs.std(ddof=1) / np.sqrt(len(diffs))
-    bound = diffs.mean() - stats.t.ppf(0.95, len(diffs) - 1) * error
+    bound = lower_bound(diffs)
     clean = np.mean([by["clean", s] for s in seeds]) * 100
     dedup = np.mean([by["planted-dedup", s] for s in seeds]) * 100
     return (f"accuracy, planted-dedup against clean over seeds {seeds}: {dedup:.2f}% against {clean:.2f}%, "

@@ -56,13 +56,13 @@ import time
 from pathlib import Path
 
 import numpy as np
-from scipy import stats  # scikit-learn's dependency
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from edgetrain.report.files import write_json  # noqa: E402
 from edgetrain.train import train  # noqa: E402
+from paired import lower_bound  # noqa: E402  (benchmarks/paired.py)
 
 DATA = ROOT.parent / "shared/data/cifar10-subset/cifar-10-batches-py"
 
@@ -166,14 +166,6 @@ def table(results: list[dict], methods: list[str]) -> list[str]:
     return lines
 
 
-def lead_bound(differences: list[float], confidence: float = 0.95) -> float:
-    """The one-sided lower confidence bound of the mean of paired differences (Student's t); -inf for one."""
-    if len(differences) < 2:
-        return float("-inf")
-    d = np.asarray(differences)
-    return float(d.mean() - stats.t.ppf(confidence, len(d) - 1) * d.std(ddof=1) / np.sqrt(len(d)))
-
-
 def targets(results: list[dict]) -> list[str]:
     """Issue 14's targets: the best federated method within 5 pp of IID training at the same rounds, and
     ahead of FedAvg.
@@ -184,7 +176,7 @@ def targets(results: list[dict]) -> list[str]:
     Comparisons are paired by seed (a seed draws the partition, the initial model and the batches): a
     method competes only on seeds where it and the reference both ran. "Ahead of FedAvg" is met when the
     mean lead over at least 3 common seeds is above zero with 95% confidence: the one-sided lower bound
-    of Student's t interval on the paired differences (``lead_bound``) is above zero. How many seeds it
+    of Student's t interval on the paired differences (``paired.lower_bound``) is above zero. How many seeds it
     leads on is printed too; "on every seed" was this script's first rule, but it cannot be met at any
     confidence by a method whose lead is smaller than one run's noise, however many seeds it runs."""
     by = {}
@@ -210,7 +202,7 @@ def targets(results: list[dict]) -> list[str]:
         lines.append(f"best federated method {best}: no seed in common with fedavg")
     else:
         ahead = sum(d > 0 for d in lead)
-        bound = lead_bound(lead)
+        bound = lower_bound(lead)
         verdict = (f"not resolved: {len(lead)} seeds (needs 3 or more)" if len(lead) < 3 else
                    "met" if bound > 0 else "not met")
         lines.append(f"best federated method other than fedavg: {best}, {float(np.mean(lead)) * 100:+.2f} pp against "
@@ -271,7 +263,8 @@ def main() -> int:
                 print(f"{label} seed {seed}: accuracy {r['test_accuracy']:.2%}, wall {r['wall_s']:.0f} s", flush=True)
                 if args.json:
                     write_json(args.json, {"results": results})
-    print(f"\n{args.model}, {args.clients} clients, {args.partition}, {args.rounds} rounds of {args.local_epochs} local epoch(s), "
+    print(f"\n{args.model}, {args.clients} clients, {args.partition}, "
+          f"{args.rounds} rounds of {args.local_epochs} local epoch(s), "
           f"lr {args.lr}, lte-10m (virtual clock), seeds {args.seeds}")
     print("\n".join(table(results, methods) + [""] + targets(results)))
     return 0
