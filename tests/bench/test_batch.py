@@ -39,7 +39,7 @@ def test_memory_limit_is_reported_not_a_crash(tmp_path):
     # Peak RSS depends on the installation, so measure batches 1024 to 8192 first (no limit) and put
     # the limit halfway between 1024's and 8192's peaks: 1024 must fit, and the sweep must stop at a
     # batch reported as the limit hit. Not between 1024 and 2048: their peaks are about 110 MB apart,
-    # and one batch's peak RSS moved by more than half that between two runs on this host (CI flake).
+    # and one batch's peak RSS moved by more than half that between two runs on this host (a fresh-clone failure).
     args = ["bench", "batch", "--model", "small_cnn", "--dataset", "digits", "--start-batch", "1024", "--steps", "1",
             "--warmup", "0", "--threads", "1", "--peak-size", "128", "--output", str(tmp_path)]
     assert main([*args, "--max-batch", "8192", "--name", "free"]) == 0
