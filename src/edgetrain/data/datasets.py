@@ -105,7 +105,7 @@ def synthetic(samples: int = 2048, image_size: int = 32, channels: int = 3, clas
     return DataSplit(make(samples), make(max(samples // 4, 1)), classes, "synthetic")
 
 
-BUILTIN = ("digits", "cifar10", "synthetic", "imagefolder", "npz")
+BUILTIN = ("digits", "cifar10", "synthetic", "imagefolder", "npz", "shapes", "yolo", "coco")
 DatasetFactory = Callable[[Optional[str], int], Any]
 DATASETS: dict[str, DatasetFactory] = {}  # registered with register_dataset
 
@@ -146,6 +146,13 @@ def build_data(cfg) -> DataSplit:
         return image_folder(cfg.data_dir, cfg.seed)
     if cfg.dataset == "npz":
         return npz_arrays(cfg.data_dir, cfg.seed)
+    if cfg.dataset in ("shapes", "yolo", "coco"):
+        from edgetrain.data import detection
+
+        if cfg.dataset == "shapes":
+            return detection.shapes(cfg.synthetic_samples, cfg.image_size, cfg.seed)
+        reader = detection.yolo_folder if cfg.dataset == "yolo" else detection.coco_folder
+        return reader(cfg.data_dir, cfg.image_size, cfg.seed)
     made = DATASETS[cfg.dataset](cfg.data_dir, cfg.seed)
     if isinstance(made, DataSplit):
         return made

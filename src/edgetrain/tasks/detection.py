@@ -18,6 +18,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from edgetrain.models.yolo_tiny import VOC_ANCHORS
+from edgetrain.tasks.base import Evaluator, Metric, Task, refuse
+
 PAD = -1.0  # class of a padding row in a target batch
 
 
@@ -233,3 +236,96 @@ def detection_images(output: torch.Tensor, target: torch.Tensor, anchors, num_cl
                      **decode_options: Any) -> list[tuple[np.ndarray, np.ndarray]]:
     """``(truths, detections)`` per image of a batch, what ``coco_map`` scores."""
     return list(zip(truths(target), decode(output, anchors, num_classes, **decode_options)))
+
+
+# -- the task ---------------------------------------------------------------------------------------------------
+
+MAP50 = Metric("map50", "", True, "mAP@0.5")
+MAP50_95 = Metric("map50_95", "", True, "mAP@0.5:0.95")
+
+
+class DetectionEvaluator(Evaluator):
+    """State: the loss sum, the images seen, and every image's truths and detections (what COCOeval needs),
+    with the class count and image size so that ``merge`` needs nothing else."""
+
+    def __init__(self, task: "DetectionTask"):
+        self.task = task
+        self.loss_sum, self.seen = 0.0, 0
+        self.images: list[tuple[np.ndarray, np.ndarray]] = []
+
+    def update(self, output, target) -> None:
+        self.loss_sum += float(self.task.loss(output, target))
+        self.seen += int(output.shape[0])
+        self.images += detection_images(output, target, self.task.anchors, self.task.num_classes)
+
+    def state(self) -> dict:
+        return {"loss_sum": self.loss_sum, "seen": self.seen, "images": self.images,
+                "num_classes": self.task.num_classes, "image_size": self.task.image_size}
+
+    @staticmethod
+    def merge(states: list) -> dict[str, float]:
+        images = [im for s in states for im in s["images"]]
+        seen = sum(s["seen"] for s in states)
+        scores = coco_map(images, states[0]["num_classes"], tuple(states[0]["image_size"]))
+        return {"loss": sum(s["loss_sum"] for s in states) / max(seen, 1), **scores}
+
+
+class DetectionTask(Task):
+    """YOLOv2 detection: ``yolo_loss`` to learn, ``decode`` and COCOeval to score (mAP@0.5 the headline).
+
+    ``anchors`` (fractions of the image) must be the model's (``YoloV2Tiny.anchors``; both default to
+    YOLOv2-tiny-voc's); ``image_size`` (width, height) only scales boxes for COCOeval."""
+
+    name = "detection"
+    headline = MAP50
+    metrics = (MAP50, MAP50_95)
+
+    def __init__(self, num_classes: int = 20, anchors: Sequence[tuple[float, float]] = VOC_ANCHORS,
+                 image_size: tuple[int, int] = (416, 416)):
+        self.num_classes = int(num_classes)
+        self.anchors = tuple((float(w), float(h)) for w, h in anchors)
+        self.image_size = (int(image_size[0]), int(image_size[1]))
+
+    @classmethod
+    def for_data(cls, data) -> "DetectionTask":
+        shape = data.input_shape
+        return cls(data.num_classes, VOC_ANCHORS, (shape[-1], shape[-2]))
+
+    def loss(self, output, target):
+        return yolo_loss(output, target, self.anchors, self.num_classes)
+
+    def collate(self, samples):
+        return collate_boxes(samples)
+
+    def example_target(self, output):
+        target = torch.zeros(output.shape[0], 1, 5, dtype=output.dtype, device=output.device)
+        target[..., 1:] = torch.tensor([0.5, 0.5, 0.25, 0.25], dtype=output.dtype)
+        return target
+
+    def evaluator(self) -> DetectionEvaluator:
+        return DetectionEvaluator(self)
+
+    def check_data(self, data) -> None:
+        # The readers (data/detection.py) check every file as they read it; a dataset of your own is checked here.
+        for part, dataset in (("training", data.train), ("test", data.test)):
+            boxes = getattr(dataset, "boxes", None)
+            if boxes is None:
+                refuse(f"dataset {data.name} has no boxes (its {part} set is a {type(dataset).__name__}), so it "
+                       "cannot train the detection task", "use --dataset shapes, yolo or coco, or a DetectionImages")
+            for k, b in enumerate(boxes):
+                if len(b) and (b.dim() != 2 or b.shape[1] != 5):
+                    refuse(f"dataset {data.name}: {part} image {k} has boxes of shape {tuple(b.shape)}",
+                           "give (n, 5) rows [class, cx, cy, w, h]")
+                if len(b) and (int(b[:, 0].max()) >= self.num_classes or float(b[:, 0].min()) < 0):
+                    refuse(f"dataset {data.name}: {part} image {k} has class {int(b[:, 0].max())} outside "
+                           f"0..{self.num_classes - 1}", "fix the class ids or the dataset's num_classes")
+
+    def check(self, output, target) -> None:
+        want = len(self.anchors) * (5 + self.num_classes)
+        if output.dim() != 4 or output.shape[1] != want:
+            refuse(f"the model's output has shape {tuple(output.shape)} but detection needs (N, {want}, S, S) "
+                   f"({len(self.anchors)} anchors x (5 + {self.num_classes} classes))",
+                   "use --model yolov2_tiny or yolov2_tiny_small, or a model with that output")
+
+    def describe(self) -> str:
+        return f"detection ({self.num_classes} classes, {len(self.anchors)} anchors)"
