@@ -306,6 +306,11 @@ class DetectionTask(Task):
         return DetectionEvaluator(self)
 
     def check_data(self, data) -> None:
+        try:
+            import pycocotools.cocoeval  # noqa: F401  (the metric's reference implementation)
+        except ImportError:
+            refuse("detection scores mAP with pycocotools, which is not installed",
+                   "pip install 'edgetrain[detection]' (or pip install pycocotools)")
         # The readers (data/detection.py) check every file as they read it; a dataset of your own is checked here.
         for part, dataset in (("training", data.train), ("test", data.test)):
             boxes = getattr(dataset, "boxes", None)
