@@ -46,6 +46,9 @@ def _opt(default: Any, help: str, choices: tuple | None = None, minimum: float |
 @dataclass
 class TrainConfig:
     # what to train
+    task: str | None = _opt(None, "what is learned: classification, regression or detection (default: the one the "
+                            "dataset implies: classification for digits, cifar10, synthetic, imagefolder, npz); "
+                            "given alone it brings its own default dataset and model (regression: diabetes, mlp)")
     model: str = _opt("small_cnn", "model name from the registry: small_cnn, small_cnn_gn (GroupNorm), resnet18, "
                       "yolo_tiny (or one you registered)")
     dataset: str = _opt("digits", "digits (ships with scikit-learn), cifar10 (official python format, needs data_dir), "
@@ -375,7 +378,7 @@ def resolve(cfg: TrainConfig) -> RunSpec:
                    checkpoint=CheckpointSpec(cfg.checkpoint_every, cfg.keep_checkpoints, cfg.resume,
                                              cfg.checkpoint_every_s),
                    faults=faults, tensorboard=cfg.tensorboard,
-                   dedup=parse_dedup(cfg.dedup), min_devices=min_devices)
+                   dedup=parse_dedup(cfg.dedup), min_devices=min_devices, task=cfg.task)
 
 
 def _resolve_min_devices(cfg: TrainConfig, sync, partition, faults) -> int | None:

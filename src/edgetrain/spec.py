@@ -841,3 +841,4 @@ class RunSpec:
     min_devices: int | None = None  # elastic membership (train/elastic.py) below all devices; None: fail-stop
     tensorboard: bool = False    # rank 0 also writes TensorBoard event files (train.tensorboard_log)
     dedup: DedupSpec | None = None  # drop near-duplicate training images first (data/dedup.py)
+    task: str | None = None      # --task as given (None: the one the dataset implies, edgetrain.task_kinds)

@@ -29,6 +29,12 @@ class TaskKind:
     implied_by: tuple[str, ...] = ()    # built-in datasets whose runs are this task when --task is not given
     strategies: tuple[str, ...] = ("ddp", "tiled", "fsdp", "pipeline")  # the strategies that can run it
     why_not: str = ""                   # what a refused strategy is told (the reason, then the fix)
+    # the launcher checks the data and one batch through the model before any device starts (Task.check_data,
+    # Task.check); classification skips it: its data is today's, checked as it always was, and CIFAR-10 is
+    # not read twice
+    check_batch: bool = True
+    targets: str = "labels"             # what the built-in file formats (npz, csv) read as targets: "labels"
+                                        # (integer classes) or "values" (real numbers); "own": the task's datasets
     # further config values `--task NAME` brings for keys the user did not give (detection: the resolution,
     # optimiser and schedule its default model learns the default dataset with)
     settings: tuple[tuple[str, object], ...] = ()
@@ -42,14 +48,14 @@ class TaskKind:
 TASK_KINDS: dict[str, TaskKind] = {k.name: k for k in (
     TaskKind("classification", "one class per sample: cross-entropy, accuracy",
              "edgetrain.tasks.classification:ClassificationTask", "digits", "small_cnn",
-             implied_by=("digits", "cifar10", "synthetic", "imagefolder", "npz")),
+             implied_by=("digits", "cifar10", "synthetic", "imagefolder", "npz"), check_batch=False),
     TaskKind("regression", "real-valued targets (N,) or (N, K): squared error summed over samples, RMSE and MAE",
              "edgetrain.tasks.regression:RegressionTask", "diabetes", "mlp",
-             implied_by=("diabetes",), strategies=("ddp", "fsdp", "pipeline"),
+             implied_by=("diabetes",), strategies=("ddp", "fsdp", "pipeline"), targets="values",
              why_not=" (tiles are of images (C, H, W) and its inputs are feature vectors or series)"),
     TaskKind("detection", "objects in images: boxes and classes per image, YOLOv2 loss, mAP by COCOeval",
              "edgetrain.tasks.detection:DetectionTask", "shapes", "yolov2_tiny_small",
-             implied_by=("shapes", "yolo", "coco"),
+             implied_by=("shapes", "yolo", "coco"), targets="own",
              settings=(("image_size", 128), ("epochs", 8), ("batch_size", 32), ("optimizer", "adam"),
                        ("lr", 0.001), ("weight_decay", 0.0))),
 )}
@@ -95,3 +101,10 @@ def task_defaults(task: str | None, given: set[str] | frozenset[str]) -> dict[st
     kind = task_kind(task)
     implied = {"dataset": kind.default_dataset, "model": kind.default_model, **dict(kind.settings)}
     return {k: v for k, v in implied.items() if k not in given}
+
+
+def target_kind(cfg) -> str:
+    """What a run's targets are (its task's ``targets``); a task passed from Python: class labels unless its
+    dataset is its own (a registered factory, which gives the targets it likes)."""
+    name = run_task(cfg.task, cfg.dataset)
+    return "labels" if is_user_task(name) else task_kind(name).targets

@@ -35,11 +35,15 @@ class Metric:
     unit: str = ""
     higher_is_better: bool = True
     label: str = ""
+    fmt: str = ".4g"        # how a value is printed (accuracy: ".1%")
 
     @property
     def title(self) -> str:
         text = self.label or self.name
         return f"{text} ({self.unit})" if self.unit else text
+
+    def format(self, value: float) -> str:
+        return f"{format(value, self.fmt)}{' ' + self.unit if self.unit else ''}"
 
 
 class Evaluator(abc.ABC):
@@ -120,12 +124,34 @@ class Task(abc.ABC):
     def evaluator(self) -> Evaluator: ...
 
     # -- checks before any device starts ---------------------------------------------------------------------
+    def check_data(self, data: Any) -> None:
+        """Raise ``EdgetrainError`` (one line naming the problem and the fix) if the run's ``DataSplit`` holds a
+        target this task cannot learn from (a regression target that is NaN). Run in the launcher."""
+
     def check(self, output: torch.Tensor, target: Any) -> None:
         """Raise ``EdgetrainError`` (one line: the problem; the fix) if the model's ``output`` for a batch does
         not fit this task's ``target`` for it. Run on one small batch before any device starts."""
 
     def describe(self) -> str:
         return self.name
+
+    def metric(self, name: str) -> Metric | None:
+        return next((m for m in self.metrics if m.name == name), None)
+
+
+def add_counts(total: dict, more: dict) -> dict:
+    """Train counts (``Task.train_counts``) summed key by key."""
+    return {k: total.get(k, 0) + more.get(k, 0) for k in {**total, **more}}
+
+
+def sum_totals(totals: list) -> tuple[float, dict, float]:
+    """Several devices' (loss sum, train counts, samples) summed (an older checkpoint's counts: a classifier's
+    right answers, a number)."""
+    loss, counts, seen = 0.0, {}, 0.0
+    for part_loss, part_counts, part_seen in totals:
+        loss, seen = loss + part_loss, seen + part_seen
+        counts = add_counts(counts, part_counts if isinstance(part_counts, dict) else {"correct": part_counts})
+    return loss, counts, seen
 
 
 def task_reference(task: Task) -> str:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from edgetrain.tasks.base import Evaluator, Metric, Task, refuse
 
-ACCURACY = Metric("accuracy", "", True, "accuracy")
+ACCURACY = Metric("accuracy", "", True, "accuracy", ".1%")
 
 
 class ClassificationEvaluator(Evaluator):
