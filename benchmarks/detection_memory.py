@@ -43,8 +43,8 @@ def step(rank: int, world: int, grid: str, n: int) -> dict:
     torch.manual_seed(0)
     x, y = batch(n)
     task = DetectionTask(CLASSES, image_size=SHAPE[1:])
-    tiled = TiledTraining(build_model("yolov2_tiny", 3, CLASSES), parse_tiling(grid), SHAPE)
-    tiled.forward_backward(x, y, task)
+    tiled = TiledTraining(build_model("yolov2_tiny", 3, CLASSES), parse_tiling(grid), SHAPE, task=task)
+    tiled.forward_backward(x, y)
     return tiled.report()
 
 

@@ -76,7 +76,7 @@ def detection_split(train: tuple[np.ndarray, list[np.ndarray]], test: tuple[np.n
 
     names = class_names or [str(c) for c in range(num_classes)]
     return DataSplit(make(*train), make(*test), num_classes, name,
-                     {"task": "detection", "class_names": names})
+                     {"class_names": names})
 
 
 # -- the embedded default -------------------------------------------------------------------------------------
