@@ -251,7 +251,15 @@ class EvalRecord(Record):
     step: int
     test_loss: float
     test_accuracy: float | None = None
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float] | None = None   # None: a run before tasks (its test_accuracy says it all)
+
+    omit_when_none: ClassVar[tuple[str, ...]] = ("metrics",)
+
+    def values(self) -> dict[str, float]:
+        """Every metric of the evaluation by name (a run before tasks: its accuracy)."""
+        if self.metrics is not None:
+            return dict(self.metrics)
+        return {} if self.test_accuracy is None else {"accuracy": self.test_accuracy}
 
 
 @dataclass

@@ -150,8 +150,13 @@ def sum_totals(totals: list) -> tuple[float, dict, float]:
     loss, counts, seen = 0.0, {}, 0.0
     for part_loss, part_counts, part_seen in totals:
         loss, seen = loss + part_loss, seen + part_seen
-        counts = add_counts(counts, part_counts if isinstance(part_counts, dict) else {"correct": part_counts})
+        counts = add_counts(counts, as_counts(part_counts))
     return loss, counts, seen
+
+
+def as_counts(counts) -> dict:
+    """Train counts as a dict: a number is a classifier's right answers (0: none counted)."""
+    return counts if isinstance(counts, dict) else ({"correct": counts} if counts else {})
 
 
 def task_reference(task: Task) -> str:

@@ -97,7 +97,7 @@ from edgetrain.report.files import atomic_write, save_torch, write_json
 from edgetrain.spec import RunSpec
 from edgetrain.task_kinds import run_task
 from edgetrain.tasks import Task, build_task, task_record
-from edgetrain.tasks.base import add_counts, sum_totals
+from edgetrain.tasks.base import add_counts, as_counts, sum_totals
 from edgetrain.train.checkpoint import (FINAL_DIR, FINAL_FILE, Checkpointer, resume_hint, rng_state,
                                         save_final_parts, set_rng_state)
 from edgetrain.train.elastic import Elastic
@@ -334,7 +334,7 @@ class RunWriter:
             train_accuracy=train_figures.get("accuracy"),
             test_loss=last.test_loss if last else None, test_accuracy=last.test_accuracy if last else None,
             evals=evals, membership=membership or [], task=task_record(task, task_name),
-            train_metrics=train_figures, test_metrics=dict(last.metrics) if last else None,
+            train_metrics=train_figures, test_metrics=last.values() if last else None,
             throughput_samples_per_s=sum(d.samples_per_s for d in per_device),
             achieved_gflops=sum(d.details["achieved_gflops"] for d in per_device),
             step_s=step_s, time_split_s=split,
@@ -454,6 +454,7 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
         evals = [EvalRecord.from_dict(e) for e in run_state["evals"]]
         writer.restart(records, evals)
         epoch_loss, epoch_counts, epoch_seen = mine["epoch_totals"]
+        epoch_counts = as_counts(epoch_counts)
         ema_loss, step, start_epoch = mine["ema_loss"], run_state["step"], run_state["epoch"]
         started -= run_state["wall_s"]  # the summary's wall time covers the whole run
         set_rng_state(mine["rng"], at.device)  # last: nothing above may draw from it
