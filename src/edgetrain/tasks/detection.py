@@ -240,8 +240,8 @@ def detection_images(output: torch.Tensor, target: torch.Tensor, anchors, num_cl
 
 # -- the task ---------------------------------------------------------------------------------------------------
 
-MAP50 = Metric("map50", "", True, "mAP@0.5")
-MAP50_95 = Metric("map50_95", "", True, "mAP@0.5:0.95")
+MAP50 = Metric("map50", "", True, "mAP@0.5", ".3f")
+MAP50_95 = Metric("map50_95", "", True, "mAP@0.5:0.95", ".3f")
 
 
 class DetectionEvaluator(Evaluator):
