@@ -1,6 +1,7 @@
 """Does ``edgetrain train --task detection --devices 2`` learn, with its own defaults, in under 10 minutes?
 
     PYTHONPATH=src python benchmarks/detection_learning.py [--out benchmarks/results/detection_learning.json]
+        [--plot docs/images/detection-learning.png]
 
 Runs exactly that command (the task's defaults: the embedded ``shapes`` set, ``yolov2_tiny_small`` at
 128x128, see ``task_kinds.py``), timestamps each evaluation line as the trainer prints it, and reports
@@ -21,10 +22,39 @@ from pathlib import Path
 TARGET_MAP50, LIMIT_S = 0.5, 600.0
 
 
+def plot(rows: list[dict], path: str) -> None:
+    """mAP@0.5 and mAP@0.5:0.95 against wall time, one point per epoch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.4), dpi=110)
+    t = [r["elapsed_s"] for r in rows]
+    ax.plot(t, [r["map50"] for r in rows], "o-", label="mAP@0.5")
+    ax.plot(t, [r["map50_95"] for r in rows], "s-", label="mAP@0.5:0.95")
+    for r in rows:
+        ax.annotate(str(r["epoch"]), (r["elapsed_s"], r["map50"]), textcoords="offset points", xytext=(0, 6),
+                    ha="center", fontsize=7)
+    ax.axhline(TARGET_MAP50, color="grey", lw=0.8, ls="--")
+    ax.axvline(LIMIT_S, color="grey", lw=0.8, ls=":")
+    ax.set(xlabel="seconds since the command started", ylabel="test mAP (COCOeval)", ylim=(0, 1),
+           xlim=(0, max(LIMIT_S, max(t)) * 1.02),
+           title="edgetrain train --task detection --devices 2 (epochs numbered)")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="also write the results as JSON here")
+    ap.add_argument("--plot", help="also draw the mAP per epoch against time into this PNG")
+    ap.add_argument("--plot-from", help="draw --plot from this results JSON instead of running")
     args = ap.parse_args()
+    if args.plot_from:
+        plot(json.loads(Path(args.plot_from).read_text())["epochs"], args.plot)
+        return 0
     out_dir = Path(tempfile.mkdtemp(prefix="detection-learning-"))
     command = [sys.executable, "-m", "edgetrain", "train", "--task", "detection", "--devices", "2",
                "--output", str(out_dir), "--run-name", "run", "--no-progress"]
@@ -57,6 +87,8 @@ def main() -> int:
           f"{first['epoch'] if first else '-'} at {first['elapsed_s']:.0f} s" if first else
           f"\nwhole command {wall:.0f} s; mAP@0.5 never reached {TARGET_MAP50}")
     print(f"target (mAP@0.5 >= {TARGET_MAP50} in under {LIMIT_S:.0f} s): {'met' if met else 'NOT met'}")
+    if args.plot:
+        plot(rows, args.plot)
     if args.out:
         keep = {k: summary.get(k) for k in ("model", "dataset", "input_shape", "devices", "global_batch", "steps",
                                               "params", "throughput_samples_per_s", "wall_time_s")}
