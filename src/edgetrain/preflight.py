@@ -52,6 +52,9 @@ def check_before_launch(cfg: TrainConfig, spec: RunSpec, model: Any = None, task
     kind = None if task is not None else task_kind(name)  # one line for an unknown name
     if kind is not None:
         kind.check_strategy(cfg.strategy)
+        if spec.partition.by_label and kind.targets != "labels":
+            raise EdgetrainError(f"--partition {spec.partition.text} skews class labels, which task {kind.name} "
+                                 f"does not have; use --partition iid")
     data = check_task(cfg, model, task, name) if kind is None or kind.check_batch else None
     if spec.tiling is None and spec.pipeline is None:
         return data

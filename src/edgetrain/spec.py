@@ -392,6 +392,11 @@ class PartitionSpec:
         """Whether each device holds its own part of the data (any kind but ``none``)."""
         return self.kind != "none"
 
+    @property
+    def by_label(self) -> bool:
+        """Whether the split reads class labels (``dirichlet``, ``shards``: label skew), not only counts."""
+        return self.kind in ("dirichlet", "shards")
+
 
 def parse_partition(text: str | None) -> PartitionSpec:
     """Parse and validate a ``--partition`` spec; raise ``EdgetrainError`` with the fix if it is wrong."""

@@ -92,6 +92,7 @@ from edgetrain.models import build_model, check_model
 from edgetrain.report.files import atomic_write
 from edgetrain.spec import CompressSpec, PartitionSpec, ServerOptSpec, parse_compress, parse_partition, \
     parse_server_opt
+from edgetrain.data.device_data import class_labels
 from edgetrain.task_kinds import run_task, task_kind
 from edgetrain.tasks import Task, build_task
 from edgetrain.train.evaluation import evaluate_task
@@ -273,7 +274,7 @@ def client_partition(spec: FleetSpec, data, node_config: dict, split: str = "tra
     if not 0 <= partition_id < partitions:
         raise EdgetrainError(f"partition-id {partition_id} is outside 0..{partitions - 1} (num-partitions)")
     dataset, min_size = (data.train, spec.batch_size) if split == "train" else (data.test, 1)
-    parts = split_dataset(dataset.labels.numpy(), spec.partition, [min_size] * partitions, spec.seed)
+    parts = split_dataset(np.asarray(class_labels(dataset)), spec.partition, [min_size] * partitions, spec.seed)
     return partition_id, parts[partition_id]
 
 

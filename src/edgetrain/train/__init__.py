@@ -43,7 +43,7 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     """
     from edgetrain.data import build_data, user_datasets
     from edgetrain.data.datasets import LOADED_ONCE
-    from edgetrain.data.device_data import check_device_data
+    from edgetrain.data.device_data import check_device_data, class_labels
     from edgetrain.data.partition import split_dataset
     from edgetrain.models import model_reference, user_models
     from edgetrain.train.checkpoint import check_resume_devices, checkpoint_files, elastic_run_dir, resume_hint
@@ -102,7 +102,7 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     # and hands it to its emulated devices with their arguments. Under torchrun each device loads its own.
     data = (checked or build_data(cfg)) if cfg.dataset in LOADED_ONCE and not torchrun else None
     if spec.partition.local:  # a split that leaves a device short of a batch: refused before any device starts
-        split_dataset((data or build_data(cfg)).train.labels, spec.partition, local_batches, spec.seed)
+        split_dataset(class_labels((data or build_data(cfg)).train), spec.partition, local_batches, spec.seed)
     beyond = next((f.rank for f in spec.faults if f.rank >= len(devices)), None)
     if beyond is not None:
         raise EdgetrainError(f"EDGETRAIN_FAULT names device {beyond}, but the run has {len(devices)} "

@@ -394,7 +394,9 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
     # The model actually trained at the input shape actually fed (counted on a copy, RNG untouched).
     phase(cfg, rank, f"counting FLOPs: {cfg.model} at {'x'.join(map(str, data.input_shape))}")
     flops_per_sample = training_flops_per_sample(model, input_shape=data.input_shape,
-                                                 num_classes=data.num_classes, task=task) if rank == 0 or elastic else None
+                                                 num_classes=data.num_classes, task=task,
+                                                 example=task.collate([data.train[i] for i in range(min(2, len(data.train)))])
+                                                 ) if rank == 0 or elastic else None
     if at.returning:  # ready to train: admitted at the members' next step (train/elastic.py)
         rank, world = elastic.join()
         at = dataclasses.replace(at, rank=rank, world=world)
