@@ -53,7 +53,8 @@ class TrainConfig:
                       "yolo_tiny, yolov2_tiny and yolov2_tiny_small (detectors) (or one you registered)")
     dataset: str = _opt("digits", "digits (ships with scikit-learn), cifar10 (official python format, needs data_dir), "
                         "synthetic, imagefolder or npz (your files at data_dir), shapes (generated detection "
-                        "set), yolo or coco (detection files at data_dir), or a name you registered")
+                        "set), yolo or coco (detection files at data_dir), shards (packed by edgetrain data pack, "
+                        "at data_dir, read from storage), or a name you registered")
     data_dir: str | None = _opt(None, "directory holding CIFAR-10's data_batch_1..5 and test_batch; the image folder "
                                 "(one subfolder per class) or the .npz file of dataset imagefolder or npz; the YOLO "
                                 "(images/, labels/) or COCO (train.json, test.json) folder of dataset yolo or coco")
@@ -61,13 +62,23 @@ class TrainConfig:
                            "yolo, coco) are made or resized to (--task detection: 128)", minimum=4)
     synthetic_samples: int = _opt(2048, "training images in the synthetic and shapes datasets (test set: a quarter "
                                   "of it)", minimum=1)
-    augment: bool = _opt(True, "random crop and horizontal flip for CIFAR-10 training images")
+    augment: bool = _opt(True, "augment training images in the loader, seeded per (seed, epoch, image): random crop "
+                         "and horizontal flip for CIFAR-10 and classification sets on storage, flip and scale "
+                         "jitter moving the boxes for detection sets on storage (in-memory imagefolder, npz, "
+                         "digits, synthetic, shapes: never)")
     partition: str = _opt("none", "each device's own data: none (one shared, globally shuffled dataset), iid, "
                           "dirichlet:ALPHA (label skew, e.g. 0.5) or shards:K (K label-sorted shards per device)")
     dedup: str = _opt("off", "drop near-duplicate training images before sampling: off, on (perceptual hashes within "
                       f"{DEDUP_DEFAULT_THRESHOLD} of {DEDUP_HASH_BITS} bits) or that Hamming distance "
                       f"0..{DEDUP_MAX_THRESHOLD} (higher drops more)")
     workers: int = _opt(0, "data-loader worker processes per device (0 = load in the training process)", minimum=0)
+    prefetch: int = _opt(2, "batches each data-loader worker prepares ahead (with --workers >= 1)", minimum=1)
+    from_storage: bool = _opt(False, "leave imagefolder and yolo datasets on storage and read each image when a "
+                              "batch needs it (dataset shards always is); off: read them whole into memory first")
+    cache_mb: float = _opt(0.0, "a training-aware cache of this many MB per device for datasets on storage (MinIO: "
+                           "a fixed set of items, never evicted); 0: the page cache alone", minimum=0.0)
+    cache_dir: str = _opt("/dev/shm", "where the --cache-mb cache lives (/dev/shm: memory; a local disk folder: a "
+                          "disk cache in front of slower storage)")
 
     # the cluster
     devices: int = _opt(1, "number of emulated devices on this host (ignored under torchrun, which sets WORLD_SIZE)", minimum=1)
@@ -244,7 +255,8 @@ def load_config(source: TrainConfig | dict | str | os.PathLike | None = None, **
 
 # What a resumed run may set anew: how it is watched and stopped, not what it trains; and the number of devices,
 # over which the same global batch is re-split (train/checkpoint.py, "Another number of devices").
-RESUME_MAY_CHANGE = frozenset({"resume", "progress", "eval", "timeout", "workers", "threads", "output", "run_name",
+RESUME_MAY_CHANGE = frozenset({"resume", "progress", "eval", "timeout", "workers", "prefetch", "cache_mb",
+                               "cache_dir", "threads", "output", "run_name",
                                "cluster_token", "checkpoint_every", "checkpoint_every_s", "keep_checkpoints",
                                "devices"})
 

@@ -110,8 +110,9 @@ def check_data(cfg: TrainConfig) -> None:
             raise EdgetrainError("config key 'data_dir' is required with dataset cifar10; "
                                  "point it at cifar-10-batches-py")
         check_cifar10_dir(cfg.data_dir)
-    if cfg.dataset in ("imagefolder", "npz"):
+    if cfg.dataset in ("imagefolder", "npz", "shards"):
         if not cfg.data_dir:
-            raise EdgetrainError(f"config key 'data_dir' is required with dataset {cfg.dataset}; point it at "
-                                 f"{'the image folder' if cfg.dataset == 'imagefolder' else 'the .npz file'}")
+            what = {"imagefolder": "the image folder", "npz": "the .npz file",
+                    "shards": "the folder edgetrain data pack wrote"}[cfg.dataset]
+            raise EdgetrainError(f"config key 'data_dir' is required with dataset {cfg.dataset}; point it at {what}")
         build_data(cfg)  # reads every file once here, so a bad one is reported before any device starts

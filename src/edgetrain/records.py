@@ -198,9 +198,14 @@ class StepRecord(Record):
     staleness: int | None = None
     local_steps: int | None = None
     round_status: str | None = None
+    read_s: float | None = None         # the batch's items: reading them (storage or cache), summed over items
+    decode_s: float | None = None       # ... decoding, augmenting, normalising and collating them
+    storage_items: int | None = None    # items of the batch read from storage
+    cache_items: int | None = None      # items of the batch served by the --cache-mb cache
 
     omit_when_none: ClassVar[tuple[str, ...]] = ("page_faults", "virtual_s", "virtual_compute_s", "virtual_comm_s",
-                                                 "staleness", "local_steps", "round_status")
+                                                 "staleness", "local_steps", "round_status", "read_s", "decode_s",
+                                                 "storage_items", "cache_items")
 
 
 @dataclass
@@ -319,10 +324,16 @@ class DeviceSummary(Record):
     throttle_slept_s: float | None = None
     throttle_reference_pass_s: float | None = None
     throttle_inflation: float | None = None
+    read_s: float | None = None          # per step: the loader's reading of the batch's items (see StepRecord)
+    decode_s: float | None = None        # per step: its decoding, augmenting and collating them
+    workers: int | None = None           # data-loader worker processes
+    storage_items_per_epoch: float | None = None  # items read from storage per epoch (the first one included)
+    cache_items_per_epoch: float | None = None    # items the --cache-mb cache served per epoch
     details: dict = field(default_factory=dict)
 
     details_field: ClassVar[str | None] = "details"
-    omit_when_none: ClassVar[tuple[str, ...]] = ("page_faults", "run_peak_rss_mb")
+    omit_when_none: ClassVar[tuple[str, ...]] = ("page_faults", "run_peak_rss_mb", "read_s", "decode_s", "workers",
+                                                 "storage_items_per_epoch", "cache_items_per_epoch")
 
 
 @dataclass(kw_only=True)
@@ -388,3 +399,28 @@ def modelled_throughput(s: RunSummary) -> dict | None:
         return None
     step_s = d["virtual_time_max_device_s"] / d["sync_steps"]
     return {"step_s": step_s, "samples_per_s": s.global_batch / step_s, "comm_fraction": d.get("comm_fraction", 0.0)}
+
+
+def stall_what_ifs(d: DeviceSummary, cores: int | None = None) -> dict | None:
+    """DS-Analyzer's what-ifs for one device, modelled from its measured means per step (None without them).
+
+    The device's step is its busy time ``C`` (step - data wait) plus the stall (``data_s``). Its loader does
+    ``R`` seconds of reading and ``D`` of decoding per batch. With no workers the training process does both
+    in the step: step = C + stall. With ``w`` workers, each preparing whole batches in parallel, a batch is
+    ready every (R + D) / w seconds, so the step is max(C, (R + D) / w) once the pipeline runs. The what-ifs
+    replace R by 0 (the data cached in memory) or w by 2w (1 for none) in that model; ``cores`` caps the
+    parallel workers (they share the host's cores with training: the model ignores that contention)."""
+    if d.read_s is None or d.decode_s is None or d.step_s is None or d.data_s is None or d.workers is None:
+        return None
+    busy = max(d.step_s - d.data_s, 0.0)
+    cap = cores or 10 ** 6
+
+    def step(read: float, workers: int) -> float:
+        if workers == 0:
+            return busy + max(d.data_s - (d.read_s - read), 0.0)
+        return max(busy, (read + d.decode_s) / min(workers, cap))
+
+    more = 1 if d.workers == 0 else 2 * d.workers
+    return {"stall_share": d.data_s / d.step_s if d.step_s else 0.0, "step_s": d.step_s,
+            "cached_step_s": step(0.0, d.workers), "more_workers": more,
+            "more_workers_step_s": step(d.read_s, more)}

@@ -188,7 +188,7 @@ def values_split(x, y, train: np.ndarray | None = None, test: np.ndarray | None 
 # hands the data to its emulated devices.
 LOADED_ONCE = ("digits", "diabetes")
 BUILTIN = ("digits", "cifar10", "synthetic", "imagefolder", "npz", "csv", "diabetes", "shapes", "yolo",
-           "coco")
+           "coco", "shards")
 DatasetFactory = Callable[[Optional[str], int], Any]
 DATASETS: dict[str, DatasetFactory] = {}  # registered with register_dataset
 
@@ -229,7 +229,15 @@ def build_data(cfg) -> DataSplit:
         return cifar10(cfg.data_dir, augment=cfg.augment, seed=cfg.seed)
     if cfg.dataset == "synthetic":
         return synthetic(cfg.synthetic_samples, cfg.image_size, seed=cfg.seed)
+    if cfg.dataset == "shards":  # on storage (data/shards.py)
+        from edgetrain.data.shards import shards_split
+
+        return shards_split(cfg.data_dir, cfg.seed, cfg.augment, detection=target_kind(cfg) == "own")
     if cfg.dataset == "imagefolder":
+        if cfg.from_storage:
+            from edgetrain.data.storage import image_folder_on_storage
+
+            return image_folder_on_storage(cfg.data_dir, cfg.seed, cfg.augment)
         return image_folder(cfg.data_dir, cfg.seed)
     if cfg.dataset == "diabetes":
         return diabetes(cfg.seed)
@@ -242,6 +250,10 @@ def build_data(cfg) -> DataSplit:
 
         if cfg.dataset == "shapes":
             return detection.shapes(cfg.synthetic_samples, cfg.image_size, cfg.seed)
+        if cfg.dataset == "yolo" and cfg.from_storage:
+            from edgetrain.data.storage import yolo_on_storage
+
+            return yolo_on_storage(cfg.data_dir, cfg.image_size, cfg.seed, cfg.augment)
         reader = detection.yolo_folder if cfg.dataset == "yolo" else detection.coco_folder
         return reader(cfg.data_dir, cfg.image_size, cfg.seed)
     made = DATASETS[cfg.dataset](cfg.data_dir, cfg.seed)

@@ -194,7 +194,8 @@ def read_yolo_labels(path: Path, num_classes: int | None) -> np.ndarray:
     return np.asarray(rows, dtype=np.float32).reshape(-1, 5)
 
 
-def _yolo_part(images_dir: Path, labels_dir: Path, size: int, num_classes: int | None):
+def yolo_listing(images_dir: Path, labels_dir: Path, num_classes: int | None) -> tuple[list[Path], list[np.ndarray]]:
+    """The images of one YOLO part (sorted) and their boxes, every label file read and checked."""
     if not images_dir.is_dir() or not labels_dir.is_dir():
         missing = images_dir if not images_dir.is_dir() else labels_dir
         raise EdgetrainError(f"YOLO folder: {missing} does not exist; put images in {images_dir} and one "
@@ -211,8 +212,7 @@ def _yolo_part(images_dir: Path, labels_dir: Path, size: int, num_classes: int |
                                  "image holds no objects)")
     if not pictures:
         raise EdgetrainError(f"YOLO folder {images_dir} holds no PNG or JPEG images; add images and their labels")
-    boxes = [read_yolo_labels(labels[s], num_classes) for s in pictures]
-    return np.stack([_read_image(p, size) for p in pictures.values()]), boxes
+    return list(pictures.values()), [read_yolo_labels(labels[s], num_classes) for s in pictures]
 
 
 def _class_names(root: Path) -> list[str] | None:
@@ -227,6 +227,14 @@ def _class_names(root: Path) -> list[str] | None:
 
 
 def yolo_folder(root: str | Path, image_size: int = 128, seed: int = 0) -> DataSplit:
+    train, test_part, count, names, root = yolo_parts(root, seed)
+    read = lambda part: (np.stack([_read_image(p, image_size) for p in part[0]]), part[1])  # noqa: E731
+    return detection_split(read(train), read(test_part), count, root.name, names)
+
+
+def yolo_parts(root: str | Path, seed: int = 0):
+    """(train (image paths, boxes), test (image paths, boxes), classes, class names or None, root) of a YOLO
+    folder, every label file read and checked; the images are not read."""
     root = Path(root) if root is not None else Path("")
     if not root.is_dir():
         raise EdgetrainError(f"YOLO folder {root} does not exist; set data_dir to a folder holding images/ and "
@@ -242,11 +250,12 @@ def yolo_folder(root: str | Path, image_size: int = 128, seed: int = 0) -> DataS
         if parts:
             break
     if parts:
-        train, test_part = (_yolo_part(i, l, image_size, known) for i, l in parts)
+        train, test_part = (yolo_listing(i, l, known) for i, l in parts)
     else:
-        train, test_part = _split_80_20(_yolo_part(root / "images", root / "labels", image_size, known), seed, root)
-    count = known or 1 + int(max((b[:, 0].max() for b in train[1] + test_part[1] if len(b)), default=0))
-    return detection_split(train, test_part, count, root.name, names)
+        paths, boxes = yolo_listing(root / "images", root / "labels", known)
+        train, test_part = _split_80_20((np.array(paths, dtype=object), boxes), seed, root)
+    count = known or 1 + int(max((b[:, 0].max() for b in list(train[1]) + list(test_part[1]) if len(b)), default=0))
+    return (list(train[0]), list(train[1])), (list(test_part[0]), list(test_part[1])), count, names, root
 
 
 def _split_80_20(part, seed: int, source: Path):

@@ -73,23 +73,31 @@ def _class_names(folder: Path) -> list[str]:
     return classes
 
 
-def _read_classes(folder: Path, classes: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    from PIL import Image, UnidentifiedImageError
-
-    pictures, labels = [], []
+def class_files(folder: Path, classes: list[str]) -> tuple[list[Path], list[int]]:
+    """Every image file of the class subfolders of ``folder`` (sorted) and its label (the class's position)."""
+    paths, labels = [], []
     for label, name in enumerate(classes):
         files = sorted(p for p in (folder / name).iterdir() if p.suffix.lower() in IMAGE_SUFFIXES) \
             if (folder / name).is_dir() else []
         if not files:
             raise EdgetrainError(f"class folder {folder / name} holds no PNG or JPEG images; add some or remove it")
-        for path in files:
-            try:
-                with Image.open(path) as im:
-                    im.load()
-                    pictures.append((path, im.copy()))
-            except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as e:
-                raise EdgetrainError(f"image {path} cannot be read ({e}); replace or remove it") from None
-            labels.append(label)
+        paths += files
+        labels += [label] * len(files)
+    return paths, labels
+
+
+def _read_classes(folder: Path, classes: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    from PIL import Image, UnidentifiedImageError
+
+    pictures = []
+    files, labels = class_files(folder, classes)
+    for path in files:
+        try:
+            with Image.open(path) as im:
+                im.load()
+                pictures.append((path, im.copy()))
+        except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as e:
+            raise EdgetrainError(f"image {path} cannot be read ({e}); replace or remove it") from None
     grey = all(im.mode in ("L", "1") for _, im in pictures)
     size = pictures[0][1].size
     arrays = []

@@ -5,7 +5,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from edgetrain.records import RunSummary, modelled_throughput
+from edgetrain.records import RunSummary, modelled_throughput, stall_what_ifs
 from edgetrain.report.cells import ABOVE_PEAK_NOTE, ROUNDS_COLUMN, ROUNDS_NOTE, fmt, percent_of_peak, round_cells
 
 
@@ -45,6 +45,8 @@ def print_train_summary(summary: dict | RunSummary, console: Console | None = No
         console.print(f"rated GFLOPS of {source}", highlight=False)
     if any(d.details.get("above_peak") for d in s.per_device):
         console.print(ABOVE_PEAK_NOTE, highlight=False)
+    for line in stall_lines(s):
+        console.print(line, highlight=False)
     modelled = modelled_throughput(s)
     if modelled:
         console.print(f"modelled on {s.details['link']} (virtual clock: this host's compute + modelled link time): "
@@ -62,3 +64,21 @@ def print_train_summary(summary: dict | RunSummary, console: Console | None = No
                   f"throughput {s.throughput_samples_per_s:,.1f} samples/s  "
                   f"{s.steps} steps in {s.wall_time_s:.1f} s  ->  {s.run_dir}")
 
+
+
+def stall_lines(s: RunSummary) -> list[str]:
+    """Each device's data stall and DS-Analyzer's what-ifs, for runs whose data comes from storage or from loader
+    workers (a run in memory without workers has nothing to split)."""
+    lines = []
+    for d in s.per_device:
+        w = stall_what_ifs(d)
+        if w is None or not (d.workers or d.storage_items_per_epoch or d.cache_items_per_epoch):
+            continue
+        ms = lambda v: f"{1000 * v:,.1f} ms"  # noqa: E731
+        items = (f"; {d.storage_items_per_epoch:,.0f} items/epoch from storage, {d.cache_items_per_epoch or 0:,.0f} "
+                 "from the cache" if d.storage_items_per_epoch is not None else "")
+        lines.append(f"data, rank {d.rank}: stall {w['stall_share']:.0%} of the step ({ms(d.data_s)} waiting; the "
+                     f"loader read {ms(d.read_s)} and decoded {ms(d.decode_s)} per batch, {d.workers} worker(s)"
+                     f"{items}); modelled (DS-Analyzer what-ifs): cached in memory {ms(w['cached_step_s'])}/step, "
+                     f"{w['more_workers']} worker(s) {ms(w['more_workers_step_s'])}/step, measured {ms(w['step_s'])}")
+    return lines

@@ -75,7 +75,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader
 
 from edgetrain.bench.flops import achieved, device_peak, training_flops_per_sample
 from edgetrain.cluster.faults import inject_fault
@@ -88,7 +87,9 @@ from edgetrain.config import TrainConfig
 from edgetrain.data import DataSplit, build_data, register_dataset
 from edgetrain.data.dedup import drop_near_duplicates
 from edgetrain.data.device_data import build_training_data
+from edgetrain.data.cache import attach_cache
 from edgetrain.data.partition import PartitionReport, PartitionSampler
+from edgetrain.data.storage import LoadTimes, TrainingLoader
 from edgetrain.errors import EdgetrainError, Terminated
 from edgetrain.models import build_model, count_parameters, register_model
 from edgetrain.models.init import build_on_meta
@@ -225,14 +226,18 @@ class StepRecorder:
         self.t0, self.cpu0, self.faults0 = time.perf_counter(), time.process_time(), page_faults()
         self.before = self.stats.snapshot()
 
-    def data_ready(self) -> None:
+    def data_ready(self, load: LoadTimes | None = None) -> None:
         self.t_data = time.perf_counter()
+        self.load = load or LoadTimes()
 
     def finish(self, step: int, epoch: int, result: StepResult, lr: float) -> StepRecord:
         step_s = time.perf_counter() - self.t0
         after = self.stats.snapshot()
         data_s = self.t_data - self.t0
-        extra = {"comm_busy_s": after["comm_s"] - self.before["comm_s"], **result.metrics}
+        load = self.load
+        extra = {"comm_busy_s": after["comm_s"] - self.before["comm_s"], "read_s": load.read_s,
+                 "decode_s": load.decode_s, "storage_items": load.storage_items, "cache_items": load.cache_items,
+                 **result.metrics}
         return StepRecord(
             step=step, epoch=epoch, rank=self.rank, loss=result.loss_sum / result.samples if result.samples else None,
             samples=result.samples, samples_per_s=result.samples / step_s, step_s=step_s, data_s=data_s,
@@ -428,10 +433,15 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
     if len(sampler) == 0:
         raise EdgetrainError(f"batch_size {cfg.batch_size} is larger than the {len(data.train)} training images of "
                              f"{data.name}; lower batch_size")
-    loader = DataLoader(train_set, batch_sampler=sampler, num_workers=cfg.workers, collate_fn=task.collate,
-                        persistent_workers=cfg.workers > 0, timeout=cfg.timeout if cfg.workers > 0 else 0,
-                        worker_init_fn=loader_worker_init if cfg.workers > 0 else None,
-                        pin_memory=at.device.type == "cuda")
+    cache = attach_cache(train_set, cfg.cache_mb, spec.seed + at.device_id, cfg.cache_dir)
+    if cache is not None and rank == 0:
+        print(f"{at.me.label}: MinIO cache of {cfg.cache_mb:g} MB holds {cache.describe()} training items",
+              flush=True)
+    elif cfg.cache_mb > 0 and rank == 0:
+        print(f"edgetrain: note: --cache-mb caches datasets on storage (shards, --from-storage); {data.name} is in "
+              "memory already", file=sys.stderr, flush=True)
+    loader = TrainingLoader(train_set, sampler, task.collate, cfg.workers, cfg.prefetch, cfg.timeout, at.me.label,
+                            pin_memory=at.device.type == "cuda", worker_init_fn=loader_worker_init)
     total_steps = min(cfg.steps or math.inf, cfg.epochs * len(sampler))
     epochs = math.ceil(total_steps / len(sampler))
     optimizer, scheduler = make_optimizer(cfg, strategy.parameters(), int(total_steps))
@@ -495,7 +505,7 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
                     elastic.boundary(step, epoch, evals)
                 x, y = next(batches)
                 x, y = x.to(at.device, non_blocking=True), task.to_device(y, at.device)
-                recorder.data_ready()
+                recorder.data_ready(batches.last)
                 result = strategy.train_step(x, y, optimizer)
             except StopIteration:
                 break
@@ -546,7 +556,7 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
                          spec.timeout_s)
 
     train_totals = (epoch_loss, epoch_counts, epoch_seen)
-    mine = _device_summary(records, at, local_batches[rank], throttle)
+    mine = _device_summary(records, at, local_batches[rank], throttle, cfg.workers)
     if limit_mb is not None and mine.run_peak_rss_mb > limit_mb:
         # Warned, not raised: training is done and the final model is written; but a real device of this size
         # would not have survived the end of the run (its evaluation, the final exchange or checkpoint), and
@@ -602,12 +612,18 @@ def _note(bar, rank: int, text: str) -> None:
 
 
 def _device_summary(records: list[StepRecord], at: DeviceSetup, local_batch: int,
-                    throttle: Throttle | None) -> DeviceSummary:
+                    throttle: Throttle | None, workers: int = 0) -> DeviceSummary:
     timed = records[1:] or records  # the first step pays one-off costs (allocations, DDP set-up)
     total = sum(r.step_s for r in timed) or float("nan")
 
     def mean(name: str) -> float:
         return sum(getattr(r, name) for r in timed) / len(timed)
+
+    def per_epoch(name: str) -> float | None:  # every step, the first included: an epoch's reads are all of them
+        counted = [r for r in records if getattr(r, name) is not None]
+        return sum(getattr(r, name) for r in counted) / len({r.epoch for r in counted}) if counted else None
+
+    loaded = all(r.read_s is not None for r in timed)
 
     return DeviceSummary(
         rank=at.device_id, profile=at.me.profile.name, link=at.me.link, local_batch=local_batch,
@@ -625,6 +641,8 @@ def _device_summary(records: list[StepRecord], at: DeviceSetup, local_batch: int
         # ones cost (median); the throttle divides charged CPU time by the latter.
         throttle_reference_pass_s=throttle.reference_cpu if throttle else None,
         throttle_inflation=statistics.median(throttle.inflations) if throttle and throttle.inflations else None,
+        read_s=mean("read_s") if loaded else None, decode_s=mean("decode_s") if loaded else None, workers=workers,
+        storage_items_per_epoch=per_epoch("storage_items"), cache_items_per_epoch=per_epoch("cache_items"),
         # The peak this device is rated against: its profile's where it emulated one (see bench.flops).
         details=dict(device_peak(at.me.profile, at.speed) or {}))
 

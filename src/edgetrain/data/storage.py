@@ -1,0 +1,504 @@
+"""Datasets that stay on storage, read item by item (in DataLoader workers), and the loader that times them.
+
+Design and use: docs/how-to/storage.md. In short: an item is *read* (its bytes from a file, or from a tar
+shard at an offset, or from the MinIO cache of ``data/cache.py``) and *decoded* (image decode, augment,
+normalise) where the loader runs it; every item's read and decode times travel with its batch
+(``LoadTimes``), so a step record can split the device's wait for data as DS-Analyzer does. A problem with
+one item (a corrupt image, a file gone mid-epoch) travels as a ``Failed`` value and is raised in the
+training process as one line naming the item; a worker that dies is named with its exit signal.
+"""
+from __future__ import annotations
+
+import io
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset
+
+from edgetrain.data.datasets import random_crop_flip
+from edgetrain.errors import EdgetrainError
+
+DECODE_ERRORS: tuple = (OSError, SyntaxError, ValueError, EOFError)
+STATS_SAMPLE = 512  # images whose pixels give a lazy dataset's mean and std (all of them in a smaller set)
+
+
+class _Account:
+    """What the items read in this process since the last ``take`` cost (one per process: workers are forks)."""
+
+    def __init__(self):
+        self.take()
+
+    def take(self) -> tuple[float, int, int, int]:
+        out = getattr(self, "read_s", 0.0), getattr(self, "storage", 0), getattr(self, "cached", 0), \
+            getattr(self, "bytes", 0)
+        self.read_s, self.storage, self.cached, self.bytes = 0.0, 0, 0, 0
+        return out
+
+
+ACCOUNT = _Account()
+
+
+@dataclass
+class LoadTimes:
+    """A batch's cost in the loader, summed over its items (seconds of the process that loaded it)."""
+
+    read_s: float = 0.0       # bytes from storage or cache
+    decode_s: float = 0.0     # decode, augment, normalise, collate
+    items: int = 0
+    storage_items: int = 0    # items read from storage (not the MinIO cache)
+    cache_items: int = 0      # items served by the MinIO cache
+    bytes_read: int = 0       # bytes read from storage
+
+
+@dataclass
+class Failed:
+    """An item the loader could not give: travels with the batch, raised as one line in the training process."""
+
+    message: str
+
+
+# -- where items are --------------------------------------------------------------------------------------
+
+class FileSource:
+    """One file per item."""
+
+    def __init__(self, paths: Sequence[Path | str]):
+        self.paths = [str(p) for p in paths]
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def name(self, index: int) -> str:
+        return self.paths[index]
+
+    def size(self, index: int) -> int:
+        return os.stat(self.paths[index]).st_size
+
+    def read(self, index: int) -> bytes:
+        with open(self.paths[index], "rb") as f:
+            return f.read()
+
+    def kind(self, index: int) -> str:
+        return Path(self.paths[index]).suffix.lower().lstrip(".")
+
+
+class ShardSource:
+    """Members of tar shards (``data/shards.py``): ``(shard path, offset of the data, size, extension, key)``
+    per item, read with ``os.pread`` on a file descriptor this process opens once per shard."""
+
+    def __init__(self, entries: list[tuple[str, int, int, str, str]]):
+        self.entries = entries
+        self._fds: dict[str, int] = {}
+        self._pid = os.getpid()
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __getstate__(self):
+        return {"entries": self.entries}
+
+    def __setstate__(self, state):
+        self.__init__(state["entries"])
+
+    def name(self, index: int) -> str:
+        shard, _, _, ext, key = self.entries[index]
+        return f"{key}.{ext} in shard {shard}"
+
+    def size(self, index: int) -> int:
+        return self.entries[index][2]
+
+    def kind(self, index: int) -> str:
+        return self.entries[index][3]
+
+    def read(self, index: int) -> bytes:
+        shard, offset, size, _, _ = self.entries[index]
+        if self._pid != os.getpid():  # a forked worker: descriptors are per process
+            self._fds, self._pid = {}, os.getpid()
+        fd = self._fds.get(shard)
+        if fd is None:
+            fd = self._fds[shard] = os.open(shard, os.O_RDONLY)
+        raw = os.pread(fd, size, offset)
+        if len(raw) != size:
+            raise EOFError(f"the shard ends {size - len(raw)} bytes early")
+        return raw
+
+
+# -- the datasets -----------------------------------------------------------------------------------------
+
+class StoredItems(Dataset):
+    """Items on storage, indexed like ``TensorImages`` (``(index, epoch)`` pairs, or plain ints: epoch 0)."""
+
+    cache = None  # a MinioCache (data/cache.py) set by the training loader with --cache-mb
+
+    def __init__(self, source, mean, std, augment: bool, seed: int):
+        self.source = source
+        self.mean = torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1)
+        self.std = torch.tensor(std, dtype=torch.float32).view(-1, 1, 1)
+        self.augment, self.seed = augment, seed
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def fetch(self, index: int) -> bytes:
+        t0 = time.perf_counter()
+        raw = self.cache.get(index) if self.cache is not None else None
+        if raw is None:
+            try:
+                raw = self.source.read(index)
+            except FileNotFoundError:
+                raise EdgetrainError(f"item {index}: {self.source.name(index)} is gone from storage (deleted or "
+                                     "unmounted during training); restore it and run again (--resume where "
+                                     "checkpoints were kept)") from None
+            except (OSError, EOFError) as e:
+                raise EdgetrainError(f"item {index}: {self.source.name(index)} cannot be read ({e}); check the "
+                                     "storage, or replace the file (re-pack the shard)") from None
+            ACCOUNT.storage += 1
+            ACCOUNT.bytes += len(raw)
+            if self.cache is not None:
+                self.cache.put(index, raw)
+        else:
+            ACCOUNT.cached += 1
+        ACCOUNT.read_s += time.perf_counter() - t0
+        return raw
+
+    def image(self, index: int, mode: str, size: int | None = None) -> np.ndarray:
+        """Item ``index`` as a uint8 (C, H, W) array: an encoded image (PNG, JPEG), or an ``.npy`` array."""
+        raw = self.fetch(index)
+        try:
+            if self.source.kind(index) == "npy":
+                return np.load(io.BytesIO(raw), allow_pickle=False)
+            return decode_image(raw, mode, size)
+        except DECODE_ERRORS as e:
+            raise EdgetrainError(f"item {index}: {self.source.name(index)} cannot be decoded ({e}); replace or "
+                                 "remove it (or re-pack the shard)") from None
+
+
+def decode_image(raw: bytes, mode: str, size: int | None = None) -> np.ndarray:
+    """An encoded image as uint8 (C, H, W), as the in-memory readers make it (``data/formats.py``,
+    ``data/detection.py``): converted to ``mode``, resized bilinearly to ``size`` x ``size`` where given."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(raw)) as im:
+        im = im.convert(mode)
+        if size is not None:
+            im = im.resize((size, size), Image.BILINEAR)
+        a = np.asarray(im, dtype=np.uint8)
+    return a[None] if a.ndim == 2 else a.transpose(2, 0, 1)
+
+
+class StoredImages(StoredItems):
+    """A classifier's images on storage with their labels (read up front), normalised on access; with
+    ``augment`` the CIFAR recipe (``random_crop_flip``) keyed by (seed, epoch, index)."""
+
+    def __init__(self, source, labels: torch.Tensor, mean, std, shape: tuple[int, int, int], mode: str,
+                 scale: float = 255.0, augment: bool = False, seed: int = 0):
+        super().__init__(source, mean, std, augment, seed)
+        self.labels, self._shape, self.mode, self.scale = labels, tuple(shape), mode, scale
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return self._shape  # type: ignore[return-value]
+
+    def __getitem__(self, key):
+        index, epoch = key if isinstance(key, tuple) else (key, 0)
+        a = self.image(index, self.mode)
+        if tuple(a.shape) != self._shape:
+            raise EdgetrainError(f"item {index}: {self.source.name(index)} is {'x'.join(map(str, a.shape))} (CxHxW) "
+                                 f"but the dataset's images are {'x'.join(map(str, self._shape))}; resize it to the "
+                                 "others' size")
+        x = torch.from_numpy(np.ascontiguousarray(a)).float() / self.scale
+        if self.augment:
+            x = random_crop_flip(x, np.random.default_rng((self.seed, epoch, index)))
+        return (x - self.mean) / self.std, self.labels[index]
+
+
+class StoredBoxes(StoredItems):
+    """A detector's images on storage, resized to ``image_size``, with their boxes (read and checked up front);
+    with ``augment``: horizontal flip and scale jitter that move the boxes (``flip_scale_boxes``)."""
+
+    def __init__(self, source, boxes: list[torch.Tensor], mean, std, image_size: int, augment: bool = False,
+                 seed: int = 0):
+        super().__init__(source, mean, std, augment, seed)
+        self.boxes, self.image_size = boxes, image_size
+        self.labels = torch.tensor([int(torch.mode(b[:, 0]).values) if len(b) else 0 for b in boxes],
+                                   dtype=torch.int64)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (3, self.image_size, self.image_size)
+
+    def __getitem__(self, key):
+        index, epoch = key if isinstance(key, tuple) else (key, 0)
+        x = torch.from_numpy(np.ascontiguousarray(self.image(index, "RGB", self.image_size))).float() / 255.0
+        boxes = self.boxes[index]
+        if self.augment:
+            x, boxes = flip_scale_boxes(x, boxes, np.random.default_rng((self.seed, epoch, index)), self.mean)
+        return (x - self.mean) / self.std, boxes
+
+
+def flip_scale_boxes(x: torch.Tensor, boxes: torch.Tensor, rng: np.random.Generator, fill: torch.Tensor,
+                     jitter: float = 0.25, keep: float = 0.3) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flip half the time, then scale by a factor in [1 - jitter, 1 + jitter] about a random point: a larger
+    image is cropped back to the size, a smaller one pasted on ``fill`` (the mean: 0 once normalised). Boxes
+    (class, cx, cy, w, h as fractions) move with the pixels, are clipped to the image, and a box left with
+    under ``keep`` of its scaled area is dropped (its object is mostly outside)."""
+    _, h, w = x.shape
+    boxes = boxes.clone()
+    if rng.random() < 0.5:
+        x = x.flip(-1)
+        boxes[:, 1] = 1.0 - boxes[:, 1]
+    s = float(rng.uniform(1 - jitter, 1 + jitter))
+    nh, nw = max(1, round(h * s)), max(1, round(w * s))
+    scaled = F.interpolate(x[None], size=(nh, nw), mode="bilinear", align_corners=False)[0]
+    oy, ox = int(rng.integers(0, abs(nh - h) + 1)), int(rng.integers(0, abs(nw - w) + 1))
+    if nh >= h:
+        out, dy = scaled[:, oy:oy + h], -oy
+    else:
+        out, dy = fill.expand(x.shape[0], h, nw).clone(), oy
+        out[:, oy:oy + nh] = scaled
+    if nw >= w:
+        out, dx = out[:, :, ox:ox + w], -ox
+    else:
+        wide = fill.expand(x.shape[0], h, w).clone()
+        wide[:, :, ox:ox + nw] = out
+        out, dx = wide, ox
+    if len(boxes):
+        x0 = (boxes[:, 1] - boxes[:, 3] / 2) * nw + dx
+        x1 = (boxes[:, 1] + boxes[:, 3] / 2) * nw + dx
+        y0 = (boxes[:, 2] - boxes[:, 4] / 2) * nh + dy
+        y1 = (boxes[:, 2] + boxes[:, 4] / 2) * nh + dy
+        area = (x1 - x0) * (y1 - y0)
+        x0, x1, y0, y1 = x0.clamp(0, w), x1.clamp(0, w), y0.clamp(0, h), y1.clamp(0, h)
+        kept = ((x1 - x0) * (y1 - y0) >= keep * area) & (x1 - x0 >= 1) & (y1 - y0 >= 1)
+        boxes = torch.stack([boxes[:, 0], (x0 + x1) / 2 / w, (y0 + y1) / 2 / h, (x1 - x0) / w, (y1 - y0) / h],
+                            1)[kept]
+    return out.contiguous(), boxes
+
+
+def pixel_statistics(read: Callable[[int], np.ndarray], count: int, seed: int, scale: float = 255.0):
+    """Per-channel mean and standard deviation of images ``read(k)`` (uint8 (C, H, W)) over a seeded sample of
+    ``STATS_SAMPLE`` of the ``count`` (all of them in a smaller set), computed as ``formats.arrays_split``
+    computes an in-memory set's: the same figures where every image is read."""
+    pick = np.arange(count) if count <= STATS_SAMPLE else \
+        np.sort(np.random.default_rng(seed).permutation(count)[:STATS_SAMPLE])
+    images = torch.as_tensor(np.stack([read(int(k)) for k in pick]))
+    pixels = images.float().div(scale).transpose(0, 1).reshape(images.shape[1], -1)
+    return pixels.mean(1).tolist(), pixels.std(1).clamp_min(1e-6).tolist()
+
+
+# -- the training loader ----------------------------------------------------------------------------------
+
+class TimedItems(Dataset):
+    """A training set whose items come with what they cost (``ACCOUNT``'s read, the rest decode), and whose
+    refused items (``EdgetrainError``) come as ``Failed`` values rather than as a worker's traceback."""
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, key):
+        ACCOUNT.take()
+        t0 = time.perf_counter()
+        try:
+            sample = self.dataset[key]
+        except EdgetrainError as e:
+            return Failed(str(e))
+        total = time.perf_counter() - t0
+        read_s, storage, cached, nbytes = ACCOUNT.take()
+        return sample, (read_s, total - read_s, storage, cached, nbytes)
+
+
+class TimedCollate:
+    """The task's collate over the samples, the batch's ``LoadTimes`` beside it (collate counted as decode)."""
+
+    def __init__(self, collate: Callable):
+        self.collate = collate
+
+    def __call__(self, items):
+        failed = next((i for i in items if isinstance(i, Failed)), None)
+        if failed is not None:
+            return failed
+        t0 = time.perf_counter()
+        batch = self.collate([s for s, _ in items])
+        costs = [c for _, c in items]
+        return batch, LoadTimes(read_s=sum(c[0] for c in costs),
+                                decode_s=sum(c[1] for c in costs) + time.perf_counter() - t0, items=len(costs),
+                                storage_items=sum(c[2] for c in costs), cache_items=sum(c[3] for c in costs),
+                                bytes_read=sum(c[4] for c in costs))
+
+
+class TrainingLoader:
+    """The loop's loader: a ``DataLoader`` over ``TimedItems`` with ``workers`` processes and ``prefetch``
+    batches each; iterating yields the task's batches, and ``last`` of the iterator holds the ``LoadTimes`` of
+    the batch it gave last."""
+
+    def __init__(self, dataset: Dataset, sampler, collate: Callable, workers: int, prefetch: int, timeout: float,
+                 label: str, pin_memory: bool = False, worker_init_fn=None):
+        self.dataset, self.workers, self.timeout, self.label = dataset, workers, timeout, label
+        self.loader = DataLoader(TimedItems(dataset), batch_sampler=sampler, num_workers=workers,
+                                 collate_fn=TimedCollate(collate), persistent_workers=workers > 0,
+                                 timeout=timeout if workers > 0 else 0, worker_init_fn=worker_init_fn if workers else None,
+                                 pin_memory=pin_memory, prefetch_factor=prefetch if workers > 0 else None)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> "TimedBatches":
+        return TimedBatches(self)
+
+
+class TimedBatches:
+    def __init__(self, owner: TrainingLoader):
+        self.owner = owner
+        self.it = iter(owner.loader)
+        self.last = LoadTimes()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            item = next(self.it)
+        except StopIteration:
+            raise
+        except RuntimeError as e:
+            problem = loader_failure(e, self.it, self.owner)
+            self.close()
+            raise problem from None
+        if isinstance(item, Failed):
+            self.close()
+            raise EdgetrainError(f"{self.owner.label}: {item.message}")
+        batch, self.last = item
+        return batch
+
+    def close(self) -> None:
+        """Stop the workers now (a failed batch ends the run: none may be left behind)."""
+        shutdown = getattr(self.it, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+_SIGNAL_FIXES = {
+    signal.SIGKILL: "most often the kernel's out-of-memory killer (the device's memory, page cache included): lower "
+                    "--workers, --prefetch or --cache-mb, or give the device more memory",
+    signal.SIGBUS: "a memory-mapped file shrank or its file system filled up under it: check the data and "
+                   "/dev/shm, or lower --cache-mb",
+    signal.SIGSEGV: "a crash in native code while loading an item: run with --workers 0 to see which item",
+}
+
+
+def loader_failure(error: RuntimeError, it, owner: TrainingLoader) -> EdgetrainError:
+    """One line for a DataLoader's failure: a dead worker named with its exit signal or code, or a timeout."""
+    text = str(error)
+    if "timed out" in text:
+        return EdgetrainError(f"{owner.label}: its data loader gave no batch within {owner.timeout:g} s "
+                              f"({owner.workers} worker(s)); the storage is too slow or a worker hangs: raise "
+                              "--timeout, or check the storage")
+    if "DataLoader worker" not in text:
+        raise error
+    for k, worker in enumerate(getattr(it, "_workers", [])):
+        worker.join(timeout=1.0)
+        code = worker.exitcode
+        if code is None or code == 0:
+            continue
+        if code < 0:
+            sig = -code
+            fix = _SIGNAL_FIXES.get(sig, "see the system log (dmesg) for why")
+            return EdgetrainError(f"{owner.label}: data-loader worker {k} (pid {worker.pid}) was killed by "
+                                  f"{_signal_name(sig)} ({sig}); {fix}")
+        return EdgetrainError(f"{owner.label}: data-loader worker {k} (pid {worker.pid}) exited with code {code}; "
+                              "run with --workers 0 to see the error in the training process")
+    return EdgetrainError(f"{owner.label}: a data-loader worker died ({text.splitlines()[0].strip()}); run with "
+                          "--workers 0 to see the error in the training process")
+
+
+# -- datasets from folders, left on storage ---------------------------------------------------------------
+
+def _headers(paths: Sequence[Path]) -> tuple[str, tuple[int, int]]:
+    """Every image's header (not its pixels): ("L" if all are grey else "RGB", the one (width, height))."""
+    from PIL import Image, UnidentifiedImageError
+
+    grey, size, first = True, None, None
+    for path in paths:
+        try:
+            with Image.open(path) as im:
+                mode, this = im.mode, im.size
+        except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as e:
+            raise EdgetrainError(f"image {path} cannot be read ({e}); replace or remove it") from None
+        grey = grey and mode in ("L", "1")
+        if size is None:
+            size, first = this, path
+        elif this != size:
+            raise EdgetrainError(f"image {path} is {this[0]}x{this[1]} pixels but {first} is {size[0]}x{size[1]}; "
+                                 "resize the images to one size")
+    return ("L" if grey else "RGB"), size  # type: ignore[return-value]
+
+
+def image_folder_on_storage(root: str | Path, seed: int = 0, augment: bool = False):
+    """``imagefolder`` left on storage (``--from-storage``): the same classes, split and (for a set of up to
+    ``STATS_SAMPLE`` training images) the same normalisation as ``formats.image_folder``; every file's header
+    is read up front, its pixels when a loader asks for it."""
+    from edgetrain.data.datasets import DataSplit
+    from edgetrain.data.formats import _class_names, class_files, image_folder_arrays, split_80_20
+
+    root = Path(root) if root is not None else Path("")
+    if not root.is_dir():
+        image_folder_arrays(root)  # its one line for a missing folder
+    if (root / "train").is_dir() and (root / "test").is_dir():
+        classes = _class_names(root / "train")
+        (ptr, ltr), (pte, lte) = (class_files(root / part, classes) for part in ("train", "test"))
+    else:
+        paths, labels = class_files(root, _class_names(root))
+        ptr, ltr, pte, lte = split_80_20(np.array(paths, dtype=object), np.asarray(labels), seed, root)
+    mode, (w, h) = _headers([*ptr, *pte])
+    shape = (1 if mode == "L" else 3, h, w)
+    ytr, yte = torch.as_tensor(np.asarray(ltr, dtype=np.int64)), torch.as_tensor(np.asarray(lte, dtype=np.int64))
+    plain = StoredImages(FileSource(ptr), ytr, [0.0] * shape[0], [1.0] * shape[0], shape, mode)
+    mean, std = pixel_statistics(lambda k: plain.image(k, mode), len(plain), seed)
+    classes = int(max(ytr.max(), yte.max() if len(yte) else 0)) + 1
+    make = lambda p, y, aug: StoredImages(FileSource(p), y, mean, std, shape, mode, augment=aug, seed=seed)  # noqa: E731
+    return DataSplit(make(ptr, ytr, augment), make(pte, yte, False), classes, root.name, {"storage": "files"})
+
+
+def yolo_on_storage(root: str | Path, image_size: int = 128, seed: int = 0, augment: bool = False):
+    """``yolo`` left on storage: every label file read and checked up front (``detection.yolo_parts``), every
+    image's header too; pixels when a loader asks, resized to ``image_size``."""
+    from edgetrain.data.datasets import DataSplit
+    from edgetrain.data.detection import yolo_parts
+
+    (ptr, btr), (pte, bte), count, names, root = yolo_parts(root, seed)
+    _check_headers([*ptr, *pte])
+    as_boxes = lambda bs: [torch.as_tensor(b, dtype=torch.float32).reshape(-1, 5) for b in bs]  # noqa: E731
+    plain = StoredBoxes(FileSource(ptr), as_boxes(btr), [0.0] * 3, [1.0] * 3, image_size)
+    mean, std = pixel_statistics(lambda k: plain.image(k, "RGB", image_size), len(plain), seed)
+    train = StoredBoxes(FileSource(ptr), as_boxes(btr), mean, std, image_size, augment, seed)
+    test = StoredBoxes(FileSource(pte), as_boxes(bte), mean, std, image_size)
+    return DataSplit(train, test, count, root.name,
+                     {"class_names": names or [str(c) for c in range(count)], "storage": "files"})
+
+
+def _check_headers(paths: Sequence[Path]) -> None:
+    from PIL import Image, UnidentifiedImageError
+
+    for path in paths:
+        try:
+            with Image.open(path):
+                pass
+        except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as e:
+            raise EdgetrainError(f"image {path} cannot be read ({e}); replace or remove it") from None
