@@ -34,6 +34,55 @@ def register(subparsers) -> None:
     p.add_argument("--output", metavar="DIR", default=None,
                    help="also write the kept indices and each removed image's original to DIR (default: print only)")
     p.set_defaults(func=run)
+    k = sub.add_parser("pack", help="write a dataset as WebDataset-style tar shards, to train from storage",
+                       description="Pack a dataset's training and test sets into tar shards (dataset shards): the "
+                                   "files as they are (image folders, YOLO folders) or arrays as .npy (in-memory "
+                                   "sets), with their targets and a metadata file.",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_config_arguments(k, PACK_OPTIONS)
+    k.add_argument("--output", metavar="DIR", required=True, help="an empty or new folder for the shards")
+    k.add_argument("--shard-mb", type=_positive_float, default=64.0, help="start a new shard past this size")
+    k.set_defaults(func=run_pack)
+
+
+PACK_OPTIONS = (*DATASET_OPTIONS, "task")
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a size in MB > 0, got {text!r}")
+    return value
+
+
+def run_pack(args: argparse.Namespace) -> int:
+    from edgetrain.config import TrainConfig, load_config
+    from edgetrain.data import build_data
+    from edgetrain.data.shards import pack
+    from edgetrain.errors import EdgetrainError
+    from edgetrain.preflight import check_data
+    from edgetrain.task_kinds import target_kind
+
+    given = {k: v for k, v in vars(args).items() if k in PACK_OPTIONS}
+    # Folders are packed file by file, as they are on disk: read them from storage, never whole into memory.
+    cfg = load_config(TrainConfig(), **given, from_storage=True, augment=False)
+    if cfg.dataset == "shards":
+        raise EdgetrainError("dataset shards is packed already; give the dataset to pack (imagefolder, yolo, ...)")
+    check_data(cfg)
+    kind = target_kind(cfg)
+    if kind == "values":
+        raise EdgetrainError("edgetrain data pack packs image datasets (classification or detection); a regression "
+                             "set is small enough to train from memory")
+    data = build_data(cfg)
+    meta = pack(data, args.output, args.shard_mb, detection=kind == "own")
+    for part, split in meta["splits"].items():
+        print(f"{data.name} {part}: {split['items']} samples in {len(split['shards'])} shard(s)")
+    print(f"train from them with: edgetrain train --dataset shards --data-dir {args.output}"
+          + (" --task detection" if kind == "own" else ""))
+    return 0
 
 
 def _threshold(text: str) -> int:

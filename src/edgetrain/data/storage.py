@@ -372,7 +372,7 @@ class TimedBatches:
             raise
         except RuntimeError as e:
             problem = loader_failure(e, self.it, self.owner)
-            self.close()
+            self.close(hung="timed out" in str(e))
             raise problem from None
         if isinstance(item, Failed):
             self.close()
@@ -380,8 +380,17 @@ class TimedBatches:
         batch, self.last = item
         return batch
 
-    def close(self) -> None:
-        """Stop the workers now (a failed batch ends the run: none may be left behind)."""
+    def close(self, hung: bool = False) -> None:
+        """Stop the workers now (a failed batch ends the run: none may be left behind, and a hung one would
+        hold torch's orderly shutdown for seconds per worker)."""
+        if hung and getattr(self.it, "_worker_pids_set", False):
+            from torch.utils.data._utils.signal_handling import _remove_worker_pids
+
+            _remove_worker_pids(id(self.it))  # torch's SIGCHLD handler would report the kill below as a death
+            self.it._worker_pids_set = False
+            for worker in self.it._workers:
+                if worker.is_alive():
+                    worker.kill()
         shutdown = getattr(self.it, "_shutdown_workers", None)
         if shutdown is not None:
             shutdown()
