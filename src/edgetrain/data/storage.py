@@ -69,6 +69,8 @@ class Failed:
 class FileSource:
     """One file per item."""
 
+    fix = "replace or remove it"
+
     def __init__(self, paths: Sequence[Path | str]):
         self.paths = [str(p) for p in paths]
 
@@ -92,6 +94,8 @@ class FileSource:
 class ShardSource:
     """Members of tar shards (``data/shards.py``): ``(shard path, offset of the data, size, extension, key)``
     per item, read with ``os.pread`` on a file descriptor this process opens once per shard."""
+
+    fix = "pack the dataset again (edgetrain data pack)"
 
     def __init__(self, entries: list[tuple[str, int, int, str, str]]):
         self.entries = entries
@@ -158,7 +162,7 @@ class StoredItems(Dataset):
                                      "checkpoints were kept)") from None
             except (OSError, EOFError) as e:
                 raise EdgetrainError(f"item {index}: {self.source.name(index)} cannot be read ({e}); check the "
-                                     "storage, or replace the file (re-pack the shard)") from None
+                                     f"storage, or {self.source.fix}") from None
             ACCOUNT.storage += 1
             ACCOUNT.bytes += len(raw)
             if self.cache is not None:
@@ -176,8 +180,8 @@ class StoredItems(Dataset):
                 return np.load(io.BytesIO(raw), allow_pickle=False)
             return decode_image(raw, mode, size)
         except DECODE_ERRORS as e:
-            raise EdgetrainError(f"item {index}: {self.source.name(index)} cannot be decoded ({e}); replace or "
-                                 "remove it (or re-pack the shard)") from None
+            raise EdgetrainError(f"item {index}: {self.source.name(index)} cannot be decoded ({e}); "
+                                 f"{self.source.fix}") from None
 
 
 def decode_image(raw: bytes, mode: str, size: int | None = None) -> np.ndarray:

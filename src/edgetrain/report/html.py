@@ -39,6 +39,7 @@ from typing import Any
 
 from edgetrain.errors import EdgetrainError
 from edgetrain.records import RunSummary, modelled_throughput
+from edgetrain.report.tables import stall_lines
 from edgetrain.report import training
 from edgetrain.report.cells import (ABOVE_PEAK_NOTE, NOISY_NOTE, ROUNDS_COLUMN, ROUNDS_NOTE, efficiency_cell, flag_notes, fmt,
                                     percent_of_peak, round_cells, spread_cell)
@@ -183,6 +184,7 @@ def headline(run: dict[str, Any], peak: tuple[float, str] | None = None) -> tupl
                          f"time): step {modelled['step_s']:,.3f} s, throughput {modelled['samples_per_s']:,.1f} "
                          f"samples/s, communication+waiting {modelled['comm_fraction']:.0%} of the step; "
                          f"the other figures are this host's")
+        notes += stall_lines(d)  # each device's data stall and DS-Analyzer's what-ifs (modelled)
         achieved = achieved_note(d, peak)
         notes += [achieved] if achieved else []
         notes += sorted({f"rated GFLOPS of {p.profile}: {p.details['peak_source']}" for p in per_device
