@@ -38,6 +38,9 @@ from edgetrain.spec import (DEDUP_DEFAULT_THRESHOLD, DEDUP_HASH_BITS, DEDUP_MAX_
 from edgetrain.yamlfile import read_yaml_mapping
 
 
+STORAGE_NAMES = ("sd-card", "emmc", "nvme", "hdd")  # cluster/profiles.STORAGES (tests/data/test_storage.py)
+
+
 def _opt(default: Any, help: str, choices: tuple | None = None, minimum: float | None = None, **extra) -> Any:
     meta = {"help": help, "choices": choices, "min": minimum, **extra}
     return field(default=default, metadata=meta)
@@ -79,6 +82,13 @@ class TrainConfig:
                            "a fixed set of items, never evicted); 0: the page cache alone", minimum=0.0)
     cache_dir: str = _opt("/dev/shm", "where the --cache-mb cache lives (/dev/shm: memory; a local disk folder: a "
                           "disk cache in front of slower storage)")
+
+    device_limits: str = _opt("off", "emulated devices' memory and storage as kernel limits: off, or cgroup (cgroup v1 "
+                              "as root: the profile's memory_mb including the page cache, and its storage's read "
+                              "MB/s and IOPS on the data's disk; falls back, said once, where the host cannot)",
+                              choices=("off", "cgroup"))
+    storage: str | None = _opt(None, "every device's storage, for --device-limits cgroup: sd-card, emmc, nvme or hdd "
+                               "(default: its profile's)", choices=STORAGE_NAMES)
 
     # the cluster
     devices: int = _opt(1, "number of emulated devices on this host (ignored under torchrun, which sets WORLD_SIZE)", minimum=1)

@@ -47,6 +47,32 @@ class DeviceProfile:
     memory_gbps: float | None = None  # rated memory bandwidth (bus width x transfer rate), GB/s; None = unknown
     link: str | None = None           # link preset or spec (see edgetrain.spec)
     description: str = ""
+    storage: str | None = None        # where its data lives: a STORAGES name; None = this host's disk, unthrottled
+
+
+@dataclass(frozen=True)
+class Storage:
+    name: str
+    read_mb_s: float    # sequential read, MB/s
+    read_iops: int      # random 4 KiB reads per second
+    source: str
+
+
+# Read rates from data sheets and bus specifications (approximate: a real part varies with its make and fill).
+STORAGES: dict[str, Storage] = {s.name: s for s in (
+    # SD Association: the UHS-I DDR50 bus of the Raspberry Pi 4's and Pi Zero's card slots carries at most
+    # 50 MB/s; Application Performance Class A1 guarantees 1500 random-read IOPS (A2: 4000).
+    Storage("sd-card", 50.0, 1500, "SD Association: UHS-I DDR50 bus 50 MB/s, A1 class 1500 read IOPS"),
+    # JEDEC eMMC 5.1 (HS400 bus, 400 MB/s); a 16 GB part as on the Jetson Nano module: ~250 MB/s sequential read,
+    # ~7000 random-read IOPS (Samsung KLMAG1JETD-B041 class data sheets).
+    Storage("emmc", 250.0, 7000, "eMMC 5.1 16 GB part (Samsung KLMAG1JETD class): 250 MB/s, 7000 read IOPS"),
+    # Samsung 980 (PCIe 3.0 x4, M.2 2280, fits the Jetson Orin Nano dev kit): 3500 MB/s sequential read, up to
+    # 500K random-read IOPS (QD32), Samsung's data sheet.
+    Storage("nvme", 3500.0, 500_000, "Samsung 980 NVMe data sheet: 3500 MB/s, 500K read IOPS"),
+    # WD Red Plus 4 TB (WD40EFZX): 175 MB/s sustained transfer (WD data sheet); random IOPS of a 5400 rpm class
+    # disk are seek-bound, ~100 (not on the data sheet: average seek + half a rotation ~ 10 ms).
+    Storage("hdd", 175.0, 100, "WD Red Plus 4 TB data sheet: 175 MB/s; ~100 IOPS (seek-bound, modelled)"),
+)}
 
 
 # Compute rates: rpi4 from LINPACK on one Raspberry Pi 4 (15.5 GFLOPS, the Pi study cited in
@@ -55,22 +81,23 @@ class DeviceProfile:
 BUILTIN_PROFILES: dict[str, DeviceProfile] = {
     "host": DeviceProfile("host", description="this machine, unthrottled"),
     "rpi4": DeviceProfile("rpi4", cores=4, gflops=15.5, memory_mb=4096, memory_gbps=12.8, link="lan-1g",
-                          description="Raspberry Pi 4 Model B, 4x Cortex-A72 1.5 GHz, 4 GB"),
+                          description="Raspberry Pi 4 Model B, 4x Cortex-A72 1.5 GHz, 4 GB", storage="sd-card"),
     "jetson-nano": DeviceProfile("jetson-nano", cores=4, gflops=13.7, memory_mb=4096, memory_gbps=25.6, link="lan-1g",
-                                 description="Jetson Nano CPU, 4x Cortex-A57 1.43 GHz, 4 GB (GPU not emulated)"),
+                                 description="Jetson Nano CPU, 4x Cortex-A57 1.43 GHz, 4 GB (GPU not emulated)",
+                                 storage="emmc"),
 }
 # The small devices of memory pooling (issue 13). Cores, clocks and memory from the vendors' pages (README,
 # "Device profiles"); GFLOPS modelled as the jetson-nano's: cores x GHz x fp32 FLOP/cycle (128-bit FMA:
 # 8 on Cortex-A53, two pipes: 16 on A76 and A78AE) x 15.5 / 48, the rpi4's LINPACK over its peak.
 # Memory GB/s: rated, bus width x transfer rate of the SDRAM the vendors name (README, "Device profiles").
 BUILTIN_PROFILES.update({name: DeviceProfile(name, cores, gflops, memory_mb=memory_mb, memory_gbps=gbps, link=link,
-                                             description=text)
-                         for name, cores, gflops, memory_mb, gbps, link, text in (
-    ("smart-speaker-2g", 4, 15.5, 2048, 12.8, "wifi-20m", "generic 2 GB smart speaker, 4x Cortex-A53 1.5 GHz"),
-    ("rpi-zero-2w", 4, 10.3, 512, 3.6, "wifi-20m", "Raspberry Pi Zero 2 W, 4x Cortex-A53 1 GHz, 512 MB"),
-    ("rpi5", 4, 49.6, 4096, 17.1, "lan-1g", "Raspberry Pi 5 (4 GB), 4x Cortex-A76 2.4 GHz"),
+                                             description=text, storage=storage)
+                         for name, cores, gflops, memory_mb, gbps, link, text, storage in (
+    ("smart-speaker-2g", 4, 15.5, 2048, 12.8, "wifi-20m", "generic 2 GB smart speaker, 4x Cortex-A53 1.5 GHz", "emmc"),
+    ("rpi-zero-2w", 4, 10.3, 512, 3.6, "wifi-20m", "Raspberry Pi Zero 2 W, 4x Cortex-A53 1 GHz, 512 MB", "sd-card"),
+    ("rpi5", 4, 49.6, 4096, 17.1, "lan-1g", "Raspberry Pi 5 (4 GB), 4x Cortex-A76 2.4 GHz", "sd-card"),
     ("jetson-orin-nano", 6, 46.5, 8192, 68.0, "lan-1g",
-     "Jetson Orin Nano 8 GB CPU, 6x Cortex-A78AE 1.5 GHz (GPU not emulated)"),
+     "Jetson Orin Nano 8 GB CPU, 6x Cortex-A78AE 1.5 GHz (GPU not emulated)", "nvme"),
 )})
 
 _PROFILE_KEYS = {f.name for f in dataclasses.fields(DeviceProfile)} - {"name"}
@@ -140,6 +167,9 @@ def _make_profile(name: str, spec: dict, known: dict[str, DeviceProfile], source
     for key in ("cores", "memory_mb"):
         if key in spec and (not isinstance(spec[key], int) or spec[key] < 1):
             raise EdgetrainError(f"profile '{name}' in {source}: {key} must be a positive integer, not {spec[key]!r}")
+    if "storage" in spec and spec["storage"] is not None and spec["storage"] not in STORAGES:
+        raise EdgetrainError(f"profile '{name}' in {source}: storage {spec['storage']!r} is unknown; use one of "
+                             f"{', '.join(STORAGES)}")
     for key in ("gflops", "speed", "memory_gbps"):
         if key in spec and (not isinstance(spec[key], (int, float)) or spec[key] <= 0):
             raise EdgetrainError(f"profile '{name}' in {source}: {key} must be a positive number, not {spec[key]!r}")

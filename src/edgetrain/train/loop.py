@@ -79,6 +79,7 @@ from torch import nn
 from edgetrain.bench.flops import achieved, device_peak, training_flops_per_sample
 from edgetrain.cluster.faults import inject_fault
 from edgetrain.cluster.launch import loader_worker_init
+from edgetrain.cluster.limits import DeviceLimits, device_limits
 from edgetrain.cluster.peers import admit_peers, check_rank_environment, gather_json
 from edgetrain.cluster.profiles import DeviceSpec
 from edgetrain.cluster.throttle import Throttle, assign_cores, keep_freed_memory, page_faults, peak_rss_mb, pin
@@ -355,11 +356,25 @@ class RunWriter:
         return summary
 
 
-def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local_batches: list[int],
-               speeds: list[float | None], run_dir: str | None, user_model: nn.Module | None = None,
-               registered: dict | None = None, cluster_token: str = "",
-               strategy_class: type[Strategy] | None = None, datasets: dict | None = None,
-               loaded: DataSplit | None = None, user_task: Task | None = None) -> dict | None:
+def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], *args, **kwargs) -> dict | None:
+    """Train on this device (``train_device``) inside the memory and storage limits ``--device-limits`` asks for
+    (cluster/limits.py), removed whatever ends it."""
+    me = devices[check_rank_environment()[0]]
+    limits = device_limits(cfg.device_limits, me.label, me.profile.memory_mb, cfg.storage or me.profile.storage,
+                           me.data or cfg.data_dir)
+    try:
+        return train_device(cfg, spec, devices, *args, limits=limits, **kwargs)
+    finally:
+        if limits is not None:
+            limits.close()
+
+
+def train_device(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local_batches: list[int],
+                 speeds: list[float | None], run_dir: str | None, user_model: nn.Module | None = None,
+                 registered: dict | None = None, cluster_token: str = "",
+                 strategy_class: type[Strategy] | None = None, datasets: dict | None = None,
+                 loaded: DataSplit | None = None, user_task: Task | None = None,
+                 limits: DeviceLimits | None = None) -> dict | None:
     """Train on this device; rank 0 returns the run summary, the others None.
 
     ``strategy_class``: a ``Strategy`` to train with instead of ``registered_strategy(spec.strategy)``;
@@ -382,6 +397,10 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
     elastic = Elastic(spec, devices, local_batches, run_dir) if spec.min_devices else None  # train/elastic.py
     at = set_up_device(cfg, spec, devices, speeds, cluster_token, elastic)
     rank = at.rank
+    if limits is not None and limits.fallbacks and rank == 0:
+        print(f"edgetrain: note: --device-limits cgroup falls back on this host ({'; '.join(limits.fallbacks)}); "
+              "memory is checked by peak RSS only and storage reads are not throttled where it says so",
+              file=sys.stderr, flush=True)
 
     phase(cfg, rank, f"loading data: {cfg.dataset}")
     # Our own copy, as for the model: multiprocessing hands every device the launcher's tensors in shared memory.
@@ -557,6 +576,8 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
 
     train_totals = (epoch_loss, epoch_counts, epoch_seen)
     mine = _device_summary(records, at, local_batches[rank], throttle, cfg.workers)
+    if limits is not None:
+        mine.details["limits"] = limits.describe()
     if limit_mb is not None and mine.run_peak_rss_mb > limit_mb:
         # Warned, not raised: training is done and the final model is written; but a real device of this size
         # would not have survived the end of the run (its evaluation, the final exchange or checkpoint), and
