@@ -292,9 +292,17 @@ def pixel_statistics(read: Callable[[int], np.ndarray], count: int, seed: int, s
     computes an in-memory set's: the same figures where every image is read."""
     pick = np.arange(count) if count <= STATS_SAMPLE else \
         np.sort(np.random.default_rng(seed).permutation(count)[:STATS_SAMPLE])
-    images = torch.as_tensor(np.stack([read(int(k)) for k in pick]))
-    pixels = images.float().div(scale).transpose(0, 1).reshape(images.shape[1], -1)
-    return pixels.mean(1).tolist(), pixels.std(1).clamp_min(1e-6).tolist()
+    # Sums in float64 one image at a time: a device with little memory never holds the sample whole.
+    total = squares = None
+    n = 0
+    for k in pick:
+        pixels = torch.as_tensor(read(int(k))).double().div(scale).flatten(1)
+        total = pixels.sum(1) if total is None else total + pixels.sum(1)
+        squares = (pixels ** 2).sum(1) if squares is None else squares + (pixels ** 2).sum(1)
+        n += pixels.shape[1]
+    mean = total / n
+    var = (squares - n * mean ** 2) / max(n - 1, 1)
+    return mean.float().tolist(), var.clamp_min(0).sqrt().float().clamp_min(1e-6).tolist()
 
 
 # -- the training loader ----------------------------------------------------------------------------------

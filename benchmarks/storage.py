@@ -1,0 +1,227 @@
+"""Training from storage: the three targets of docs/benchmarks/storage.md, side by side in one run.
+
+    PYTHONPATH=src python benchmarks/storage.py [--out benchmarks/results/storage.json]
+
+1. memory: a dataset twice a device's memory (``--device-limits cgroup``: the profile's memory_mb as a
+   cgroup v1 limit, page cache included) trains from storage to the same test accuracy as the same data
+   read whole into memory (no limit), ``edgetrain train`` both.
+2. cache: epoch time of a device whose memory leaves room for half the dataset, reading from a throttled
+   SD card (blkio), with the MinIO cache (``--cache-mb``) and with the page cache alone; items read from
+   storage per epoch for both. Each configuration runs in a forked process inside its own cgroups, after
+   the host's page cache is dropped.
+3. overhead: step time of a dataset served from storage (packed shards, 2 loader workers, warm page cache)
+   against the same dataset in memory (0 workers), ``edgetrain train`` both, measured alternately.
+
+Needs root and cgroup v1 (memory, blkio) for 1 and 2; says so and skips them otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import multiprocessing as mp
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+from PIL import Image
+
+import edgetrain
+from edgetrain.cluster.limits import DeviceLimits
+from edgetrain.cluster.profiles import STORAGES
+from edgetrain.data.cache import attach_cache
+from edgetrain.data.sampler import GlobalBatchSampler
+from edgetrain.data.storage import TrainingLoader, image_folder_on_storage
+
+QUIET = dict(progress=False, throttle=False, timeout=120)
+
+
+def write_folder(root: Path, classes: int, per_class: int, size: int, seed: int = 0) -> int:
+    """Noisy class templates as PNG files (noise does not compress: each file is about size*size*3 bytes)."""
+    rng = np.random.default_rng(seed)
+    total = 0
+    for c in range(classes):
+        (root / f"c{c}").mkdir(parents=True, exist_ok=True)
+        template = rng.integers(0, 255, (size, size, 3))
+        for k in range(per_class):
+            a = np.clip(template * 0.5 + rng.integers(0, 255, (size, size, 3)) * 0.5, 0, 255).astype(np.uint8)
+            path = root / f"c{c}" / f"{k:05d}.png"
+            Image.fromarray(a).save(path, compress_level=1)
+            total += path.stat().st_size
+    return total
+
+
+def drop_caches() -> bool:
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3")
+        return True
+    except OSError:
+        return False
+
+
+def cgroups_here() -> bool:
+    return os.geteuid() == 0 and all((Path("/sys/fs/cgroup") / c / "cgroup.procs").is_file()
+                                     for c in ("memory", "blkio"))
+
+
+# -- 1: twice the memory --------------------------------------------------------------------------------
+
+def memory_target(work: Path, folder: Path, dataset_mb: float) -> dict:
+    memory_mb = int(dataset_mb / 2)
+    cluster = work / "cluster.yaml"
+    cluster.write_text(yaml.safe_dump({"profiles": {"small": {"base": "rpi4", "memory_mb": memory_mb}},
+                                       "devices": [{"profile": "small"}]}))
+    common = dict(dataset="imagefolder", data_dir=str(folder), epochs=2, batch_size=64, augment=False,
+                  lr=0.02, **QUIET)
+    t0 = time.perf_counter()
+    memory = edgetrain.train(dict(output=str(work / "runs"), run_name="in-memory", **common))
+    t1 = time.perf_counter()
+    drop_caches()
+    stored = edgetrain.train(dict(output=str(work / "runs"), run_name="from-storage", from_storage=True, workers=2,
+                                  cluster=str(cluster), device_limits="cgroup", storage="sd-card", **common))
+    t2 = time.perf_counter()
+    device = stored["per_device"][0]
+    return {"dataset_mb": dataset_mb, "device_memory_mb": memory_mb,
+            "in_memory": {"test_accuracy": memory["test_accuracy"], "train_loss": memory["train_loss"],
+                          "wall_s": t1 - t0, "peak_rss_mb": memory["per_device"][0]["peak_rss_mb"]},
+            "from_storage": {"test_accuracy": stored["test_accuracy"], "train_loss": stored["train_loss"],
+                             "wall_s": t2 - t1, "limits": device["details"].get("limits"),
+                             "storage_items_per_epoch": device.get("storage_items_per_epoch"),
+                             "stall_share": device["data_s"] / device["step_s"]}}
+
+
+# -- 2: the MinIO cache against the page cache ----------------------------------------------------------
+
+def _epochs(folder: str, memory_mb: int, cache_mb: float, epochs: int, batch: int, workers: int, queue) -> None:
+    limits = DeviceLimits("bench device", memory_mb, STORAGES["sd-card"], folder).apply()
+    try:
+        data = image_folder_on_storage(folder, seed=0)
+        train = data.train
+        attach_cache(train, cache_mb, 0, "/dev/shm")
+        model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(int(np.prod(train.shape)), data.num_classes))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        sampler = GlobalBatchSampler(len(train), [batch], 0, seed=0)
+        loader = TrainingLoader(train, sampler, torch.utils.data.default_collate, workers, 2, 300, "bench device")
+        rows = []
+        for epoch in range(epochs):
+            sampler.set_epoch(epoch)
+            t0, storage, cached, stall = time.perf_counter(), 0, 0, 0.0
+            it = iter(loader)
+            while True:
+                w0 = time.perf_counter()
+                try:
+                    x, y = next(it)
+                except StopIteration:
+                    break
+                stall += time.perf_counter() - w0
+                storage, cached = storage + it.last.storage_items, cached + it.last.cache_items
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+            rows.append({"epoch": epoch, "epoch_s": time.perf_counter() - t0, "storage_items": storage,
+                         "cache_items": cached, "stall_s": stall})
+        usage = Path(f"/sys/fs/cgroup/memory/edgetrain-{os.getpid()}-memory/memory.max_usage_in_bytes")
+        queue.put({"rows": rows, "limits": limits.describe(), "items": len(train),
+                   "cgroup_max_usage_mb": int(usage.read_text()) / 2 ** 20 if usage.is_file() else None})
+    except BaseException as e:  # noqa: BLE001 (reported by the parent)
+        queue.put({"error": f"{type(e).__name__}: {e}"})
+    finally:
+        limits.close()
+
+
+def cache_target(folder: Path, dataset_mb: float, overhead_mb: int, epochs: int = 3) -> dict:
+    half = dataset_mb / 2
+    memory_mb = int(overhead_mb + half)
+    out = {"dataset_mb": dataset_mb, "room_for_data_mb": half, "memory_limit_mb": memory_mb,
+           "overhead_mb": overhead_mb, "storage": STORAGES["sd-card"].source}
+    for name, cache_mb in (("page cache alone", 0.0), ("MinIO cache", 0.9 * half)):
+        drop_caches()
+        queue = mp.get_context("fork").Queue()
+        child = mp.get_context("fork").Process(target=_epochs, args=(str(folder), memory_mb, cache_mb, epochs, 64, 2,
+                                                                     queue))
+        child.start()
+        result = None
+        while result is None:
+            try:
+                result = queue.get(timeout=2)
+            except Exception:  # noqa: BLE001 (queue.Empty)
+                if not child.is_alive():
+                    result = {"error": f"the bench process died (exit {child.exitcode}: -9 is the cgroup's OOM "
+                                       "killer); raise --overhead-mb"}
+        child.join(60)
+        result["cache_mb"] = cache_mb
+        out[name] = result
+        print(name, json.dumps(result), flush=True)
+    steady = lambda r: statistics.mean(row["epoch_s"] for row in r["rows"][1:])  # noqa: E731
+    if "rows" in out["page cache alone"] and "rows" in out["MinIO cache"]:
+        out["speedup_epochs_2_on"] = steady(out["page cache alone"]) / steady(out["MinIO cache"])
+    return out
+
+
+# -- 3: loading overhead with enough workers ----------------------------------------------------------
+
+def overhead_target(work: Path, repeats: int = 2) -> dict:
+    from edgetrain.data.datasets import synthetic
+    from edgetrain.data.shards import pack
+
+    shards = work / "synthetic-shards"
+    pack(synthetic(4096, 32, seed=0), shards)
+    common = dict(epochs=1, batch_size=64, model="small_cnn", threads=1, eval=False, **QUIET)
+    runs = {"in memory, 0 workers": [], "shards on storage, 2 workers": []}
+    for _ in range(repeats):  # alternately: the host's load drifts
+        for name, extra in (("in memory, 0 workers", dict(dataset="synthetic", synthetic_samples=4096)),
+                            ("shards on storage, 2 workers", dict(dataset="shards", data_dir=str(shards),
+                                                                  workers=2))):
+            summary = edgetrain.train(dict(output=str(work / "runs"), **extra, **common))
+            d = summary["per_device"][0]
+            runs[name].append({"step_s": d["step_s"], "data_s": d["data_s"], "train_loss": summary["train_loss"]})
+    median = {k: statistics.median(r["step_s"] for r in v) for k, v in runs.items()}
+    return {"runs": runs, "median_step_s": median,
+            "ratio": median["shards on storage, 2 workers"] / median["in memory, 0 workers"]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="benchmarks/results/storage.json")
+    p.add_argument("--images", type=int, default=4000, help="images in the generated folder")
+    p.add_argument("--size", type=int, default=64, help="their side in pixels")
+    p.add_argument("--overhead-mb", type=int, default=48, help="a cache-bench process's own memory in its cgroup")
+    p.add_argument("--parts", default="memory,cache,overhead")
+    args = p.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="edgetrain-storage-bench-", dir="/work" if Path("/work").is_dir() else None))
+    result = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "host": platform.node(),
+              "cpus": os.cpu_count(), "python": sys.version.split()[0], "torch": torch.__version__,
+              "command": " ".join(sys.argv)}
+    try:
+        folder = work / "folder"
+        dataset_mb = write_folder(folder, 10, args.images // 10, args.size) / 1e6
+        result["dataset"] = {"images": args.images, "size": args.size, "mb": dataset_mb}
+        parts = args.parts.split(",")
+        if not cgroups_here():
+            result["note"] = "no root or no cgroup v1 here: the memory and cache parts were skipped"
+            parts = [p for p in parts if p == "overhead"]
+        if "memory" in parts:
+            result["memory"] = memory_target(work, folder, dataset_mb)
+            print(json.dumps(result["memory"]), flush=True)
+        if "cache" in parts:
+            result["cache"] = cache_target(folder, dataset_mb, args.overhead_mb)
+        if "overhead" in parts:
+            result["overhead"] = overhead_target(work)
+            print(json.dumps(result["overhead"]), flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
