@@ -101,8 +101,9 @@ def memory_target(work: Path, folder: Path, dataset_mb: float) -> dict:
 
 # -- 2: the MinIO cache against the page cache ----------------------------------------------------------
 
-def _epochs(folder: str, memory_mb: int, cache_mb: float, epochs: int, batch: int, workers: int, queue) -> None:
-    limits = DeviceLimits("bench device", memory_mb, STORAGES["sd-card"], folder).apply()
+def _epochs(folder: str, memory_mb: int, cache_mb: float, epochs: int, batch: int, workers: int, storage: str,
+            queue) -> None:
+    limits = DeviceLimits("bench device", memory_mb, STORAGES[storage], folder).apply()
     try:
         data = image_folder_on_storage(folder, seed=0)
         train = data.train
@@ -114,7 +115,7 @@ def _epochs(folder: str, memory_mb: int, cache_mb: float, epochs: int, batch: in
         rows = []
         for epoch in range(epochs):
             sampler.set_epoch(epoch)
-            t0, storage, cached, stall = time.perf_counter(), 0, 0, 0.0
+            t0, read, cached, stall = time.perf_counter(), 0, 0, 0.0
             it = iter(loader)
             while True:
                 w0 = time.perf_counter()
@@ -123,13 +124,14 @@ def _epochs(folder: str, memory_mb: int, cache_mb: float, epochs: int, batch: in
                 except StopIteration:
                     break
                 stall += time.perf_counter() - w0
-                storage, cached = storage + it.last.storage_items, cached + it.last.cache_items
+                read, cached = read + it.last.storage_items, cached + it.last.cache_items
                 opt.zero_grad()
                 torch.nn.functional.cross_entropy(model(x), y).backward()
                 opt.step()
-            rows.append({"epoch": epoch, "epoch_s": time.perf_counter() - t0, "storage_items": storage,
+            rows.append({"epoch": epoch, "epoch_s": time.perf_counter() - t0, "storage_items": read,
                          "cache_items": cached, "stall_s": stall})
         usage = Path(f"/sys/fs/cgroup/memory/edgetrain-{os.getpid()}-memory/memory.max_usage_in_bytes")
+        del it, loader  # its workers end here, before the limits are removed
         queue.put({"rows": rows, "limits": limits.describe(), "items": len(train),
                    "cgroup_max_usage_mb": int(usage.read_text()) / 2 ** 20 if usage.is_file() else None})
     except BaseException as e:  # noqa: BLE001 (reported by the parent)
@@ -138,27 +140,36 @@ def _epochs(folder: str, memory_mb: int, cache_mb: float, epochs: int, batch: in
         limits.close()
 
 
-def cache_target(folder: Path, dataset_mb: float, overhead_mb: int, epochs: int = 3) -> dict:
-    half = dataset_mb / 2
+def _in_cgroup(folder: Path, memory_mb: int, cache_mb: float, epochs: int, storage: str) -> dict:
+    drop_caches()
+    queue = mp.get_context("fork").Queue()
+    child = mp.get_context("fork").Process(target=_epochs, args=(str(folder), memory_mb, cache_mb, epochs, 64, 2,
+                                                                 storage, queue))
+    child.start()
+    result = None
+    while result is None:
+        try:
+            result = queue.get(timeout=2)
+        except Exception:  # noqa: BLE001 (queue.Empty)
+            if not child.is_alive():
+                result = {"error": f"the bench process died (exit {child.exitcode}: -9 is the cgroup's OOM killer)"}
+    child.join(60)
+    result["cache_mb"] = cache_mb
+    return result
+
+
+def cache_target(folder: Path, dataset_mb: float, storage: str, epochs: int = 3) -> dict:
+    """Memory limit = the bench process's own peak (its loader workers' included: each Python process copies
+    the pages it touches), measured first with room to spare, + half the (training) dataset."""
+    train_mb = 0.8 * dataset_mb  # the 80/20 split's training part, what the epochs read
+    probe = _in_cgroup(folder, 4096, 0.0, 1, storage)
+    overhead_mb = probe["cgroup_max_usage_mb"] - train_mb if "rows" in probe else 400.0
+    half = train_mb / 2
     memory_mb = int(overhead_mb + half)
-    out = {"dataset_mb": dataset_mb, "room_for_data_mb": half, "memory_limit_mb": memory_mb,
-           "overhead_mb": overhead_mb, "storage": STORAGES["sd-card"].source}
+    out = {"train_mb": train_mb, "room_for_data_mb": half, "memory_limit_mb": memory_mb,
+           "overhead_mb": overhead_mb, "storage": STORAGES[storage].source, "probe": probe}
     for name, cache_mb in (("page cache alone", 0.0), ("MinIO cache", 0.9 * half)):
-        drop_caches()
-        queue = mp.get_context("fork").Queue()
-        child = mp.get_context("fork").Process(target=_epochs, args=(str(folder), memory_mb, cache_mb, epochs, 64, 2,
-                                                                     queue))
-        child.start()
-        result = None
-        while result is None:
-            try:
-                result = queue.get(timeout=2)
-            except Exception:  # noqa: BLE001 (queue.Empty)
-                if not child.is_alive():
-                    result = {"error": f"the bench process died (exit {child.exitcode}: -9 is the cgroup's OOM "
-                                       "killer); raise --overhead-mb"}
-        child.join(60)
-        result["cache_mb"] = cache_mb
+        result = _in_cgroup(folder, memory_mb, cache_mb, epochs, storage)
         out[name] = result
         print(name, json.dumps(result), flush=True)
     steady = lambda r: statistics.mean(row["epoch_s"] for row in r["rows"][1:])  # noqa: E731
@@ -194,7 +205,7 @@ def main() -> None:
     p.add_argument("--out", default="benchmarks/results/storage.json")
     p.add_argument("--images", type=int, default=4000, help="images in the generated folder")
     p.add_argument("--size", type=int, default=64, help="their side in pixels")
-    p.add_argument("--overhead-mb", type=int, default=48, help="a cache-bench process's own memory in its cgroup")
+    p.add_argument("--cache-storage", default="hdd", help="the storage the cache part reads from (a STORAGES name)")
     p.add_argument("--parts", default="memory,cache,overhead")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="edgetrain-storage-bench-", dir="/work" if Path("/work").is_dir() else None))
@@ -213,7 +224,7 @@ def main() -> None:
             result["memory"] = memory_target(work, folder, dataset_mb)
             print(json.dumps(result["memory"]), flush=True)
         if "cache" in parts:
-            result["cache"] = cache_target(folder, dataset_mb, args.overhead_mb)
+            result["cache"] = cache_target(folder, dataset_mb, args.cache_storage)
         if "overhead" in parts:
             result["overhead"] = overhead_target(work)
             print(json.dumps(result["overhead"]), flush=True)

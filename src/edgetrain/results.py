@@ -100,8 +100,8 @@ class ScalingResult(BenchResult):
 class StallsResult(BenchResult):
     name: ClassVar[str] = "stalls"
     ingestion_samples_per_s: float
-    read_mb_per_s: dict = field(default_factory=dict)
-    rows: list[dict]
+    read_mb_per_s: dict = field(default_factory=dict)  # older results (the bench's own CIFAR reader)
+    rows: list[dict]  # per storage x workers x page cache (cold, warm): bench/stalls.py
     stall_removed_at_workers: int | None = None
     verdict: str
 

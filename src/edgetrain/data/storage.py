@@ -193,8 +193,8 @@ def decode_image(raw: bytes, mode: str, size: int | None = None) -> np.ndarray:
         im = im.convert(mode)
         if size is not None:
             im = im.resize((size, size), Image.BILINEAR)
-        a = np.asarray(im, dtype=np.uint8)
-    return a[None] if a.ndim == 2 else a.transpose(2, 0, 1)
+        a = np.array(im, dtype=np.uint8)  # a copy torch may write to
+    return a[None] if a.ndim == 2 else np.ascontiguousarray(a.transpose(2, 0, 1))
 
 
 class StoredImages(StoredItems):

@@ -219,11 +219,18 @@ def headline(run: dict[str, Any], peak: tuple[float, str] | None = None) -> tupl
                  *(1000 * r["split_s_per_step"][k] for k in ("data", "compute", "comm", "wait"))] for r in d.rows]
         notes += flag_notes(d.rows) if all("flags" in r for r in d.rows) else []
     elif bench == "stalls":
-        cols = ["workers", "loader cached/s", "loader cold/s", "train cached/s", "train cold/s", "prep stall s",
-                "fetch stall s", "limiting"]
-        rows = [[r["workers"], r["prep_samples_per_s"], r["fetch_samples_per_s"], r["train_cached_samples_per_s"],
-                 r["train_cold_samples_per_s"], r["prep_stall_s"], r["fetch_stall_s"], r["limiting_stage"]]
-                for r in d.rows]
+        if d.rows and "storage" in d.rows[0]:
+            cols = ["storage", "workers", "page cache", "train/s", "stall %", "read ms/batch", "decode ms/batch",
+                    "limiting"]
+            rows = [[r["storage"] + ("" if r["throttled"] else " (unthrottled)"), r["workers"], r["cache"],
+                     r["train_samples_per_s"], 100 * r["stall_fraction"], r["read_ms_per_batch"],
+                     r["decode_ms_per_batch"], r["limiting_stage"]] for r in d.rows]
+        else:  # a result of the bench's earlier CIFAR reader
+            cols = ["workers", "loader cached/s", "loader cold/s", "train cached/s", "train cold/s", "prep stall s",
+                    "fetch stall s", "limiting"]
+            rows = [[r["workers"], r["prep_samples_per_s"], r["fetch_samples_per_s"],
+                     r["train_cached_samples_per_s"], r["train_cold_samples_per_s"], r["prep_stall_s"],
+                     r["fetch_stall_s"], r["limiting_stage"]] for r in d.rows]
         notes += [f"ingestion rate (no stall) {d.ingestion_samples_per_s:.1f} samples/s", d.verdict]
     elif bench == "counters":
         cols = ["event", "count", "per sample"]

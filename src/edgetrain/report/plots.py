@@ -147,6 +147,40 @@ def stacked_bars(ax, labels: Sequence[str], parts: dict[str, Sequence[float]]) -
 
 def plot_stalls(result: dict[str, Any], path) -> None:
     rows = result["rows"]
+    if rows and "storage" in rows[0]:
+        return _plot_storage_stalls(result, path)
+    _plot_cifar_stalls(result, path)
+
+
+def _plot_storage_stalls(result: dict[str, Any], path) -> None:
+    """bench stalls over workers x storage x page cache: training rate and stall share per worker count."""
+    rows = result["rows"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    series = sorted({(r["storage"], r["cache"], r["throttled"]) for r in rows}, key=lambda k: (k[0], k[1]))
+    for k, (storage, cache, throttled) in enumerate(series):
+        mine = sorted((r for r in rows if (r["storage"], r["cache"]) == (storage, cache)), key=lambda r: r["workers"])
+        w = [r["workers"] for r in mine]
+        label = f"{storage}{'' if throttled else ' (unthrottled)'}, {cache} page cache"
+        style = "o-" if cache == "cold" else "s--"
+        axes[0].plot(w, [r["train_samples_per_s"] for r in mine], style, color=COLORS[k // 2 % len(COLORS)],
+                     label=label)
+        axes[1].plot(w, [100 * r["stall_fraction"] for r in mine], style, color=COLORS[k // 2 % len(COLORS)],
+                     label=label)
+    axes[0].axhline(result["ingestion_samples_per_s"], color="k", ls=":", label="ingestion (no stall)")
+    for ax, title, unit in ((axes[0], "Training rate", "samples/s"), (axes[1], "Stall share of the pass", "%")):
+        ax.set_xlabel("loader workers")
+        ax.set_ylabel(unit)
+        ax.set_title(title)
+        ax.set_xticks(sorted({r["workers"] for r in rows}))
+    axes[0].legend(fontsize=7, frameon=False)
+    fig.suptitle("bench stalls: training's loader, storage throttled by blkio (measured)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_cifar_stalls(result: dict[str, Any], path) -> None:
+    rows = result["rows"]
     w = [r["workers"] for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     ax = axes[0]
