@@ -288,3 +288,21 @@ def test_training_from_shards_with_workers_equals_training_in_memory(tmp_path):
     device = stored["per_device"][0]
     assert device["workers"] == 2 and device["read_s"] > 0 and device["decode_s"] > 0
     assert device["storage_items_per_epoch"] == 8 * 32
+
+
+def test_the_summary_prints_each_devices_stall_and_what_ifs():
+    from rich.console import Console
+
+    from edgetrain.records import RunSummary
+    from edgetrain.report.tables import stall_lines
+
+    device = dict(rank=0, profile="rpi4", local_batch=32, samples_per_s=100.0, step_s=0.2, data_s=0.05,
+                  compute_s=0.15, comm_s=0.0, read_s=0.08, decode_s=0.12, workers=2, storage_items_per_epoch=800.0,
+                  cache_items_per_epoch=200.0)
+    summary = RunSummary.from_dict({"per_device": [device], "throughput_samples_per_s": 100.0}, "test")
+    (line,) = stall_lines(summary)
+    assert line.startswith("data, rank 0: stall 25% of the step (50.0 ms waiting")
+    assert "800 items/epoch from storage, 200 from the cache" in line
+    assert "modelled (DS-Analyzer what-ifs): cached in memory 150.0 ms/step, 4 worker(s) 150.0 ms/step" in line
+    in_memory = dict(device, workers=0, storage_items_per_epoch=None, cache_items_per_epoch=None)
+    assert stall_lines(RunSummary.from_dict({"per_device": [in_memory], "throughput_samples_per_s": 1.0}, "t")) == []
