@@ -78,29 +78,31 @@ def cgroups_here() -> bool:
 class TinyNet(torch.nn.Module):
     """Cheap at any resolution (a strided conv, then pooling), so that reading, not compute, is the work."""
 
-    def __init__(self, channels: int = 3, classes: int = 10):
+    def __init__(self, size: int, channels: int = 3, classes: int = 10):
         super().__init__()
-        self.conv = torch.nn.Conv2d(channels, 16, 8, stride=8)
-        self.head = torch.nn.Linear(16, classes)
+        self.conv = torch.nn.Conv2d(channels, 4, 8, stride=8)
+        self.head = torch.nn.Linear(4 * (size // 8) ** 2, classes)
 
     def forward(self, x):
-        return self.head(torch.relu(self.conv(x)).mean((2, 3)))
+        return self.head(torch.relu(self.conv(x)).flatten(1))
 
 
-def memory_target(work: Path, folder: Path, dataset_mb: float) -> dict:
+def memory_target(work: Path, folder: Path, dataset_mb: float, size: int) -> dict:
     memory_mb = int(dataset_mb / 2)
     cluster = work / "cluster.yaml"
     cluster.write_text(yaml.safe_dump({"profiles": {"small": {"base": "rpi4", "memory_mb": memory_mb}},
                                        "devices": [{"profile": "small"}]}))
     common = dict(dataset="imagefolder", data_dir=str(folder), epochs=2, batch_size=16, augment=False,
-                  lr=0.05, **QUIET)
+                  lr=0.01, **QUIET)
     t0 = time.perf_counter()
-    memory = edgetrain.train(dict(output=str(work / "runs"), run_name="in-memory", **common), model=TinyNet())
+    memory = edgetrain.train(dict(output=str(work / "runs"), run_name="in-memory", **common), model=TinyNet(size))
     t1 = time.perf_counter()
     drop_caches()
-    stored = edgetrain.train(dict(output=str(work / "runs"), run_name="from-storage", from_storage=True, workers=2,
+    # No loader workers: each would hold its own copy of the pages of the process it touches, which a device
+    # of a few hundred MB cannot spare.
+    stored = edgetrain.train(dict(output=str(work / "runs"), run_name="from-storage", from_storage=True, workers=0,
                                   cluster=str(cluster), device_limits="cgroup", storage="sd-card", **common),
-                             model=TinyNet())
+                             model=TinyNet(size))
     t2 = time.perf_counter()
     device = stored["per_device"][0]
     return {"dataset_mb": dataset_mb, "device_memory_mb": memory_mb,
@@ -216,9 +218,10 @@ def overhead_target(work: Path, repeats: int = 2) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="benchmarks/results/storage.json")
-    p.add_argument("--images", type=int, default=2400, help="images in the memory part's generated folder")
+    p.add_argument("--images", type=int, default=1000, help="images in the memory part's generated folder")
+    p.add_argument("--memory-size", type=int, default=512, help="their side in pixels")
     p.add_argument("--cache-images", type=int, default=600, help="images in the cache part's generated folder")
-    p.add_argument("--size", type=int, default=256, help="their side in pixels")
+    p.add_argument("--size", type=int, default=256, help="the cache part's images' side in pixels")
     p.add_argument("--cache-storage", default="hdd", help="the storage the cache part reads from (a STORAGES name)")
     p.add_argument("--parts", default="memory,cache,overhead")
     args = p.parse_args()
@@ -233,9 +236,9 @@ def main() -> None:
             parts = [p for p in parts if p == "overhead"]
         if "memory" in parts:
             folder = work / "memory-folder"
-            dataset_mb = write_folder(folder, 10, args.images // 10, args.size) / 1e6
-            result["memory_dataset"] = {"images": args.images, "size": args.size, "mb": dataset_mb}
-            result["memory"] = memory_target(work, folder, dataset_mb)
+            dataset_mb = write_folder(folder, 10, args.images // 10, args.memory_size) / 1e6
+            result["memory_dataset"] = {"images": args.images, "size": args.memory_size, "mb": dataset_mb}
+            result["memory"] = memory_target(work, folder, dataset_mb, args.memory_size)
             print(json.dumps(result["memory"]), flush=True)
         if "cache" in parts:
             folder = work / "cache-folder"

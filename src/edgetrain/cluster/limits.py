@@ -81,6 +81,7 @@ class DeviceLimits:
     def __init__(self, label: str, memory_mb: int | None, storage: Storage | None, data_path: str | None):
         self.label, self.memory_mb, self.storage, self.data_path = label, memory_mb, storage, data_path
         self.made: list[Path] = []
+        self.memory_bound = False  # the kernel holds the device to its memory (page cache included)
         self.applied: list[str] = []
         self.fallbacks: list[str] = []
 
@@ -117,6 +118,7 @@ class DeviceLimits:
             if group is not None:
                 _write(group / "memory.limit_in_bytes", str(self.memory_mb * 2 ** 20))
                 _write(group / "cgroup.procs", pid)
+                self.memory_bound = True
                 self.applied.append(f"memory {self.memory_mb} MiB, page cache included (cgroup v1)")
         else:
             self.fallbacks.append("its profile gives no memory_mb: memory not limited")

@@ -471,7 +471,10 @@ def train_device(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], loc
     bar = _progress(cfg, rank, int(total_steps))
     records: list[StepRecord] = []
     evals: list[EvalRecord] = []
-    step, start_epoch, limit_mb = 0, 0, at.me.profile.memory_mb
+    # Checked against peak RSS unless the kernel holds the device to its memory (--device-limits cgroup): RSS
+    # counts the pages this process shares with the launcher (torch itself), which the cgroup does not.
+    step, start_epoch = 0, 0
+    limit_mb = None if limits is not None and limits.memory_bound else at.me.profile.memory_mb
     ema_loss = None
     epoch_loss, epoch_counts, epoch_seen = 0.0, {}, 0.0
     if mine:
