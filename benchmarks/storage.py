@@ -39,6 +39,7 @@ from edgetrain.cluster.limits import DeviceLimits
 from edgetrain.cluster.profiles import STORAGES
 from edgetrain.data.cache import attach_cache
 from edgetrain.data.sampler import GlobalBatchSampler
+from edgetrain.data.formats import image_folder
 from edgetrain.data.storage import TrainingLoader, image_folder_on_storage
 
 QUIET = dict(progress=False, throttle=False, timeout=120)
@@ -52,7 +53,7 @@ def write_folder(root: Path, classes: int, per_class: int, size: int, seed: int 
         (root / f"c{c}").mkdir(parents=True, exist_ok=True)
         template = rng.integers(0, 255, (size, size, 3))
         for k in range(per_class):
-            a = np.clip(template * 0.5 + rng.integers(0, 255, (size, size, 3)) * 0.5, 0, 255).astype(np.uint8)
+            a = np.clip(template * 0.1 + rng.integers(0, 255, (size, size, 3)) * 0.9, 0, 255).astype(np.uint8)
             path = root / f"c{c}" / f"{k:05d}.png"
             Image.fromarray(a).save(path, compress_level=1)
             total += path.stat().st_size
@@ -75,6 +76,15 @@ def cgroups_here() -> bool:
 
 # -- 1: twice the memory --------------------------------------------------------------------------------
 
+def test_accuracy(run_dir: str, data, size: int) -> float:
+    from edgetrain.tasks.classification import ClassificationTask
+    from edgetrain.train.evaluation import evaluate_task
+
+    model = TinyNet(size)
+    model.load_state_dict(edgetrain.load_checkpoint(run_dir)["model"])
+    return evaluate_task(model, data.test, 0, 1, ClassificationTask(), batch=32)["accuracy"]
+
+
 class TinyNet(torch.nn.Module):
     """Cheap at any resolution (a strided conv, then pooling), so that reading, not compute, is the work."""
 
@@ -92,8 +102,10 @@ def memory_target(work: Path, folder: Path, dataset_mb: float, size: int) -> dic
     cluster = work / "cluster.yaml"
     cluster.write_text(yaml.safe_dump({"profiles": {"small": {"base": "rpi4", "memory_mb": memory_mb}},
                                        "devices": [{"profile": "small"}]}))
+    # Evaluated here afterwards, 32 images at a time: the loop's evaluation takes 256 at once, more than a device
+    # of a few hundred MB holds at this image size.
     common = dict(dataset="imagefolder", data_dir=str(folder), epochs=2, batch_size=16, augment=False,
-                  lr=0.01, **QUIET)
+                  lr=0.01, eval=False, **QUIET)
     t0 = time.perf_counter()
     memory = edgetrain.train(dict(output=str(work / "runs"), run_name="in-memory", **common), model=TinyNet(size))
     t1 = time.perf_counter()
@@ -105,6 +117,8 @@ def memory_target(work: Path, folder: Path, dataset_mb: float, size: int) -> dic
                              model=TinyNet(size))
     t2 = time.perf_counter()
     device = stored["per_device"][0]
+    memory["test_accuracy"] = test_accuracy(memory["run_dir"], image_folder(folder, 0), size)
+    stored["test_accuracy"] = test_accuracy(stored["run_dir"], image_folder_on_storage(folder, 0), size)
     return {"dataset_mb": dataset_mb, "device_memory_mb": memory_mb,
             "in_memory": {"test_accuracy": memory["test_accuracy"], "train_loss": memory["train_loss"],
                           "wall_s": t1 - t0, "peak_rss_mb": memory["per_device"][0]["peak_rss_mb"]},
