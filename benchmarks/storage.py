@@ -123,7 +123,7 @@ def memory_target(work: Path, folder: Path, dataset_mb: float, size: int) -> dic
             "in_memory": {"test_accuracy": memory["test_accuracy"], "train_loss": memory["train_loss"],
                           "wall_s": t1 - t0, "peak_rss_mb": memory["per_device"][0]["peak_rss_mb"]},
             "from_storage": {"test_accuracy": stored["test_accuracy"], "train_loss": stored["train_loss"],
-                             "wall_s": t2 - t1, "limits": device["details"].get("limits"),
+                             "wall_s": t2 - t1, "limits": device.get("limits", device.get("details", {}).get("limits")),
                              "storage_items_per_epoch": device.get("storage_items_per_epoch"),
                              "stall_share": device["data_s"] / device["step_s"]}}
 
@@ -254,11 +254,13 @@ def main() -> None:
             result["memory_dataset"] = {"images": args.images, "size": args.memory_size, "mb": dataset_mb}
             result["memory"] = memory_target(work, folder, dataset_mb, args.memory_size)
             print(json.dumps(result["memory"]), flush=True)
+            Path(args.out).write_text(json.dumps(result, indent=1))  # so far, should a later part fail
         if "cache" in parts:
             folder = work / "cache-folder"
             dataset_mb = write_folder(folder, 10, args.cache_images // 10, args.size, seed=1) / 1e6
             result["cache_dataset"] = {"images": args.cache_images, "size": args.size, "mb": dataset_mb}
             result["cache"] = cache_target(folder, dataset_mb, args.cache_storage)
+            Path(args.out).write_text(json.dumps(result, indent=1))
         if "overhead" in parts:
             result["overhead"] = overhead_target(work)
             print(json.dumps(result["overhead"]), flush=True)
