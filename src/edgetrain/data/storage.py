@@ -26,7 +26,7 @@ from edgetrain.data.datasets import random_crop_flip
 from edgetrain.errors import EdgetrainError
 
 DECODE_ERRORS: tuple = (OSError, SyntaxError, ValueError, EOFError)
-STATS_SAMPLE = 512  # images whose pixels give a lazy dataset's mean and std (all of them in a smaller set)
+STATS_SAMPLE = 2048  # images whose pixels give a lazy dataset's mean and std (all of them in a smaller set)
 
 
 class _Account:
