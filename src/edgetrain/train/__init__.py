@@ -15,7 +15,7 @@ from edgetrain.config import TrainConfig, load_config, resolve
 from edgetrain.errors import EdgetrainError, Terminated
 from edgetrain.preflight import check_before_launch
 from edgetrain.report.files import new_run_dir, write_yaml
-from edgetrain.spec import back_after_s
+from edgetrain.spec import back_after_s, launch_spec
 
 
 def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: nn.Module | str | None = None,
@@ -56,7 +56,8 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     if elastic_dir is not None and rank == 0 and checkpoint_files(elastic_dir):
         phase(cfg, rank, f"continuing the torchrun job's run in {elastic_dir} from its newest checkpoint")
         cfg = load_config(config, **{**overrides, "resume": str(elastic_dir)})
-    spec = resolve(cfg)  # the options parsed once; the devices build from these
+    # the options parsed once, with how this process was started (its environment); the devices build from these
+    spec = resolve(cfg, launch_spec(os.environ))
     check_before_launch(cfg, spec, model)  # before the run directory and the devices: bad input leaves nothing
     accelerator_device(cfg.accelerator)
     if model is not None:

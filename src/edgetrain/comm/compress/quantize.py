@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from edgetrain.comm.compress.base import Compressor, Payload, segment_ids, segment_sum
+from edgetrain.comm.compress.memory import NoMemory
 
 TINY = torch.finfo(torch.float32).tiny
 
@@ -78,3 +79,13 @@ class QSGD(Compressor):
 
     def layout(self, numel: int, nbytes: int, segments=None) -> list[tuple[torch.dtype, int]]:
         return [(torch.float32, len(segments or (numel,))), (torch.int8, numel)]
+
+
+def build_int8(spec, link=None, seed: int = 0, rank: int = 0):
+    """``--compress int8``'s (compressor, memory) pair (``edgetrain.kinds``)."""
+    return Int8(), NoMemory()
+
+
+def build_qsgd(spec, link=None, seed: int = 0, rank: int = 0):
+    """``--compress qsgd[:LEVELS]``: the rounding noise made independent per device from ``rank``."""
+    return QSGD(int(spec.arg or 127), seed=seed * 1_000_003 + rank), NoMemory()

@@ -38,6 +38,7 @@ import math
 import torch
 
 from edgetrain.comm.compress.base import Compressor, Payload
+from edgetrain.comm.compress.memory import DGCMemory, NoMemory, ResidualMemory
 
 
 GAP_FILL = 65535  # the code of a filler; codes below it mean "next entry is code + 1 positions on"
@@ -116,3 +117,13 @@ def _gap_encode(x: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, t
     values = torch.zeros(slots, dtype=torch.float16)
     values[own] = x[indices].clamp(-FP16_MAX, FP16_MAX).half()
     return values, (codes - 32768).to(torch.int16)
+
+
+def build(spec, link=None, seed: int = 0, rank: int = 0):
+    """``--compress topk:RATIO[:OPTION]...``'s (compressor, memory) pair: DGC's memory with ``dgc``, else a
+    residual (error feedback) unless ``noef``."""
+    opts = spec.options
+    memory = DGCMemory(opts.get("momentum", 0.9)) if "dgc" in opts else \
+        (NoMemory() if "noef" in opts else ResidualMemory())
+    return TopK(spec.arg, warmup_steps=int(opts.get("warmup", 0)), layerwise="layerwise" in opts,
+                compact="compact" in opts), memory
