@@ -488,7 +488,7 @@ StrategyKind(name="tiled", usage="tiled",
 StrategyKind(name="fsdp", usage="fsdp", summary="parameters, gradients and optimizer state sharded over the devices "
                                                 "(FSDP2)",
              runtime="edgetrain.train.fsdp:FullyShardedDataParallel", planner=_S + "fsdp_strategy", pooled=True,
-             own_exchanges="parameter all-gathers and gradient reduce-scatters")
+             own_exchanges="parameter all-gathers and gradient reduce-scatters", checks=(_exchanges_of_its_own,))
 StrategyKind(name="pipeline", usage="pipeline",
              summary="the model's layers split into stages, one per device (--stages, --microbatches, "
                      "--pipeline-schedule, --pipeline-replicas); every device reads the whole batch",
