@@ -7,10 +7,11 @@ Floats must be finite: ``nan`` and ``inf`` parse as floats but would train to
 a loss of nan or overflow a timeout in a device.
 
 ``resolve`` parses every string option once into a frozen ``RunSpec``
-(``edgetrain.spec``) and is the one place that refuses combinations that
-cannot run; ``load_config`` calls it, and the training loop, ``comm``,
-``tiling`` and ``plan`` take the spec, not the strings. This module imports
-only ``edgetrain.spec``, ``edgetrain.yamlfile`` and ``edgetrain.errors`` of edgetrain (no torch):
+(``edgetrain.spec``), then runs each kind's refusals (``edgetrain.kinds``)
+and those of the run as a whole; ``load_config`` calls it, and the training
+loop, ``comm``, ``tiling`` and ``plan`` take the spec, not the strings. It
+reads no environment: the launcher hands it a ``spec.LaunchSpec``. This module imports
+only ``edgetrain.spec``, ``edgetrain.kinds``, ``edgetrain.yamlfile`` and ``edgetrain.errors`` of edgetrain (no torch):
 checking a config is cheap, and nothing here reaches up into the packages
 that take its specs.
 
@@ -35,7 +36,7 @@ from edgetrain.kinds import STRATEGIES, STRATEGY_KINDS, SYNC_KINDS, Draft, check
 from edgetrain.spec import (DEDUP_DEFAULT_THRESHOLD, DEDUP_HASH_BITS, DEDUP_MAX_THRESHOLD, FAULT_ENV, LINK_MODES,
                             PIPELINE_SCHEDULES, CheckpointSpec, LaunchSpec, RunSpec, get_link, launch_spec,
                             parse_compress, parse_dedup, parse_partition, parse_round_deadline, parse_server_opt,
-                            parse_sync)
+                            parse_sync, usage)
 from edgetrain.yamlfile import read_yaml_mapping
 
 
@@ -87,8 +88,8 @@ class TrainConfig:
 
     # communication over edge links
     compress: str = _opt("none", "gradient compression, e.g. none, fp16, topk:0.01, powersgd:2")
-    sync: str = _opt("sync", "synchronisation: sync, local:H, async:S, gossip, fedavg:E (federated rounds of E local "
-                     "epochs; fedavg:steps=H; options :prox=MU, :scaffold, :weighted, :reset)")
+    sync: str = _opt("sync", f"synchronisation: {usage('sync')} (fedavg:E: federated rounds of E local epochs; "
+                     "fedavg:steps=H; options :prox=MU, :scaffold, :weighted, :reset)")
     server_opt: str = _opt("fedavg", "federated server step: fedavg, fedavgm[:lr=1:momentum=0.9] or "
                            "fedadam[:lr=0.01:beta1=0.9:beta2=0.99:eps=0.001]")
     participation: float = _opt(1.0, "federated rounds: fraction of devices sampled per round, in (0, 1]")

@@ -243,13 +243,20 @@ def _number(rest: list[str], mode: str, text: str) -> int | None:
     return _int(rest[0], mode, text) if rest else None
 
 
-def _parse_local(rest: list[str], text: str) -> SyncSpec:
-    number = _number(rest, "local", text)
+def _at_least_one(number: int | None, missing: str, below_one: Callable[[int], str]) -> int:
+    """``number`` of steps, refused with ``missing`` when not given and ``below_one(number)`` when < 1."""
     if number is None:
-        raise EdgetrainError("local SGD needs the number of local steps between averages, e.g. --sync local:8")
+        raise EdgetrainError(missing)
     if number < 1:
-        raise EdgetrainError(f"local SGD period H must be >= 1 step, got {number} in {text!r}; "
-                             "e.g. --sync local:8 averages every 8 steps (local:1 is synchronous averaging)")
+        raise EdgetrainError(below_one(number))
+    return number
+
+
+def _parse_local(rest: list[str], text: str) -> SyncSpec:
+    number = _at_least_one(_number(rest, "local", text),
+                           "local SGD needs the number of local steps between averages, e.g. --sync local:8",
+                           lambda n: f"local SGD period H must be >= 1 step, got {n} in {text!r}; e.g. --sync "
+                                     "local:8 averages every 8 steps (local:1 is synchronous averaging)")
     nesterov, lr, momentum = False, 0.7, 0.9
     for opt in rest[1:]:
         key, eq, value = opt.partition("=")
@@ -275,12 +282,10 @@ def _one_number_at_most(rest: list[str], mode: str, text: str) -> int | None:
 
 
 def _parse_async(rest: list[str], text: str) -> SyncSpec:
-    number = _one_number_at_most(rest, "async", text)
-    if number is None:
-        raise EdgetrainError("async needs a staleness bound in steps, e.g. --sync async:4")
-    if number < 1:
-        raise EdgetrainError(f"async staleness bound must be >= 1 step, got {number}; "
-                             "a bound of 0 is synchronous training: use --sync sync")
+    number = _at_least_one(_one_number_at_most(rest, "async", text),
+                           "async needs a staleness bound in steps, e.g. --sync async:4",
+                           lambda n: f"async staleness bound must be >= 1 step, got {n}; a bound of 0 is "
+                                     "synchronous training: use --sync sync")
     return SyncSpec("async", staleness=number, text=text)
 
 

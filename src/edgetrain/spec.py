@@ -8,46 +8,10 @@ their own. ``config.resolve`` builds a ``RunSpec`` from a ``TrainConfig``
 (which stays the flat, user-facing set of options) and is the one place that
 refuses combinations that cannot run (``RunSpec``'s docstring lists them).
 
-``--compress NAME[:ARG][:OPTION]...``:
-
-=================================  =================================================
-``none`` (or ``fp32``)             fp32 all-reduce, as plain DDP
-``fp16``, ``bf16``                 half-precision all-reduce
-``int8``                           linear 8-bit quantization
-``qsgd[:LEVELS]``                  stochastic quantization, 1..127 levels (default 127)
-``topk:RATIO``                     top-k with error feedback; options ``dgc`` (momentum
-                                   correction, ``momentum=0.9``), ``warmup=STEPS`` (DGC's
-                                   sparsity ramp), ``layerwise`` (a budget per layer, as
-                                   DGC), ``compact`` (fp16 value + 16-bit index
-                                   gap: 4 bytes per entry, not 8), ``noef``
-``randk:RATIO``                    random-k (shared seed) with error feedback; ``noef``
-``sign``                           EF-signSGD (scaled sign, error feedback); ``sign:vote``
-                                   for signSGD majority vote
-``powersgd[:RANK]``                PyTorch's PowerSGD hook (default rank 2); ``start=ITER``
-                                   vanilla all-reduce iterations first (default 10)
-``threshold[:TAU]``                Strom's two-step threshold method, ``Wt`` derived
-                                   from the device's link (default tau 0.001); entries
-                                   decode to their layer's mean, ``strom`` to +-Wt
-=================================  =================================================
-
-``--sync``, and which compressors each mode composes with (``check_compatible``):
-
-=============================================  ===========================================
-``sync``                                       synchronous DDP (default); every compressor
-``local:H``                                    local SGD, average every ``H`` steps;
-``local:H:nesterov[:lr=0.7][:momentum=0.9]``   with DiLoCo's outer Nesterov step; every
-                                               compressor but ``powersgd`` and ``dgc``
-``async:S``                                    bounded staleness ``S`` steps; every fixed-size
-                                               compressor (not ``threshold``, ``powersgd``, ``dgc``)
-``gossip[:H]``                                 ring gossip every ``H`` steps (default 1);
-                                               ``--compress none`` only
-``fedavg:E``, ``fedavg:steps=H``               federated rounds of ``E`` local epochs (or
-``...:prox=MU``, ``...:scaffold``              ``H`` steps); FedProx term, SCAFFOLD control
-``...:weighted``, ``...:reset``                variates, updates weighted by sample counts,
-                                               client optimizer reset each round;
-                                               as ``local:H``'s compressors; needs
-                                               ``--partition``
-=============================================  ===========================================
+``--compress NAME[:ARG][:OPTION]...`` and ``--sync MODE[:ARG]...``: each method
+and mode is declared once in ``edgetrain.kinds`` (how it is written, its
+options and checks, which compressors a mode carries, where it runs and is
+planned); ``parse_compress`` and ``parse_sync`` here look the name up there.
 
 ``--server-opt`` (federated rounds only): ``fedavg`` (the mean of the models),
 ``fedavgm[:lr=1.0][:momentum=0.9]`` (Hsu et al. 2019) or
@@ -715,8 +679,8 @@ class CheckpointSpec:
 class RunSpec:
     """Everything below the config needs to know about a run, parsed and checked (``config.resolve``).
 
-    Refused there, in one place, each with the fix: compressors a sync mode
-    cannot carry (``check_compatible``); ``batchnorm: sync`` with a mode other
+    Refused there, each with the fix, by the kinds' own checks (``edgetrain.kinds``) and those of the run as
+    a whole: compressors a sync mode cannot carry (``kinds.check_compatible``); ``batchnorm: sync`` with a mode other
     than ``sync``; DGC with optimizer momentum (applied twice); with
     ``strategy: tiled`` any ``compress``, ``sync`` or ``link`` (tiled training
     exchanges halos, feature maps and gradients uncompressed and unemulated,

@@ -59,11 +59,10 @@ are gradient hooks and do not apply.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist

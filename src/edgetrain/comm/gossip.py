@@ -20,9 +20,8 @@ error feedback of CHOCO-SGD (Koloskova et al., ICML 2019), not implemented.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist

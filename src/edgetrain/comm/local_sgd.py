@@ -41,11 +41,10 @@ summary's ``round_participation`` counts them per device.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import datetime as dt
 import math
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist

@@ -47,10 +47,9 @@ and the statistics of cross-device BatchNorm travel outside the hooks.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import time
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist

@@ -16,10 +16,14 @@ sends, not a formula of our own:
   hook's own ``_should_compress`` rule (its first ``start`` steps send plain
   fp32 and are not modelled).
 
-Synchronous DDP exchanges each gradient bucket separately (so a model in two
+Each sync mode's traffic is its kind's planner model (``edgetrain.kinds``:
+the functions below named there), each compressor's payload too
+(``encoded_buckets``, ``powersgd_buckets``); a kind without one is refused in
+its own line. Synchronous DDP exchanges each gradient bucket separately (so a model in two
 buckets pays the ring latency twice); local SGD and async average the whole
 flattened model in one tensor; gossip sends its fp32 parameters to each ring
-neighbour in one point-to-point round.
+neighbour in one point-to-point round; a federated round (``fedavg``) is local
+SGD's exchange after the round's local steps, twice with SCAFFOLD.
 
 ``threshold`` is refused: its payload depends on the gradients' values.
 DGC's and top-k's warm-up ramps are not modelled (steady-state density).
