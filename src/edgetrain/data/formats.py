@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from edgetrain.data.datasets import DataSplit, TensorImages
+from edgetrain.data.images import DataSplit, TensorImages
 from edgetrain.errors import EdgetrainError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
