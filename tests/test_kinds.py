@@ -75,8 +75,8 @@ def test_fedavg_is_planned_as_rounds_of_local_steps(tmp_path):
                       profile="rpi4", link="lte-10m", batch_size=32)
     inputs = plan_inputs(cfg)
     fed = predict_inputs(inputs, runtime_mb=100)
-    local = predict_inputs(dataclasses.replace(inputs, spec=dataclasses.replace(inputs.spec, sync=parse_sync("local:8"))),
-                           runtime_mb=100)
+    local_spec = dataclasses.replace(inputs.spec, sync=parse_sync("local:8"))
+    local = predict_inputs(dataclasses.replace(inputs, spec=local_spec), runtime_mb=100)
     assert (fed.traffic.mode, fed.traffic.period) == ("fedavg", 8)
     assert fed.traffic.collectives == local.traffic.collectives and fed.step_s == pytest.approx(local.step_s)
     c_max = max(d.compute_s for d in fed.devices)

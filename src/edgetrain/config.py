@@ -355,9 +355,10 @@ def _resolve_min_devices(draft: Draft) -> int | None:
         raise EdgetrainError(f"--min-devices {k} is more than the {cfg.devices} devices of the run; give 1 to "
                              f"{cfg.devices}")
     elastic = " or ".join(kind.usage for kind in SYNC_KINDS.values() if kind.elastic)
+    elastic_strategies = " or ".join(name for name, kind in STRATEGY_KINDS.items() if kind.elastic)
     refusals = (
         (not draft.strategy.elastic, f"strategy {cfg.strategy} splits the model or the images over the devices; "
-                                     f"use --strategy {' or '.join(n for n, s in STRATEGY_KINDS.items() if s.elastic)}"),
+                                     f"use --strategy {elastic_strategies}"),
         (not sync.kind.elastic, f"--sync {sync.text} is not elastic yet; use --sync {elastic}"),
         (bool(cfg.checkpoint_every or cfg.checkpoint_every_s or cfg.resume),
          "survivors restore from a peer, not from checkpoints; drop --checkpoint-every/--resume"),

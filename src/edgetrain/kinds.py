@@ -375,7 +375,8 @@ SyncKind(name="async", usage="async:S",
          summary="bounded staleness S steps; every fixed-size compressor (not threshold, powersgd, dgc)",
          parse=_parse_async, accepts=_fixed_size_deltas, timing="bounded",
          runtime="edgetrain.comm.asynchronous:build", planner=_T + "bounded_staleness")
-SyncKind(name="gossip", usage="gossip", summary="ring gossip every H steps (gossip[:H], default 1); --compress none only",
+SyncKind(name="gossip", usage="gossip",
+         summary="ring gossip every H steps (gossip[:H], default 1); --compress none only",
          parse=_parse_gossip, accepts=_uncompressed, timing="periodic",
          runtime="edgetrain.comm.gossip:build", planner=_T + "gossip")
 SyncKind(name="fedavg", usage="fedavg:E",
@@ -468,7 +469,8 @@ def _pipeline(d: Draft) -> dict:
         raise EdgetrainError(f"config key 'devices' {cfg.devices} is not a multiple of pipeline_replicas {replicas} "
                              f"(devices = stages x replicas); set --devices to a multiple of {replicas}")
     if d.devices_known and pipeline.stages is not None and cfg.devices != pipeline.stages * replicas:
-        per = ", one per device" if replicas == 1 else f"; with {replicas} replicas that is {pipeline.stages * replicas}"
+        per = (", one per device" if replicas == 1
+               else f"; with {replicas} replicas that is {pipeline.stages * replicas}")
         raise EdgetrainError(f"config key 'devices' is {cfg.devices} but stages {cfg.stages} make {pipeline.stages} "
                              f"stages{per}; set --devices {pipeline.stages * replicas}")
     if replicas > 1 and (cfg.checkpoint_every or cfg.checkpoint_every_s or cfg.resume):
