@@ -22,11 +22,14 @@ Rank 0 says each start-up phase in one line on stderr as it begins
 set-up, training), unless ``--no-progress``; the
 launcher adds the host's speed measurement and the devices' start.
 
-Checkpoints during the run, ``--resume`` and the stop on SIGTERM are a
-``Checkpointer`` (train/checkpoint.py: what is held, the protocol, what is
-exact): it is asked at the start of every step, before the batch is taken.
-A resumed run restores every device's state there and rewrites the records
-files from the checkpoint's, so that no step is counted twice.
+Checkpoints during the run, ``--resume`` and the stop on SIGTERM are
+``LoopCheckpoints`` (train/resume.py, over train/checkpoint.py's
+``Checkpointer``: what is held, the protocol, what is exact): asked at the
+start of every step, before the batch is taken. A resumed run restores every
+device's state before the first step and rewrites the records files from the
+checkpoint's, so that no step is counted twice. Who trains is the run's
+membership (train/elastic.py): ``FailStop``, the devices of the start to the
+end, or ``Elastic`` with ``--min-devices``; the loop calls either alike.
 
 Each step's ``StepRecord`` (records.py) says where the time went:
 
