@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
         print_scaling(rows, out)
     comparison = None
     if strategies != ("ddp",):
-        pipeline = specs["pipeline"].pipeline if "pipeline" in specs else None
+        pipeline = next((spec.pipeline for spec in specs.values() if spec.pipeline is not None), None)
         comparison = compare(inputs, pred, strategies, pipeline.microbatches if pipeline else cfg.microbatches,
                              pipeline.schedule if pipeline else cfg.pipeline_schedule)
         print_strategies(comparison, out)
