@@ -68,7 +68,7 @@ class QSGD(Compressor):
         norm = segment_sum(x * x, ids, len(parts)).sqrt_()
         level = x.abs() / norm.clamp_min(TINY)[ids] * self.levels
         low = level.floor()
-        up = torch.rand(x.numel(), generator=self.generator) < (level - low)
+        up = torch.rand(x.numel(), generator=self.generator).to(x.device) < (level - low)  # CPU stream: seeded alike
         q = (low + up.float()).clamp_(max=self.levels) * x.sign()
         return Payload((norm, q.to(torch.int8)), x.numel(), segments)
 
