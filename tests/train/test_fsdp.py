@@ -92,3 +92,30 @@ def _evaluate_sharded(rank, world):
 def test_evaluation_of_a_sharded_model_does_not_hang_on_uneven_shards():
     first, second = on_devices(_evaluate_sharded, 2)
     assert first == second and 0 <= first[1] <= 1
+
+
+def _built_model(widths: str, batchnorm: bool) -> nn.Module:
+    """Odd widths: first dimensions 7 and 37, which 2 devices cannot shard evenly; even: an MLP 64-32-10."""
+    torch.manual_seed(0)  # the same fresh model for every run (a 1-device run may train the one it is given)
+    if widths == "even":
+        return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+    norm = [nn.BatchNorm2d(7)] if batchnorm else []
+    return nn.Sequential(nn.Conv2d(1, 7, 3), *norm, nn.ReLU(), nn.Flatten(), nn.Linear(7 * 6 * 6, 37), nn.Tanh(),
+                         nn.Linear(37, 10))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("widths, batchnorm", [("odd", False), ("odd", True), ("even", False)])
+def test_a_model_passed_built_trains_under_fsdp_from_its_own_weights(tmp_path, widths, batchnorm):
+    # Without BatchNorm the batch split changes nothing but the order of summation: one device is the reference.
+    # With it (--batchnorm local) each device normalises with its own statistics, as DDP on as many devices does.
+    cfg = dict(dataset="digits", steps=3, batch_size=32, lr=0.1, output=str(tmp_path), **FAST)
+    reference = train(cfg, model=_built_model(widths, batchnorm), devices=2 if batchnorm else 1, run_name="ddp")
+    fsdp = train(cfg, model=_built_model(widths, batchnorm), devices=2, strategy="fsdp", run_name="fsdp")
+    expected, got = _checkpoint(reference)["model"], _checkpoint(fsdp)["model"]
+    assert expected.keys() == got.keys() and fsdp["steps"] == 3
+    initial = _built_model(widths, batchnorm).state_dict()
+    for key, value in expected.items():
+        assert not torch.equal(value, initial[key]) or "num_batches" in key, key  # it trained
+        # the registered path's tolerance (test_fsdp_gives_ddps_parameters_after_k_steps_and_counts_its_bytes)
+        assert torch.allclose(got[key], value, rtol=1e-4, atol=1e-6), key
