@@ -119,3 +119,33 @@ def test_a_model_passed_built_trains_under_fsdp_from_its_own_weights(tmp_path, w
         assert not torch.equal(value, initial[key]) or "num_batches" in key, key  # it trained
         # the registered path's tolerance (test_fsdp_gives_ddps_parameters_after_k_steps_and_counts_its_bytes)
         assert torch.allclose(got[key], value, rtol=1e-4, atol=1e-6), key
+
+
+def _set_up_from_own_weights(rank, world):
+    """Each device passes its own differently initialised model (as a script's processes might under torchrun):
+    after setup every device holds its part of device 0's weights, whole (full_tensor gathers fsdp's shards)."""
+    from edgetrain.comm.accounting import CommStats
+    from edgetrain.train.strategy import StrategyContext, registered_strategy
+
+    held = {}
+    for strategy, options in (("fsdp", {}), ("pipeline", dict(stages="even", microbatches=2))):
+        cfg = TrainConfig(strategy=strategy, devices=world, batch_size=8, progress=False, **options)
+        chosen = registered_strategy(strategy)(StrategyContext(cfg, resolve(cfg), rank, world, 8, (1, 8, 8),
+                                                               CommStats()))
+        model = _built_model("odd", batchnorm=strategy == "fsdp")  # a pipeline's BatchNorm: --batchnorm local
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                tensor.add_(rank)
+        chosen.setup(chosen.adapt(chosen.materialise(model)))
+        held[strategy] = {name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+                          for name, t in [*model.named_parameters(), *model.named_buffers()]}
+    return held
+
+
+def test_a_model_passed_built_is_sharded_from_device_0s_whole_weights():
+    for held in on_devices(_set_up_from_own_weights, 2):
+        for strategy, batchnorm in (("fsdp", True), ("pipeline", False)):
+            device0 = _built_model("odd", batchnorm).state_dict()
+            assert held[strategy].keys() == device0.keys(), strategy
+            for name, value in device0.items():
+                assert torch.equal(held[strategy][name], value), (strategy, name)
