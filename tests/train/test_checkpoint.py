@@ -38,7 +38,18 @@ def final_model(run_dir) -> dict:
     (2, "powersgd:2:start=2", "sync"),  # P, Q, residuals: the resumed first step runs on DDP's first bucket layout
 ])
 def test_resumed_run_ends_as_the_uninterrupted_one(tmp_path, devices, compress, sync):
-    run_dir = Path(train(SMALL, devices=devices, compress=compress, sync=sync, output=str(tmp_path))["run_dir"])
+    _resumed_ends_as_uninterrupted(tmp_path, devices, compress=compress, sync=sync)
+
+
+@pytest.mark.slow
+def test_a_partitioned_run_resumed_mid_walk_ends_as_the_uninterrupted_one(tmp_path):
+    # iid halves of 64 samples: device 0 (8 a step) walks one shuffle over two epochs, device 1 (24 a step)
+    # starts its next shuffle mid-epoch; step 6's checkpoint is in the middle of both walks
+    _resumed_ends_as_uninterrupted(tmp_path, 2, partition="iid", local_batch="8,24")
+
+
+def _resumed_ends_as_uninterrupted(tmp_path, devices, **options):
+    run_dir = Path(train(SMALL, devices=devices, output=str(tmp_path), **options)["run_dir"])
     uninterrupted = final_model(run_dir)
     assert [checkpoint_step(p) for p in checkpoint_files(run_dir)] == [3, 6, 9]
     # As if the run had been killed after step 6's checkpoint: step 9's never happened.
