@@ -112,7 +112,9 @@ def test_a_model_passed_built_trains_under_fsdp_from_its_own_weights(tmp_path, w
     cfg = dict(dataset="digits", steps=3, batch_size=32, lr=0.1, output=str(tmp_path), **FAST)
     reference = train(cfg, model=_built_model(widths, batchnorm), devices=2 if batchnorm else 1, run_name="ddp")
     fsdp = train(cfg, model=_built_model(widths, batchnorm), devices=2, strategy="fsdp", run_name="fsdp")
-    expected, got = _checkpoint(reference)["model"], _checkpoint(fsdp)["model"]
+    expected, got = _checkpoint(reference), _checkpoint(fsdp)
+    assert not expected["partial"] and not got["partial"] and got["step"] == got["planned_steps"] == 3  # finished
+    expected, got = expected["model"], got["model"]
     assert expected.keys() == got.keys() and fsdp["steps"] == 3
     initial = _built_model(widths, batchnorm).state_dict()
     for key, value in expected.items():
