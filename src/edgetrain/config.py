@@ -326,39 +326,42 @@ def resolve(cfg: TrainConfig, launch: LaunchSpec | None = None) -> RunSpec:
         # torch.utils.tensorboard writes the files but needs this package; a device would fail only after start-up
         raise EdgetrainError("config key 'tensorboard' needs the tensorboard package, which is not installed; "
                              "pip install tensorboard (or edgetrain[tensorboard]), or drop --tensorboard")
-    min_devices = _resolve_min_devices(draft)
-    return RunSpec(compress, sync, link, cfg.link_mode, cfg.strategy, own.get("tiling"), cfg.timeout, cfg.seed,
+    spec = RunSpec(compress, sync, link, cfg.link_mode, cfg.strategy, own.get("tiling"), cfg.timeout, cfg.seed,
                    cfg.accelerator, cfg.batchnorm, pipeline=own.get("pipeline"), partition=partition,
                    server_opt=server_opt, participation=cfg.participation, round_deadline=round_deadline,
                    checkpoint=CheckpointSpec(cfg.checkpoint_every, cfg.keep_checkpoints, cfg.resume,
                                              cfg.checkpoint_every_s),
                    faults=launch.faults, tensorboard=cfg.tensorboard,
-                   dedup=parse_dedup(cfg.dedup), min_devices=min_devices)
+                   dedup=parse_dedup(cfg.dedup), min_devices=cfg.min_devices)
+    # A cluster file's device count (or torchrun's) is only known once the devices are planned: train applies
+    # with_device_count then, with the count the run will have.
+    return with_device_count(cfg, spec, cfg.devices, launch) if draft.devices_known else spec
 
 
-def _resolve_min_devices(draft: Draft) -> int | None:
-    """``--min-devices K`` below the device count (elastic membership, train/elastic.py), else None (fail-stop).
-
-    A cluster file's device count is only known after planning: ``train`` checks K against it."""
-    cfg, sync, partition, faults = draft.cfg, draft.sync, draft.partition, draft.launch.faults
-    k = cfg.min_devices
-    back = next((f for f in faults if f.back_s is not None), None)
-    if back is not None and (k is None or k >= cfg.devices):
+def with_device_count(cfg: TrainConfig, spec: RunSpec, n: int, launch: LaunchSpec | None = None) -> RunSpec:
+    """``spec`` (``resolve(cfg)``) checked against ``n``, the number of devices the run will have, with
+    ``--min-devices K`` kept only below it (elastic membership, train/elastic.py), else None (fail-stop).
+    ``launch`` as for ``resolve``."""
+    launch = launch_spec(os.environ) if launch is None else launch
+    k = spec.min_devices
+    devices = "--devices" if not cfg.cluster else f"the {n} devices of cluster file {cfg.cluster}"
+    if k is not None and k > n:
+        raise EdgetrainError(f"--min-devices {k} is more than the {n} devices of the run; give 1 to {n}")
+    back = next((f for f in spec.faults if f.back_s is not None), None)
+    if back is not None and (k is None or k >= n):
         raise EdgetrainError(f"{FAULT_ENV} brings device {back.rank} back after {back.back_s:g} s, which needs an "
-                             f"elastic run; add --min-devices below --devices or drop :back=")
-    if k is None or (not cfg.cluster and k == cfg.devices):
-        return None
-    if draft.launch.torchrun:
+                             f"elastic run; add --min-devices below {devices} or drop :back=")
+    if k is None or k == n:
+        return dataclasses.replace(spec, min_devices=None)
+    if launch.torchrun:
         raise EdgetrainError("--min-devices is for emulated devices on this host; under torchrun use its elastic "
                              "restarts (--nnodes MIN:MAX)")
-    if not cfg.cluster and k > cfg.devices:
-        raise EdgetrainError(f"--min-devices {k} is more than the {cfg.devices} devices of the run; give 1 to "
-                             f"{cfg.devices}")
+    sync, partition = spec.sync, spec.partition
     elastic = " or ".join(kind.usage for kind in SYNC_KINDS.values() if kind.elastic)
     elastic_strategies = " or ".join(name for name, kind in STRATEGY_KINDS.items() if kind.elastic)
     refusals = (
-        (not draft.strategy.elastic, f"strategy {cfg.strategy} splits the model or the images over the devices; "
-                                     f"use --strategy {elastic_strategies}"),
+        (not strategy_kind(cfg.strategy).elastic, f"strategy {cfg.strategy} splits the model or the images over "
+                                                  f"the devices; use --strategy {elastic_strategies}"),
         (not sync.kind.elastic, f"--sync {sync.text} is not elastic yet; use --sync {elastic}"),
         (bool(cfg.checkpoint_every or cfg.checkpoint_every_s or cfg.resume),
          "survivors restore from a peer, not from checkpoints; drop --checkpoint-every/--resume"),
@@ -369,7 +372,7 @@ def _resolve_min_devices(draft: Draft) -> int | None:
     for refused, why in refusals:
         if refused:
             raise EdgetrainError(f"--min-devices {k} (elastic membership) does not apply here: {why}")
-    return k
+    return spec
 
 
 # Kernel pseudo-filesystems: writes there fail half-way or change the system, never make a run directory.

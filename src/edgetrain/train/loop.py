@@ -149,7 +149,12 @@ def accelerator_device(accelerator: str, local_rank: int = 0) -> torch.device:
                              f"(torch {torch.__version__}); use --accelerator cpu or auto")
     if accelerator == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
-    return torch.device("cuda", local_rank % torch.cuda.device_count())
+    device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    # Set and initialised now: torch's device mesh (fsdp) would otherwise pick GPU LOCAL_RANK, which emulated
+    # devices sharing one GPU do not have
+    torch.cuda.set_device(device)
+    torch.cuda.init()
+    return device
 
 
 @dataclass
@@ -308,7 +313,8 @@ class RunWriter:
 
     def summary(self, cfg: TrainConfig, strategy: Strategy, optimizer, per_device: list[DeviceSummary], train_totals,
                 evals: list[EvalRecord], params, data, world, local_batches, steps, wall_s, flops_per_sample,
-                partition: PartitionReport | None = None, membership: list[MembershipRecord] | None = None) -> dict:
+                partition: PartitionReport | None = None, membership: list[MembershipRecord] | None = None,
+                planned_steps: int | None = None) -> dict:
         """Rank 0, last: checkpoint.pt (a pooled strategy's devices wrote checkpoint/ already) and summary.json;
         returns the summary as written."""
         run_dir = self.run_dir
@@ -316,7 +322,7 @@ class RunWriter:
             d.details.update(achieved(flops_per_sample["total_flops"], d.samples_per_s, d.details.get("peak_gflops")))
         if not strategy.pooled:
             save_torch(run_dir / FINAL_FILE, {**strategy.checkpoint_state(optimizer), "step": steps,
-                                              "config": cfg.to_dict()})
+                                              "planned_steps": planned_steps, "config": cfg.to_dict()})
         step_s = sum(d.step_s for d in per_device) / world
         split = {k: sum(getattr(d, f"{k}_s") for d in per_device) / world for k in ("data", "compute", "comm")}
         last = evals[-1] if evals else None
@@ -431,7 +437,7 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
     phase(cfg, rank, f"training: {int(total_steps)} steps, {epochs} epoch(s)")
     recorder = StepRecorder(stats, at.device_id)
     bar = _progress(cfg, rank, int(total_steps))
-    state = LoopState(started)
+    state = LoopState(started, planned_steps=int(total_steps))
     limit_mb = at.me.profile.memory_mb
     checkpoints.restore(state, strategy, optimizer, scheduler, writer)
     # a returning device of an elastic run receives the current state here
@@ -493,7 +499,7 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
     writer.close()
     if strategy.pooled:  # every device writes its own part of the final model: RUN_DIR/checkpoint/
         save_final_parts(run_dir, strategy.sharded_state(optimizer, final=True), state.step, cfg.to_dict(), rank,
-                         world, spec.timeout_s)
+                         world, spec.timeout_s, planned_steps=state.planned_steps)
     summary = _end_of_run(cfg, state, at, strategy, optimizer, writer, membership, checkpoints, throttle, devices,
                           rank, world, local_batches, params, data, flops_per_sample, partition)
     dist.barrier()
@@ -533,7 +539,7 @@ def _end_of_run(cfg: TrainConfig, state: LoopState, at: DeviceSetup, strategy: S
     per_device = [DeviceSummary.from_dict(d) for _, d in gathered]
     return writer.summary(cfg, strategy, optimizer, per_device, train_totals, state.evals, params, data, world,
                           local_batches, state.step, time.perf_counter() - state.started, flops_per_sample,
-                          partition, membership.history())
+                          partition, membership.history(), planned_steps=state.planned_steps)
 
 
 def phase(cfg: TrainConfig, rank: int, text: str) -> None:

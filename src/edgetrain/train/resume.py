@@ -28,6 +28,7 @@ class LoopState:
     evals: list[EvalRecord] = field(default_factory=list)
     totals: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # this epoch's loss sum, correct, samples
     ema_loss: float | None = None
+    planned_steps: int = 0          # the steps the run is to train, written with every checkpoint
 
     def count(self, record: StepRecord, result: StepResult) -> None:
         """A step done: its record kept, this epoch's totals and the smoothed loss moved on."""
@@ -100,7 +101,7 @@ class LoopCheckpoints:
         if not self.files.due(state.step, self.resumed_step):
             return False
         self.files.save(state.step, {
-            "step": state.step, "epoch": state.epoch, "evals": [e.to_dict() for e in state.evals],
+            "step": state.step, "planned_steps": state.planned_steps, "epoch": state.epoch, "evals": [e.to_dict() for e in state.evals],
             "wall_s": time.perf_counter() - state.started, "config": self.config}, {
             "strategy": strategy.state_dict(),
             # a pooled strategy's optimizer state is in its part (sharded_state), not in every device's
