@@ -38,6 +38,16 @@ def test_every_kind_has_a_parser_a_runtime_a_planner_model_or_a_refusal_and_a_re
         assert str(refused.value) == kind.unplanned and "\n" not in kind.unplanned and ";" in kind.unplanned
 
 
+def test_the_reference_tables_have_a_row_per_kind():
+    from edgetrain.kinds import reference_table
+
+    for family in ("strategy", "sync", "compress"):
+        rows = reference_table(family).splitlines()[2:]
+        assert [row.split("`")[1] for row in rows] == [k.usage for k in KINDS[family].values()]
+    assert "| `threshold[:TAU]` | Strom's two-step threshold method" in reference_table("compress")
+    assert reference_table("compress").count("| no |") == 1 and reference_table("strategy").count("| no |") == 1
+
+
 def test_the_registry_is_the_parsers_table_and_a_kind_is_declared_once():
     assert KINDS["strategy"] is STRATEGY_KINDS and KINDS["sync"] is SYNC_KINDS and KINDS["compress"] is COMPRESS_KINDS
     with pytest.raises(TypeError, match="declared twice"):

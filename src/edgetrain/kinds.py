@@ -535,3 +535,11 @@ def owner(key: str, family: str) -> Kind | None:
 
 def all_kinds() -> list[Kind]:
     return [kind for family in KINDS.values() for kind in family.values()]
+
+
+def reference_table(family: str) -> str:
+    """The reference page's table of ``family``'s kinds (markdown): how each is written, what it is, and
+    whether ``edgetrain plan`` models it."""
+    rows = [f"| `{kind.usage}` | {kind.summary} | {'yes' if kind.planner else 'no'} |"
+            for kind in KINDS[family].values()]
+    return "\n".join(["| written | what it is | planned |", "| --- | --- | --- |", *rows])
