@@ -47,6 +47,7 @@ class RegressionTask(Task):
     name = "regression"
     headline = RMSE
     metrics = (RMSE, MAE)
+    loss_name = "squared error of standardised targets"
 
     def __init__(self, mean=0.0, std=1.0, unit: str = ""):
         self.mean = torch.as_tensor(mean, dtype=torch.float64).reshape(-1)
