@@ -96,6 +96,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
@@ -190,8 +191,10 @@ class FullyShardedDataParallel(Strategy):
         on_meta = any(is_meta(m) for m in model.modules())
         whole = copy.deepcopy(model) if on_meta else None  # plain meta tensors: each layer's full initial value
         self.clock = device_clock(model, c.spec, c.rank, c.world, c.stats, c.link, "fsdp")
+        # the run's device type, not the default mesh's (CUDA wherever torch sees a GPU, --accelerator cpu too)
+        mesh = init_device_mesh(c.device.type, (c.world,))
         for module in [*sharding_units(model), model]:
-            fully_shard(module)
+            fully_shard(module, mesh=mesh)
             module.set_custom_all_gather(CountingAllGather(self.clock.emulator))
             module.set_custom_reduce_scatter(CountingReduceScatter(self.clock.emulator))
         if on_meta:

@@ -149,7 +149,12 @@ def accelerator_device(accelerator: str, local_rank: int = 0) -> torch.device:
                              f"(torch {torch.__version__}); use --accelerator cpu or auto")
     if accelerator == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
-    return torch.device("cuda", local_rank % torch.cuda.device_count())
+    device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    # Set and initialised now: torch's device mesh (fsdp) would otherwise pick GPU LOCAL_RANK, which emulated
+    # devices sharing one GPU do not have
+    torch.cuda.set_device(device)
+    torch.cuda.init()
+    return device
 
 
 @dataclass
