@@ -147,6 +147,7 @@ def test_coco_json_reads_pixel_boxes(tmp_path):
             {"image_id": 102, "category_id": 3, "bbox": [0, 0, 50, 40]}]
     split = data("coco", write_coco(tmp_path / "c", anns))
     assert (len(split.train), len(split.test), split.num_classes) == (4, 4, 2)
+    assert split.details["class_names"] == ["car", "bike"]
     assert torch.allclose(split.train.boxes[0], torch.tensor([[1.0, 0.4, 0.4, 0.4, 0.4]]))
     assert torch.allclose(split.train.boxes[2], torch.tensor([[0.0, 0.5, 0.5, 1.0, 1.0]]))
     assert split.train.boxes[1].shape == (0, 5)

@@ -261,11 +261,13 @@ def _split_80_20(part, seed: int, source: Path):
 
 
 def read_coco(path: Path, image_size: int, categories: list[int] | None = None):
-    """(images, boxes, category ids in class order) of one COCO JSON file."""
+    """(images, boxes, (category id, name) in class order) of one COCO JSON file; ``categories``: the ids
+    another file of the set defined (a test file is read in the training file's classes)."""
     try:
         data = json.loads(path.read_text())
         images, annotations = data["images"], data.get("annotations", [])
-        cats = sorted(int(c["id"]) for c in data.get("categories", []))
+        names = {int(c["id"]): str(c.get("name", c["id"])) for c in data.get("categories", [])}
+        cats = sorted(names)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise EdgetrainError(f"COCO file {path} cannot be read ({type(e).__name__}: {e}); give a JSON object with "
                              "'images', 'annotations' and 'categories' lists") from None
@@ -309,14 +311,15 @@ def read_coco(path: Path, image_size: int, categories: list[int] | None = None):
     pictures = np.stack([_read_image(f, image_size) for f in files]) if files else None
     if pictures is None:
         raise EdgetrainError(f"COCO file {path} lists no images; add some")
-    return pictures, [np.asarray(b, dtype=np.float32).reshape(-1, 5) for b in boxes], cats
+    return pictures, [np.asarray(b, dtype=np.float32).reshape(-1, 5) for b in boxes], \
+        [(c, names.get(c, str(c))) for c in cats]
 
 
 def coco_folder(root: str | Path, image_size: int = 128, seed: int = 0) -> DataSplit:
     root = Path(root) if root is not None else Path("")
     if (root / "train.json").is_file() and (root / "test.json").is_file():
         xs, bs, cats = read_coco(root / "train.json", image_size)
-        xt, bt, _ = read_coco(root / "test.json", image_size, cats)
+        xt, bt, _ = read_coco(root / "test.json", image_size, [c for c, _ in cats])
         train, test = (xs, bs), (xt, bt)
     elif (root / "annotations.json").is_file():
         xs, bs, cats = read_coco(root / "annotations.json", image_size)
@@ -324,4 +327,4 @@ def coco_folder(root: str | Path, image_size: int = 128, seed: int = 0) -> DataS
     else:
         raise EdgetrainError(f"COCO folder {root} holds neither train.json and test.json nor annotations.json; "
                              "set data_dir to the folder holding them")
-    return detection_split(train, test, len(cats), root.name, [str(c) for c in cats])
+    return detection_split(train, test, len(cats), root.name, [name for _, name in cats])
