@@ -45,6 +45,19 @@ def test_shapes_holds_images_without_objects():
     assert x.shape == (3, 32, 32) and y.shape == (0, 5)
 
 
+def test_dedup_keeps_each_image_with_its_boxes():
+    from edgetrain.data.dedup import without
+
+    split = shapes(20, 32)
+    kept = np.array([3, 7, 11])
+    smaller = without(split.train, kept)
+    assert len(smaller) == 3 and torch.equal(smaller.images, split.train.images[kept])
+    for k, original in enumerate(kept):
+        assert torch.equal(smaller[k][1], split.train[int(original)][1])
+        assert torch.equal(smaller[k][0], split.train[int(original)][0])
+    assert torch.equal(smaller.labels, split.train.labels[kept])
+
+
 def test_collate_keeps_a_variable_number_of_boxes():
     one = torch.tensor([[1.0, 0.5, 0.5, 0.2, 0.2], [0.0, 0.2, 0.2, 0.1, 0.1]])
     x, target = collate_boxes([(torch.zeros(3, 4, 4), one), (torch.ones(3, 4, 4), torch.zeros(0, 5))])

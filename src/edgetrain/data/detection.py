@@ -58,6 +58,12 @@ class DetectionImages(Dataset):
     def shape(self) -> tuple[int, int, int]:
         return tuple(self.images.shape[1:])  # type: ignore[return-value]
 
+    def subset(self, index: torch.Tensor) -> "DetectionImages":
+        """The images ``index`` with their boxes (dedup keeps the images it does not drop)."""
+        smaller = DetectionImages(self.images[index], [self.boxes[int(k)] for k in index], (), (), self.scale)
+        smaller.mean, smaller.std = self.mean, self.std
+        return smaller
+
     def __getitem__(self, key):
         index, _ = key if isinstance(key, tuple) else (key, 0)
         x = self.images[index].float() / self.scale
