@@ -174,5 +174,8 @@ def test_the_task_checks_the_model_output_and_the_data():
     task.check_data(data)
     with pytest.raises(EdgetrainError, match=r"training image \d+ has class 2 outside 0..1"):
         DetectionTask(2).check_data(data)
+    data.test.boxes[1] = torch.tensor([[0.0, 0.95, 0.5, 0.2, 0.2]])
+    with pytest.raises(EdgetrainError, match=r"test image 1 has a box reaching outside the image \[0, 1\]"):
+        task.check_data(data)
     target = task.example_target(torch.zeros(2, 40, 4, 4))
     assert target.shape == (2, 1, 5) and torch.isfinite(task.loss(torch.zeros(2, 40, 4, 4), target))

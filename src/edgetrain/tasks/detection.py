@@ -270,6 +270,13 @@ class DetectionEvaluator(Evaluator):
         return {"loss": sum(s["loss_sum"] for s in states) / max(seen, 1), **scores}
 
 
+def _inside(boxes: torch.Tensor, edge: float = 1e-6) -> bool:
+    """Every ``cx, cy, w, h`` box has an area and lies in the image (the readers' check, vectorised)."""
+    lo, hi = boxes[:, :2] - boxes[:, 2:] / 2, boxes[:, :2] + boxes[:, 2:] / 2
+    return bool(torch.isfinite(boxes).all() and (boxes[:, 2:] > 0).all() and (lo >= -edge).all()
+                and (hi <= 1 + edge).all())
+
+
 class DetectionTask(Task):
     """YOLOv2 detection: ``yolo_loss`` to learn, ``decode`` and COCOeval to score (mAP@0.5 the headline).
 
@@ -329,6 +336,9 @@ class DetectionTask(Task):
                 if len(b) and (int(b[:, 0].max()) >= self.num_classes or float(b[:, 0].min()) < 0):
                     refuse(f"dataset {data.name}: {part} image {k} has class {int(b[:, 0].max())} outside "
                            f"0..{self.num_classes - 1}", "fix the class ids or the dataset's num_classes")
+                if len(b) and not _inside(b[:, 1:].double()):
+                    refuse(f"dataset {data.name}: {part} image {k} has a box reaching outside the image [0, 1] or "
+                           "without area", "give boxes as cx, cy, w, h fractions of the image, w and h > 0")
 
     def check(self, output, target) -> None:
         want = len(self.anchors) * (5 + self.num_classes)
