@@ -58,14 +58,18 @@ def check_before_launch(cfg: TrainConfig, spec: RunSpec, model: Any = None, task
     data = check_task(cfg, model, task, name) if kind is None or kind.check_batch else None
     if spec.tiling is None and spec.pipeline is None:
         return data
-    (channels, height, width), classes = dataset_shape(cfg.dataset)
-    if cfg.dataset == "synthetic":
-        height = width = cfg.image_size
+    if data is not None:  # the task's check built the data: its own shape (a detection set's resolution)
+        shape, channels, classes = tuple(data.input_shape), data.in_channels, data.num_classes
+    else:
+        (channels, height, width), classes = dataset_shape(cfg.dataset)
+        if cfg.dataset == "synthetic":
+            height = width = cfg.image_size
+        shape = (channels, height, width)
     model = model if model is not None else build_model(cfg.model, channels, classes)
     if spec.tiling is not None:
-        plan_section(model, spec.tiling, (channels, height, width))
+        plan_section(model, spec.tiling, shape)
     if spec.pipeline is not None:
-        check_sequential(model, torch.randn(2, channels, height, width), f"model {cfg.model}")
+        check_sequential(model, torch.randn(2, *shape), f"model {cfg.model}")
         if not cfg.cluster and "WORLD_SIZE" not in os.environ:  # else the devices check it, knowing their number
             stage_bounds(spec.pipeline, pipeline_layers(model), cfg.devices // spec.pipeline.replicas)
     return data
