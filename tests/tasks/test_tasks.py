@@ -275,3 +275,15 @@ def test_a_task_of_ones_own_trains_from_python_with_targets_of_its_own_structure
     assert len(evals) == 3 and evals[-1]["metrics"]["wmae"] < evals[0]["metrics"]["wmae"]  # it learns
     config = (Path(summary["run_dir"]) / "config.yaml").read_text()
     assert f"task: {__name__}:WeightedL1" in config
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["pipeline", "fsdp"])
+def test_regression_under_pipeline_and_fsdp_matches_ddp(tmp_path, strategy):
+    cfg = dict(task="regression", steps=3, batch_size=32, devices=2, output=str(tmp_path), **{**FAST, "eval": True})
+    ddp = train(cfg, run_name="ddp")
+    other = train(cfg, strategy=strategy, run_name=strategy)
+    theirs, ours = (edgetrain.load_checkpoint(s["run_dir"])["model"] for s in (other, ddp))
+    for name, value in ours.items():
+        assert torch.allclose(theirs[name], value, rtol=0, atol=1e-6), name
+    assert other["test_metrics"] == pytest.approx(ddp["test_metrics"], rel=1e-5)

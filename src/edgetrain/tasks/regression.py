@@ -47,7 +47,7 @@ class RegressionTask(Task):
     name = "regression"
     headline = RMSE
     metrics = (RMSE, MAE)
-    loss_name = "squared error of standardised targets"
+    loss_name = "squared error, standardised"
 
     def __init__(self, mean=0.0, std=1.0, unit: str = ""):
         self.mean = torch.as_tensor(mean, dtype=torch.float64).reshape(-1)
