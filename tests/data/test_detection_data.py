@@ -140,6 +140,10 @@ def test_yolo_label_without_image_and_image_without_label(tmp_path):
         data("yolo", root)
     with pytest.raises(EdgetrainError, match=r"YOLO folder .*nowhere does not exist; set data_dir"):
         data("yolo", tmp_path / "nowhere")
+    for dataset in ("yolo", "coco"):
+        with pytest.raises(EdgetrainError, match=f"config key 'data_dir' is required with dataset {dataset}; "
+                                                 "point it at the folder holding"):
+            build_data(load_config(dataset=dataset))
 
 
 def write_coco(root: Path, annotations: list[dict], images=4, size=(50, 40)) -> Path:

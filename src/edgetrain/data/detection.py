@@ -232,8 +232,14 @@ def _class_names(root: Path) -> list[str] | None:
     return names
 
 
+def _required(root, dataset: str, what: str) -> Path:
+    if not root:
+        raise EdgetrainError(f"config key 'data_dir' is required with dataset {dataset}; point it at {what}")
+    return Path(root)
+
+
 def yolo_folder(root: str | Path, image_size: int = 128, seed: int = 0) -> DataSplit:
-    root = Path(root) if root is not None else Path("")
+    root = _required(root, "yolo", "the folder holding images/ and labels/")
     if not root.is_dir():
         raise EdgetrainError(f"YOLO folder {root} does not exist; set data_dir to a folder holding images/ and "
                              "labels/ (or train/ and test/, each holding both)")
@@ -322,7 +328,7 @@ def read_coco(path: Path, image_size: int, categories: list[int] | None = None):
 
 
 def coco_folder(root: str | Path, image_size: int = 128, seed: int = 0) -> DataSplit:
-    root = Path(root) if root is not None else Path("")
+    root = _required(root, "coco", "the folder holding train.json and test.json")
     if (root / "train.json").is_file() and (root / "test.json").is_file():
         xs, bs, cats = read_coco(root / "train.json", image_size)
         xt, bt, _ = read_coco(root / "test.json", image_size, [c for c, _ in cats])
