@@ -287,3 +287,23 @@ def test_regression_under_pipeline_and_fsdp_matches_ddp(tmp_path, strategy):
     for name, value in ours.items():
         assert torch.allclose(theirs[name], value, rtol=0, atol=1e-6), name
     assert other["test_metrics"] == pytest.approx(ddp["test_metrics"], rel=1e-5)
+
+
+def test_a_yaml_config_naming_a_task_brings_its_default_dataset_but_keeps_the_keys_it_gives(tmp_path):
+    (tmp_path / "run.yaml").write_text("task: regression\nmodel: small_cnn\n")
+    with pytest.raises(EdgetrainError, match=r"model small_cnn cannot take the diabetes inputs of shape \(10,\)"):
+        train(str(tmp_path / "run.yaml"), output=str(tmp_path / "runs"), **FAST)
+
+
+def test_the_task_layer_imports_nothing_above_it():
+    import ast
+
+    src = Path(edgetrain.__file__).parent
+    above = {"config", "bench", "plan", "report", "train", "cli", "preflight", "ssh_launch", "data_cli", "fleet"}
+    for path in sorted((src / "tasks").rglob("*.py")):
+        found = {n.module.split(".")[1] for n in ast.walk(ast.parse(path.read_text()))
+                 if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("edgetrain.")}
+        assert not found & above, f"{path.name} imports {sorted(found & above)}"
+    kinds = ast.parse((src / "task_kinds.py").read_text())
+    assert {n.module for n in ast.walk(kinds) if isinstance(n, ast.ImportFrom) and n.module
+            and n.module.startswith("edgetrain")} == {"edgetrain.errors"}  # torch-free, the bottom layer
