@@ -163,6 +163,15 @@ def test_evaluation_merged_over_devices_equals_one_device():
     assert set(merged) == {"loss", "map50", "map50_95"} and 0 < merged["map50"] < 1
 
 
+def test_without_data_the_class_count_comes_from_the_model_output():
+    counting = DetectionTask.for_data(None)  # the planner's cost counts
+    out, target = perfect_output(BOXES), target_of(BOXES)
+    assert counting.loss(out, target).item() == pytest.approx(DetectionTask(C).loss(out, target).item(), abs=1e-12)
+    counting.check(out, target)
+    with pytest.raises(EdgetrainError, match=r"output has shape \(3, 43, 4, 4\)"):
+        counting.check(torch.zeros(3, 43, 4, 4), target)
+
+
 def test_the_task_checks_the_model_output_and_the_data():
     task = DetectionTask(C)
     task.check(torch.zeros(2, 5 * (5 + C), 4, 4), None)
