@@ -161,7 +161,8 @@ def write_coco(root: Path, annotations: list[dict], images=4, size=(50, 40)) -> 
 
 def test_coco_json_reads_pixel_boxes(tmp_path):
     anns = [{"image_id": 100, "category_id": 7, "bbox": [10, 8, 20, 16]},
-            {"image_id": 102, "category_id": 3, "bbox": [0, 0, 50, 40]}]
+            {"image_id": 102, "category_id": 3, "bbox": [0, 0, 50, 40]},
+            {"image_id": 101, "category_id": 3, "bbox": [0, 0, 50, 40], "iscrowd": 1}]
     split = data("coco", write_coco(tmp_path / "c", anns))
     assert (len(split.train), len(split.test), split.num_classes) == (4, 4, 2)
     assert split.details["class_names"] == ["car", "bike"]

@@ -188,3 +188,11 @@ def test_the_task_checks_the_model_output_and_the_data():
         task.check_data(data)
     target = task.example_target(torch.zeros(2, 40, 4, 4))
     assert target.shape == (2, 1, 5) and torch.isfinite(task.loss(torch.zeros(2, 40, 4, 4), target))
+
+
+def test_task_detection_brings_the_defaults_it_learns_with():
+    from edgetrain.task_kinds import task_defaults
+
+    implied = task_defaults("detection", {"epochs"})
+    assert implied == {"dataset": "shapes", "model": "yolov2_tiny_small", "image_size": 128, "batch_size": 32,
+                       "optimizer": "adam", "lr": 0.001, "weight_decay": 0.0}

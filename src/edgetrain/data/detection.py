@@ -12,7 +12,8 @@ the image (an image without objects has ``n = 0``); ``tasks.detection.collate_bo
   (Ultralytics), else a seeded 80/20 split. ``classes.txt`` (one name a line) sets the classes.
 * ``coco`` (``--data-dir PATH``): ``PATH/train.json`` and ``PATH/test.json`` (or one ``annotations.json``,
   split 80/20), COCO's ``images``/``annotations``/``categories`` with ``bbox`` ``[x, y, w, h]`` in pixels;
-  image files relative to the JSON's folder or its ``images/``. Categories are classes in id order.
+  image files relative to the JSON's folder or its ``images/``. Categories are classes in id order; crowd
+  annotations (``iscrowd``) are left out.
 
 Images are read with Pillow, resized to ``image_size`` square (boxes are fractions, so they do not move)
 and normalised with the training set's per-channel mean and deviation. Every file problem is one
@@ -310,6 +311,8 @@ def read_coco(path: Path, image_size: int, categories: list[int] | None = None):
         except (KeyError, TypeError, ValueError):
             raise EdgetrainError(f"{where} is not an annotation with image_id, category_id and bbox [x, y, w, h]; "
                                  "fix or remove it") from None
+        if ann.get("iscrowd", 0):  # a crowd region, not one object: COCO's own evaluation ignores it too
+            continue
         if image not in by_id:
             raise EdgetrainError(f"{where}: image_id {image} is not in 'images'; add the image or remove the "
                                  "annotation")
