@@ -210,9 +210,17 @@ def user_datasets() -> dict[str, DatasetFactory]:
 
 def check_dataset(name: str) -> None:
     if name not in BUILTIN and name not in DATASETS:
-        known = ", ".join([*BUILTIN, *sorted(DATASETS)])
+        from edgetrain.task_kinds import DEFAULT_TASK, TASK_KINDS
+
+        # the default task's datasets and yours, then each other task's (edgetrain.task_kinds)
+        first = [d for d in TASK_KINDS[DEFAULT_TASK].implied_by if d in BUILTIN]
+        others = [f"{', '.join(d for d in k.implied_by if d in BUILTIN)} ({k.name})" for k in TASK_KINDS.values()
+                  if k.name != DEFAULT_TASK and any(d in BUILTIN for d in k.implied_by)]
+        implied = {d for k in TASK_KINDS.values() for d in k.implied_by}
+        anywhere = [f"{d} (any task)" for d in BUILTIN if d not in implied]
+        known = ", ".join([*first, *sorted(DATASETS)])
         raise EdgetrainError(f"unknown dataset '{name}'; known datasets: {known} (register your own with "
-                             "edgetrain.register_dataset)")
+                             f"edgetrain.register_dataset); for other tasks: {', '.join([*others, *anywhere])}")
 
 
 def build_data(cfg) -> DataSplit:

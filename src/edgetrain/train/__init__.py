@@ -67,10 +67,20 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
         overrides["task"] = task_reference(task)
     if isinstance(dataset, str):
         overrides["dataset"] = dataset
-    elif dataset is not None:  # a factory: registered for this run under its own name
+    elif dataset is not None:  # a factory: registered for this run only, under its own name
+        from edgetrain.data.datasets import DATASETS
+
         name = getattr(dataset, "__name__", type(dataset).__name__)
+        before = DATASETS.get(name)
         register_dataset(name, dataset)
-        overrides["dataset"] = name
+        rest = {k: v for k, v in overrides.items() if k not in ("dataset", "task")}
+        try:
+            return train(config, model, strategy, task if task is not None else overrides.get("task"), name, **rest)
+        finally:
+            if before is None:
+                DATASETS.pop(name, None)
+            else:
+                DATASETS[name] = before
     # a built-in --task given without a dataset or model brings its own (edgetrain.task_kinds)
     given = {*overrides, *_given(config)}
     if "resume" not in given:  # a resumed run is as its config.yaml says
