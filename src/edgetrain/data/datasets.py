@@ -108,8 +108,13 @@ class DataSplit:
     def in_channels(self) -> int:
         """What a model factory's ``in_channels`` is for these inputs: an image's channels (C, H, W), a
         series' channels (T, C), a vector's features (F,)."""
-        shape = self.input_shape
-        return shape[0] if len(shape) == 3 else shape[-1]
+        return input_channels(self.input_shape)
+
+
+def input_channels(shape) -> int:
+    """A model factory's ``in_channels`` for inputs of ``shape`` (one sample's): an image's channels (C, H, W), a
+    series' channels (T, C), a vector's features (F,)."""
+    return shape[0] if len(shape) == 3 else shape[-1]
 
 
 def digits(seed: int = 0) -> DataSplit:
