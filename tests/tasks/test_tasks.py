@@ -274,7 +274,10 @@ def test_a_task_of_ones_own_trains_from_python_with_targets_of_its_own_structure
     evals = summary["evals"]
     assert len(evals) == 3 and evals[-1]["metrics"]["wmae"] < evals[0]["metrics"]["wmae"]  # it learns
     config = (Path(summary["run_dir"]) / "config.yaml").read_text()
-    assert f"task: {__name__}:WeightedL1" in config
+    assert f"task: {__name__}:WeightedL1" in config and "dataset: weighted_sensors" in config
+    from edgetrain.data.datasets import DATASETS
+
+    assert "weighted_sensors" not in DATASETS  # registered for that run only
 
 
 @pytest.mark.slow

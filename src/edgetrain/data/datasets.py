@@ -108,8 +108,13 @@ class DataSplit:
     def in_channels(self) -> int:
         """What a model factory's ``in_channels`` is for these inputs: an image's channels (C, H, W), a
         series' channels (T, C), a vector's features (F,)."""
-        shape = self.input_shape
-        return shape[0] if len(shape) == 3 else shape[-1]
+        return input_channels(self.input_shape)
+
+
+def input_channels(shape) -> int:
+    """A model factory's ``in_channels`` for inputs of ``shape`` (one sample's): an image's channels (C, H, W), a
+    series' channels (T, C), a vector's features (F,)."""
+    return shape[0] if len(shape) == 3 else shape[-1]
 
 
 def digits(seed: int = 0) -> DataSplit:
@@ -211,9 +216,17 @@ def user_datasets() -> dict[str, DatasetFactory]:
 
 def check_dataset(name: str) -> None:
     if name not in BUILTIN and name not in DATASETS:
-        known = ", ".join([*BUILTIN, *sorted(DATASETS)])
+        from edgetrain.task_kinds import DEFAULT_TASK, TASK_KINDS
+
+        # the default task's datasets and yours, then each other task's (edgetrain.task_kinds)
+        first = [d for d in TASK_KINDS[DEFAULT_TASK].implied_by if d in BUILTIN]
+        others = [f"{', '.join(d for d in k.implied_by if d in BUILTIN)} ({k.name})" for k in TASK_KINDS.values()
+                  if k.name != DEFAULT_TASK and any(d in BUILTIN for d in k.implied_by)]
+        implied = {d for k in TASK_KINDS.values() for d in k.implied_by}
+        anywhere = [f"{d} (any task)" for d in BUILTIN if d not in implied]
+        known = ", ".join([*first, *sorted(DATASETS)])
         raise EdgetrainError(f"unknown dataset '{name}'; known datasets: {known} (register your own with "
-                             "edgetrain.register_dataset)")
+                             f"edgetrain.register_dataset); for other tasks: {', '.join([*others, *anywhere])}")
 
 
 def build_data(cfg) -> DataSplit:

@@ -115,7 +115,9 @@ def count_costs(model: nn.Module | str, input_shape: tuple[int, ...], num_classe
         from edgetrain.models import build_model
 
         name = name or model
-        model = build_model(model, input_shape[0], num_classes)
+        from edgetrain.data.datasets import input_channels
+
+        model = build_model(model, input_channels(input_shape), num_classes)
     name = name or type(model).__name__
     state = {k: v.clone() for k, v in model.state_dict().items()}  # counting must not change the model
     try:

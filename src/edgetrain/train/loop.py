@@ -314,7 +314,7 @@ class RunWriter:
     def summary(self, cfg: TrainConfig, strategy: Strategy, optimizer, per_device: list[DeviceSummary], train_totals,
                 evals: list[EvalRecord], params, data, world, local_batches, steps, wall_s, flops_per_sample,
                 partition: PartitionReport | None = None, membership: list[MembershipRecord] | None = None,
-                task_name: str | None = None) -> dict:
+                planned_steps: int | None = None, task_name: str | None = None) -> dict:
         """Rank 0, last: checkpoint.pt (a pooled strategy's devices wrote checkpoint/ already) and summary.json;
         returns the summary as written."""
         run_dir = self.run_dir
@@ -322,7 +322,7 @@ class RunWriter:
             d.details.update(achieved(flops_per_sample["total_flops"], d.samples_per_s, d.details.get("peak_gflops")))
         if not strategy.pooled:
             save_torch(run_dir / FINAL_FILE, {**strategy.checkpoint_state(optimizer), "step": steps,
-                                              "config": cfg.to_dict()})
+                                              "planned_steps": planned_steps, "config": cfg.to_dict()})
         step_s = sum(d.step_s for d in per_device) / world
         split = {k: sum(getattr(d, f"{k}_s") for d in per_device) / world for k in ("data", "compute", "comm")}
         last = evals[-1] if evals else None
@@ -480,7 +480,7 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
         while step < total_steps:
             if checkpoints.due(step, resumed_step):
                 checkpoints.save(step, {
-                    "step": step, "epoch": epoch, "evals": [e.to_dict() for e in evals],
+                    "step": step, "planned_steps": int(total_steps), "epoch": epoch, "evals": [e.to_dict() for e in evals],
                     "wall_s": time.perf_counter() - started, "config": cfg.to_dict()}, {
                     "strategy": strategy.state_dict(),
                     # a pooled strategy's optimizer state is in its part (sharded_state), not in every device's
@@ -548,7 +548,7 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
     writer.close()
     if strategy.pooled:  # every device writes its own part of the final model: RUN_DIR/checkpoint/
         save_final_parts(run_dir, strategy.sharded_state(optimizer, final=True), step, cfg.to_dict(), rank, world,
-                         spec.timeout_s)
+                         spec.timeout_s, planned_steps=int(total_steps))
 
     train_totals = (epoch_loss, epoch_counts, epoch_seen)
     mine = _device_summary(records, at, local_batches[rank], throttle)
@@ -575,8 +575,8 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
         per_device = [DeviceSummary.from_dict(d) for _, d in gathered]
         summary = writer.summary(cfg, strategy, optimizer, per_device, train_totals, evals, params, data, world,
                                  local_batches, step, time.perf_counter() - started, flops_per_sample, partition,
-                                 elastic.history() if elastic else [], cfg.task if user_task is not None else
-                                 run_task(cfg.task, cfg.dataset))
+                                 elastic.history() if elastic else [], planned_steps=int(total_steps),
+                                 task_name=cfg.task if user_task is not None else run_task(cfg.task, cfg.dataset))
     dist.barrier()
     dist.destroy_process_group()
     if checkpoints.stopped:
