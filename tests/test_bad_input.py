@@ -83,8 +83,7 @@ TRAIN = [
     (["--model", "resnet19"], "unknown model 'resnet19'; did you mean 'resnet18'?"),
     (["--dataset", "cifar10"], "config key 'data_dir' is required with dataset cifar10"),
     (["--dataset", "imagenet"], "unknown dataset 'imagenet'; known datasets: digits, cifar10, synthetic, imagefolder, "
-                                "npz, csv, diabetes, shapes, yolo, coco (register your own with "
-                                "edgetrain.register_dataset)"),
+                                "npz (register your own with edgetrain.register_dataset)"),
     (["--dataset", "npz"], "config key 'data_dir' is required with dataset npz"),
     (["--sync", "fedavg:1"], "--sync fedavg:1 trains each device on its own data, which needs a partition; add --partition"),
     (["--partition", "dirichlet:0"], "dirichlet alpha must be a finite number > 0"),
