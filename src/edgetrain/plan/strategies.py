@@ -90,8 +90,8 @@ import math
 import torch
 
 from edgetrain.comm.accounting import ring_allgather_bytes, ring_allreduce_bytes
-from edgetrain.errors import EdgetrainError
 from edgetrain.data.datasets import input_channels
+from edgetrain.errors import EdgetrainError
 from edgetrain.plan.config import PlanInputs
 from edgetrain.plan.model import MIB, Prediction, device_gflops, exchange_seconds
 from edgetrain.plan.split import StageDevice, layer_costs, p2p_seconds, plan_split
