@@ -1,6 +1,5 @@
-"""The datasets edgetrain trains on, as in-memory tensors (``TensorImages`` in a ``DataSplit``: images.py).
-
-Built in (digits, CIFAR-10, synthetic), the user's files (``formats.py``) and registered factories.
+"""The datasets edgetrain trains on, as in-memory tensors (``TensorImages`` / ``TensorSamples`` in a
+``DataSplit``: images.py): built in, the user's files (``formats.py``) and registered factories.
 """
 from __future__ import annotations
 
@@ -9,8 +8,10 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from edgetrain.data.formats import arrays_split, image_folder, npz_arrays
-from edgetrain.data.images import DataSplit, TensorImages, random_crop_flip  # noqa: F401  (their old home)
+from edgetrain.data.formats import arrays_split, csv_values, image_folder, npz_arrays, npz_values
+# their old home: imported from here by the package, the devices' data and tests
+from edgetrain.data.images import (DataSplit, TensorImages, TensorSamples, feature_statistics,  # noqa: F401
+                                   input_channels, random_crop_flip, split_indices, values_split)
 from edgetrain.errors import EdgetrainError
 
 
@@ -50,15 +51,28 @@ def synthetic(samples: int = 2048, image_size: int = 32, channels: int = 3, clas
     return DataSplit(make(samples), make(max(samples // 4, 1)), classes, "synthetic")
 
 
-BUILTIN = ("digits", "cifar10", "synthetic", "imagefolder", "npz")
+def diabetes(seed: int = 0) -> DataSplit:
+    """scikit-learn's diabetes regression set (442 patients, 10 baseline features, one real target: disease
+    progression a year later), a seeded 80/20 split; ships with scikit-learn, no download."""
+    from sklearn.datasets import load_diabetes
+
+    bunch = load_diabetes(scaled=False)
+    return values_split(bunch.data, bunch.target, *split_indices(len(bunch.target), seed), name="diabetes")
+
+
+LOADED_ONCE = ("digits", "diabetes")
+BUILTIN = ("digits", "cifar10", "synthetic", "imagefolder", "npz", "csv", "diabetes", "shapes", "yolo",
+           "coco")
 DatasetFactory = Callable[[Optional[str], int], Any]
 DATASETS: dict[str, DatasetFactory] = {}  # registered with register_dataset
 
 
 def register_dataset(name: str, factory: DatasetFactory) -> None:
     """Make ``name`` usable as ``dataset:``. ``factory(data_dir, seed)`` returns a ``DataSplit`` or the arrays
-    ``(x_train, y_train, x_test, y_test)``, images (N, C, H, W) uint8 or float, labels 0..K-1. The factory
-    travels to device processes by pickle, so define it at module level (not a lambda)."""
+    ``(x_train, y_train, x_test, y_test)``: images (N, C, H, W) uint8 or float and labels 0..K-1 for a
+    classifier, inputs (N, ...) and real targets (N,) or (N, K) for regression (``--task regression``). Your
+    own ``DataSplit`` may hold any target structure your task's ``collate`` understands. The factory travels to
+    device processes by pickle, so define it at module level (not a lambda)."""
     if name in BUILTIN:
         raise EdgetrainError(f"dataset name '{name}' is built in; register yours under another name")
     DATASETS[name] = factory
@@ -71,14 +85,25 @@ def user_datasets() -> dict[str, DatasetFactory]:
 
 def check_dataset(name: str) -> None:
     if name not in BUILTIN and name not in DATASETS:
-        known = ", ".join([*BUILTIN, *sorted(DATASETS)])
+        from edgetrain.task_kinds import DEFAULT_TASK, TASK_KINDS
+
+        # the default task's datasets and yours, then each other task's (edgetrain.task_kinds)
+        first = [d for d in TASK_KINDS[DEFAULT_TASK].implied_by if d in BUILTIN]
+        others = [f"{', '.join(d for d in k.implied_by if d in BUILTIN)} ({k.name})" for k in TASK_KINDS.values()
+                  if k.name != DEFAULT_TASK and any(d in BUILTIN for d in k.implied_by)]
+        implied = {d for k in TASK_KINDS.values() for d in k.implied_by}
+        anywhere = [f"{d} (any task)" for d in BUILTIN if d not in implied]
+        known = ", ".join([*first, *sorted(DATASETS)])
         raise EdgetrainError(f"unknown dataset '{name}'; known datasets: {known} (register your own with "
-                             "edgetrain.register_dataset)")
+                             f"edgetrain.register_dataset); for other tasks: {', '.join([*others, *anywhere])}")
 
 
 def build_data(cfg) -> DataSplit:
     """The dataset a ``TrainConfig`` names."""
+    from edgetrain.task_kinds import target_kind
+
     check_dataset(cfg.dataset)
+    values = target_kind(cfg) == "values"  # real-valued targets (regression), else class labels
     if cfg.dataset == "digits":
         return digits(cfg.seed)
     if cfg.dataset == "cifar10":
@@ -87,12 +112,25 @@ def build_data(cfg) -> DataSplit:
         return synthetic(cfg.synthetic_samples, cfg.image_size, seed=cfg.seed)
     if cfg.dataset == "imagefolder":
         return image_folder(cfg.data_dir, cfg.seed)
+    if cfg.dataset == "diabetes":
+        return diabetes(cfg.seed)
     if cfg.dataset == "npz":
-        return npz_arrays(cfg.data_dir, cfg.seed)
+        return npz_values(cfg.data_dir, cfg.seed) if values else npz_arrays(cfg.data_dir, cfg.seed)
+    if cfg.dataset == "csv":
+        return csv_values(cfg.data_dir, cfg.seed, labels=not values)
+    if cfg.dataset in ("shapes", "yolo", "coco"):
+        from edgetrain.data import detection
+
+        if cfg.dataset == "shapes":
+            return detection.shapes(cfg.synthetic_samples, cfg.image_size, cfg.seed)
+        reader = detection.yolo_folder if cfg.dataset == "yolo" else detection.coco_folder
+        return reader(cfg.data_dir, cfg.image_size, cfg.seed)
     made = DATASETS[cfg.dataset](cfg.data_dir, cfg.seed)
     if isinstance(made, DataSplit):
         return made
     if not (isinstance(made, tuple) and len(made) == 4):
         raise EdgetrainError(f"dataset factory of '{cfg.dataset}' returned a {type(made).__name__}; return a "
                              "DataSplit or (x_train, y_train, x_test, y_test)")
+    if values:
+        return values_split(made[0], made[1], name=cfg.dataset, x_test=made[2], y_test=made[3])
     return arrays_split(*made, name=cfg.dataset)

@@ -13,6 +13,7 @@ import torch
 
 from edgetrain.cluster.throttle import Throttle
 from edgetrain.records import EvalRecord, StepRecord
+from edgetrain.tasks.base import add_counts, as_counts
 from edgetrain.train.checkpoint import Checkpointer, rng_state, set_rng_state
 from edgetrain.train.strategy import StepResult, Strategy
 
@@ -26,15 +27,18 @@ class LoopState:
     epoch: int = 0
     records: list[StepRecord] = field(default_factory=list)
     evals: list[EvalRecord] = field(default_factory=list)
-    totals: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # this epoch's loss sum, correct, samples
+    totals: list = field(default_factory=lambda: [0.0, {}, 0.0])  # this epoch's loss sum, task counts, samples
     ema_loss: float | None = None
     planned_steps: int = 0          # the steps the run is to train, written with every checkpoint
+
+    def new_epoch(self) -> None:
+        self.totals = [0.0, {}, 0.0]
 
     def count(self, record: StepRecord, result: StepResult) -> None:
         """A step done: its record kept, this epoch's totals and the smoothed loss moved on."""
         self.records.append(record)
-        self.totals = [self.totals[0] + result.loss_sum, self.totals[1] + result.correct,
-                       self.totals[2] + result.samples]
+        loss, counts, seen = self.totals
+        self.totals = [loss + result.loss_sum, add_counts(counts, result.train_counts), seen + result.samples]
         self.step += 1
         if record.loss is not None:  # None: a step this device sat out (a round it is no member of)
             self.ema_loss = record.loss if self.ema_loss is None else 0.9 * self.ema_loss + 0.1 * record.loss
@@ -85,7 +89,8 @@ class LoopCheckpoints:
         state.records = [StepRecord.from_dict(r) for r in mine["records"]]
         state.evals = [EvalRecord.from_dict(e) for e in run_state["evals"]]
         writer.restart(state.records, state.evals)
-        state.totals = list(mine["epoch_totals"])
+        loss, counts, seen = mine["epoch_totals"]
+        state.totals = [loss, as_counts(counts), seen]
         state.ema_loss, state.step, state.epoch = mine["ema_loss"], run_state["step"], run_state["epoch"]
         state.started -= run_state["wall_s"]  # the summary's wall time covers the whole run
         set_rng_state(mine["rng"], self.device)  # last: nothing above may draw from it
@@ -107,7 +112,7 @@ class LoopCheckpoints:
             # a pooled strategy's optimizer state is in its part (sharded_state), not in every device's
             **({} if strategy.pooled else {"optimizer": optimizer.state_dict()}),
             "scheduler": scheduler.state_dict(), "rng": rng_state(self.device),
-            "records": [r.to_dict() for r in state.records], "epoch_totals": list(state.totals),
+            "records": [r.to_dict() for r in state.records], "epoch_totals": [state.totals[0], dict(state.totals[1]), state.totals[2]],
             "ema_loss": state.ema_loss, "throttle": throttle_state(throttle)},
             strategy.sharded_state(optimizer) if strategy.pooled else None)
         return self.files.stopped
