@@ -106,7 +106,8 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     cluster_token = cfg.cluster_token or os.environ.get(TOKEN_ENV, "")
     cfg = dataclasses.replace(cfg, cluster_token=None)
     devices = plan_devices(cfg, world)
-    spec = with_device_count(cfg, spec, len(devices), launch)  # the checks that need the count: a cluster file's known now
+    # the checks that need the count: a cluster file's is known now
+    spec = with_device_count(cfg, spec, len(devices), launch)
     local_batches = split_batch(cfg, devices)
     if spec.checkpoint.resume_dir and rank == 0:
         check_resume_devices(spec.checkpoint.resume_dir, len(devices), spec.partition.local)

@@ -106,13 +106,15 @@ class LoopCheckpoints:
         if not self.files.due(state.step, self.resumed_step):
             return False
         self.files.save(state.step, {
-            "step": state.step, "planned_steps": state.planned_steps, "epoch": state.epoch, "evals": [e.to_dict() for e in state.evals],
+            "step": state.step, "planned_steps": state.planned_steps, "epoch": state.epoch,
+            "evals": [e.to_dict() for e in state.evals],
             "wall_s": time.perf_counter() - state.started, "config": self.config}, {
             "strategy": strategy.state_dict(),
             # a pooled strategy's optimizer state is in its part (sharded_state), not in every device's
             **({} if strategy.pooled else {"optimizer": optimizer.state_dict()}),
             "scheduler": scheduler.state_dict(), "rng": rng_state(self.device),
-            "records": [r.to_dict() for r in state.records], "epoch_totals": [state.totals[0], dict(state.totals[1]), state.totals[2]],
+            "records": [r.to_dict() for r in state.records],
+            "epoch_totals": [state.totals[0], dict(state.totals[1]), state.totals[2]],
             "ema_loss": state.ema_loss, "throttle": throttle_state(throttle)},
             strategy.sharded_state(optimizer) if strategy.pooled else None)
         return self.files.stopped
