@@ -15,11 +15,15 @@ refuses combinations that cannot run (``RunSpec``'s docstring lists them).
 ``fp16``, ``bf16``                 half-precision all-reduce
 ``int8``                           linear 8-bit quantization
 ``qsgd[:LEVELS]``                  stochastic quantization, 1..127 levels (default 127)
+``quant[:BITS]``                   linear BITS-bit quantization (2..8, default 4), packed,
+                                   with error feedback; ``noef``
 ``topk:RATIO``                     top-k with error feedback; options ``dgc`` (momentum
                                    correction, ``momentum=0.9``), ``warmup=STEPS`` (DGC's
                                    sparsity ramp), ``layerwise`` (a budget per layer, as
                                    DGC), ``compact`` (fp16 value + 16-bit index
-                                   gap: 4 bytes per entry, not 8), ``noef``
+                                   gap: 4 bytes per entry, not 8), ``bits=B`` (B-bit
+                                   values and 16-bit gaps: SparseLoCo's 2 bits),
+                                   ``noef``
 ``randk:RATIO``                    random-k (shared seed) with error feedback; ``noef``
 ``sign``                           EF-signSGD (scaled sign, error feedback); ``sign:vote``
                                    for signSGD majority vote
@@ -98,10 +102,11 @@ from edgetrain.errors import EdgetrainError
 
 # ---------------------------------------------------------------- --compress
 
-METHODS = ("none", "fp16", "bf16", "int8", "qsgd", "topk", "randk", "sign", "powersgd", "threshold")
+METHODS = ("none", "fp16", "bf16", "int8", "qsgd", "quant", "topk", "randk", "sign", "powersgd", "threshold")
 _OPTIONS = {
     "none": set(), "fp16": set(), "bf16": set(), "int8": set(), "qsgd": set(),
-    "topk": {"dgc", "momentum", "warmup", "noef", "layerwise", "compact"},
+    "quant": {"noef"},
+    "topk": {"dgc", "momentum", "warmup", "noef", "layerwise", "compact", "bits"},
     "randk": {"noef"},
     "sign": {"vote", "noef"},
     "powersgd": {"start"},
@@ -170,6 +175,8 @@ def _check(name: str, arg: float | None, options: dict, text: str) -> None:
                                  f"e.g. {name}:0.01 keeps 1% of the entries")
     elif name == "qsgd" and arg is not None and not (arg == int(arg) and 1 <= arg <= 127):
         raise EdgetrainError(f"qsgd levels must be an integer in [1, 127], got {arg:g}")
+    elif name == "quant" and arg is not None and not (arg == int(arg) and 2 <= arg <= 8):
+        raise EdgetrainError(f"quant takes a whole number of bits from 2 to 8, got {arg:g}; e.g. --compress quant:4")
     elif name == "powersgd" and arg is not None and not (arg == int(arg) and arg >= 1):
         raise EdgetrainError(f"powersgd rank must be an integer >= 1, got {arg:g}")
     elif name == "threshold" and arg is not None and not arg > 0:
@@ -182,6 +189,11 @@ def _check(name: str, arg: float | None, options: dict, text: str) -> None:
         raise EdgetrainError("momentum= applies to DGC momentum correction: add :dgc, e.g. topk:0.001:dgc:momentum=0.9")
     if "dgc" in options and "noef" in options:
         raise EdgetrainError("dgc keeps its own residual; it cannot be combined with noef")
+    if "bits" in options and not (options["bits"] == int(options["bits"]) and 1 <= options["bits"] <= 8):
+        raise EdgetrainError(f"bits= is the bits of a kept value, a whole number from 1 to 8, got {options['bits']:g}; "
+                             "e.g. topk:0.01:bits=2")
+    if "bits" in options and "compact" in options:
+        raise EdgetrainError("bits= already sends 16-bit positions as compact does, with B-bit values: drop :compact")
     for key in ("warmup", "start"):
         if key in options and not (options[key] == int(options[key]) and options[key] >= 0):
             raise EdgetrainError(f"{key}= must be a whole number of steps, got {options[key]:g}")

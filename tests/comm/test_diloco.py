@@ -60,6 +60,10 @@ def test_streaming_fragments_overlap_and_mix_as_written_out(runs):
     # finish), then one final round for each fragment (mix > 0 leaves every device's own share in each)
     assert s["fragments"] == 3 and sum(s["fragment_params"]) == sum(p.numel() for p in fragment_sizes())
     assert s["exchanges"] == 7 + 3
+    # bytes from the payloads: each exchange all-reduces its fragment in fp64 (8 bytes a value; with two devices a
+    # ring all-reduce sends the payload once): fragments 0 and 1 twice and fragment 2 three times, all once more
+    f0, f1, f2 = s["fragment_params"]
+    assert s["bytes_sent_per_device"] == 8 * (3 * f0 + 3 * f1 + 4 * f2)
 
 
 def fragment_sizes():

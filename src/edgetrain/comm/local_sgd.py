@@ -204,7 +204,7 @@ class LocalSGD(SyncMode):
                 if self.outer is None:
                     self.ref -= pseudo_grad
                 else:
-                    self.ref.grad = pseudo_grad
+                    self.ref.grad = pseudo_grad.to(self.ref.dtype)
                     self.outer.step()
                     self.ref.grad = None
         unflatten(self.ref.detach(), self.params)
