@@ -93,3 +93,15 @@ def test_bad_diloco_specs_say_what_to_write(text, message):
 def test_diloco_is_local_sgd_with_the_outer_step():
     assert parse_sync("diloco:8:lr=1:momentum=0") == parse_sync("local:8:nesterov:lr=1:momentum=0").__class__(
         "local", period=8, nesterov=True, outer_lr=1.0, outer_momentum=0.0, text="diloco:8:lr=1:momentum=0")
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(round_deadline="auto"), "does not have"),              # no rounds for a deadline to close
+    (dict(devices=2, min_devices=1), "is not elastic yet"),      # elastic membership: refused in one line
+    (dict(compress="threshold:0.01"), "cannot carry"),           # background exchanges need a fixed payload size
+])
+def test_streaming_refuses_what_it_cannot_do(options, message):
+    from edgetrain.config import load_config, resolve
+
+    with pytest.raises(EdgetrainError, match=message):
+        resolve(load_config(None, sync="streaming:4", **options))

@@ -228,7 +228,7 @@ class StreamingDiLoCo(SyncMode):
         if self.world_size == 1:  # one device: the fragments are its model, nothing to exchange
             self.applied_at = [self.local_steps] * len(self.bounds)
         clocks = [r for r in ready if r is not None]
-        self._close_step(max(clocks) if clocks else None, exchanges=len(ready))
+        self._close_step(max(clocks) if clocks else None)
 
     def _final_exchange(self) -> None:
         self.emulator.start_step()
