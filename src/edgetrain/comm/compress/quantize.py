@@ -37,15 +37,15 @@ class Int8(Compressor):
     def encode(self, x: torch.Tensor, key: object = 0, segments: tuple[int, ...] | None = None) -> Payload:
         x = x.detach().reshape(-1).float()
         parts = segments or (x.numel(),)
-        ids = segment_ids(parts)
-        peak = torch.zeros(len(parts)).scatter_reduce_(0, ids, x.abs(), "amax")
+        ids = segment_ids(parts, x.device)
+        peak = torch.zeros(len(parts), device=x.device).scatter_reduce_(0, ids, x.abs(), "amax")
         scale = peak.clamp_min(TINY) / 127.0
         q = torch.round(x / scale[ids]).clamp_(-127, 127).to(torch.int8)
         return Payload((scale, q), x.numel(), segments)
 
     def decode(self, payload: Payload) -> torch.Tensor:
         scale, q = payload.tensors
-        return q.float() * scale[segment_ids(payload.parts)]
+        return q.float() * scale[segment_ids(payload.parts, q.device)]
 
     def layout(self, numel: int, nbytes: int, segments=None) -> list[tuple[torch.dtype, int]]:
         return [(torch.float32, len(segments or (numel,))), (torch.int8, numel)]
@@ -72,17 +72,17 @@ class QSGD(Compressor):
     def encode(self, x: torch.Tensor, key: object = 0, segments: tuple[int, ...] | None = None) -> Payload:
         x = x.detach().reshape(-1).float()
         parts = segments or (x.numel(),)
-        ids = segment_ids(parts)
+        ids = segment_ids(parts, x.device)
         norm = segment_sum(x * x, ids, len(parts)).sqrt_()
         level = x.abs() / norm.clamp_min(TINY)[ids] * self.levels
         low = level.floor()
-        up = torch.rand(x.numel(), generator=self.generator) < (level - low)
+        up = torch.rand(x.numel(), generator=self.generator).to(x.device) < (level - low)  # CPU stream: seeded alike
         q = (low + up.float()).clamp_(max=self.levels) * x.sign()
         return Payload((norm, q.to(torch.int8)), x.numel(), segments)
 
     def decode(self, payload: Payload) -> torch.Tensor:
         norm, q = payload.tensors
-        return q.float() * (norm / self.levels)[segment_ids(payload.parts)]
+        return q.float() * (norm / self.levels)[segment_ids(payload.parts, q.device)]
 
     def layout(self, numel: int, nbytes: int, segments=None) -> list[tuple[torch.dtype, int]]:
         return [(torch.float32, len(segments or (numel,))), (torch.int8, numel)]
@@ -100,15 +100,15 @@ class LowBit(Compressor):
     def encode(self, x: torch.Tensor, key: object = 0, segments: tuple[int, ...] | None = None) -> Payload:
         x = x.detach().reshape(-1).float()
         parts = segments or (x.numel(),)
-        ids = segment_ids(parts)
-        scale = torch.zeros(len(parts)).scatter_reduce_(0, ids, x.abs(), "amax").clamp_min_(TINY)
+        ids = segment_ids(parts, x.device)
+        scale = x.new_zeros(len(parts)).scatter_reduce_(0, ids, x.abs(), "amax").clamp_min_(TINY)
         q = torch.round(x / scale[ids] * self.levels).clamp_(-self.levels, self.levels).to(torch.int64)
         return Payload((scale, bitpack.pack(q + self.levels, self.bits)), x.numel(), segments)
 
     def decode(self, payload: Payload) -> torch.Tensor:
         scale, packed = payload.tensors
         q = bitpack.unpack(packed, self.bits, payload.numel) - self.levels
-        return q.float() * (scale / self.levels)[segment_ids(payload.parts)]
+        return q.float() * (scale / self.levels)[segment_ids(payload.parts, packed.device)]
 
     def layout(self, numel: int, nbytes: int, segments=None) -> list[tuple[torch.dtype, int]]:
         return [(torch.float32, len(segments or (numel,))), (torch.uint8, bitpack.packed_bytes(numel, self.bits))]

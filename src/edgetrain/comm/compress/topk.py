@@ -99,7 +99,7 @@ class TopK(Compressor):
         return Payload((x[indices], indices.to(torch.int32)), x.numel(), segments)
 
     def decode(self, payload: Payload) -> torch.Tensor:
-        out = torch.zeros(payload.numel, dtype=torch.float32)
+        out = torch.zeros(payload.numel, dtype=torch.float32, device=payload.tensors[0].device)
         if self.bits:
             codebook, gaps, packed = payload.tensors
             real, positions = _gap_positions(gaps)
@@ -138,7 +138,7 @@ def _gaps(indices: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor
     counts = fillers + 1
     slots = len(indices) + (numel - 1) // GAP_FILL
     own = torch.cumsum(counts, 0) - 1  # each entry's slot, after its fillers
-    codes = torch.full((slots,), GAP_FILL, dtype=torch.int64)
+    codes = torch.full((slots,), GAP_FILL, dtype=torch.int64, device=indices.device)
     codes[own] = gaps - fillers * GAP_FILL
     return indices, own, (codes - 32768).to(torch.int16)
 
@@ -154,7 +154,7 @@ def _gap_positions(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _gap_encode(x: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """fp16 values and 16-bit gap codes of the entries at ``indices``, padded to a fixed length."""
     indices, own, codes = _gaps(indices, x.numel())
-    values = torch.zeros(len(codes), dtype=torch.float16)
+    values = torch.zeros(len(codes), dtype=torch.float16, device=x.device)
     values[own] = x[indices].clamp(-FP16_MAX, FP16_MAX).half()
     return values, codes
 
@@ -165,12 +165,12 @@ def _coded_encode(x: torch.Tensor, indices: torch.Tensor, bits: int) -> tuple[to
     values = x[indices]
     groups = 2 ** (bits - 1)
     k = len(values)
-    rank = torch.empty(k, dtype=torch.int64)
-    rank[torch.argsort(values.abs())] = torch.arange(k)
+    rank = torch.empty(k, dtype=torch.int64, device=x.device)
+    rank[torch.argsort(values.abs())] = torch.arange(k, device=x.device)
     group = rank * groups // k  # equal counts, smallest magnitudes first
-    sums = torch.zeros(groups).index_add_(0, group, values.abs())
-    counts = torch.zeros(groups).index_add_(0, group, torch.ones(k))
+    sums = x.new_zeros(groups).index_add_(0, group, values.abs())
+    counts = x.new_zeros(groups).index_add_(0, group, torch.ones_like(values))
     codebook = sums / counts.clamp_min(1)
-    codes = torch.zeros(len(gaps), dtype=torch.int64)
+    codes = torch.zeros(len(gaps), dtype=torch.int64, device=x.device)
     codes[own] = group | ((values < 0).to(torch.int64) << (bits - 1))
     return codebook, gaps, bitpack.pack(codes, bits)
