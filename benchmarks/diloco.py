@@ -83,6 +83,9 @@ METHODS: dict[str, tuple[str, str]] = {
     # after the second batch: 4-bit outer gradients over 32 steps; SparseLoCo with an outer lr of 2
     "diloco32-q4": ("quant:4", "diloco:32"),
     "sparseloco16-lr2": ("topk:0.02:bits=2", "diloco:16:lr=2:momentum=0"),
+    # after the third: a larger outer step still, and the 8% / 32-step SparseLoCo with it
+    "sparseloco16-lr3": ("topk:0.02:bits=2", "diloco:16:lr=3:momentum=0"),
+    "sparseloco32-8%-lr2": ("topk:0.08:bits=2", "diloco:32:lr=2:momentum=0"),
     "streaming16": ("quant:4", "streaming:16:fragments=4:overlap=1"),
     "streaming16-sparse": ("topk:0.02:bits=2", "streaming:16:fragments=4:overlap=1:lr=1:momentum=0"),
 }
@@ -228,6 +231,25 @@ def shaped_run(label: str, args, seed: int, out: Path, hosts) -> dict:
     return row(label, seed, summary, run_dir, wall)
 
 
+def collect(paths: list[Path], labels: list[str]) -> tuple[list[dict], list[str]]:
+    """Rows of earlier runs of this script: from its results .json files (peers included) and from finished run
+    directories (``LABEL-seedN/summary.json``) under the given directories; the first row of a (label, seed)
+    wins. Unfinished runs are left out."""
+    rows: dict[tuple[str, int], dict] = {}
+    for path in paths:
+        if path.suffix == ".json":
+            for r in json.loads(path.read_text())["rows"]:
+                rows.setdefault((r["label"], r["seed"]), r)
+            continue
+        for summary_path in sorted(path.glob("*-seed*/summary.json")):
+            label, _, seed = summary_path.parent.name.rpartition("-seed")
+            if label in labels and seed.isdigit():
+                summary = json.loads(summary_path.read_text())
+                wall = summary.get("wall_time_s", 0.0)
+                rows.setdefault((label, int(seed)), row(label, int(seed), summary, summary_path.parent, wall))
+    return list(rows.values()), []
+
+
 def rank_worker(cfg_path: str) -> int:
     cfg = json.loads(Path(cfg_path).read_text())
     torch.manual_seed(cfg["seed"])
@@ -303,6 +325,8 @@ def main() -> int:
     p.add_argument("--link-epochs", type=int, default=3)
     p.add_argument("--out", type=Path, default=None, help="run directories (default: a temporary directory)")
     p.add_argument("--results", type=Path, default=HERE / "results" / "diloco")
+    p.add_argument("--collect", type=Path, nargs="*", default=[],
+                   help="rows of earlier runs to reuse: their results .json files and run directories' parents")
     args = p.parse_args()
     args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     labels = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -316,11 +340,14 @@ def main() -> int:
         args.link_methods.insert(0, "fp32")
     out = args.out or Path(tempfile.mkdtemp(prefix="bench-diloco-"))
     out.mkdir(parents=True, exist_ok=True)
-    rows, failures = [], []
+    rows, failures = collect(args.collect, labels) if args.collect else ([], [])
+    have = {(r["label"], r["seed"]) for r in rows}
     print(f"4 devices, {args.epochs} epochs, batch {args.batch_size}, lr {args.lr} cosine, link {LINK} (virtual), "
           f"seeds {args.seeds}, data {args.data_dir}; runs in {out}", flush=True)
     for seed in args.seeds:
         for label in labels:
+            if (label, seed) in have:  # collected from an earlier run of this script
+                continue
             try:
                 r = run_peer(label, args, seed) if label in PEERS else run_edgetrain(label, args, seed, out)
             except Exception as e:  # one method failing (the peer's import, say) leaves the others' rows
