@@ -150,7 +150,7 @@ def time_to(points: list[tuple[float, float]], target: float) -> float | None:
 def table(rows: list[dict], labels: list[str], seeds: list[int]) -> tuple[str, dict]:
     by = {(r["label"], r["seed"]): r for r in rows}
     fp32 = {s: by[("fp32", s)] for s in seeds if ("fp32", s) in by}
-    lines = [f"{'method':22} {'compress':18} {'sync':44} {'acc %':>7} {'vs fp32 (LCB)':>17} {'MB/device':>10} "
+    lines = [f"{'method':22} {'compress':18} {'sync':44} {'n':>2} {'acc %':>7} {'vs fp32 (LCB)':>17} {'MB/device':>10} "
              f"{'ratio':>7} {'step s':>7} {'t->target s':>11}"]
     stats = {}
     for label in labels:
@@ -166,7 +166,7 @@ def table(rows: list[dict], labels: list[str], seeds: list[int]) -> tuple[str, d
         ttt = [time_to(r["curve"], 0.9 * fp32[r["seed"]]["accuracy"]) for r in runs if r["seed"] in fp32]
         ttt_text = "-" if not ttt or any(t is None for t in ttt) else f"{np.mean(ttt):.1f}"
         compress, sync = METHODS.get(label, ("(torchft)", " ".join(PEERS.get(label, []))))
-        lines.append(f"{label:22} {compress:18} {sync:44} {acc:7.2f} {np.mean(diffs):+7.2f} ({lcb:+6.2f}) "
+        lines.append(f"{label:22} {compress:18} {sync:44} {len(runs):2} {acc:7.2f} {np.mean(diffs):+7.2f} ({lcb:+6.2f}) "
                      f"{mb:10.3f} {ratio:6.0f}x {np.mean([r['step_s'] for r in runs]):7.3f} {ttt_text:>11}")
         stats[label] = {"accuracy": acc, "diff_mean": float(np.mean(diffs)) if diffs else None, "diff_lcb": lcb,
                         "diffs": diffs, "mb_per_device": mb, "ratio": ratio, "seeds": [r["seed"] for r in runs]}
@@ -313,7 +313,8 @@ def main() -> int:
         return rank_worker(sys.argv[2])
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     every = list(METHODS) + list(PEERS)
-    p.add_argument("--methods", default=",".join(every), help=f"comma-separated, from: {', '.join(every)}")
+    choices = ", ".join(every).replace("%", "%%")  # argparse formats help with %: "sparseloco32-8%" must be escaped
+    p.add_argument("--methods", default=",".join(every), help=f"comma-separated, from: {choices}")
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--devices", type=int, default=4)
@@ -327,6 +328,7 @@ def main() -> int:
     p.add_argument("--results", type=Path, default=HERE / "results" / "diloco")
     p.add_argument("--collect", type=Path, nargs="*", default=[],
                    help="rows of earlier runs to reuse: their results .json files and run directories' parents")
+    p.add_argument("--collect-only", action="store_true", help="run none of the frontier's missing rows")
     args = p.parse_args()
     args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     labels = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -346,7 +348,7 @@ def main() -> int:
           f"seeds {args.seeds}, data {args.data_dir}; runs in {out}", flush=True)
     for seed in args.seeds:
         for label in labels:
-            if (label, seed) in have:  # collected from an earlier run of this script
+            if (label, seed) in have or args.collect_only:  # collected from an earlier run of this script
                 continue
             try:
                 r = run_peer(label, args, seed) if label in PEERS else run_edgetrain(label, args, seed, out)

@@ -105,3 +105,15 @@ def test_streaming_refuses_what_it_cannot_do(options, message):
 
     with pytest.raises(EdgetrainError, match=message):
         resolve(load_config(None, sync="streaming:4", **options))
+
+
+def test_diloco_benchmark_help_lists_its_methods():
+    import subprocess
+    import sys
+
+    from edgetrain_testing import REPO
+
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "diloco.py"), "--help"], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "sparseloco32-8%" in done.stdout and "peer-diloco16" in done.stdout
