@@ -382,7 +382,8 @@ def main() -> int:
         f.write(report + "\n")
     if len(stats) > 1:
         plot(stats, args.results.with_name(args.results.name + "_frontier.png"),
-             f"CIFAR-10 subset, 4 devices, {args.epochs} epochs, seeds {args.seeds}: accuracy vs bytes per device")
+             f"CIFAR-10 subset, 4 devices, {args.epochs} epochs: accuracy (mean over each method's seeds, n in the "
+             f"table) vs bytes per device")
     return 0
 
 
