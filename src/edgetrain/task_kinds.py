@@ -35,6 +35,9 @@ class TaskKind:
     check_batch: bool = True
     targets: str = "labels"             # what the built-in file formats (npz, csv) read as targets: "labels"
                                         # (integer classes) or "values" (real numbers); "own": the task's datasets
+    # further config values `--task NAME` brings for keys the user did not give (detection: the resolution,
+    # optimiser and schedule its default model learns the default dataset with)
+    settings: tuple[tuple[str, object], ...] = ()
 
     def check_strategy(self, strategy: str) -> None:
         if strategy not in self.strategies:
@@ -51,8 +54,10 @@ TASK_KINDS: dict[str, TaskKind] = {k.name: k for k in (
              implied_by=("diabetes",), strategies=("ddp", "fsdp", "pipeline"), targets="values",
              why_not=" (tiles are of images (C, H, W) and its inputs are feature vectors or series)"),
     TaskKind("detection", "objects in images: boxes and classes per image, YOLOv2 loss, mAP by COCOeval",
-             "edgetrain.tasks.detection:DetectionTask", "shapes", "yolov2_tiny",
-             implied_by=("shapes",), targets="own"),
+             "edgetrain.tasks.detection:DetectionTask", "shapes", "yolov2_tiny_small",
+             implied_by=("shapes", "yolo", "coco"), targets="own",
+             settings=(("image_size", 128), ("epochs", 8), ("batch_size", 32), ("optimizer", "adam"),
+                       ("lr", 0.001), ("weight_decay", 0.0))),
 )}
 
 DEFAULT_TASK = "classification"
@@ -88,13 +93,13 @@ def run_task(task: str | None, dataset: str) -> str:
     return task or implied_task(dataset)
 
 
-def task_defaults(task: str | None, given: set[str] | frozenset[str]) -> dict[str, str]:
+def task_defaults(task: str | None, given: set[str] | frozenset[str]) -> dict[str, object]:
     """The config values a given built-in ``--task`` implies for the keys the user did not give (``given``):
-    its dataset and its model. ``{}`` without ``--task`` or for a task passed from Python."""
+    its dataset, its model and its ``settings``. ``{}`` without ``--task`` or for a task passed from Python."""
     if not task or is_user_task(task):
         return {}
     kind = task_kind(task)
-    implied = {"dataset": kind.default_dataset, "model": kind.default_model}
+    implied = {"dataset": kind.default_dataset, "model": kind.default_model, **dict(kind.settings)}
     return {k: v for k, v in implied.items() if k not in given}
 
 

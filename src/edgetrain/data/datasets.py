@@ -192,7 +192,8 @@ def values_split(x, y, train: np.ndarray | None = None, test: np.ndarray | None 
 # Loaders that import scikit-learn (a second of CPU in every device process): the launcher loads them once and
 # hands the data to its emulated devices.
 LOADED_ONCE = ("digits", "diabetes")
-BUILTIN = ("digits", "cifar10", "synthetic", "imagefolder", "npz", "csv", "diabetes")
+BUILTIN = ("digits", "cifar10", "synthetic", "imagefolder", "npz", "csv", "diabetes", "shapes", "yolo",
+           "coco")
 DatasetFactory = Callable[[Optional[str], int], Any]
 DATASETS: dict[str, DatasetFactory] = {}  # registered with register_dataset
 
@@ -249,6 +250,13 @@ def build_data(cfg) -> DataSplit:
         return npz_values(cfg.data_dir, cfg.seed) if values else npz_arrays(cfg.data_dir, cfg.seed)
     if cfg.dataset == "csv":
         return csv_values(cfg.data_dir, cfg.seed, labels=not values)
+    if cfg.dataset in ("shapes", "yolo", "coco"):
+        from edgetrain.data import detection
+
+        if cfg.dataset == "shapes":
+            return detection.shapes(cfg.synthetic_samples, cfg.image_size, cfg.seed)
+        reader = detection.yolo_folder if cfg.dataset == "yolo" else detection.coco_folder
+        return reader(cfg.data_dir, cfg.image_size, cfg.seed)
     made = DATASETS[cfg.dataset](cfg.data_dir, cfg.seed)
     if isinstance(made, DataSplit):
         return made
