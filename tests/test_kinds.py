@@ -55,7 +55,7 @@ def test_the_registry_is_the_parsers_table_and_a_kind_is_declared_once():
     with pytest.raises(TypeError, match="needs a planner model or the line refusing to plan it"):
         dataclasses.replace(SYNC_KINDS["gossip"], name="gossip2", planner=None)
     assert "gossip2" not in SYNC_KINDS
-    with pytest.raises(EdgetrainError, match="use sync, local:H, async:S, gossip or fedavg:E"):
+    with pytest.raises(EdgetrainError, match="use sync, local:H, diloco:H, streaming:H, async:S, gossip or fedavg:E"):
         parse_sync("ring:2")
 
 

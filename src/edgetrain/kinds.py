@@ -142,12 +142,22 @@ def _check_topk(arg, options, text):
         raise EdgetrainError("momentum= applies to DGC momentum correction: add :dgc, e.g. topk:0.001:dgc:momentum=0.9")
     if "dgc" in options and "noef" in options:
         raise EdgetrainError("dgc keeps its own residual; it cannot be combined with noef")
+    if "bits" in options and not (options["bits"] == int(options["bits"]) and 1 <= options["bits"] <= 8):
+        raise EdgetrainError(f"bits= is the bits of a kept value, a whole number from 1 to 8, got {options['bits']:g}; "
+                             "e.g. topk:0.01:bits=2")
+    if "bits" in options and "compact" in options:
+        raise EdgetrainError("bits= already sends 16-bit positions as compact does, with B-bit values: drop :compact")
     _whole_steps("warmup", options)
 
 
 def _check_qsgd(arg, options, text):
     if arg is not None and not (arg == int(arg) and 1 <= arg <= 127):
         raise EdgetrainError(f"qsgd levels must be an integer in [1, 127], got {arg:g}")
+
+
+def _check_quant(arg, options, text):
+    if arg is not None and not (arg == int(arg) and 2 <= arg <= 8):
+        raise EdgetrainError(f"quant takes a whole number of bits from 2 to 8, got {arg:g}; e.g. --compress quant:4")
 
 
 def _check_powersgd(arg, options, text):
@@ -180,12 +190,16 @@ CompressKind(name="int8", usage="int8", summary="linear 8-bit quantization",
              runtime=_C + "quantize:build_int8", planner=_PAYLOAD, check_arguments=_no_number("int8"))
 CompressKind(name="qsgd", usage="qsgd[:LEVELS]", summary="stochastic quantization, 1..127 levels (default 127)",
              runtime=_C + "quantize:build_qsgd", planner=_PAYLOAD, check_arguments=_check_qsgd)
+CompressKind(name="quant", usage="quant[:BITS]",
+             summary="linear BITS-bit quantization (2..8, default 4), packed, with error feedback; noef",
+             runtime=_C + "quantize:build_quant", planner=_PAYLOAD, check_arguments=_check_quant,
+             options=frozenset({"noef"}))
 CompressKind(name="topk", usage="topk:RATIO",
              summary="top-k with error feedback; options dgc (momentum correction, momentum=0.9), warmup=STEPS "
                      "(DGC's sparsity ramp), layerwise (a budget per layer), compact (fp16 value + 16-bit index "
-                     "gap), noef",
+                     "gap), bits=B (B-bit values and 16-bit gaps: SparseLoCo's 2 bits), noef",
              runtime=_C + "topk:build", planner=_PAYLOAD, check_arguments=_check_topk,
-             options=frozenset({"dgc", "momentum", "warmup", "noef", "layerwise", "compact"}),
+             options=frozenset({"dgc", "momentum", "warmup", "noef", "layerwise", "compact", "bits"}),
              checks=(_dgc_without_optimizer_momentum,))
 CompressKind(name="randk", usage="randk:RATIO", summary="random-k (shared seed) with error feedback; noef",
              runtime=_C + "randk:build", planner=_PAYLOAD, check_arguments=_fraction("randk"),
@@ -243,36 +257,79 @@ def _number(rest: list[str], mode: str, text: str) -> int | None:
     return _int(rest[0], mode, text) if rest else None
 
 
-def _at_least_one(number: int | None, missing: str, below_one: Callable[[int], str]) -> int:
-    """``number`` of steps, refused with ``missing`` when not given and ``below_one(number)`` when < 1."""
-    if number is None:
-        raise EdgetrainError(missing)
+def _period(rest: list[str], mode: str, text: str) -> int:
+    """The H of ``local:H`` / ``diloco:H`` / ``streaming:H``: local steps between two exchanges."""
+    name = "local SGD" if mode == "local" else mode
+    if not rest:
+        raise EdgetrainError(f"{name} needs the number of local steps between averages, e.g. --sync {mode}:8")
+    number = _int(rest[0], mode, text)
     if number < 1:
-        raise EdgetrainError(below_one(number))
+        raise EdgetrainError(f"{name} period H must be >= 1 step, got {number} in {text!r}; "
+                             f"e.g. --sync {mode}:8 averages every 8 steps ({mode}:1 averages every step)")
     return number
 
 
+def _outer(key: str, value: str, opt: str, text: str, values: dict) -> bool:
+    """Read an outer-step option (``lr=``, ``momentum=``) into ``values``; False if ``key`` is none."""
+    if key not in ("lr", "momentum"):
+        return False
+    values[key] = _float(value, opt, text)
+    return True
+
+
+def _check_outer(values: dict) -> None:
+    lr, momentum = values["lr"], values["momentum"]
+    if not (lr > 0 and math.isfinite(lr)) or not 0 <= momentum < 1:
+        raise EdgetrainError(f"outer lr must be > 0 and momentum in [0, 1), got lr={lr:g}, momentum={momentum:g}")
+
+
 def _parse_local(rest: list[str], text: str) -> SyncSpec:
-    number = _at_least_one(_number(rest, "local", text),
-                           "local SGD needs the number of local steps between averages, e.g. --sync local:8",
-                           lambda n: f"local SGD period H must be >= 1 step, got {n} in {text!r}; e.g. --sync "
-                                     "local:8 averages every 8 steps (local:1 is synchronous averaging)")
-    nesterov, lr, momentum = False, 0.7, 0.9
+    """``local:H[:nesterov][:lr=][:momentum=]``; its alias ``diloco:H[:lr=][:momentum=]`` is the same with
+    ``nesterov``, spelt as the papers name it."""
+    mode = text.split(":")[0]
+    nesterov = mode == "diloco"
+    number = _period(rest, mode, text)
+    values = {"lr": 0.7, "momentum": 0.9}
     for opt in rest[1:]:
         key, eq, value = opt.partition("=")
-        if opt == "nesterov":
+        if opt == "nesterov" and mode == "local":
             nesterov = True
-        elif eq and key in ("lr", "momentum"):
-            number_value = _float(value, opt, text)
-            lr, momentum = (number_value, momentum) if key == "lr" else (lr, number_value)
-        else:
-            raise EdgetrainError(f"unknown local SGD option {opt!r} in {text!r}; options: nesterov, lr=, momentum=")
-    if (lr != 0.7 or momentum != 0.9) and not nesterov:
+        elif not (eq and _outer(key, value, opt, text, values)):
+            allowed = "nesterov, lr=, momentum=" if mode == "local" else "lr=, momentum="
+            raise EdgetrainError(f"unknown {mode} option {opt!r} in {text!r}; options: {allowed}")
+    if (values["lr"], values["momentum"]) != (0.7, 0.9) and not nesterov:
         raise EdgetrainError("lr= and momentum= set the outer Nesterov step: add :nesterov, "
-                             "e.g. --sync local:8:nesterov:lr=0.7")
-    if not lr > 0 or not 0 <= momentum < 1:
-        raise EdgetrainError(f"outer lr must be > 0 and momentum in [0, 1), got lr={lr:g}, momentum={momentum:g}")
-    return SyncSpec("local", period=number, nesterov=nesterov, outer_lr=lr, outer_momentum=momentum, text=text)
+                             "e.g. --sync local:8:nesterov:lr=0.7 (or write diloco:8:lr=0.7)")
+    _check_outer(values)
+    return SyncSpec("local", period=number, nesterov=nesterov, outer_lr=values["lr"],
+                    outer_momentum=values["momentum"], text=text)
+
+
+def _parse_streaming(rest: list[str], text: str) -> SyncSpec:
+    """``streaming:H[:fragments=F][:overlap=T][:mix=A][:lr=][:momentum=]`` (comm/streaming.py)."""
+    number = _period(rest, "streaming", text)
+    values = {"lr": 0.7, "momentum": 0.9, "fragments": 2.0, "overlap": 1.0, "mix": 0.5}
+    for opt in rest[1:]:
+        key, eq, value = opt.partition("=")
+        if eq and key in ("fragments", "overlap", "mix"):
+            values[key] = _float(value, opt, text)
+        elif not (eq and _outer(key, value, opt, text, values)):
+            raise EdgetrainError(f"unknown streaming option {opt!r} in {text!r}; options: fragments=, overlap=, "
+                                 "mix=, lr=, momentum=")
+    _check_outer(values)
+    fragments, overlap = values["fragments"], values["overlap"]
+    if fragments != int(fragments) or not 1 <= fragments <= number:
+        raise EdgetrainError(f"streaming fragments=F must be a whole number from 1 to H={number} (each fragment "
+                             f"is synchronised at its own step of the H), got {fragments:g} in {text!r}")
+    if overlap != int(overlap) or not 0 <= overlap < number:
+        raise EdgetrainError(f"streaming overlap=T must be a whole number of steps from 0 to H-1={number - 1} (a "
+                             f"fragment's exchange must land before its next one starts), got {overlap:g} in {text!r}")
+    if not 0 <= values["mix"] <= 1:
+        raise EdgetrainError(f"streaming mix=A must be in [0, 1] (the share of the local fragment kept when the "
+                             f"averaged one lands), got {values['mix']:g} in {text!r}")
+    return SyncSpec("streaming", period=number, nesterov=True, outer_lr=values["lr"],
+                    outer_momentum=values["momentum"], text=text, fragments=int(fragments), overlap=int(overlap),
+                    mix=values["mix"])
 
 
 def _one_number_at_most(rest: list[str], mode: str, text: str) -> int | None:
@@ -282,10 +339,12 @@ def _one_number_at_most(rest: list[str], mode: str, text: str) -> int | None:
 
 
 def _parse_async(rest: list[str], text: str) -> SyncSpec:
-    number = _at_least_one(_one_number_at_most(rest, "async", text),
-                           "async needs a staleness bound in steps, e.g. --sync async:4",
-                           lambda n: f"async staleness bound must be >= 1 step, got {n}; a bound of 0 is "
-                                     "synchronous training: use --sync sync")
+    number = _one_number_at_most(rest, "async", text)
+    if number is None:
+        raise EdgetrainError("async needs a staleness bound in steps, e.g. --sync async:4")
+    if number < 1:
+        raise EdgetrainError(f"async staleness bound must be >= 1 step, got {number}; "
+                             "a bound of 0 is synchronous training: use --sync sync")
     return SyncSpec("async", staleness=number, text=text)
 
 
@@ -342,7 +401,7 @@ def _fixed_size_deltas(sync: SyncSpec, compress: CompressSpec) -> None:
     _model_deltas(sync, compress)
     if not compress.kind.fixed_size:
         raise EdgetrainError(f"{compress.method} sends a variable number of entries, which the non-blocking rounds "
-                             "of --sync async cannot carry; use topk, randk or sign with async")
+                             f"of --sync {sync.mode} cannot carry; use topk, randk, quant or sign with {sync.mode}")
 
 
 def _uncompressed(sync: SyncSpec, compress: CompressSpec) -> None:
@@ -367,10 +426,18 @@ SyncKind(name="sync", usage="sync", summary="synchronous DDP (default); every co
          parse=_parse_sync, accepts=_any_compressor, timing="lockstep", elastic=True,
          runtime="edgetrain.comm.sync:build", planner=_T + "synchronous")
 SyncKind(name="local", usage="local:H",
-         summary="local SGD, average every H steps; local:H:nesterov[:lr=0.7][:momentum=0.9] with DiLoCo's outer "
-                 "Nesterov step; every compressor but powersgd and dgc",
-         parse=_parse_local, accepts=_model_deltas, timing="periodic", rounds=True, elastic=True,
+         summary="local SGD, average every H steps; local:H:nesterov[:lr=0.7][:momentum=0.9] (or diloco:H[:lr=]"
+                 "[:momentum=]) with DiLoCo's outer Nesterov step; every compressor but powersgd and dgc",
+         parse=_parse_local, accepts=_model_deltas, timing="periodic", rounds=True, elastic=True, aliases=("diloco",),
          runtime="edgetrain.comm.local_sgd:build", planner=_T + "local_sgd")
+SyncKind(name="streaming", usage="streaming:H",
+         summary="Streaming DiLoCo: the model's fragments (fragments=2) averaged at staggered steps in the "
+                 "background, overlap=T steps behind (1), mix=A of the local fragment kept (0.5), lr=, momentum= of "
+                 "the outer Nesterov step; async:S's compressors",
+         parse=_parse_streaming, accepts=_fixed_size_deltas, timing="background",
+         runtime="edgetrain.comm.streaming:build",
+         unplanned="the planner does not model --sync streaming (background exchanges of fragments); plan with "
+                   "diloco:H for the bytes, or measure with edgetrain train")
 SyncKind(name="async", usage="async:S",
          summary="bounded staleness S steps; every fixed-size compressor (not threshold, powersgd, dgc)",
          parse=_parse_async, accepts=_fixed_size_deltas, timing="bounded",

@@ -65,7 +65,9 @@ KINDS: dict[str, dict] = {"strategy": {}, "sync": {}, "compress": {}, "task": {}
 
 def usage(family: str) -> str:
     """``sync, local:H, async:S, gossip or fedavg:E``: how each kind of ``family`` is written, for a refusal."""
-    written = [kind.usage for kind in KINDS[family].values()]
+    # an alias is written as its kind is: diloco:H as local:H
+    written = [alias + kind.usage[len(kind.name):] for kind in KINDS[family].values() for alias in
+               (kind.name, *kind.aliases)]
     return ", ".join(written[:-1]) + " or " + written[-1] if len(written) > 1 else "".join(written)
 
 
@@ -168,6 +170,9 @@ class SyncSpec:
     scaffold: bool = False     # fedavg:...:scaffold: SCAFFOLD's control variates
     weighted: bool = False     # fedavg:...:weighted: updates weighted by the devices' sample counts (McMahan's n_k/n)
     reset: bool = False        # fedavg:...:reset: a fresh client optimizer (no momentum carried over) each round
+    fragments: int = 1         # streaming: fragments of the model, each synchronised at its own step of the H
+    overlap: int = 0           # streaming: inner steps a fragment's exchange runs behind before it is applied
+    mix: float = 0.0           # streaming: share of the local fragment kept when the averaged one is applied
 
     @property
     def kind(self):

@@ -16,7 +16,7 @@ Map: ``cluster/links.py`` (link model), ``emulation.py`` (enforced / virtual
 clock), ``compress/`` (one module per method, ``memory.py`` for error
 feedback), ``exchange.py`` (the compressed average every mode uses),
 ``hook.py`` (DDP hook), ``sync.py`` / ``local_sgd.py`` / ``asynchronous.py`` /
-``gossip.py``, ``federated.py`` (modes), ``deadline.py`` (round deadlines of local SGD and
+``gossip.py``, ``federated.py``, ``streaming.py`` (modes), ``deadline.py`` (round deadlines of local SGD and
 federated rounds); the specs themselves are parsed in ``edgetrain.spec``.
 """
 from __future__ import annotations
@@ -32,12 +32,13 @@ from edgetrain.comm.federated import FederatedAveraging
 from edgetrain.comm.gossip import Gossip
 from edgetrain.comm.local_sgd import LocalSGD
 from edgetrain.comm.setup import SyncSetup, build_hook
+from edgetrain.comm.streaming import StreamingDiLoCo
 from edgetrain.comm.sync import Synchronous, SyncMode
 from edgetrain.spec import PRESETS, CompressSpec, Link, RunSpec, get_link, parse_compress, parse_sync
 
 __all__ = ["build_sync", "device_clock", "link_emulator", "make_hook", "build_hook", "parse_compress", "parse_sync",
            "CommStats", "LinkEmulator", "SyncMode", "Synchronous", "LocalSGD", "BoundedStaleness", "Gossip",
-           "FederatedAveraging"]
+           "FederatedAveraging", "StreamingDiLoCo"]
 
 
 def make_hook(compress: str = "none", link: str | Link | None = None, mode: str = "virtual",
