@@ -236,6 +236,7 @@ class TaskRecord(Record):
     name: str
     headline: str
     metrics: list[MetricRecord] = field(default_factory=list)
+    loss: str = ""       # what the loss is, for a plot's axis ("cross-entropy")
 
     def metric(self, name: str) -> MetricRecord | None:
         return next((m for m in self.metrics if m.name == name), None)
@@ -243,6 +244,11 @@ class TaskRecord(Record):
     @property
     def headline_metric(self) -> MetricRecord | None:
         return self.metric(self.headline)
+
+
+# What a run before tasks learned: a classifier scored by accuracy.
+CLASSIFICATION = TaskRecord("classification", "accuracy",
+                            [MetricRecord("accuracy", "", True, "accuracy", ".1%")], "cross-entropy")
 
 
 @dataclass

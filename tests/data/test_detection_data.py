@@ -45,6 +45,19 @@ def test_shapes_holds_images_without_objects():
     assert x.shape == (3, 32, 32) and y.shape == (0, 5)
 
 
+def test_dedup_keeps_each_image_with_its_boxes():
+    from edgetrain.data.dedup import without
+
+    split = shapes(20, 32)
+    kept = np.array([3, 7, 11])
+    smaller = without(split.train, kept)
+    assert len(smaller) == 3 and torch.equal(smaller.images, split.train.images[kept])
+    for k, original in enumerate(kept):
+        assert torch.equal(smaller[k][1], split.train[int(original)][1])
+        assert torch.equal(smaller[k][0], split.train[int(original)][0])
+    assert torch.equal(smaller.labels, split.train.labels[kept])
+
+
 def test_collate_keeps_a_variable_number_of_boxes():
     one = torch.tensor([[1.0, 0.5, 0.5, 0.2, 0.2], [0.0, 0.2, 0.2, 0.1, 0.1]])
     x, target = collate_boxes([(torch.zeros(3, 4, 4), one), (torch.ones(3, 4, 4), torch.zeros(0, 5))])
@@ -127,6 +140,10 @@ def test_yolo_label_without_image_and_image_without_label(tmp_path):
         data("yolo", root)
     with pytest.raises(EdgetrainError, match=r"YOLO folder .*nowhere does not exist; set data_dir"):
         data("yolo", tmp_path / "nowhere")
+    for dataset in ("yolo", "coco"):
+        with pytest.raises(EdgetrainError, match=f"config key 'data_dir' is required with dataset {dataset}; "
+                                                 "point it at the folder holding"):
+            build_data(load_config(dataset=dataset))
 
 
 def write_coco(root: Path, annotations: list[dict], images=4, size=(50, 40)) -> Path:
@@ -144,9 +161,11 @@ def write_coco(root: Path, annotations: list[dict], images=4, size=(50, 40)) -> 
 
 def test_coco_json_reads_pixel_boxes(tmp_path):
     anns = [{"image_id": 100, "category_id": 7, "bbox": [10, 8, 20, 16]},
-            {"image_id": 102, "category_id": 3, "bbox": [0, 0, 50, 40]}]
+            {"image_id": 102, "category_id": 3, "bbox": [0, 0, 50, 40]},
+            {"image_id": 101, "category_id": 3, "bbox": [0, 0, 50, 40], "iscrowd": 1}]
     split = data("coco", write_coco(tmp_path / "c", anns))
     assert (len(split.train), len(split.test), split.num_classes) == (4, 4, 2)
+    assert split.details["class_names"] == ["car", "bike"]
     assert torch.allclose(split.train.boxes[0], torch.tensor([[1.0, 0.4, 0.4, 0.4, 0.4]]))
     assert torch.allclose(split.train.boxes[2], torch.tensor([[0.0, 0.5, 0.5, 1.0, 1.0]]))
     assert split.train.boxes[1].shape == (0, 5)

@@ -127,6 +127,18 @@ def test_pipeline_and_fsdp_train_a_detector_as_ddp_float32(tmp_path):
 
 
 @pytest.mark.slow
+def test_the_tiled_strategy_trains_a_detector_as_one_device(tmp_path):
+    """End to end through the trainer (targets cut into shares by the task), float32."""
+    register_model("narrow_yolo", narrow_yolo)
+    run = dict(RUN, model="narrow_yolo", image_size=96, output=str(tmp_path))
+    tiled = train(dict(run, devices=2, strategy="tiled", grid="1x2", run_name="tiled"))
+    one = train(dict(run, devices=1, run_name="one"))
+    assert tiled["tiling"]["grid"] == "1x2" and tiled["task"]["name"] == "detection"
+    assert tiled["train_loss"] == pytest.approx(one["train_loss"], rel=1e-5)
+    assert max_diff(final_model(tiled), final_model(one)) <= 1e-5
+
+
+@pytest.mark.slow
 def test_resumed_detection_run_ends_as_the_uninterrupted_one(tmp_path):
     run = dict(RUN, model="yolov2_tiny_small", task="detection", devices=2, steps=6, optimizer="adam", lr=0.001,
                checkpoint_every=2, keep_checkpoints=3, output=str(tmp_path))

@@ -163,6 +163,15 @@ def test_evaluation_merged_over_devices_equals_one_device():
     assert set(merged) == {"loss", "map50", "map50_95"} and 0 < merged["map50"] < 1
 
 
+def test_without_data_the_class_count_comes_from_the_model_output():
+    counting = DetectionTask.for_data(None)  # the planner's cost counts
+    out, target = perfect_output(BOXES), target_of(BOXES)
+    assert counting.loss(out, target).item() == pytest.approx(DetectionTask(C).loss(out, target).item(), abs=1e-12)
+    counting.check(out, target)
+    with pytest.raises(EdgetrainError, match=r"output has shape \(3, 43, 4, 4\)"):
+        counting.check(torch.zeros(3, 43, 4, 4), target)
+
+
 def test_the_task_checks_the_model_output_and_the_data():
     task = DetectionTask(C)
     task.check(torch.zeros(2, 5 * (5 + C), 4, 4), None)
@@ -174,5 +183,16 @@ def test_the_task_checks_the_model_output_and_the_data():
     task.check_data(data)
     with pytest.raises(EdgetrainError, match=r"training image \d+ has class 2 outside 0..1"):
         DetectionTask(2).check_data(data)
+    data.test.boxes[1] = torch.tensor([[0.0, 0.95, 0.5, 0.2, 0.2]])
+    with pytest.raises(EdgetrainError, match=r"test image 1 has a box reaching outside the image \[0, 1\]"):
+        task.check_data(data)
     target = task.example_target(torch.zeros(2, 40, 4, 4))
     assert target.shape == (2, 1, 5) and torch.isfinite(task.loss(torch.zeros(2, 40, 4, 4), target))
+
+
+def test_task_detection_brings_the_defaults_it_learns_with():
+    from edgetrain.task_kinds import task_defaults
+
+    implied = task_defaults("detection", {"epochs"})
+    assert implied == {"dataset": "shapes", "model": "yolov2_tiny_small", "image_size": 128, "batch_size": 32,
+                       "optimizer": "adam", "lr": 0.001, "weight_decay": 0.0}

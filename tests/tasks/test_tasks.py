@@ -274,4 +274,39 @@ def test_a_task_of_ones_own_trains_from_python_with_targets_of_its_own_structure
     evals = summary["evals"]
     assert len(evals) == 3 and evals[-1]["metrics"]["wmae"] < evals[0]["metrics"]["wmae"]  # it learns
     config = (Path(summary["run_dir"]) / "config.yaml").read_text()
-    assert f"task: {__name__}:WeightedL1" in config
+    assert f"task: {__name__}:WeightedL1" in config and "dataset: weighted_sensors" in config
+    from edgetrain.data.datasets import DATASETS
+
+    assert "weighted_sensors" not in DATASETS  # registered for that run only
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["pipeline", "fsdp"])
+def test_regression_under_pipeline_and_fsdp_matches_ddp(tmp_path, strategy):
+    cfg = dict(task="regression", steps=3, batch_size=32, devices=2, output=str(tmp_path), **{**FAST, "eval": True})
+    ddp = train(cfg, run_name="ddp")
+    other = train(cfg, strategy=strategy, run_name=strategy)
+    theirs, ours = (edgetrain.load_checkpoint(s["run_dir"])["model"] for s in (other, ddp))
+    for name, value in ours.items():
+        assert torch.allclose(theirs[name], value, rtol=0, atol=1e-6), name
+    assert other["test_metrics"] == pytest.approx(ddp["test_metrics"], rel=1e-5)
+
+
+def test_a_yaml_config_naming_a_task_brings_its_default_dataset_but_keeps_the_keys_it_gives(tmp_path):
+    (tmp_path / "run.yaml").write_text("task: regression\nmodel: small_cnn\n")
+    with pytest.raises(EdgetrainError, match=r"model small_cnn cannot take the diabetes inputs of shape \(10,\)"):
+        train(str(tmp_path / "run.yaml"), output=str(tmp_path / "runs"), **FAST)
+
+
+def test_the_task_layer_imports_nothing_above_it():
+    import ast
+
+    src = Path(edgetrain.__file__).parent
+    above = {"config", "bench", "plan", "report", "train", "cli", "preflight", "ssh_launch", "data_cli", "fleet"}
+    for path in sorted((src / "tasks").rglob("*.py")):
+        found = {n.module.split(".")[1] for n in ast.walk(ast.parse(path.read_text()))
+                 if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("edgetrain.")}
+        assert not found & above, f"{path.name} imports {sorted(found & above)}"
+    kinds = ast.parse((src / "task_kinds.py").read_text())
+    assert {n.module for n in ast.walk(kinds) if isinstance(n, ast.ImportFrom) and n.module
+            and n.module.startswith("edgetrain")} == {"edgetrain.errors"}  # torch-free, the bottom layer

@@ -38,7 +38,8 @@ def average(x: torch.Tensor, compressor: Compressor, memory, emulator: LinkEmula
     its parameter, under which the memory keeps that segment's state whatever its place in
     ``x`` (see ``compress/memory.py``); without names the memory keeps ``x`` whole under ``key``.
     """
-    x = x.detach().reshape(-1).float()
+    x = x.detach().reshape(-1)
+    x = x if x.dtype == torch.float64 else x.float()  # fp64 only in exactness tests; compressors read fp32
     parts = tuple(zip(names, segments or (x.numel(),), strict=True)) if names else None
     payload, own = compress(x, compressor, memory, key, parts, segments)
     world = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -90,7 +91,7 @@ def _allgather(payload: Payload, compressor: Compressor, emulator: LinkEmulator,
         sizes = [int(s.item()) for s in gathered]
         longest = max(sizes)
         if longest > buf.numel():  # gloo gathers equal lengths: pad, and count the padding as sent
-            buf = torch.cat([buf, torch.zeros(longest - buf.numel(), dtype=torch.uint8)])
+            buf = torch.cat([buf, buf.new_zeros(longest - buf.numel())])
     received = [torch.empty_like(buf) for _ in range(world)]
 
     def collective() -> None:

@@ -9,7 +9,8 @@ error feedback), and the devices step ``ref`` with the mean::
 
     plain:     ref = ref - mean(ref - x_i)          (= mean of the models)
     nesterov:  ref = outer SGD step on ref with gradient mean(ref - x_i),
-               lr 0.7, momentum 0.9, Nesterov      (DiLoCo, Douillard et al. 2023)
+               lr 0.7, momentum 0.9, Nesterov      (DiLoCo, Douillard et al. 2023;
+               ``--sync diloco:H[:lr=][:momentum=]``, momentum 0: plain outer SGD)
 
 then every device continues from ``ref``. Each device's optimizer keeps its
 own state (momentum) across averages, as in the papers.
@@ -44,6 +45,7 @@ from __future__ import annotations
 import datetime as dt
 import math
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -57,6 +59,9 @@ from edgetrain.comm.exchange import average
 from edgetrain.comm.params import average_buffers, flatten, unflatten
 from edgetrain.comm.sync import SyncMode
 from edgetrain.spec import DeadlineSpec
+
+if TYPE_CHECKING:
+    from edgetrain.comm.setup import SyncSetup
 
 ROUND_STATUSES = ("joined", "missed_deadline", "not_sampled")
 
@@ -80,7 +85,9 @@ class LocalSGD(SyncMode):
         self.outer = None
         if nesterov:
             self.ref.requires_grad_(True)
-            self.outer = torch.optim.SGD([self.ref], lr=outer_lr, momentum=outer_momentum, nesterov=True)
+            # momentum 0 is a plain outer SGD step (torch refuses Nesterov without momentum)
+            self.outer = torch.optim.SGD([self.ref], lr=outer_lr, momentum=outer_momentum,
+                                         nesterov=outer_momentum > 0)
         self.local_steps = 0
         self.averages = 0
         self.rank = rank
@@ -201,7 +208,7 @@ class LocalSGD(SyncMode):
                 if self.outer is None:
                     self.ref -= pseudo_grad
                 else:
-                    self.ref.grad = pseudo_grad
+                    self.ref.grad = pseudo_grad.to(self.ref.dtype)
                     self.outer.step()
                     self.ref.grad = None
         unflatten(self.ref.detach(), self.params)
@@ -248,3 +255,13 @@ class LocalSGD(SyncMode):
         if self._round_counts_all is not None:
             out["round_participation"] = self._round_counts_all  # per device: rounds joined / missed / not sampled
         return out
+
+
+def build(setup: SyncSetup) -> LocalSGD:
+    """``--sync local:H[:nesterov...]``."""
+    sync = setup.spec.sync
+    group = setup.averaging_group()
+    compressor, memory = setup.compressor()
+    return LocalSGD(setup.model, setup.world_size, setup.emulator, sync.period, compressor, memory, sync.nesterov,
+                    sync.outer_lr, sync.outer_momentum, group=group, rank=setup.rank,
+                    deadline=setup.spec.round_deadline, **setup.common)

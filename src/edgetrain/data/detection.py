@@ -12,7 +12,8 @@ the image (an image without objects has ``n = 0``); ``tasks.detection.collate_bo
   (Ultralytics), else a seeded 80/20 split. ``classes.txt`` (one name a line) sets the classes.
 * ``coco`` (``--data-dir PATH``): ``PATH/train.json`` and ``PATH/test.json`` (or one ``annotations.json``,
   split 80/20), COCO's ``images``/``annotations``/``categories`` with ``bbox`` ``[x, y, w, h]`` in pixels;
-  image files relative to the JSON's folder or its ``images/``. Categories are classes in id order.
+  image files relative to the JSON's folder or its ``images/``. Categories are classes in id order; crowd
+  annotations (``iscrowd``) are left out.
 
 Images are read with Pillow, resized to ``image_size`` square (boxes are fractions, so they do not move)
 and normalised with the training set's per-channel mean and deviation. Every file problem is one
@@ -29,7 +30,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from edgetrain.data.datasets import DataSplit
+from edgetrain.data.images import DataSplit
 from edgetrain.errors import EdgetrainError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp")
@@ -57,6 +58,12 @@ class DetectionImages(Dataset):
     @property
     def shape(self) -> tuple[int, int, int]:
         return tuple(self.images.shape[1:])  # type: ignore[return-value]
+
+    def subset(self, index: torch.Tensor) -> "DetectionImages":
+        """The images ``index`` with their boxes (dedup keeps the images it does not drop)."""
+        smaller = DetectionImages(self.images[index], [self.boxes[int(k)] for k in index], (), (), self.scale)
+        smaller.mean, smaller.std = self.mean, self.std
+        return smaller
 
     def __getitem__(self, key):
         index, _ = key if isinstance(key, tuple) else (key, 0)
@@ -226,6 +233,12 @@ def _class_names(root: Path) -> list[str] | None:
     return names
 
 
+def _required(root, dataset: str, what: str) -> Path:
+    if not root:
+        raise EdgetrainError(f"config key 'data_dir' is required with dataset {dataset}; point it at {what}")
+    return Path(root)
+
+
 def yolo_folder(root: str | Path, image_size: int = 128, seed: int = 0) -> DataSplit:
     train, test_part, count, names, root = yolo_parts(root, seed)
     read = lambda part: (np.stack([_read_image(p, image_size) for p in part[0]]), part[1])  # noqa: E731
@@ -235,7 +248,7 @@ def yolo_folder(root: str | Path, image_size: int = 128, seed: int = 0) -> DataS
 def yolo_parts(root: str | Path, seed: int = 0):
     """(train (image paths, boxes), test (image paths, boxes), classes, class names or None, root) of a YOLO
     folder, every label file read and checked; the images are not read."""
-    root = Path(root) if root is not None else Path("")
+    root = _required(root, "yolo", "the folder holding images/ and labels/")
     if not root.is_dir():
         raise EdgetrainError(f"YOLO folder {root} does not exist; set data_dir to a folder holding images/ and "
                              "labels/ (or train/ and test/, each holding both)")
@@ -270,11 +283,13 @@ def _split_80_20(part, seed: int, source: Path):
 
 
 def read_coco(path: Path, image_size: int, categories: list[int] | None = None):
-    """(images, boxes, category ids in class order) of one COCO JSON file."""
+    """(images, boxes, (category id, name) in class order) of one COCO JSON file; ``categories``: the ids
+    another file of the set defined (a test file is read in the training file's classes)."""
     try:
         data = json.loads(path.read_text())
         images, annotations = data["images"], data.get("annotations", [])
-        cats = sorted(int(c["id"]) for c in data.get("categories", []))
+        names = {int(c["id"]): str(c.get("name", c["id"])) for c in data.get("categories", [])}
+        cats = sorted(names)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise EdgetrainError(f"COCO file {path} cannot be read ({type(e).__name__}: {e}); give a JSON object with "
                              "'images', 'annotations' and 'categories' lists") from None
@@ -305,6 +320,8 @@ def read_coco(path: Path, image_size: int, categories: list[int] | None = None):
         except (KeyError, TypeError, ValueError):
             raise EdgetrainError(f"{where} is not an annotation with image_id, category_id and bbox [x, y, w, h]; "
                                  "fix or remove it") from None
+        if ann.get("iscrowd", 0):  # a crowd region, not one object: COCO's own evaluation ignores it too
+            continue
         if image not in by_id:
             raise EdgetrainError(f"{where}: image_id {image} is not in 'images'; add the image or remove the "
                                  "annotation")
@@ -318,14 +335,15 @@ def read_coco(path: Path, image_size: int, categories: list[int] | None = None):
     pictures = np.stack([_read_image(f, image_size) for f in files]) if files else None
     if pictures is None:
         raise EdgetrainError(f"COCO file {path} lists no images; add some")
-    return pictures, [np.asarray(b, dtype=np.float32).reshape(-1, 5) for b in boxes], cats
+    return pictures, [np.asarray(b, dtype=np.float32).reshape(-1, 5) for b in boxes], \
+        [(c, names.get(c, str(c))) for c in cats]
 
 
 def coco_folder(root: str | Path, image_size: int = 128, seed: int = 0) -> DataSplit:
-    root = Path(root) if root is not None else Path("")
+    root = _required(root, "coco", "the folder holding train.json and test.json")
     if (root / "train.json").is_file() and (root / "test.json").is_file():
         xs, bs, cats = read_coco(root / "train.json", image_size)
-        xt, bt, _ = read_coco(root / "test.json", image_size, cats)
+        xt, bt, _ = read_coco(root / "test.json", image_size, [c for c, _ in cats])
         train, test = (xs, bs), (xt, bt)
     elif (root / "annotations.json").is_file():
         xs, bs, cats = read_coco(root / "annotations.json", image_size)
@@ -333,4 +351,4 @@ def coco_folder(root: str | Path, image_size: int = 128, seed: int = 0) -> DataS
     else:
         raise EdgetrainError(f"COCO folder {root} holds neither train.json and test.json nor annotations.json; "
                              "set data_dir to the folder holding them")
-    return detection_split(train, test, len(cats), root.name, [str(c) for c in cats])
+    return detection_split(train, test, len(cats), root.name, [name for _, name in cats])

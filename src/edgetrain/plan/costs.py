@@ -115,7 +115,9 @@ def count_costs(model: nn.Module | str, input_shape: tuple[int, ...], num_classe
         from edgetrain.models import build_model
 
         name = name or model
-        model = build_model(model, input_shape[0], num_classes)
+        from edgetrain.data.datasets import input_channels
+
+        model = build_model(model, input_channels(input_shape), num_classes)
     name = name or type(model).__name__
     state = {k: v.clone() for k, v in model.state_dict().items()}  # counting must not change the model
     try:
@@ -158,6 +160,18 @@ def data_footprint(cfg) -> tuple[tuple[int, int, int], int, int]:
     from edgetrain.data import build_data
 
     data = build_data(cfg)
-    size = sum(s.images.numel() * s.images.element_size() + s.labels.numel() * s.labels.element_size()
-               for s in (data.train, data.test))
-    return data.input_shape, data.num_classes, size
+    return data.input_shape, data.num_classes, held_bytes(data.train) + held_bytes(data.test)
+
+
+def held_bytes(dataset) -> int:
+    """Bytes of the tensors a dataset holds (inputs and targets; not its normalisation statistics)."""
+    return sum(v.numel() * v.element_size() for k, v in vars(dataset).items()
+               if isinstance(v, torch.Tensor) and k not in ("mean", "std"))
+
+
+def run_task_of(cfg, data=None) -> Task:
+    """The task a ``TrainConfig`` trains (``--task``, else the one its dataset implies), for the cost counts."""
+    from edgetrain.task_kinds import run_task
+    from edgetrain.tasks import build_task
+
+    return build_task(run_task(cfg.task, cfg.dataset), data)

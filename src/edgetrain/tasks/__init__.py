@@ -27,7 +27,7 @@ def task_record(task: Task, name: str | None = None) -> TaskRecord:
     """The summary's typed description of ``task`` (records.py): what the report plots and how."""
     return TaskRecord(name=name or task.name, headline=task.headline.name,
                       metrics=[MetricRecord(m.name, m.unit, m.higher_is_better, m.label, m.fmt)
-                               for m in (task.metrics or (task.headline,))])
+                               for m in (task.metrics or (task.headline,))], loss=task.loss_name)
 
 
 __all__ = ["Evaluator", "Metric", "Task", "task_reference", "build_task", "task_class", "task_record"]

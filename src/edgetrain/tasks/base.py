@@ -75,6 +75,7 @@ class Task(abc.ABC):
     name: str = "task"
     headline: Metric                                # the one metric printed, in summary.json, plotted
     metrics: tuple[Metric, ...] = ()                # everything ``evaluator`` reports (headline included)
+    loss_name: str = ""                             # what the loss is, for plots ("cross-entropy")
 
     @classmethod
     def for_data(cls, data: Any) -> "Task":

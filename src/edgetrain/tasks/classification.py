@@ -36,6 +36,7 @@ class ClassificationTask(Task):
     name = "classification"
     headline = ACCURACY
     metrics = (ACCURACY,)
+    loss_name = "cross-entropy"
 
     def loss(self, output, target):
         return F.cross_entropy(output, target, reduction="sum")

@@ -251,45 +251,63 @@ class DetectionEvaluator(Evaluator):
     def __init__(self, task: "DetectionTask"):
         self.task = task
         self.loss_sum, self.seen = 0.0, 0
+        self.classes = task.num_classes
         self.images: list[tuple[np.ndarray, np.ndarray]] = []
 
     def update(self, output, target) -> None:
         self.loss_sum += float(self.task.loss(output, target))
         self.seen += int(output.shape[0])
-        self.images += detection_images(output, target, self.task.anchors, self.task.num_classes)
+        self.classes = self.task.classes(output)
+        self.images += detection_images(output, target, self.task.anchors, self.classes)
 
     def state(self) -> dict:
         return {"loss_sum": self.loss_sum, "seen": self.seen, "images": self.images,
-                "num_classes": self.task.num_classes, "image_size": self.task.image_size}
+                "num_classes": self.classes, "image_size": self.task.image_size}
 
     @staticmethod
     def merge(states: list) -> dict[str, float]:
         images = [im for s in states for im in s["images"]]
         seen = sum(s["seen"] for s in states)
-        scores = coco_map(images, states[0]["num_classes"], tuple(states[0]["image_size"]))
+        classes = max(s["num_classes"] or 0 for s in states)  # None: a device that scored no batch
+        scores = coco_map(images, classes, tuple(states[0]["image_size"]))
         return {"loss": sum(s["loss_sum"] for s in states) / max(seen, 1), **scores}
+
+
+def _inside(boxes: torch.Tensor, edge: float = 1e-6) -> bool:
+    """Every ``cx, cy, w, h`` box has an area and lies in the image (the readers' check, vectorised)."""
+    lo, hi = boxes[:, :2] - boxes[:, 2:] / 2, boxes[:, :2] + boxes[:, 2:] / 2
+    return bool(torch.isfinite(boxes).all() and (boxes[:, 2:] > 0).all() and (lo >= -edge).all()
+                and (hi <= 1 + edge).all())
 
 
 class DetectionTask(Task):
     """YOLOv2 detection: ``yolo_loss`` to learn, ``decode`` and COCOeval to score (mAP@0.5 the headline).
 
     ``anchors`` (fractions of the image) must be the model's (``YoloV2Tiny.anchors``; both default to
-    YOLOv2-tiny-voc's); ``image_size`` (width, height) only scales boxes for COCOeval."""
+    YOLOv2-tiny-voc's); ``image_size`` (width, height) only scales boxes for COCOeval. ``num_classes`` None:
+    read from the model's output (``anchors x (5 + classes)`` channels), as for cost counts without data."""
 
     name = "detection"
     headline = MAP50
     metrics = (MAP50, MAP50_95)
 
-    def __init__(self, num_classes: int = 20, anchors: Sequence[tuple[float, float]] = VOC_ANCHORS,
+    def __init__(self, num_classes: int | None = 20, anchors: Sequence[tuple[float, float]] = VOC_ANCHORS,
                  image_size: tuple[int, int] = (416, 416)):
-        self.num_classes = int(num_classes)
+        self.num_classes = int(num_classes) if num_classes is not None else None
         self.anchors = tuple((float(w), float(h)) for w, h in anchors)
         self.image_size = (int(image_size[0]), int(image_size[1]))
 
     @classmethod
     def for_data(cls, data) -> "DetectionTask":
+        if data is None:  # the planner's cost counts: classes from the model's output
+            return cls(None)
         shape = data.input_shape
         return cls(data.num_classes, VOC_ANCHORS, (shape[-1], shape[-2]))
+
+    def classes(self, output: torch.Tensor) -> int:
+        if self.num_classes is not None:
+            return self.num_classes
+        return max(output.shape[1] // len(self.anchors) - 5, 0)
 
     def loss(self, output, target):
         if output.device.type == "meta":
@@ -297,7 +315,7 @@ class DetectionTask(Task):
             # holds no matmul or convolution, and the model's backward costs the same whatever gradient
             # reaches the output, so a sum stands in for it there.
             return output.sum()
-        return yolo_loss(output, target, self.anchors, self.num_classes)
+        return yolo_loss(output, target, self.anchors, self.classes(output))
 
     def collate(self, samples):
         return collate_boxes(samples)
@@ -326,16 +344,22 @@ class DetectionTask(Task):
                 if len(b) and (b.dim() != 2 or b.shape[1] != 5):
                     refuse(f"dataset {data.name}: {part} image {k} has boxes of shape {tuple(b.shape)}",
                            "give (n, 5) rows [class, cx, cy, w, h]")
-                if len(b) and (int(b[:, 0].max()) >= self.num_classes or float(b[:, 0].min()) < 0):
+                if len(b) and self.num_classes is not None and (int(b[:, 0].max()) >= self.num_classes
+                                                                 or float(b[:, 0].min()) < 0):
                     refuse(f"dataset {data.name}: {part} image {k} has class {int(b[:, 0].max())} outside "
                            f"0..{self.num_classes - 1}", "fix the class ids or the dataset's num_classes")
+                if len(b) and not _inside(b[:, 1:].double()):
+                    refuse(f"dataset {data.name}: {part} image {k} has a box reaching outside the image [0, 1] or "
+                           "without area", "give boxes as cx, cy, w, h fractions of the image, w and h > 0")
 
     def check(self, output, target) -> None:
-        want = len(self.anchors) * (5 + self.num_classes)
-        if output.dim() != 4 or output.shape[1] != want:
+        classes = self.classes(output)
+        want = len(self.anchors) * (5 + classes)
+        if output.dim() != 4 or output.shape[1] != want or classes < 1:
             refuse(f"the model's output has shape {tuple(output.shape)} but detection needs (N, {want}, S, S) "
-                   f"({len(self.anchors)} anchors x (5 + {self.num_classes} classes))",
+                   f"({len(self.anchors)} anchors x (5 + {classes} classes))",
                    "use --model yolov2_tiny or yolov2_tiny_small, or a model with that output")
 
     def describe(self) -> str:
-        return f"detection ({self.num_classes} classes, {len(self.anchors)} anchors)"
+        classes = self.num_classes if self.num_classes is not None else "its model's"
+        return f"detection ({classes} classes, {len(self.anchors)} anchors)"

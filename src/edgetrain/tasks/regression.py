@@ -47,6 +47,7 @@ class RegressionTask(Task):
     name = "regression"
     headline = RMSE
     metrics = (RMSE, MAE)
+    loss_name = "squared error, standardised"
 
     def __init__(self, mean=0.0, std=1.0, unit: str = ""):
         self.mean = torch.as_tensor(mean, dtype=torch.float64).reshape(-1)
@@ -57,7 +58,7 @@ class RegressionTask(Task):
 
     @classmethod
     def for_data(cls, data) -> "RegressionTask":
-        details = getattr(data, "details", {}) or {}
+        details = getattr(data, "details", None) or {}  # no data (the planner's counts): unscaled
         return cls(details.get("target_mean", 0.0), details.get("target_std", 1.0), details.get("target_unit", ""))
 
     def _scaled(self, target: torch.Tensor, output: torch.Tensor) -> torch.Tensor:

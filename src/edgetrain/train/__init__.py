@@ -11,11 +11,11 @@ from edgetrain.cluster.launch import launch_local, refuse_nested_launch, under_t
 from edgetrain.cluster.membership import ElasticLaunch
 from edgetrain.cluster.peers import TOKEN_ENV, check_rank_environment
 from edgetrain.cluster.profiles import device_speed, plan_devices, split_batch
-from edgetrain.config import TrainConfig, load_config, resolve
+from edgetrain.config import TrainConfig, load_config, resolve, with_device_count
 from edgetrain.errors import EdgetrainError, Terminated
 from edgetrain.preflight import check_before_launch
 from edgetrain.report.files import new_run_dir, write_yaml
-from edgetrain.spec import back_after_s
+from edgetrain.spec import back_after_s, launch_spec
 
 
 def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: nn.Module | str | None = None,
@@ -67,10 +67,20 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
         overrides["task"] = task_reference(task)
     if isinstance(dataset, str):
         overrides["dataset"] = dataset
-    elif dataset is not None:  # a factory: registered for this run under its own name
+    elif dataset is not None:  # a factory: registered for this run only, under its own name
+        from edgetrain.data.datasets import DATASETS
+
         name = getattr(dataset, "__name__", type(dataset).__name__)
+        before = DATASETS.get(name)
         register_dataset(name, dataset)
-        overrides["dataset"] = name
+        rest = {k: v for k, v in overrides.items() if k not in ("dataset", "task")}
+        try:
+            return train(config, model, strategy, task if task is not None else overrides.get("task"), name, **rest)
+        finally:
+            if before is None:
+                DATASETS.pop(name, None)
+            else:
+                DATASETS[name] = before
     # a built-in --task given without a dataset or model brings its own (edgetrain.task_kinds)
     given = {*overrides, *_given(config)}
     if "resume" not in given:  # a resumed run is as its config.yaml says
@@ -84,7 +94,9 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     if elastic_dir is not None and rank == 0 and checkpoint_files(elastic_dir):
         phase(cfg, rank, f"continuing the torchrun job's run in {elastic_dir} from its newest checkpoint")
         cfg = load_config(config, **{**overrides, "resume": str(elastic_dir)})
-    spec = resolve(cfg)  # the options parsed once; the devices build from these
+    # the options parsed once, with how this process was started (its environment); the devices build from these
+    launch = launch_spec(os.environ)
+    spec = resolve(cfg, launch)
     checked = check_before_launch(cfg, spec, model, task)  # before the run directory and the devices: bad input
     # leaves nothing
     accelerator_device(cfg.accelerator)
@@ -94,6 +106,8 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     cluster_token = cfg.cluster_token or os.environ.get(TOKEN_ENV, "")
     cfg = dataclasses.replace(cfg, cluster_token=None)
     devices = plan_devices(cfg, world)
+    # the checks that need the count: a cluster file's is known now
+    spec = with_device_count(cfg, spec, len(devices), launch)
     local_batches = split_batch(cfg, devices)
     if spec.checkpoint.resume_dir and rank == 0:
         check_resume_devices(spec.checkpoint.resume_dir, len(devices), spec.partition.local)
@@ -107,9 +121,6 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     if beyond is not None:
         raise EdgetrainError(f"EDGETRAIN_FAULT names device {beyond}, but the run has {len(devices)} "
                              f"(ranks 0 to {len(devices) - 1}); name one of them or unset it")
-    if spec.min_devices is not None and spec.min_devices > len(devices):
-        raise EdgetrainError(f"--min-devices {spec.min_devices} is more than the {len(devices)} devices of the run; "
-                             f"give 1 to {len(devices)}")
     needs_speed = cfg.throttle and any(d.profile.speed is not None or d.profile.gflops is not None for d in devices)
     # Measured once, before the devices start, so they do not disturb each other's measurement.
     if needs_speed:

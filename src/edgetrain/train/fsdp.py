@@ -96,6 +96,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
@@ -103,8 +104,9 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGath
 from edgetrain.comm import device_clock
 from edgetrain.comm.accounting import ring_allgather_bytes, ring_allreduce_bytes
 from edgetrain.comm.emulation import LinkEmulator
+from edgetrain.kinds import STRATEGY_KINDS
 from edgetrain.models.init import initialised_layers, is_meta, materialise
-from edgetrain.train.strategy import FLAT_OPTIMIZER, STRATEGIES, DataParallel, StepResult, Strategy
+from edgetrain.train.strategy import FLAT_OPTIMIZER, DataParallel, StepResult, Strategy
 
 
 
@@ -173,7 +175,7 @@ class FullyShardedDataParallel(Strategy):
     """Data parallel over the batch, with the model's state sharded over the devices (FSDP2)."""
 
     name = "fsdp"
-    pooled = True
+    shard_data, pooled = STRATEGY_KINDS[name].shards_batch, STRATEGY_KINDS[name].pooled
 
     adapt = DataParallel.adapt  # --batchnorm sync: CrossDeviceBatchNorm2d, as in data parallelism
 
@@ -189,17 +191,20 @@ class FullyShardedDataParallel(Strategy):
         c = self.context
         on_meta = any(is_meta(m) for m in model.modules())
         whole = copy.deepcopy(model) if on_meta else None  # plain meta tensors: each layer's full initial value
+        if not on_meta:  # a model passed built: every device starts from device 0's weights, as DDP's constructor
+            # does; whole tensors, before sharding, so that each device then keeps its own shard of device 0's
+            for tensor in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(tensor.data, src=0)
         self.clock = device_clock(model, c.spec, c.rank, c.world, c.stats, c.link, "fsdp")
+        # the run's device type, not the default mesh's (CUDA wherever torch sees a GPU, --accelerator cpu too)
+        mesh = init_device_mesh(c.device.type, (c.world,))
         for module in [*sharding_units(model), model]:
-            fully_shard(module)
+            fully_shard(module, mesh=mesh)
             module.set_custom_all_gather(CountingAllGather(self.clock.emulator))
             module.set_custom_reduce_scatter(CountingReduceScatter(self.clock.emulator))
         if on_meta:
             model.to_empty(device=c.device)  # this device's shards only
             _initialise_shards(model, whole, c.spec.seed, c.device)
-        else:  # a model passed built: every device starts from device 0's weights, as DDP's constructor does
-            for tensor in [*model.parameters(), *model.buffers()]:
-                dist.broadcast(tensor.to_local() if isinstance(tensor, DTensor) else tensor.data, src=0)
         self.model = model
         self.finished = False
 
@@ -266,5 +271,3 @@ def clock_summary(clock) -> dict:
         summary.pop(key)
     return summary
 
-
-STRATEGIES[FullyShardedDataParallel.name] = FullyShardedDataParallel

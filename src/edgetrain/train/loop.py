@@ -22,11 +22,14 @@ Rank 0 says each start-up phase in one line on stderr as it begins
 set-up, training), unless ``--no-progress``; the
 launcher adds the host's speed measurement and the devices' start.
 
-Checkpoints during the run, ``--resume`` and the stop on SIGTERM are a
-``Checkpointer`` (train/checkpoint.py: what is held, the protocol, what is
-exact): it is asked at the start of every step, before the batch is taken.
-A resumed run restores every device's state there and rewrites the records
-files from the checkpoint's, so that no step is counted twice.
+Checkpoints during the run, ``--resume`` and the stop on SIGTERM are
+``LoopCheckpoints`` (train/resume.py, over train/checkpoint.py's
+``Checkpointer``: what is held, the protocol, what is exact): asked at the
+start of every step, before the batch is taken. A resumed run restores every
+device's state before the first step and rewrites the records files from the
+checkpoint's, so that no step is counted twice. Who trains is the run's
+membership (train/elastic.py): ``FailStop``, the devices of the start to the
+end, or ``Elastic`` with ``--min-devices``; the loop calls either alike.
 
 Each step's ``StepRecord`` (records.py) says where the time went:
 
@@ -99,11 +102,11 @@ from edgetrain.report.files import atomic_write, save_torch, write_json
 from edgetrain.spec import RunSpec
 from edgetrain.task_kinds import run_task
 from edgetrain.tasks import Task, build_task, task_record
-from edgetrain.tasks.base import add_counts, as_counts, sum_totals
-from edgetrain.train.checkpoint import (FINAL_DIR, FINAL_FILE, Checkpointer, resume_hint, rng_state,
-                                        save_final_parts, set_rng_state)
-from edgetrain.train.elastic import Elastic
+from edgetrain.tasks.base import sum_totals
+from edgetrain.train.checkpoint import FINAL_DIR, FINAL_FILE, Checkpointer, resume_hint, save_final_parts
+from edgetrain.train.elastic import Elastic, FailStop
 from edgetrain.train.evaluation import evaluate  # noqa: F401  (imported from here: fleet/app.py, tests)
+from edgetrain.train.resume import LoopCheckpoints, LoopState
 from edgetrain.train.strategy import StepResult, Strategy, StrategyContext, registered_strategy
 from edgetrain.train.tensorboard_log import TensorBoardLog, write_missing_devices
 
@@ -151,7 +154,12 @@ def accelerator_device(accelerator: str, local_rank: int = 0) -> torch.device:
                              f"(torch {torch.__version__}); use --accelerator cpu or auto")
     if accelerator == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
-    return torch.device("cuda", local_rank % torch.cuda.device_count())
+    device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    # Set and initialised now: torch's device mesh (fsdp) would otherwise pick GPU LOCAL_RANK, which emulated
+    # devices sharing one GPU do not have
+    torch.cuda.set_device(device)
+    torch.cuda.init()
+    return device
 
 
 @dataclass
@@ -315,7 +323,7 @@ class RunWriter:
     def summary(self, cfg: TrainConfig, strategy: Strategy, optimizer, per_device: list[DeviceSummary], train_totals,
                 evals: list[EvalRecord], params, data, world, local_batches, steps, wall_s, flops_per_sample,
                 partition: PartitionReport | None = None, membership: list[MembershipRecord] | None = None,
-                task_name: str | None = None) -> dict:
+                planned_steps: int | None = None, task_name: str | None = None) -> dict:
         """Rank 0, last: checkpoint.pt (a pooled strategy's devices wrote checkpoint/ already) and summary.json;
         returns the summary as written."""
         run_dir = self.run_dir
@@ -323,7 +331,7 @@ class RunWriter:
             d.details.update(achieved(flops_per_sample["total_flops"], d.samples_per_s, d.details.get("peak_gflops")))
         if not strategy.pooled:
             save_torch(run_dir / FINAL_FILE, {**strategy.checkpoint_state(optimizer), "step": steps,
-                                              "config": cfg.to_dict()})
+                                              "planned_steps": planned_steps, "config": cfg.to_dict()})
         step_s = sum(d.step_s for d in per_device) / world
         split = {k: sum(getattr(d, f"{k}_s") for d in per_device) / world for k in ("data", "compute", "comm")}
         last = evals[-1] if evals else None
@@ -394,8 +402,9 @@ def train_device(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], loc
         register_model(name, factory)
     for name, factory in (datasets or {}).items():
         register_dataset(name, factory)
-    elastic = Elastic(spec, devices, local_batches, run_dir) if spec.min_devices else None  # train/elastic.py
-    at = set_up_device(cfg, spec, devices, speeds, cluster_token, elastic)
+    # who trains (train/elastic.py): the devices of the start to the end, or as many as remain and come back
+    membership = Elastic(spec, devices, local_batches, run_dir) if spec.min_devices else FailStop(spec, local_batches)
+    at = set_up_device(cfg, spec, devices, speeds, cluster_token, membership)
     rank = at.rank
     if limits is not None and limits.fallbacks and rank == 0:
         print(f"edgetrain: note: --device-limits cgroup falls back on this host ({'; '.join(limits.fallbacks)}); "
@@ -420,13 +429,13 @@ def train_device(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], loc
     flops_per_sample = training_flops_per_sample(model, input_shape=data.input_shape,
                                                  num_classes=data.num_classes, task=task,
                                                  example=task.collate([data.train[i] for i in range(min(2, len(data.train)))])
-                                                 ) if rank == 0 or elastic else None
+                                                 ) if rank == 0 or membership.reports_anywhere else None
     if at.returning:  # ready to train: admitted at the members' next step (train/elastic.py)
-        rank, world = elastic.join()
+        rank, world = membership.join()
         at = dataclasses.replace(at, rank=rank, world=world)
-    rank, world, local_batches = at.rank, at.world, elastic.local_batches if elastic else local_batches
-    checkpoints = Checkpointer(spec.checkpoint, run_dir, rank, world, spec.timeout_s)
-    run_state, mine = checkpoints.load()  # (None, None) for a new run
+    rank, world, local_batches = at.rank, at.world, membership.local_batches
+    checkpoints = LoopCheckpoints(Checkpointer(spec.checkpoint, run_dir, rank, world, spec.timeout_s),
+                                  cfg.to_dict(), at.device)
     stats = CommStats()
     strategy = (strategy_class or registered_strategy(spec.strategy))(StrategyContext(
         cfg, spec, rank, world, local_batches[rank], tuple(data.input_shape), stats, at.me.link, at.device,
@@ -436,9 +445,8 @@ def train_device(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], loc
     if cfg.throttle and any(speed is not None for speed in speeds):  # the same on every device: all take part
         phase(cfg, rank, "calibrating the throttle: a reference pass per device, one device of this host at a time")
         batch = strategy.calibration_batch
-        if mine and throttle:  # the resumed device keeps its calibration
-            vars(throttle).update(mine["throttle"])
-        calibrate_throttle(throttle, model, None if batch is None or mine else
+        checkpoints.keep_calibration(throttle)
+        calibrate_throttle(throttle, model, None if batch is None or checkpoints.resumed else
                            torch.randn(batch, *data.input_shape, device=at.device), at)
     phase(cfg, rank, f"setting up strategy {strategy.name}")
     strategy.setup(model)
@@ -469,116 +477,98 @@ def train_device(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], loc
     phase(cfg, rank, f"training: {int(total_steps)} steps, {epochs} epoch(s)")
     recorder = StepRecorder(stats, at.device_id)
     bar = _progress(cfg, rank, int(total_steps))
-    records: list[StepRecord] = []
-    evals: list[EvalRecord] = []
+    state = LoopState(started, planned_steps=int(total_steps))
     # Checked against peak RSS unless the kernel holds the device to its memory (--device-limits cgroup): RSS
     # counts the pages this process shares with the launcher (torch itself), which the cgroup does not.
-    step, start_epoch = 0, 0
     limit_mb = None if limits is not None and limits.memory_bound else at.me.profile.memory_mb
-    ema_loss = None
-    epoch_loss, epoch_counts, epoch_seen = 0.0, {}, 0.0
-    if mine:
-        strategy.load_state_dict(mine["strategy"])
-        if strategy.pooled:  # this device's part, from the checkpoint's directory (DCP; a collective)
-            checkpoints.load_sharded(strategy, optimizer, mine)
-        else:
-            optimizer.load_state_dict(mine["optimizer"])
-        scheduler.load_state_dict(mine["scheduler"])
-        records = [StepRecord.from_dict(r) for r in mine["records"]]
-        evals = [EvalRecord.from_dict(e) for e in run_state["evals"]]
-        writer.restart(records, evals)
-        epoch_loss, epoch_counts, epoch_seen = mine["epoch_totals"]
-        epoch_counts = as_counts(epoch_counts)
-        ema_loss, step, start_epoch = mine["ema_loss"], run_state["step"], run_state["epoch"]
-        started -= run_state["wall_s"]  # the summary's wall time covers the whole run
-        set_rng_state(mine["rng"], at.device)  # last: nothing above may draw from it
-    if elastic:  # a returning device receives the current state here
-        step, start_epoch, evals = elastic.start(strategy, optimizer, scheduler, sampler, loader, step, start_epoch,
-                                                 evals)
-    resumed_step = step
-    checkpoints.catch_sigterm()
-    for epoch in range(start_epoch, epochs):
+    checkpoints.restore(state, strategy, optimizer, scheduler, writer)
+    # a returning device of an elastic run receives the current state here
+    state.step, state.epoch, state.evals = membership.start(strategy, optimizer, scheduler, sampler, loader,
+                                                            state.step, state.epoch, state.evals)
+    checkpoints.resumed_step = state.step
+    checkpoints.files.catch_sigterm()
+    for epoch in range(state.epoch, epochs):
+        state.epoch = epoch
         sampler.set_epoch(epoch)
-        if step == resumed_step and mine:
-            sampler.resume_at(epoch, step - epoch * len(sampler))
+        if checkpoints.resumes_in(state):
+            sampler.resume_at(epoch, state.step - epoch * len(sampler))
         else:
-            epoch_loss, epoch_counts, epoch_seen = 0.0, {}, 0.0
+            state.new_epoch()
         batches = iter(loader)
-        while step < total_steps:
-            if checkpoints.due(step, resumed_step):
-                checkpoints.save(step, {
-                    "step": step, "epoch": epoch, "evals": [e.to_dict() for e in evals],
-                    "wall_s": time.perf_counter() - started, "config": cfg.to_dict()}, {
-                    "strategy": strategy.state_dict(),
-                    # a pooled strategy's optimizer state is in its part (sharded_state), not in every device's
-                    **({} if strategy.pooled else {"optimizer": optimizer.state_dict()}),
-                    "scheduler": scheduler.state_dict(), "rng": rng_state(at.device),
-                    "records": [r.to_dict() for r in records],
-                    "epoch_totals": [epoch_loss, dict(epoch_counts), epoch_seen],
-                    "ema_loss": ema_loss, "throttle": _throttle_state(throttle)},
-                    strategy.sharded_state(optimizer) if strategy.pooled else None)
-                if checkpoints.stopped:
-                    break
-            # EDGETRAIN_FAULT, for tests and chaos runs
-            inject_fault(elastic.faults if elastic else spec.faults, at.device_id, step, spec.timeout_s)
+        while state.step < total_steps:
+            if checkpoints.save_if_due(state, strategy, optimizer, scheduler, throttle):
+                break  # SIGTERM: stopped with this checkpoint
+            inject_fault(membership.faults, at.device_id, state.step, spec.timeout_s)  # EDGETRAIN_FAULT
             recorder.start()
             try:
-                if elastic:
-                    elastic.boundary(step, epoch, evals)
+                membership.boundary(state.step, epoch, state.evals)
                 x, y = next(batches)
                 x, y = x.to(at.device, non_blocking=True), task.to_device(y, at.device)
                 recorder.data_ready(batches.last)
                 result = strategy.train_step(x, y, optimizer)
             except StopIteration:
                 break
-            except Elastic.failures if elastic else () as e:  # a device left or joined: the step is done again
-                rank, world, local_batches, batches, step = elastic.reform(e, epoch)
+            except membership.failures as e:  # a device left or joined: the step is done again
+                rank, world, local_batches, batches, state.step = membership.reform(e, epoch)
                 continue
             scheduler.step()
-            record = recorder.finish(step, epoch, result, scheduler.get_last_lr()[0])
-            records.append(record)
+            record = recorder.finish(state.step, epoch, result, scheduler.get_last_lr()[0])
             writer.step(record)
-            epoch_loss += result.loss_sum
-            epoch_counts = add_counts(epoch_counts, result.train_counts)
-            epoch_seen += result.samples
-            step += 1
+            state.count(record, result)
             if limit_mb is not None and record.peak_rss_mb > limit_mb:
                 raise EdgetrainError(f"{at.me.label} ran out of memory: peak {record.peak_rss_mb:.0f} MiB > its "
-                                     f"{limit_mb} MiB at step {step}; lower batch_size or give the profile more memory_mb")
-            if record.loss is not None:  # None: a step this device sat out (a round it is no member of)
-                ema_loss = record.loss if ema_loss is None else 0.9 * ema_loss + 0.1 * record.loss
-            if bar and ema_loss is not None:
-                bar.update(step, epoch, ema_loss, figures_text(task, task.train_figures(epoch_counts, int(epoch_seen))),
+                                     f"{limit_mb} MiB at step {state.step}; lower batch_size or give the profile "
+                                     f"more memory_mb")
+            if bar and state.ema_loss is not None:
+                bar.update(state.step, epoch, state.ema_loss,
+                           figures_text(task, task.train_figures(state.totals[1], int(state.totals[2]))),
                            cfg.batch_size / record.step_s)
         if checkpoints.stopped:
             break
-        if step >= total_steps or epoch == epochs - 1:
+        if state.step >= total_steps or epoch == epochs - 1:
             strategy.finish()  # the last exchange: every device now holds the same model
         if cfg.eval:
             metrics = strategy.evaluate(data.test)
             if isinstance(metrics, tuple):  # a strategy of one's own may give a classifier's (loss, accuracy)
                 metrics = {"loss": metrics[0], "accuracy": metrics[1]}
             test_loss = metrics.pop("loss")
-            evals.append(EvalRecord(epoch=epoch, step=step, test_loss=test_loss,
-                                    test_accuracy=metrics.get("accuracy"), metrics=metrics))
+            state.evals.append(EvalRecord(epoch=epoch, step=state.step, test_loss=test_loss,
+                                          test_accuracy=metrics.get("accuracy"), metrics=metrics))
             if rank == 0:
-                writer.evaluation(evals[-1])
+                writer.evaluation(state.evals[-1])
             headline = task.headline
             _note(bar, rank, f"epoch {epoch + 1}/{epochs}: test {headline.label or headline.name} "
                              f"{headline.format(metrics[headline.name])}, loss {test_loss:.3f}")
-        if step >= total_steps:
+        if state.step >= total_steps:
             break
-    checkpoints.release_sigterm()
+    checkpoints.files.release_sigterm()
     if bar:
         bar.close()
     strategy.finish()  # no-op if the last epoch already called it
     writer.close()
     if strategy.pooled:  # every device writes its own part of the final model: RUN_DIR/checkpoint/
-        save_final_parts(run_dir, strategy.sharded_state(optimizer, final=True), step, cfg.to_dict(), rank, world,
-                         spec.timeout_s)
+        save_final_parts(run_dir, strategy.sharded_state(optimizer, final=True), state.step, cfg.to_dict(), rank,
+                         world, spec.timeout_s, planned_steps=state.planned_steps)
+    task_name = cfg.task if user_task is not None else run_task(cfg.task, cfg.dataset)
+    summary = _end_of_run(cfg, state, at, strategy, optimizer, writer, membership, checkpoints, throttle, devices,
+                          rank, world, local_batches, params, data, flops_per_sample, partition, task_name, limits)
+    dist.barrier()
+    dist.destroy_process_group()
+    if checkpoints.stopped:
+        raise Terminated(resume_hint(run_dir) if run_dir else "")
+    return summary
 
-    train_totals = (epoch_loss, epoch_counts, epoch_seen)
-    mine = _device_summary(records, at, local_batches[rank], throttle, cfg.workers)
+
+def _end_of_run(cfg: TrainConfig, state: LoopState, at: DeviceSetup, strategy: Strategy, optimizer, writer: RunWriter,
+                membership, checkpoints: LoopCheckpoints, throttle: Throttle | None, devices: list[DeviceSpec],
+                rank: int, world: int, local_batches: list[int], params: int, data: DataSplit, flops_per_sample,
+                partition: PartitionReport | None, task_name: str | None,
+                limits: DeviceLimits | None = None) -> dict | None:
+    """Every device: its summary and records to rank 0, which writes metrics.jsonl, checkpoint.pt and
+    summary.json; rank 0 returns the summary, the others None."""
+    limit_mb = None if limits is not None and limits.memory_bound else at.me.profile.memory_mb
+    train_totals = tuple(state.totals)
+    mine = _device_summary(state.records, at, local_batches[rank], throttle, cfg.workers)
     if limits is not None:
         mine.details["limits"] = limits.describe()
     if limit_mb is not None and mine.run_peak_rss_mb > limit_mb:
@@ -593,38 +583,23 @@ def train_device(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], loc
         everyone = gather_json(list(train_totals), dst=0)
         train_totals = sum_totals(everyone) if everyone is not None else train_totals
         # JSON, not pickles: see cluster/peers
-        gathered = gather_json(([r.to_dict() for r in records], mine.to_dict()), dst=0)
+        gathered = gather_json(([r.to_dict() for r in state.records], mine.to_dict()), dst=0)
     else:
-        gathered = [([r.to_dict() for r in records], mine.to_dict())]
-    summary = None
-    if rank == 0:
-        all_records = elastic.all_records() if elastic else [
-            StepRecord.from_dict(r) for recs, _ in [*gathered, (checkpoints.departed_records, None)] for r in recs]
-        writer.metrics(all_records, max([len(devices), *(r.rank + 1 for r in all_records)]))
-        per_device = [DeviceSummary.from_dict(d) for _, d in gathered]
-        summary = writer.summary(cfg, strategy, optimizer, per_device, train_totals, evals, params, data, world,
-                                 local_batches, step, time.perf_counter() - started, flops_per_sample, partition,
-                                 elastic.history() if elastic else [], cfg.task if user_task is not None else
-                                 run_task(cfg.task, cfg.dataset))
-    dist.barrier()
-    dist.destroy_process_group()
-    if checkpoints.stopped:
-        raise Terminated(resume_hint(run_dir) if run_dir else "")
-    return summary
+        gathered = [([r.to_dict() for r in state.records], mine.to_dict())]
+    if rank != 0:
+        return None
+    all_records = membership.all_records([records for records, _ in gathered] + [checkpoints.files.departed_records])
+    writer.metrics(all_records, max([len(devices), *(r.rank + 1 for r in all_records)]))
+    per_device = [DeviceSummary.from_dict(d) for _, d in gathered]
+    return writer.summary(cfg, strategy, optimizer, per_device, train_totals, state.evals, params, data, world,
+                          local_batches, state.step, time.perf_counter() - state.started, flops_per_sample,
+                          partition, membership.history(), planned_steps=state.planned_steps, task_name=task_name)
 
 
 def phase(cfg: TrainConfig, rank: int, text: str) -> None:
     """A start-up phase on rank 0, one line on stderr as it begins (not with --no-progress)."""
     if cfg.progress and rank == 0:
         print(f"edgetrain: {text}", file=sys.stderr, flush=True)
-
-
-def _throttle_state(throttle: Throttle | None) -> dict | None:
-    """The throttle's calibration, which a resumed device keeps instead of measuring again."""
-    if throttle is None:
-        return None
-    return {k: getattr(throttle, k) for k in ("reference_cpu", "reference_batch", "reference_gradients",
-                                              "inflation", "inflations", "slept")}
 
 
 def _note(bar, rank: int, text: str) -> None:

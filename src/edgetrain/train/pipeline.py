@@ -176,6 +176,7 @@ from edgetrain.comm.exchange import average
 from edgetrain.comm.params import flatten, unflatten
 from edgetrain.data import shard_indices
 from edgetrain.errors import EdgetrainError
+from edgetrain.kinds import STRATEGY_KINDS
 from edgetrain.models.init import META, is_meta, materialise
 from edgetrain.plan.model import device_gflops, device_links, idle_process_mb
 from edgetrain.plan.split import StageDevice, layer_costs, p2p_seconds, plan_split
@@ -184,7 +185,7 @@ from edgetrain.plan.stages import (BACKWARD, FORWARD, describe_stages, pipeline_
 from edgetrain.spec import get_link
 from edgetrain.train.evaluation import gathered_metrics
 from edgetrain.train.fsdp import clock_summary
-from edgetrain.train.strategy import FLAT_OPTIMIZER, STRATEGIES, StepResult, Strategy
+from edgetrain.train.strategy import FLAT_OPTIMIZER, StepResult, Strategy
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -220,8 +221,8 @@ class Pipeline(Strategy):
     """The model's layers in stages over the devices (``torch.distributed.pipelining``)."""
 
     name = "pipeline"
-    pooled = True
-    shard_data = False  # every stage gets its replica's whole batch; the schedule cuts it into micro-batches
+    # every stage gets its replica's whole batch; the schedule cuts it into micro-batches
+    shard_data, pooled = STRATEGY_KINDS[name].shards_batch, STRATEGY_KINDS[name].pooled
 
     def data_share(self, local_batches: list[int]) -> tuple[list[int], int]:
         # the global batch is cut into one share per replica: every stage of replica r reads share r
@@ -241,6 +242,9 @@ class Pipeline(Strategy):
         return None  # a stage alone is not the model the throttle would time
 
     def materialise(self, model: nn.Module) -> nn.Module:
+        if self.context.device.type == "cuda":  # seen on an H200: gloo's writev of device memory aborts
+            raise EdgetrainError("pipeline stages send activations point to point, which gloo cannot do with CUDA "
+                                 "tensors; use --accelerator cpu for --strategy pipeline")
         # stays on meta (a model built for real is moved): setup materialises this device's stage only
         return materialise(model, self.context.spec.seed, self.context.device, keep=lambda name: False)
 
@@ -561,5 +565,3 @@ def _least(values):
     given = [v for v in values if v is not None]
     return min(given) if given else None
 
-
-STRATEGIES[Pipeline.name] = Pipeline
