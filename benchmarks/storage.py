@@ -172,7 +172,9 @@ def _epochs(folder: str, memory_mb: int, cache_mb: float, epochs: int, batch: in
 def _in_cgroup(folder: Path, memory_mb: int, cache_mb: float, epochs: int, storage: str) -> dict:
     drop_caches()
     queue = mp.get_context("fork").Queue()
-    child = mp.get_context("fork").Process(target=_epochs, args=(str(folder), memory_mb, cache_mb, epochs, 64, 2,
+    # No loader workers: each would copy the pages of the process it touches, more than the half of the data
+    # this memory limit leaves room for (a worker was killed by the cgroup's OOM killer with 2).
+    child = mp.get_context("fork").Process(target=_epochs, args=(str(folder), memory_mb, cache_mb, epochs, 64, 0,
                                                                  storage, queue))
     child.start()
     result = None
