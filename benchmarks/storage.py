@@ -107,9 +107,11 @@ def memory_target(work: Path, folder: Path, dataset_mb: float, size: int) -> dic
     common = dict(dataset="imagefolder", data_dir=str(folder), epochs=2, batch_size=16, augment=False,
                   lr=0.01, eval=False, **QUIET)
     t0 = time.perf_counter()
+    torch.manual_seed(0)  # the model is passed built: both runs start from the same weights
     memory = edgetrain.train(dict(output=str(work / "runs"), run_name="in-memory", **common), model=TinyNet(size))
     t1 = time.perf_counter()
     drop_caches()
+    torch.manual_seed(0)
     # No loader workers: each would hold its own copy of the pages of the process it touches, which a device
     # of a few hundred MB cannot spare.
     stored = edgetrain.train(dict(output=str(work / "runs"), run_name="from-storage", from_storage=True, workers=0,
@@ -222,7 +224,7 @@ def overhead_target(work: Path, repeats: int = 2) -> dict:
 
     shards = work / "synthetic-shards"
     pack(synthetic(4096, 32, seed=0), shards)
-    common = dict(epochs=1, batch_size=64, model="small_cnn", threads=1, eval=False, **QUIET)
+    common = dict(epochs=1, batch_size=64, model="small_cnn", threads=1, eval=False, augment=False, **QUIET)
     runs = {"in memory, 0 workers": [], "shards on storage, 2 workers": []}
     for _ in range(repeats):  # alternately: the host's load drifts
         for name, extra in (("in memory, 0 workers", dict(dataset="synthetic", synthetic_samples=4096)),
