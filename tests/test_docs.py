@@ -39,6 +39,10 @@ def test_the_site_builds_strictly_with_every_option_of_every_command(tmp_path):
 
     stages = re.search(r"<code>--stages STR</code></td>\s*<td><code>([^<]*)</code>", reference)
     assert stages and stages.group(1) == FIELDS["stages"].default
+    from edgetrain.cluster.profiles import BUILTIN_PROFILES
+
+    profiles = (site / "reference" / "profiles" / "index.html").read_text()
+    assert all(f"<code>{name}</code>" in profiles for name in BUILTIN_PROFILES)
     api = (site / "reference" / "python-api" / "index.html").read_text()
     assert "load_checkpoint" in api and "register_model" in api
 

@@ -1,4 +1,4 @@
-"""mkdocs hook: the command-line reference, generated at build time from edgetrain's own parser.
+"""mkdocs hook: the command-line reference and the device profiles, generated at build time from the code.
 
 Every page may hold the marker ``<!-- edgetrain-cli-reference -->``; the hook replaces it with one
 section per command and subcommand of ``edgetrain.cli.build_parser()``. Options of ``edgetrain train``
@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 MARKER = "<!-- edgetrain-cli-reference -->"
+PROFILES_MARKER = "<!-- edgetrain-profiles -->"
 
 
 def _edgetrain_on_path(config) -> None:
@@ -118,8 +119,28 @@ def render_reference() -> str:
     return "\n".join(out)
 
 
+def render_profiles() -> str:
+    """The built-in device profiles as a table, from ``edgetrain.cluster.profiles.BUILTIN_PROFILES``."""
+    from edgetrain.cluster.profiles import BUILTIN_PROFILES
+
+    def value(x, unit="", none="-"):
+        return none if x is None else f"{x:,}{unit}" if isinstance(x, int) else f"{x:g}{unit}"
+
+    out = ["| profile | cores | GFLOPS | memory | memory GB/s | link | what |", "|---|---|---|---|---|---|---|"]
+    for name, p in BUILTIN_PROFILES.items():
+        cores = value(p.cores, none="the host's share")
+        out.append(f"| `{name}` | {cores} | "
+                   f"{value(p.gflops, none='unthrottled')} | {value(p.memory_mb, ' MiB', 'no limit')} | "
+                   f"{value(p.memory_gbps)} | {p.link or 'none'} | {_cell(p.description)} |")
+    return "\n".join(out) + "\n"
+
+
 def on_page_markdown(markdown: str, page, config, files) -> str:
-    if MARKER not in markdown:
+    if MARKER not in markdown and PROFILES_MARKER not in markdown:
         return markdown
     _edgetrain_on_path(config)
-    return markdown.replace(MARKER, render_reference())
+    if MARKER in markdown:
+        markdown = markdown.replace(MARKER, render_reference())
+    if PROFILES_MARKER in markdown:
+        markdown = markdown.replace(PROFILES_MARKER, render_profiles())
+    return markdown
