@@ -52,3 +52,13 @@ def test_no_issue_numbers_in_the_readme_or_the_docs():
     found = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in pages
              for i, line in enumerate(p.read_text().splitlines(), 1) if re.search(r"(^|[^a-z])issue [0-9]+", line)]
     assert not found, "\n".join(found)
+
+
+def test_the_readmes_links_and_pictures_exist():
+    readme = (ROOT / "README.md").read_text()
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", readme)
+    local = [t for t in targets if "://" not in t]
+    assert local, "the README links into docs/"
+    missing = [t for t in local if not (ROOT / t).exists()]
+    assert not missing, missing
+    assert len(readme.splitlines()) <= 250
