@@ -37,6 +37,8 @@ def test_the_site_builds_strictly_with_every_option_of_every_command(tmp_path):
     assert "--pipeline-replicas" in reference and "--hosts" in reference
     from edgetrain.config import FIELDS
 
+    missing = [name for name in FIELDS if f"--{name.replace('_', '-')}" not in reference]
+    assert not missing, f"train options missing from the generated reference: {missing}"
     stages = re.search(r"<code>--stages STR</code></td>\s*<td><code>([^<]*)</code>", reference)
     assert stages and stages.group(1) == FIELDS["stages"].default
     from edgetrain.cluster.profiles import BUILTIN_PROFILES
