@@ -392,6 +392,11 @@ class PartitionSpec:
         """Whether each device holds its own part of the data (any kind but ``none``)."""
         return self.kind != "none"
 
+    @property
+    def by_label(self) -> bool:
+        """Whether the split reads class labels (``dirichlet``, ``shards``: label skew), not only counts."""
+        return self.kind in ("dirichlet", "shards")
+
 
 def parse_partition(text: str | None) -> PartitionSpec:
     """Parse and validate a ``--partition`` spec; raise ``EdgetrainError`` with the fix if it is wrong."""
@@ -841,3 +846,4 @@ class RunSpec:
     min_devices: int | None = None  # elastic membership (train/elastic.py) below all devices; None: fail-stop
     tensorboard: bool = False    # rank 0 also writes TensorBoard event files (train.tensorboard_log)
     dedup: DedupSpec | None = None  # drop near-duplicate training images first (data/dedup.py)
+    task: str | None = None      # --task as given (None: the one the dataset implies, edgetrain.task_kinds)
