@@ -58,3 +58,5 @@ def test_runs_of_several_tasks_get_a_figure_each_and_a_classifier_keeps_its_accu
     assert 'alt="loss and RMSE and MAE curves (regression)"' in page
     assert 'alt="loss and accuracy curves (classification)"' in page
     assert "test RMSE 60 mmol/L" in page and "test accuracy 75" in page
+    summary = RunSummary.from_dict(json.loads((runs[0] / "summary.json").read_text()))
+    assert training.parameters(summary, {})["task"] == "regression"

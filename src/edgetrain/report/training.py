@@ -118,6 +118,7 @@ def parameters(summary: RunSummary, config: dict[str, Any]) -> dict[str, Any]:
     if strategy and c.get("grid", "1x1") != "1x1":
         strategy += f", grid {c['grid']}"
     rows = {
+        "task": summary.task.name if summary.task else c.get("task"),  # None: a run before tasks (classification)
         "model": summary.model or c.get("model"),
         "parameters": summary.params,
         "dataset": summary.dataset or c.get("dataset"),
