@@ -93,8 +93,9 @@ class TrainConfig:
 
     # communication over edge links
     compress: str = _opt("none", "gradient compression, e.g. none, fp16, topk:0.01, powersgd:2")
-    sync: str = _opt("sync", "synchronisation: sync, local:H, async:S, gossip, fedavg:E (federated rounds of E local "
-                     "epochs; fedavg:steps=H; options :prox=MU, :scaffold, :weighted, :reset)")
+    sync: str = _opt("sync", "synchronisation: sync, local:H, diloco:H, streaming:H, async:S, gossip, fedavg:E "
+                     "(federated rounds of E local epochs; fedavg:steps=H; options :prox=MU, :scaffold, :weighted, "
+                     ":reset)")
     server_opt: str = _opt("fedavg", "federated server step: fedavg, fedavgm[:lr=1:momentum=0.9] or "
                            "fedadam[:lr=0.01:beta1=0.9:beta2=0.99:eps=0.001]")
     participation: float = _opt(1.0, "federated rounds: fraction of devices sampled per round, in (0, 1]")
