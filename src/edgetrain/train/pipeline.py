@@ -491,7 +491,7 @@ class Pipeline(Strategy):
             else:
                 dist.send(out.contiguous(), dst=c.rank + 1, group=self.pipe_group)
         self.stage_module.train(was_training)
-        return gathered_metrics(evaluator, c.world)
+        return gathered_metrics(evaluator, c.world, type(c.task.evaluator()).merge)
 
     def finish(self) -> None:
         if self.finished:
