@@ -46,6 +46,7 @@ import hmac
 import json
 import os
 import secrets
+import socket
 import threading
 from datetime import timedelta
 from typing import Any
@@ -185,6 +186,35 @@ def _to_tensor(payload: bytes, length: int) -> torch.Tensor:
     if payload:
         out[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     return out
+
+
+def host_identity() -> str:
+    """This machine (its boot id) and network namespace: devices that share both share this host's cores."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            machine = f.read().strip()
+    except OSError:  # not Linux
+        machine = socket.gethostname()
+    try:
+        namespace = os.readlink("/proc/self/ns/net")
+    except OSError:
+        namespace = ""
+    return f"{machine}/{namespace}"
+
+
+def local_placement(rank: int, world: int) -> tuple[int, int]:
+    """(this device's index among the devices on its host, how many there are).
+
+    torchrun and the local launcher say it (``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``). Without them (the plain
+    ``RANK=`` recipe, one process per host) it is counted: the devices all-gather ``host_identity`` (a
+    collective, right after admission), so a process alone on its host gets all its cores, and several
+    started by hand on one host share them."""
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if world == 1 or rank < 0 or not dist.is_initialized():
+        return 0, 1
+    hosts = all_gather_json(host_identity())
+    return hosts[:rank].count(hosts[rank]), hosts.count(hosts[rank])
 
 
 def admit_peers(config: dict, cluster_token: str, rank: int, world: int) -> None:
