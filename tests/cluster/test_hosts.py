@@ -79,3 +79,68 @@ def test_timeout_bounds_every_rank_and_names_the_interface(test_hosts, tmp_path)
         assert lines and "GLOO_SOCKET_IFNAME" in lines[-1], err[-3000:]
         assert "Traceback" not in err
     assert took < timeout + 35, f"took {took:.0f} s for --timeout {timeout}"
+
+
+def launch(hosts, tmp_path, *flags, train=(), launcher_host=0, **popen):
+    """``edgetrain launch --hosts hosts.yaml ...`` started on ``launcher_host`` (the hosts' first, as from a Pi)."""
+    yaml_path = hosts.hosts_yaml(tmp_path / "hosts.yaml", tmp_path)
+    argv = [sys.executable, "-m", "edgetrain", "launch", "--hosts", str(yaml_path), *flags, "--",
+            *TRAIN[2:], *train, "--output", str(tmp_path / "runs")]
+    return hosts.popen(launcher_host, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+
+
+class Lines:
+    """A process's stdout and stderr read as they come, each line with the time it arrived."""
+
+    def __init__(self, proc):
+        import threading
+
+        self.lines: list[tuple[float, str, str]] = []
+        self.readers = [threading.Thread(target=self._read, args=(stream, name), daemon=True)
+                        for stream, name in ((proc.stdout, "out"), (proc.stderr, "err"))]
+        for r in self.readers:
+            r.start()
+
+    def _read(self, stream, name):
+        for line in stream:
+            self.lines.append((time.monotonic(), name, line.rstrip("\n")))
+
+    def text(self, name=None):
+        return "\n".join(line for _, n, line in self.lines if name in (None, n))
+
+    def first(self, needle):
+        return next((t for t, _, line in self.lines if needle in line), None)
+
+    def join(self):
+        for r in self.readers:
+            r.join(timeout=10)
+
+
+def metric_lines(runs):
+    return max((len(p.read_text().splitlines()) for p in runs.glob("*/metrics-*.jsonl")), default=0)
+
+
+@pytest.mark.slow
+def test_launch_ends_after_a_partition(test_hosts, tmp_path):
+    """Three hosts, --min-hosts 2; host 2's link goes down mid-run (no FIN, no RST). The other two re-form
+    and finish; the launcher notices the dead SSH connection by its keepalives, leaves host 2 out and
+    ends with the run (before: it waited on TCP's two-hour keepalive)."""
+    hosts = test_hosts(3)
+    proc = launch(hosts, tmp_path, "--min-hosts", "2", "--max-restarts", "1", "--connect-timeout", "5",
+                  train=["--steps", "16", "--timeout", "10"])
+    lines = Lines(proc)
+    deadline = time.monotonic() + 120
+    while metric_lines(tmp_path / "runs") < 4 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert proc.poll() is None, lines.text()
+    hosts.cut(2)
+    try:
+        proc.wait(timeout=200)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    ended = time.monotonic()
+    lines.join()
+    assert proc.returncode == 0, lines.text()[-4000:]
+    assert "host h2 dropped (its SSH connection was lost)" in lines.text("err")
+    finished = lines.first("samples/s") and max(t for t, _, line in lines.lines if "samples/s" in line)
+    assert finished and ended - finished < 30, lines.text()[-4000:]
