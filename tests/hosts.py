@@ -199,6 +199,29 @@ class Hosts:
     def run(self, i: int, argv: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
         return subprocess.run(self.command(i, argv), capture_output=True, text=True, timeout=timeout, **kwargs)
 
+    def leftovers(self, i: int) -> list[str]:
+        """Command lines of the processes on host ``i`` other than its sshd listener."""
+        import psutil
+
+        listener = self.sshd[i].pid if self.sshd else None
+        out = []
+        for pid in _ip("netns", "pids", self.names[i], check=False).stdout.split():
+            if int(pid) != listener:
+                try:
+                    out.append(" ".join(psutil.Process(int(pid)).cmdline()))
+                except psutil.Error:
+                    pass
+        return out
+
+    def wait_idle(self, i: int, timeout: float) -> bool:
+        """Whether host ``i`` runs nothing but its sshd within ``timeout`` seconds."""
+        end = time.monotonic() + timeout
+        while self.leftovers(i):
+            if time.monotonic() > end:
+                return False
+            time.sleep(0.2)
+        return True
+
     def hosts_yaml(self, path: Path, workdir: Path, env: dict | None = None, only: list[int] | None = None) -> Path:
         """A hosts.yaml for ``edgetrain launch`` naming these hosts (this python, its PYTHONPATH)."""
         import yaml

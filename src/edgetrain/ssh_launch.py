@@ -34,7 +34,9 @@ What it does, in order (asyncssh, imported only here: ``pip install edgetrain[ss
    the host, its exit and its last error line. ``after_exit`` is that decision.
 5. *Stop*. Ctrl-C or SIGTERM here, or a host's failure: every host's stdin is closed, which makes its
    ssh_node SIGTERM torchrun (which stops its workers) and SIGKILL what is left after ``_STOP_GRACE_S``;
-   the launcher waits that plus ``_STOP_MARGIN_S`` for each, then closes the connections. A launcher
+   the launcher waits that plus ``_STOP_MARGIN_S`` for each, then closes the connections. What the hosts
+   print while they stop (torchrun's and the workers' shutdown tracebacks) is not shown: the launcher's
+   one line says why the run stopped. SSH keepalives (``_KEEPALIVE_S``) notice a host cut off the network. A launcher
    that dies without stopping them closes its connections too, which ssh_node reads as the same request.
 
 Limits: a restarted host's torchrun (the same ``--rdzv-id``) continues the run in ``train-<run id>`` from
@@ -304,6 +306,7 @@ class _Host:
         self.process = None
         self.last_error = ""
         self.restarts = 0
+        self.quiet = False
 
     async def connect(self) -> None:
         import asyncssh
@@ -376,6 +379,8 @@ class _Host:
 
     async def _relay(self, stream, out) -> None:
         async for line in stream:
+            if self.quiet:  # stopping: torchrun's and the workers' shutdown reports are not shown
+                continue
             line = line.rstrip("\n")
             if line.strip():
                 self.last_error = line.strip()
@@ -441,6 +446,11 @@ async def _launch(spec: LaunchSpec) -> None:
                     last = f" (last line: {host.last_error})" if host.last_error else ""
                     raise EdgetrainError(f"host {host.host.name} failed: {why}{last}; the other hosts were stopped")
     finally:
+        # Ctrl-C, SIGTERM or a host's failure: the one line that says why is the launcher's (or the failed
+        # host's last line, quoted in it); the stopped hosts' tracebacks (torchrun's SignalException, the
+        # workers' failed collectives: about 75 lines on three hosts) are not.
+        for h in hosts:
+            h.quiet = True
         await asyncio.gather(*(h.stop() for h in hosts))
         for task in running:
             task.cancel()

@@ -144,3 +144,43 @@ def test_launch_ends_after_a_partition(test_hosts, tmp_path):
     assert "host h2 dropped (its SSH connection was lost)" in lines.text("err")
     finished = lines.first("samples/s") and max(t for t, _, line in lines.lines if "samples/s" in line)
     assert finished and ended - finished < 30, lines.text()[-4000:]
+
+
+@pytest.mark.slow
+def test_a_peers_death_is_one_line(test_hosts, tmp_path):
+    """Plain recipe, host 1's process killed mid-run (SIGKILL: it says nothing): host 0 says one line, not
+    gloo's traceback, and leaves no half-run behind (exit 2)."""
+    hosts = test_hosts(2, ssh=False)
+    procs = plain_recipe(hosts, tmp_path / "runs", steps=400, timeout=15)
+    deadline = time.monotonic() + 120
+    while metric_lines(tmp_path / "runs") < 3 and time.monotonic() < deadline and procs[0].poll() is None:
+        time.sleep(0.2)
+    procs[1].kill()
+    (code, out, err), _ = finish(procs, 90)
+    assert code == 2, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith("edgetrain: error:")]
+    assert len(errors) == 1 and "a peer device stopped answering" in errors[0], err[-3000:]
+
+
+@pytest.mark.slow
+def test_ctrl_c_under_launch_is_one_line(test_hosts, tmp_path):
+    """Ctrl-C (SIGINT) to the launcher mid-run: it stops every host and says one line; the hosts' shutdown
+    tracebacks (torchrun's SignalException, the workers') are not printed."""
+    import signal
+
+    hosts = test_hosts(2)
+    proc = launch(hosts, tmp_path, "--connect-timeout", "5", train=["--steps", "400", "--timeout", "15"])
+    lines = Lines(proc)
+    deadline = time.monotonic() + 120
+    while metric_lines(tmp_path / "runs") < 3 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert proc.poll() is None, lines.text()
+    signalled = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=60)
+    lines.join()
+    after = [line for t, _, line in lines.lines if t >= signalled and line.strip()]
+    assert proc.returncode == 130, lines.text()[-3000:]
+    assert after == ["edgetrain: interrupted"], "\n".join(after)[-3000:]
+    assert hosts.wait_idle(1, 20), f"left running on host 1: {hosts.leftovers(1)}"

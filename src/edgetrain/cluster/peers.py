@@ -188,6 +188,22 @@ def _to_tensor(payload: bytes, length: int) -> torch.Tensor:
     return out
 
 
+def peer_failure(error: BaseException, rank: int, timeout_s: float) -> str | None:
+    """One line for a collective that failed because a peer died or stopped answering (gloo's own error:
+    a connection closed or reset, a timed-out send or receive), or None for any other error. Under torchrun
+    or the plain recipe no launcher is there to pick the device that failed first, so each survivor says
+    this rather than gloo's traceback."""
+    text = str(error).strip()
+    if not isinstance(error, (RuntimeError, dist.DistError)) or not any(
+            mark in text for mark in ("gloo/transport", "Connection closed by peer", "Connection reset by peer",
+                                      "Broken pipe", "Timed out waiting")):
+        return None
+    detail = text.splitlines()[0].split("] ", 1)[-1]  # gloo's source path cut
+    return (f"device {rank}: a peer device stopped answering during the run ({detail}); the device that failed "
+            f"first says why in its own output (a killed or lost host says nothing): restart the run there, or "
+            f"raise --timeout ({timeout_s:g} s) if it was only slow")
+
+
 def host_identity() -> str:
     """This machine (its boot id) and network namespace: devices that share both share this host's cores."""
     try:

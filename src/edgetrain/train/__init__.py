@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 from typing import Any
 
 from torch import nn
 
 from edgetrain.cluster.launch import launch_local, refuse_nested_launch, under_torchrun
 from edgetrain.cluster.membership import ElasticLaunch
-from edgetrain.cluster.peers import TOKEN_ENV, check_rank_environment
+from edgetrain.cluster.peers import TOKEN_ENV, check_rank_environment, peer_failure
 from edgetrain.cluster.profiles import device_speed, plan_devices, split_batch
 from edgetrain.config import TrainConfig, load_config, resolve
 from edgetrain.errors import EdgetrainError, Terminated
@@ -96,7 +97,15 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     args = (cfg, spec, devices, local_batches, speeds, str(run_dir) if run_dir else None, model, user_models(),
             cluster_token, strategy, user_datasets(), data)
     if torchrun:
-        return run_worker(*args)
+        try:
+            return run_worker(*args)
+        except Exception as e:
+            if run_dir and not cfg.resume and [p.name for p in run_dir.iterdir()] == ["config.yaml"]:
+                shutil.rmtree(run_dir, ignore_errors=True)  # refused before training (admission): nothing to keep
+            line = peer_failure(e, rank, cfg.timeout)
+            if line:
+                raise EdgetrainError(line) from None
+            raise
     phase(cfg, rank, f"starting {len(devices)} emulated device(s) on this host")
     elastic = None
     if spec.min_devices is not None and spec.min_devices < len(devices):  # survivors go on (train/elastic.py)
