@@ -248,6 +248,14 @@ def admit_peers(config: dict, cluster_token: str, rank: int, world: int) -> None
 
     answers = _all_gather_digest(answer(rank))
     strangers = [r for r, got in enumerate(answers) if not hmac.compare_digest(got, answer(r))]
+    if strangers and not cluster_token:
+        raise EdgetrainError(f"this device (rank {rank}) has no cluster token and its peers have one; set "
+                             f"{TOKEN_ENV} (or --cluster-token) to the cluster's token on this node")
+    tokenless = [r for r in strangers if hmac.compare_digest(answers[r], hmac.new(
+        b"", bytes(nonce.tolist()) + r.to_bytes(8, "big"), hashlib.sha256).digest())]
+    if strangers and tokenless == strangers:
+        raise EdgetrainError(f"device(s) {', '.join(map(str, strangers))} have no cluster token (this device, rank "
+                             f"{rank}, has one); set {TOKEN_ENV} (or --cluster-token) on every node")
     if strangers:
         raise EdgetrainError(f"device(s) {', '.join(map(str, strangers))} gave a cluster token that does not match "
                              f"this device's (rank {rank}); start every node with the same --cluster-token "

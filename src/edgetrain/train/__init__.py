@@ -92,7 +92,8 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
         run_dir = cfg.resume if rank == 0 else None  # the same directory, its config.yaml as it was
     elif rank == 0:
         run_dir = new_run_dir(cfg.output, elastic_dir.name if elastic_dir else cfg.run_name)
-        write_yaml(run_dir / "config.yaml", cfg.to_dict())
+        # under torchrun or the plain recipe the run has WORLD_SIZE devices, whatever --devices says
+        write_yaml(run_dir / "config.yaml", {**cfg.to_dict(), **({"devices": world} if torchrun else {})})
 
     args = (cfg, spec, devices, local_batches, speeds, str(run_dir) if run_dir else None, model, user_models(),
             cluster_token, strategy, user_datasets(), data)
