@@ -16,12 +16,12 @@ from edgetrain import train
 from edgetrain.cluster.launch import launch_local
 from edgetrain.cluster.membership import CHANGES_KEY, ElasticLaunch
 from edgetrain.cluster.peers import cut_connections
-from edgetrain.config import load_config, resolve
+from edgetrain.config import load_config, resolve, with_device_count
 from edgetrain.errors import EdgetrainError
 from edgetrain.records import RunSummary
 from edgetrain.spec import FaultSpec, parse_fault
 from edgetrain.train.strategy import DataParallel
-from edgetrain_testing import FAST
+from edgetrain_testing import FAST, run_cli
 
 KILL_STEP, STEPS = 5, 24
 SMALL = dict(dataset="synthetic", image_size=8, synthetic_samples=1024, batch_size=30, steps=STEPS, lr=0.05,
@@ -174,3 +174,35 @@ def test_membership_changes_are_drawn_on_the_training_curves():
     figure = plots.plot_training_curves([run])
     lines = [line for ax in figure.axes for line in ax.get_lines() if line.get_linestyle() == "--"]
     assert [list(line.get_xdata()) for line in lines] == [[2, 2], [2, 2], [0.2, 0.2], [0.2, 0.2]]
+
+
+@pytest.mark.slow
+def test_a_comeback_is_checked_against_the_cluster_files_device_count(tmp_path, monkeypatch):
+    cluster = tmp_path / "c.yaml"
+    cluster.write_text("devices:\n  - {profile: host, count: 3}\n")
+    monkeypatch.setenv("EDGETRAIN_FAULT", "kill:rank=1:step=1000:back=3")  # past the run's end: never fires
+    run = ["train", "--cluster", str(cluster), "--steps", "3", "--batch-size", "30", "--no-eval", "--no-progress",
+           "--no-throttle", "--output", str(tmp_path / "runs")]
+    # 2 of the file's 3 devices (--devices is left at its default, 1): elastic, so the comeback is accepted
+    done = run_cli(*run, "--min-devices", "2")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(next((tmp_path / "runs").glob("*/summary.json")).read_text())["steps"] == 3
+    # all 3: fail-stop, where no device comes back
+    refused = run_cli(*run, "--min-devices", "3")
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1] == (
+        f"edgetrain: error: EDGETRAIN_FAULT brings device 1 back after 3 s, which needs an elastic run; add "
+        f"--min-devices below the 3 devices of cluster file {cluster} or drop :back=")
+    too_many = run_cli(*run, "--min-devices", "4")
+    assert too_many.returncode == 2 and "--min-devices 4 is more than the 3 devices of the run" in too_many.stderr
+    assert len(list((tmp_path / "runs").iterdir())) == 1  # the refused runs left nothing behind
+
+
+def test_min_devices_against_a_cluster_file_waits_for_its_count(tmp_path, monkeypatch):
+    monkeypatch.delenv("EDGETRAIN_FAULT", raising=False)
+    cluster = tmp_path / "c.yaml"
+    cluster.write_text("devices:\n  - {profile: host, count: 3}\n")
+    cfg = load_config(cluster=str(cluster), min_devices=3)  # --devices: its default, 1, which the file replaces
+    assert with_device_count(cfg, resolve(cfg), 3).min_devices is None  # all the file's devices: fail-stop
+    cfg = load_config(cluster=str(cluster), min_devices=2, strategy="fsdp")
+    with pytest.raises(EdgetrainError, match="strategy fsdp splits the model"):
+        with_device_count(cfg, resolve(cfg), 3)

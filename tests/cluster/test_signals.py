@@ -158,3 +158,24 @@ def test_root_cause_blames_the_silent_stopped_device_only_when_all_reports_are_e
     from edgetrain.cluster.launch import _root_cause
 
     assert _root_cause(failures, silent)[0] == blamed
+
+
+@pytest.mark.slow
+def test_the_model_left_by_a_killed_launchers_devices_is_loaded_as_partial(tmp_path, started, capsys):
+    from edgetrain import load_checkpoint
+
+    proc, descendants = start_run(tmp_path, started, "--checkpoint-every", "100000", "--run-name", "r")
+    run_dir = tmp_path / "r"
+    live, deadline = run_dir / "metrics-1.jsonl", time.monotonic() + 60
+    while not (live.exists() and live.stat().st_size):  # device 1 has trained a step
+        assert time.monotonic() < deadline, "no step was trained within 60 s"
+        time.sleep(0.2)
+    proc.kill()  # the devices get SIGTERM (parent-death signal): they stop with a checkpoint and the model so far
+    proc.wait(timeout=10)
+    assert_all_gone(descendants, within_s=30)
+    state = load_checkpoint(run_dir)
+    planned = 1000 * (1437 // 16)  # --epochs 1000 of digits' 1437 training images in batches of 16
+    assert 0 < state["step"] < planned and state["planned_steps"] == planned and state["partial"]
+    assert capsys.readouterr().err == (
+        f"edgetrain: warning: {run_dir / 'checkpoint.pt'} is a partial run's model: step {state['step']} of the "
+        f"{planned} planned (the run stopped before its end); continue it with edgetrain train --resume RUN_DIR\n")

@@ -1,4 +1,6 @@
 """--partition: per-device splits of the training set, and a sampler that reads only a device's own part."""
+import math
+
 import numpy as np
 import pytest
 from torch.utils.data import DataLoader
@@ -122,3 +124,38 @@ def test_a_resumed_partition_sampler_continues_where_the_epoch_was():
     sampler.resume_at(2, 4)
     assert list(sampler) == whole[4:]
     assert list(sampler) == whole  # the next pass over the same epoch is whole again
+
+
+@pytest.mark.parametrize("text", ["dirichlet:0.5", "shards:2", "iid"])
+def test_every_sample_of_every_partition_is_drawn_before_any_is_drawn_again(text):
+    # digits, 4 devices of local batch 16: 22 steps of 16 samples an epoch, where dirichlet:0.5 gives device 3
+    # 447 samples, so it needs 2 epochs to see them all; a shuffle's walk must carry over into the next epoch
+    labels = digits(0).train.labels
+    parts = split_dataset(labels, parse_partition(text), [16] * 4, seed=0)
+    for rank, part in enumerate(parts):
+        sampler, _ = build_sampler(labels, parse_partition(text), [16] * 4, rank, seed=0)
+        per_epoch = len(sampler) * 16
+        epochs = math.ceil(len(part) / per_epoch)
+        drawn = []
+        for epoch in range(epochs + 2):
+            sampler.set_epoch(epoch)
+            drawn += [i for batch in sampler for i, _ in batch]
+        assert set(drawn[:epochs * per_epoch]) == set(part.tolist()), (rank, len(part), per_epoch)
+        for start in range(0, len(drawn) - len(part) + 1, len(part)):  # each pass: the whole partition once
+            assert sorted(drawn[start:start + len(part)]) == part.tolist(), (rank, start)
+
+
+def test_a_partition_sampler_started_again_mid_run_continues_its_walk():
+    """A resumed run is a new process: a fresh sampler told the epoch and batch draws what the first would have."""
+    first = PartitionSampler(np.arange(37), local_batch=4, steps_per_epoch=6, rank=1, seed=3)
+    uninterrupted = []
+    for epoch in range(4):
+        first.set_epoch(epoch)
+        uninterrupted += list(first)
+    again = PartitionSampler(np.arange(37), local_batch=4, steps_per_epoch=6, rank=1, seed=3)
+    again.resume_at(1, 5)
+    resumed = list(again)
+    for epoch in (2, 3):
+        again.set_epoch(epoch)
+        resumed += list(again)
+    assert resumed == uninterrupted[6 + 5:]

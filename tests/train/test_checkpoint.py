@@ -38,7 +38,18 @@ def final_model(run_dir) -> dict:
     (2, "powersgd:2:start=2", "sync"),  # P, Q, residuals: the resumed first step runs on DDP's first bucket layout
 ])
 def test_resumed_run_ends_as_the_uninterrupted_one(tmp_path, devices, compress, sync):
-    run_dir = Path(train(SMALL, devices=devices, compress=compress, sync=sync, output=str(tmp_path))["run_dir"])
+    _resumed_ends_as_uninterrupted(tmp_path, devices, compress=compress, sync=sync)
+
+
+@pytest.mark.slow
+def test_a_partitioned_run_resumed_mid_walk_ends_as_the_uninterrupted_one(tmp_path):
+    # iid halves of 64 samples: device 0 (8 a step) walks one shuffle over two epochs, device 1 (24 a step)
+    # starts its next shuffle mid-epoch; step 6's checkpoint is in the middle of both walks
+    _resumed_ends_as_uninterrupted(tmp_path, 2, partition="iid", local_batch="8,24")
+
+
+def _resumed_ends_as_uninterrupted(tmp_path, devices, **options):
+    run_dir = Path(train(SMALL, devices=devices, output=str(tmp_path), **options)["run_dir"])
     uninterrupted = final_model(run_dir)
     assert [checkpoint_step(p) for p in checkpoint_files(run_dir)] == [3, 6, 9]
     # As if the run had been killed after step 6's checkpoint: step 9's never happened.
@@ -309,3 +320,17 @@ def test_powersgd_state_follows_its_parameters_into_another_bucket_layout():
     state.follow_layout(_Bucket(0, [weight, bias, head]))
     assert torch.equal(state.psgd.error_dict[0], error) and torch.equal(state.psgd.p_memory_dict[0], p)
     assert 1 not in state.psgd.error_dict
+
+
+def test_load_checkpoint_says_whether_a_pooled_runs_model_is_partial(tmp_path, capsys):
+    from edgetrain.train.checkpoint import save_final_parts
+
+    sharded = {"model": {"weight": torch.ones(3)}, "optimizer": {}}
+    save_final_parts(tmp_path / "stopped", sharded, 4, {}, rank=0, world=1, timeout_s=10, planned_steps=10)
+    save_final_parts(tmp_path / "done", sharded, 10, {}, rank=0, world=1, timeout_s=10, planned_steps=10)
+    stopped, done = load_checkpoint(tmp_path / "stopped"), load_checkpoint(tmp_path / "done")
+    assert stopped["partial"] and (stopped["step"], stopped["planned_steps"]) == (4, 10)
+    assert not done["partial"] and torch.equal(done["model"]["weight"], torch.ones(3))
+    assert capsys.readouterr().err == (
+        f"edgetrain: warning: {tmp_path / 'stopped' / 'checkpoint'} is a partial run's model: step 4 of the 10 "
+        f"planned (the run stopped before its end); continue it with edgetrain train --resume RUN_DIR\n")

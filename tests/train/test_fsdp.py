@@ -92,3 +92,62 @@ def _evaluate_sharded(rank, world):
 def test_evaluation_of_a_sharded_model_does_not_hang_on_uneven_shards():
     first, second = on_devices(_evaluate_sharded, 2)
     assert first == second and 0 <= first[1] <= 1
+
+
+def _built_model(widths: str, batchnorm: bool) -> nn.Module:
+    """Odd widths: first dimensions 7 and 37, which 2 devices cannot shard evenly; even: an MLP 64-32-10."""
+    torch.manual_seed(0)  # the same fresh model for every run (a 1-device run may train the one it is given)
+    if widths == "even":
+        return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+    norm = [nn.BatchNorm2d(7)] if batchnorm else []
+    return nn.Sequential(nn.Conv2d(1, 7, 3), *norm, nn.ReLU(), nn.Flatten(), nn.Linear(7 * 6 * 6, 37), nn.Tanh(),
+                         nn.Linear(37, 10))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("widths, batchnorm", [("odd", False), ("odd", True), ("even", False)])
+def test_a_model_passed_built_trains_under_fsdp_from_its_own_weights(tmp_path, widths, batchnorm):
+    # Without BatchNorm the batch split changes nothing but the order of summation: one device is the reference.
+    # With it (--batchnorm local) each device normalises with its own statistics, as DDP on as many devices does.
+    cfg = dict(dataset="digits", steps=3, batch_size=32, lr=0.1, output=str(tmp_path), **FAST)
+    reference = train(cfg, model=_built_model(widths, batchnorm), devices=2 if batchnorm else 1, run_name="ddp")
+    fsdp = train(cfg, model=_built_model(widths, batchnorm), devices=2, strategy="fsdp", run_name="fsdp")
+    expected, got = _checkpoint(reference), _checkpoint(fsdp)
+    assert not expected["partial"] and not got["partial"] and got["step"] == got["planned_steps"] == 3  # finished
+    expected, got = expected["model"], got["model"]
+    assert expected.keys() == got.keys() and fsdp["steps"] == 3
+    initial = _built_model(widths, batchnorm).state_dict()
+    for key, value in expected.items():
+        assert not torch.equal(value, initial[key]) or "num_batches" in key, key  # it trained
+        # the registered path's tolerance (test_fsdp_gives_ddps_parameters_after_k_steps_and_counts_its_bytes)
+        assert torch.allclose(got[key], value, rtol=1e-4, atol=1e-6), key
+
+
+def _set_up_from_own_weights(rank, world):
+    """Each device passes its own differently initialised model (as a script's processes might under torchrun):
+    after setup every device holds its part of device 0's weights, whole (full_tensor gathers fsdp's shards)."""
+    from edgetrain.comm.accounting import CommStats
+    from edgetrain.train.strategy import StrategyContext, registered_strategy
+
+    held = {}
+    for strategy, options in (("fsdp", {}), ("pipeline", dict(stages="even", microbatches=2))):
+        cfg = TrainConfig(strategy=strategy, devices=world, batch_size=8, progress=False, **options)
+        chosen = registered_strategy(strategy)(StrategyContext(cfg, resolve(cfg), rank, world, 8, (1, 8, 8),
+                                                               CommStats()))
+        model = _built_model("odd", batchnorm=strategy == "fsdp")  # a pipeline's BatchNorm: --batchnorm local
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                tensor.add_(rank)
+        chosen.setup(chosen.adapt(chosen.materialise(model)))
+        held[strategy] = {name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+                          for name, t in [*model.named_parameters(), *model.named_buffers()]}
+    return held
+
+
+def test_a_model_passed_built_is_sharded_from_device_0s_whole_weights():
+    for held in on_devices(_set_up_from_own_weights, 2):
+        for strategy, batchnorm in (("fsdp", True), ("pipeline", False)):
+            device0 = _built_model("odd", batchnorm).state_dict()
+            assert held[strategy].keys() == device0.keys(), strategy
+            for name, value in device0.items():
+                assert torch.equal(held[strategy][name], value), (strategy, name)

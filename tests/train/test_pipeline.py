@@ -69,6 +69,24 @@ def test_pipeline_gives_one_devices_parameters_after_k_steps_and_counts_each_cut
     _check_gpipe_timeline(runs["gpipe"], microbatches=4, activation_bytes=batch // 4 * HIDDEN * 4)
 
 
+@pytest.mark.slow
+def test_a_model_passed_built_with_odd_widths_pipelines_as_one_device_trains_it(tmp_path):
+    def built():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(1, 7, 3), nn.ReLU(), nn.Flatten(), nn.Linear(7 * 6 * 6, 37), nn.Tanh(),
+                             nn.Linear(37, 10))
+
+    cfg = dict(dataset="digits", steps=3, batch_size=32, lr=0.1, output=str(tmp_path), **FAST)
+    one = _weights(train(cfg, model=built(), devices=1, run_name="one"))
+    piped = load_checkpoint(train(cfg, model=built(), devices=2, strategy="pipeline", stages="even",
+                                  microbatches=2, run_name="piped")["run_dir"])
+    assert piped["model"].keys() == one.keys() and piped["step"] == 3
+    initial = built().state_dict()
+    for key, value in one.items():
+        assert not torch.equal(value, initial[key]), key  # it trained
+        assert torch.allclose(piped["model"][key], value, rtol=1e-5, atol=1e-6), key
+
+
 SLOW_LINK, LATENCY, BANDWIDTH = "1mbit:100ms", 0.100, 125_000  # bytes/s; no jitter
 FORWARD_S, BACKWARD_S, TRANSFER_S = 1.0, 2.0, 0.5
 

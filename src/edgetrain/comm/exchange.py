@@ -90,7 +90,7 @@ def _allgather(payload: Payload, compressor: Compressor, emulator: LinkEmulator,
         sizes = [int(s.item()) for s in gathered]
         longest = max(sizes)
         if longest > buf.numel():  # gloo gathers equal lengths: pad, and count the padding as sent
-            buf = torch.cat([buf, torch.zeros(longest - buf.numel(), dtype=torch.uint8)])
+            buf = torch.cat([buf, buf.new_zeros(longest - buf.numel())])
     received = [torch.empty_like(buf) for _ in range(world)]
 
     def collective() -> None:

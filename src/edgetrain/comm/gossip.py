@@ -70,12 +70,13 @@ class Gossip(SyncMode):
 
     def _exchange(self, clock_s: float) -> float | None:
         mine = flatten(self.params)
+        wire = mine.cpu()  # gloo sends only CPU tensors point to point (a CUDA one fails: "Bad address")
         my_clock = torch.tensor([clock_s], dtype=torch.float64)
-        theirs = [torch.empty_like(mine) for _ in self.neighbours]
+        theirs = [torch.empty_like(wire) for _ in self.neighbours]
         their_clocks = [torch.empty_like(my_clock) for _ in self.neighbours]
         ops = []
         for peer, buf, clk in zip(self.neighbours, theirs, their_clocks):
-            ops += [dist.P2POp(dist.isend, mine, self._peer(peer), self.group),
+            ops += [dist.P2POp(dist.isend, wire, self._peer(peer), self.group),
                     dist.P2POp(dist.irecv, buf, self._peer(peer), self.group),
                     dist.P2POp(dist.isend, my_clock, self._peer(peer), self.group),
                     dist.P2POp(dist.irecv, clk, self._peer(peer), self.group)]
@@ -86,7 +87,7 @@ class Gossip(SyncMode):
 
         sent = len(self.neighbours) * mine.numel() * 4
         self.emulator.run("p2p", sent, collective, peers=[self.rank, *self.neighbours])
-        unflatten(torch.stack([mine, *theirs]).mean(0), self.params)
+        unflatten(torch.stack([mine, *(t.to(mine.device) for t in theirs)]).mean(0), self.params)
         self.exchanges += 1
         return max(float(c.item()) for c in [my_clock, *their_clocks])
 

@@ -31,7 +31,7 @@ lockstep, and this count needs no exchange of their sizes. The global batch
 is still split by ``--local-batch`` (e.g. by device speed); each device draws
 its local batch from its own file in a seeded shuffle, redrawn each time the
 file is used up, so a small file is passed over more than once an epoch and
-a large one less than once (its next pass continues in a fresh order). A file
+a large one less than once (the next epoch goes on through the same shuffle). A file
 needs at least the device's local batch of images.
 
 ``--sync fedavg:E`` needs each device's own data: a ``--partition`` or a

@@ -24,14 +24,15 @@ Kinds (the usual federated-learning benchmarks; Flower Datasets offers the same)
 
 ``PartitionSampler``: a step's batch is ``local_batch`` samples of the
 device's partition, in a seeded shuffle that is redrawn each time the
-partition is used up. Every device takes the same number of steps per epoch
+partition is used up, not at each epoch: the walk through a shuffle goes on
+across epochs (and a resumed run), so every sample is drawn once before any
+is drawn again. Every device takes the same number of steps per epoch
 as a data-parallel run would (``len(train) // global batch``), because the
 devices step in lockstep; a device whose partition is smaller than its share
 of an epoch passes over it more than once, a larger one less than once.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -138,12 +139,22 @@ class PartitionSampler(EpochSampler):
         return self.steps
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
-        rng = np.random.default_rng((self.seed, self.rank, self.epoch))
-        needed = self.steps * self.local_batch
-        passes = math.ceil(needed / max(len(self.indices), 1))
-        stream = np.concatenate([rng.permutation(self.indices) for _ in range(passes)]) if passes else []
-        for s in range(self.first_batch(), self.steps):
-            yield [(int(i), self.epoch) for i in stream[s * self.local_batch:(s + 1) * self.local_batch]]
+        # One stream over all epochs: shuffle p of the partition, walked to its end before shuffle p + 1. Where a
+        # batch starts follows from the epoch and the step alone (every epoch has self.steps batches), so a
+        # resumed run (resume_at) continues the stream exactly, with no state of its own to checkpoint.
+        n, first = len(self.indices), self.first_batch()
+        position = (self.epoch * self.steps + first) * self.local_batch
+        shuffle, order = -1, self.indices
+        for _ in range(first, self.steps):
+            batch = []
+            while len(batch) < self.local_batch:
+                if position // n != shuffle:
+                    shuffle = position // n
+                    order = np.random.default_rng((self.seed, self.rank, shuffle)).permutation(self.indices)
+                take = min(self.local_batch - len(batch), n - position % n)
+                batch += [(int(i), self.epoch) for i in order[position % n:position % n + take]]
+                position += take
+            yield batch
 
 
 def build_sampler(labels, partition: PartitionSpec, local_batches: list[int], rank: int,

@@ -48,9 +48,9 @@ def cross_device_moments(x: torch.Tensor, group=None, shift: torch.Tensor | None
     channels = x.shape[1]
     shape = [1] * x.dim()
     shape[1] = channels
-    k = torch.zeros(channels, dtype=x.dtype) if shift is None else shift.detach().to(x.dtype)
+    k = x.new_zeros(channels) if shift is None else shift.detach().to(x.dtype)
     xs = x - k.view(shape)
-    count = torch.tensor([x.numel() / channels], dtype=x.dtype)
+    count = x.new_tensor([x.numel() / channels])
     packed = torch.cat([xs.sum(dims), (xs * xs).sum(dims), count])
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         packed = AllReduceSum.apply(packed, group)

@@ -184,7 +184,8 @@ def _check_block(block: Block) -> None:
     was_training = block.module.training
     block.module.eval()
     try:
-        x = torch.randn(2, block.in_channels, 9, 9, dtype=next(block.module.parameters()).dtype)
+        weight = next(block.module.parameters())
+        x = torch.randn(2, block.in_channels, 9, 9, dtype=weight.dtype, device=weight.device)
         with torch.no_grad():
             same = torch.allclose(block.module(x), block_reference(block, x), rtol=1e-4, atol=1e-5)
     finally:
@@ -259,8 +260,8 @@ def check_sequence(model: nn.Module, layers: list[tuple[str, nn.Module]], input_
     was_training = model.training
     model.eval()
     try:
-        dtype = next(model.parameters()).dtype
-        x = torch.randn(1, *input_shape, dtype=dtype)
+        weight = next(model.parameters())
+        x = torch.randn(1, *input_shape, dtype=weight.dtype, device=weight.device)
         with torch.no_grad():
             want = model(x)
             got = x

@@ -71,15 +71,22 @@ class Comm:
                  kind: str) -> None:
         """Send and receive tensors to and from peers (not self), all at once."""
         start = time.perf_counter()
-        works = [dist.irecv(buf, src=self._global(peer), group=self.group) for peer, buf in recvs]
+        # gloo sends only CPU tensors point to point (a CUDA one fails: "Bad address"): a GPU's go via the host
+        staged = [(buf, buf if buf.device.type == "cpu" else torch.empty(buf.shape, dtype=buf.dtype))
+                  for _, buf in recvs]
+        works = [dist.irecv(host, src=self._global(peer), group=self.group)
+                 for (peer, _), (_, host) in zip(recvs, staged)]
         payload = []
         for peer, t in sends:
-            t = t.contiguous()
+            t = t.contiguous().cpu()
             payload.append(t)
             works.append(dist.isend(t, dst=self._global(peer), group=self.group))
             self.bytes_sent[kind] += t.numel() * t.element_size()
         for w in works:
             wait(w, self.timeout_s, f"tiled training: {kind} exchange")
+        for buf, host in staged:
+            if host is not buf:
+                buf.copy_(host)
         self.bytes_recv += sum(buf.numel() * buf.element_size() for _, buf in recvs)
         self.seconds[kind] += time.perf_counter() - start
 

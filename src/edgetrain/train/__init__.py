@@ -12,7 +12,7 @@ from edgetrain.cluster.launch import launch_local, refuse_nested_launch, under_t
 from edgetrain.cluster.membership import ElasticLaunch
 from edgetrain.cluster.peers import TOKEN_ENV, check_rank_environment, peer_failure
 from edgetrain.cluster.profiles import device_speed, plan_devices, split_batch
-from edgetrain.config import TrainConfig, load_config, resolve
+from edgetrain.config import TrainConfig, load_config, resolve, with_device_count
 from edgetrain.errors import EdgetrainError, Terminated
 from edgetrain.preflight import check_before_launch
 from edgetrain.report.files import new_run_dir, write_yaml
@@ -66,6 +66,7 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     cluster_token = cfg.cluster_token or os.environ.get(TOKEN_ENV, "")
     cfg = dataclasses.replace(cfg, cluster_token=None)
     devices = plan_devices(cfg, world)
+    spec = with_device_count(cfg, spec, len(devices))  # the checks that need the count: a cluster file's known now
     local_batches = split_batch(cfg, devices)
     if spec.checkpoint.resume_dir and rank == 0:
         check_resume_devices(spec.checkpoint.resume_dir, len(devices), spec.partition.local)
@@ -79,9 +80,6 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     if beyond is not None:
         raise EdgetrainError(f"EDGETRAIN_FAULT names device {beyond}, but the run has {len(devices)} "
                              f"(ranks 0 to {len(devices) - 1}); name one of them or unset it")
-    if spec.min_devices is not None and spec.min_devices > len(devices):
-        raise EdgetrainError(f"--min-devices {spec.min_devices} is more than the {len(devices)} devices of the run; "
-                             f"give 1 to {len(devices)}")
     needs_speed = cfg.throttle and any(d.profile.speed is not None or d.profile.gflops is not None for d in devices)
     # Measured once, before the devices start, so they do not disturb each other's measurement.
     if needs_speed:

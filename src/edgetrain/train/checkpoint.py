@@ -561,7 +561,7 @@ def write_parts(target: Path, tensors: dict, own: dict, run: dict, rank: int, wo
 
 
 def save_final_parts(run_dir: str | Path | None, sharded: dict, step: int, config: dict, rank: int, world: int,
-                     timeout_s: float) -> None:
+                     timeout_s: float, planned_steps: int | None = None) -> None:
     """Every device of a pooled run, at its end: the final model and optimizer as ``RUN_DIR/checkpoint/``, each
     device writing its own part (``write_parts``); ``load_checkpoint`` reads it back whole in one process."""
     directory = shared_run_dir(run_dir, world)
@@ -569,7 +569,8 @@ def save_final_parts(run_dir: str | Path | None, sharded: dict, step: int, confi
         return
     tensors, rest = split_sharded(sharded)
     write_parts(directory / FINAL_DIR, tensors, {"sharded": rest},
-                {"step": step, "config": config, "world": world, "parts": True}, rank, world, timeout_s)
+                {"step": step, "planned_steps": planned_steps, "config": config, "world": world, "parts": True}, rank,
+                world, timeout_s)
 
 
 def load_checkpoint(path: str | Path) -> dict:
@@ -581,19 +582,35 @@ def load_checkpoint(path: str | Path) -> dict:
     for a pooled run (``{"state": {name: {...}}, "param_groups": [{..., "params": [names]}]}``, as
     ``torch.distributed.checkpoint.state_dict.get_state_dict`` gives it) and as ``optimizer.state_dict()``
     otherwise. Tensors are read with ``weights_only``; a directory's ``.metadata`` is DCP's own pickle, so
-    read only checkpoints you trust."""
+    read only checkpoints you trust.
+
+    ``partial`` is True for the model of a run that stopped before its end (SIGTERM, or its launcher killed:
+    the devices then write the model of the step they reached), or of an in-run checkpoint: ``step`` is
+    below ``planned_steps``, the steps the run was to take; a warning line on stderr says so too. A checkpoint
+    written before the planned count was recorded has ``planned_steps`` None and ``partial`` False."""
     path = Path(path)
     if path.is_dir() and (path / FINAL_FILE).is_file():
         path = path / FINAL_FILE
     elif path.is_dir() and (path / FINAL_DIR / RUN_FILE).is_file():
         path = path / FINAL_DIR
     if path.is_file():
-        return _load(path)
+        return _said_if_partial(path, _load(path))
     if (path / RUN_FILE).is_file():
-        return _read_parts(path)
+        return _said_if_partial(path, _read_parts(path))
     raise EdgetrainError(f"{path} holds no final checkpoint ({FINAL_FILE}, or {FINAL_DIR}/ for a pipeline or fsdp "
                          f"run): the run did not finish; resume it with edgetrain train --resume RUN_DIR, or give "
                          f"a run directory that finished")
+
+
+def _said_if_partial(path: Path, state: dict) -> dict:
+    """``state`` with ``planned_steps`` and ``partial`` (``load_checkpoint``); a partial one named on stderr."""
+    planned = state.setdefault("planned_steps", None)
+    state["partial"] = planned is not None and state["step"] < planned
+    if state["partial"]:
+        print(f"edgetrain: warning: {path} is a partial run's model: step {state['step']} of the {planned} "
+              f"planned (the run stopped before its end); continue it with edgetrain train --resume RUN_DIR",
+              file=sys.stderr, flush=True)
+    return state
 
 
 def _read_parts(folder: Path) -> dict:

@@ -97,6 +97,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
@@ -190,17 +191,20 @@ class FullyShardedDataParallel(Strategy):
         c = self.context
         on_meta = any(is_meta(m) for m in model.modules())
         whole = copy.deepcopy(model) if on_meta else None  # plain meta tensors: each layer's full initial value
+        if not on_meta:  # a model passed built: every device starts from device 0's weights, as DDP's constructor
+            # does; whole tensors, before sharding, so that each device then keeps its own shard of device 0's
+            for tensor in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(tensor.data, src=0)
         self.clock = device_clock(model, c.spec, c.rank, c.world, c.stats, c.link, "fsdp")
+        # the run's device type, not the default mesh's (CUDA wherever torch sees a GPU, --accelerator cpu too)
+        mesh = init_device_mesh(c.device.type, (c.world,))
         for module in [*sharding_units(model), model]:
-            fully_shard(module)
+            fully_shard(module, mesh=mesh)
             module.set_custom_all_gather(CountingAllGather(self.clock.emulator))
             module.set_custom_reduce_scatter(CountingReduceScatter(self.clock.emulator))
         if on_meta:
             model.to_empty(device=c.device)  # this device's shards only
             _initialise_shards(model, whole, c.spec.seed, c.device)
-        else:  # a model passed built: every device starts from device 0's weights, as DDP's constructor does
-            for tensor in [*model.parameters(), *model.buffers()]:
-                dist.broadcast(tensor.to_local() if isinstance(tensor, DTensor) else tensor.data, src=0)
         self.model = model
         self.finished = False
 

@@ -156,7 +156,12 @@ def accelerator_device(accelerator: str, local_rank: int = 0) -> torch.device:
                              f"(torch {torch.__version__}); use --accelerator cpu or auto")
     if accelerator == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
-    return torch.device("cuda", local_rank % torch.cuda.device_count())
+    device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    # Set and initialised now: torch's device mesh (fsdp) would otherwise pick GPU LOCAL_RANK, which emulated
+    # devices sharing one GPU do not have
+    torch.cuda.set_device(device)
+    torch.cuda.init()
+    return device
 
 
 @dataclass
@@ -315,7 +320,8 @@ class RunWriter:
 
     def summary(self, cfg: TrainConfig, strategy: Strategy, optimizer, per_device: list[DeviceSummary], train_totals,
                 evals: list[EvalRecord], params, data, world, local_batches, steps, wall_s, flops_per_sample,
-                partition: PartitionReport | None = None, membership: list[MembershipRecord] | None = None) -> dict:
+                partition: PartitionReport | None = None, membership: list[MembershipRecord] | None = None,
+                planned_steps: int | None = None) -> dict:
         """Rank 0, last: checkpoint.pt (a pooled strategy's devices wrote checkpoint/ already) and summary.json;
         returns the summary as written."""
         run_dir = self.run_dir
@@ -323,7 +329,7 @@ class RunWriter:
             d.details.update(achieved(flops_per_sample["total_flops"], d.samples_per_s, d.details.get("peak_gflops")))
         if not strategy.pooled:
             save_torch(run_dir / FINAL_FILE, {**strategy.checkpoint_state(optimizer), "step": steps,
-                                              "config": cfg.to_dict()})
+                                              "planned_steps": planned_steps, "config": cfg.to_dict()})
         step_s = sum(d.step_s for d in per_device) / world
         split = {k: sum(getattr(d, f"{k}_s") for d in per_device) / world for k in ("data", "compute", "comm")}
         last = evals[-1] if evals else None
@@ -472,7 +478,7 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
         while step < total_steps:
             if checkpoints.due(step, resumed_step):
                 checkpoints.save(step, {
-                    "step": step, "epoch": epoch, "evals": [e.to_dict() for e in evals],
+                    "step": step, "planned_steps": int(total_steps), "epoch": epoch, "evals": [e.to_dict() for e in evals],
                     "wall_s": time.perf_counter() - started, "config": cfg.to_dict()}, {
                     "strategy": strategy.state_dict(),
                     # a pooled strategy's optimizer state is in its part (sharded_state), not in every device's
@@ -532,7 +538,7 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
     writer.close()
     if strategy.pooled:  # every device writes its own part of the final model: RUN_DIR/checkpoint/
         save_final_parts(run_dir, strategy.sharded_state(optimizer, final=True), step, cfg.to_dict(), rank, world,
-                         spec.timeout_s)
+                         spec.timeout_s, planned_steps=int(total_steps))
 
     train_totals = torch.tensor([epoch_loss, epoch_correct, epoch_seen], dtype=torch.float64)
     mine = _device_summary(records, at, local_batches[rank], throttle)
@@ -558,7 +564,7 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
         per_device = [DeviceSummary.from_dict(d) for _, d in gathered]
         summary = writer.summary(cfg, strategy, optimizer, per_device, train_totals, evals, params, data, world,
                                  local_batches, step, time.perf_counter() - started, flops_per_sample, partition,
-                                 elastic.history() if elastic else [])
+                                 elastic.history() if elastic else [], planned_steps=int(total_steps))
     dist.barrier()
     dist.destroy_process_group()
     if checkpoints.stopped:

@@ -242,6 +242,9 @@ class Pipeline(Strategy):
         return None  # a stage alone is not the model the throttle would time
 
     def materialise(self, model: nn.Module) -> nn.Module:
+        if self.context.device.type == "cuda":  # seen on an H200: gloo's writev of device memory aborts
+            raise EdgetrainError("pipeline stages send activations point to point, which gloo cannot do with CUDA "
+                                 "tensors; use --accelerator cpu for --strategy pipeline")
         # stays on meta (a model built for real is moved): setup materialises this device's stage only
         return materialise(model, self.context.spec.seed, self.context.device, keep=lambda name: False)
 

@@ -72,14 +72,14 @@ def unpack(buffer: torch.Tensor, layout: list[tuple[torch.dtype, int]], numel: i
     return Payload(tuple(tensors), numel, segments)
 
 
-def segment_ids(parts: tuple[int, ...]) -> torch.Tensor:
-    """For every entry of the flat input, the index of its segment."""
-    return torch.repeat_interleave(torch.arange(len(parts)), torch.tensor(parts))
+def segment_ids(parts: tuple[int, ...], device: torch.device | None = None) -> torch.Tensor:
+    """For every entry of the flat input, the index of its segment (on ``device``: the input's)."""
+    return torch.repeat_interleave(torch.arange(len(parts), device=device), torch.tensor(parts, device=device))
 
 
 def segment_sum(values: torch.Tensor, ids: torch.Tensor, count: int) -> torch.Tensor:
     """Per-segment sums of ``values`` (entries labelled by ``ids``)."""
-    return torch.zeros(count, dtype=values.dtype).index_add_(0, ids, values)
+    return torch.zeros(count, dtype=values.dtype, device=values.device).index_add_(0, ids, values)
 
 
 class Compressor:

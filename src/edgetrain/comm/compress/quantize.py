@@ -29,15 +29,15 @@ class Int8(Compressor):
     def encode(self, x: torch.Tensor, key: object = 0, segments: tuple[int, ...] | None = None) -> Payload:
         x = x.detach().reshape(-1).float()
         parts = segments or (x.numel(),)
-        ids = segment_ids(parts)
-        peak = torch.zeros(len(parts)).scatter_reduce_(0, ids, x.abs(), "amax")
+        ids = segment_ids(parts, x.device)
+        peak = torch.zeros(len(parts), device=x.device).scatter_reduce_(0, ids, x.abs(), "amax")
         scale = peak.clamp_min(TINY) / 127.0
         q = torch.round(x / scale[ids]).clamp_(-127, 127).to(torch.int8)
         return Payload((scale, q), x.numel(), segments)
 
     def decode(self, payload: Payload) -> torch.Tensor:
         scale, q = payload.tensors
-        return q.float() * scale[segment_ids(payload.parts)]
+        return q.float() * scale[segment_ids(payload.parts, q.device)]
 
     def layout(self, numel: int, nbytes: int, segments=None) -> list[tuple[torch.dtype, int]]:
         return [(torch.float32, len(segments or (numel,))), (torch.int8, numel)]
@@ -64,17 +64,17 @@ class QSGD(Compressor):
     def encode(self, x: torch.Tensor, key: object = 0, segments: tuple[int, ...] | None = None) -> Payload:
         x = x.detach().reshape(-1).float()
         parts = segments or (x.numel(),)
-        ids = segment_ids(parts)
+        ids = segment_ids(parts, x.device)
         norm = segment_sum(x * x, ids, len(parts)).sqrt_()
         level = x.abs() / norm.clamp_min(TINY)[ids] * self.levels
         low = level.floor()
-        up = torch.rand(x.numel(), generator=self.generator) < (level - low)
+        up = torch.rand(x.numel(), generator=self.generator).to(x.device) < (level - low)  # CPU stream: seeded alike
         q = (low + up.float()).clamp_(max=self.levels) * x.sign()
         return Payload((norm, q.to(torch.int8)), x.numel(), segments)
 
     def decode(self, payload: Payload) -> torch.Tensor:
         norm, q = payload.tensors
-        return q.float() * (norm / self.levels)[segment_ids(payload.parts)]
+        return q.float() * (norm / self.levels)[segment_ids(payload.parts, q.device)]
 
     def layout(self, numel: int, nbytes: int, segments=None) -> list[tuple[torch.dtype, int]]:
         return [(torch.float32, len(segments or (numel,))), (torch.int8, numel)]

@@ -47,7 +47,7 @@ class RandomK(Compressor):
         return Payload((x[indices],), x.numel(), segments, ctx=indices)
 
     def decode(self, payload: Payload) -> torch.Tensor:
-        out = torch.zeros(payload.numel, dtype=torch.float32)
+        out = torch.zeros(payload.numel, dtype=torch.float32, device=payload.tensors[0].device)
         out[payload.ctx] = payload.tensors[0]
         return out
 

@@ -31,13 +31,13 @@ def pack_signs(x: torch.Tensor) -> torch.Tensor:
     bits = (x >= 0).to(torch.uint8)
     pad = (-bits.numel()) % 8
     if pad:
-        bits = torch.cat([bits, torch.zeros(pad, dtype=torch.uint8)])
-    return (bits.view(-1, 8) * _BITS).sum(1, dtype=torch.uint8)
+        bits = torch.cat([bits, bits.new_zeros(pad)])
+    return (bits.view(-1, 8) * _BITS.to(bits.device)).sum(1, dtype=torch.uint8)
 
 
 def unpack_signs(packed: torch.Tensor, numel: int) -> torch.Tensor:
     """+1.0 / -1.0 per entry."""
-    bits = (packed.unsqueeze(1) & _BITS).ne(0).view(-1)[:numel]
+    bits = (packed.unsqueeze(1) & _BITS.to(packed.device)).ne(0).view(-1)[:numel]
     return bits.float().mul_(2).sub_(1)
 
 
@@ -48,12 +48,12 @@ class ScaledSign(Compressor):
     def encode(self, x: torch.Tensor, key: object = 0, segments: tuple[int, ...] | None = None) -> Payload:
         x = x.detach().reshape(-1).float()
         parts = segments or (x.numel(),)
-        scale = segment_sum(x.abs(), segment_ids(parts), len(parts)) / torch.tensor(parts, dtype=torch.float32)
+        scale = segment_sum(x.abs(), segment_ids(parts, x.device), len(parts)) / x.new_tensor(parts)
         return Payload((scale, pack_signs(x)), x.numel(), segments)
 
     def decode(self, payload: Payload) -> torch.Tensor:
         scale, packed = payload.tensors
-        return unpack_signs(packed, payload.numel).mul_(scale[segment_ids(payload.parts)])
+        return unpack_signs(packed, payload.numel).mul_(scale[segment_ids(payload.parts, packed.device)])
 
     def layout(self, numel: int, nbytes: int, segments=None) -> list[tuple[torch.dtype, int]]:
         return [(torch.float32, len(segments or (numel,))), (torch.uint8, (numel + 7) // 8)]

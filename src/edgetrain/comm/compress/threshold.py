@@ -76,10 +76,10 @@ class Threshold(Compressor):
         negative = values < 0
         codes = (indices * 2 + negative.long()).to(torch.int32)
         if self.decode_to == "strom":
-            return Payload((torch.tensor([self.wt], dtype=torch.float32), codes), x.numel(), segments)
+            return Payload((x.new_tensor([self.wt]), codes), x.numel(), segments)
         parts = segments or (x.numel(),)
         # slot 2s: positive entries of tensor s, slot 2s+1: negative ones
-        slots = segment_ids(parts)[indices] * 2 + negative.long()
+        slots = segment_ids(parts, x.device)[indices] * 2 + negative.long()
         total = segment_sum(values.abs(), slots, 2 * len(parts))
         count = segment_sum(torch.ones_like(values), slots, 2 * len(parts))
         return Payload((total / count.clamp_min(1), codes), x.numel(), segments)
@@ -91,8 +91,8 @@ class Threshold(Compressor):
         if self.decode_to == "strom" or magnitudes.numel() == 1:
             size = magnitudes[0].expand(indices.numel())
         else:
-            size = magnitudes[segment_ids(payload.parts)[indices] * 2 + negative]
-        out = torch.zeros(payload.numel, dtype=torch.float32)
+            size = magnitudes[segment_ids(payload.parts, codes.device)[indices] * 2 + negative]
+        out = torch.zeros(payload.numel, dtype=torch.float32, device=codes.device)
         out[indices] = torch.where(negative.bool(), -size, size)
         return out
 

@@ -84,7 +84,7 @@ class TopK(Compressor):
         return Payload((x[indices], indices.to(torch.int32)), x.numel(), segments)
 
     def decode(self, payload: Payload) -> torch.Tensor:
-        out = torch.zeros(payload.numel, dtype=torch.float32)
+        out = torch.zeros(payload.numel, dtype=torch.float32, device=payload.tensors[0].device)
         if self.compact:
             values, codes = payload.tensors
             codes = codes.to(torch.int64) + 32768  # stored shifted into int16's range
@@ -111,8 +111,8 @@ def _gap_encode(x: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, t
     counts = fillers + 1
     slots = len(indices) + (x.numel() - 1) // GAP_FILL
     own = torch.cumsum(counts, 0) - 1  # each entry's slot, after its fillers
-    codes = torch.full((slots,), GAP_FILL, dtype=torch.int64)
+    codes = torch.full((slots,), GAP_FILL, dtype=torch.int64, device=x.device)
     codes[own] = gaps - fillers * GAP_FILL
-    values = torch.zeros(slots, dtype=torch.float16)
+    values = torch.zeros(slots, dtype=torch.float16, device=x.device)
     values[own] = x[indices].clamp(-FP16_MAX, FP16_MAX).half()
     return values, (codes - 32768).to(torch.int16)
