@@ -62,6 +62,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from edgetrain.comm import build_sync
 from edgetrain.comm.accounting import CommStats
 from edgetrain.config import TrainConfig
+from edgetrain.errors import EdgetrainError
 from edgetrain.models.batchnorm import convert_batchnorm
 from edgetrain.models.init import materialise
 from edgetrain.spec import RunSpec
@@ -346,5 +347,12 @@ _STRATEGY_MODULES = {"fsdp": "edgetrain.train.fsdp", "pipeline": "edgetrain.trai
 def registered_strategy(name: str) -> type[Strategy]:
     """The Strategy that ``--strategy name`` trains with, its module imported on first use."""
     if name not in STRATEGIES and name in _STRATEGY_MODULES:
-        importlib.import_module(_STRATEGY_MODULES[name])
+        try:
+            importlib.import_module(_STRATEGY_MODULES[name])
+        except ImportError as e:  # FSDP2 (fully_shard and its collectives), which torch 2.4 does not export
+            raise EdgetrainError(f"strategy {name} needs a newer torch than this {torch.__version__} ({e}); "
+                                 f"use --strategy ddp, or install a newer torch (2.13 is tested)") from None
+    if STRATEGIES[name].pooled:  # its model is written in parts: checked before training, not after it
+        from edgetrain.train.checkpoint import _check_dcp
+        _check_dcp()
     return STRATEGIES[name]
