@@ -5,6 +5,8 @@ Python API::
     import edgetrain
     summary = edgetrain.train({"model": "resnet18", "dataset": "cifar10", "data_dir": "...", "devices": 4})
     summary = edgetrain.train("config.yaml", model=MyNet(), devices=2)   # your own nn.Module
+    summary = edgetrain.train(task="regression")              # real-valued targets (docs/how-to/tasks.md)
+    summary = edgetrain.train(model=MyNet(), task=MyTask(), dataset=my_data)  # your own edgetrain.Task
     state = edgetrain.load_checkpoint(summary["run_dir"])  # the final model, whole: {"model", "optimizer", ...}
 
 ``edgetrain.train`` is the function; the training loop itself lives in the
@@ -36,10 +38,13 @@ _LAZY = {
     "register_model": "edgetrain.models",
     "register_dataset": "edgetrain.data",
     "load_checkpoint": "edgetrain.train.checkpoint",
+    "Task": "edgetrain.tasks",
+    "Metric": "edgetrain.tasks",
+    "Evaluator": "edgetrain.tasks",
 }
 
 __all__ = ["train", "TrainConfig", "load_config", "EdgetrainError", "build_model", "register_model",
-           "register_dataset", "load_checkpoint", "__version__"]
+           "register_dataset", "load_checkpoint", "Task", "Metric", "Evaluator", "__version__"]
 
 
 def __getattr__(name: str):

@@ -46,14 +46,21 @@ def _opt(default: Any, help: str, choices: tuple | None = None, minimum: float |
 @dataclass
 class TrainConfig:
     # what to train
+    task: str | None = _opt(None, "what is learned: classification, regression or detection (default: the one the "
+                            "dataset implies: classification for digits, cifar10, synthetic, imagefolder, npz); "
+                            "given alone it brings its own default dataset and model (regression: diabetes, mlp)")
     model: str = _opt("small_cnn", "model name from the registry: small_cnn, small_cnn_gn (GroupNorm), resnet18, "
-                      "yolo_tiny (or one you registered)")
+                      "yolo_tiny, yolov2_tiny and yolov2_tiny_small (detectors) (or one you registered)")
     dataset: str = _opt("digits", "digits (ships with scikit-learn), cifar10 (official python format, needs data_dir), "
-                        "synthetic, imagefolder or npz (your files at data_dir), or a name you registered")
+                        "synthetic, imagefolder or npz (your files at data_dir), shapes (generated detection "
+                        "set), yolo or coco (detection files at data_dir), or a name you registered")
     data_dir: str | None = _opt(None, "directory holding CIFAR-10's data_batch_1..5 and test_batch; the image folder "
-                                "(one subfolder per class) or the .npz file of dataset imagefolder or npz")
-    image_size: int = _opt(32, "side of the synthetic dataset's square images", minimum=4)
-    synthetic_samples: int = _opt(2048, "training images in the synthetic dataset (test set: a quarter of it)", minimum=1)
+                                "(one subfolder per class) or the .npz file of dataset imagefolder or npz; the YOLO "
+                                "(images/, labels/) or COCO (train.json, test.json) folder of dataset yolo or coco")
+    image_size: int = _opt(32, "side of the synthetic dataset's square images; the side detection images (shapes, "
+                           "yolo, coco) are made or resized to (--task detection: 128)", minimum=4)
+    synthetic_samples: int = _opt(2048, "training images in the synthetic and shapes datasets (test set: a quarter "
+                                  "of it)", minimum=1)
     augment: bool = _opt(True, "random crop and horizontal flip for CIFAR-10 training images")
     partition: str = _opt("none", "each device's own data: none (one shared, globally shuffled dataset), iid, "
                           "dirichlet:ALPHA (label skew, e.g. 0.5) or shards:K (K label-sorted shards per device)")
@@ -86,8 +93,9 @@ class TrainConfig:
 
     # communication over edge links
     compress: str = _opt("none", "gradient compression, e.g. none, fp16, topk:0.01, powersgd:2")
-    sync: str = _opt("sync", "synchronisation: sync, local:H, async:S, gossip, fedavg:E (federated rounds of E local "
-                     "epochs; fedavg:steps=H; options :prox=MU, :scaffold, :weighted, :reset)")
+    sync: str = _opt("sync", "synchronisation: sync, local:H, diloco:H, streaming:H, async:S, gossip, fedavg:E "
+                     "(federated rounds of E local epochs; fedavg:steps=H; options :prox=MU, :scaffold, :weighted, "
+                     ":reset)")
     server_opt: str = _opt("fedavg", "federated server step: fedavg, fedavgm[:lr=1:momentum=0.9] or "
                            "fedadam[:lr=0.01:beta1=0.9:beta2=0.99:eps=0.001]")
     participation: float = _opt(1.0, "federated rounds: fraction of devices sampled per round, in (0, 1]")
@@ -374,7 +382,7 @@ def resolve(cfg: TrainConfig) -> RunSpec:
                    checkpoint=CheckpointSpec(cfg.checkpoint_every, cfg.keep_checkpoints, cfg.resume,
                                              cfg.checkpoint_every_s),
                    faults=faults, tensorboard=cfg.tensorboard,
-                   dedup=parse_dedup(cfg.dedup), min_devices=cfg.min_devices)
+                   dedup=parse_dedup(cfg.dedup), min_devices=cfg.min_devices, task=cfg.task)
     # A cluster file's device count (or torchrun's) is only known once the devices are planned: train applies
     # with_device_count then, with the count the run will have.
     return with_device_count(cfg, spec, cfg.devices) if not cfg.cluster and "WORLD_SIZE" not in os.environ else spec

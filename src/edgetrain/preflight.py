@@ -4,7 +4,10 @@ The output directory can be written, the model and the dataset are
 registered, the CIFAR-10 files are there, an image folder or ``.npz`` reads
 (every file), a tiling grid fits the feature maps
 (``tiling.strategy.plan_section`` on the model, built here once), a pipeline
-can cut the model where ``--stages`` says (``plan.stages``). ``train``
+can cut the model where ``--stages`` says (``plan.stages``), the run's task
+can run under its strategy (``task_kinds``) and, for a task whose descriptor
+asks it (or one passed from Python), fits the data and the model's output on
+one batch (``Task.check_data``, ``Task.check``). ``train``
 calls ``check_before_launch`` before it makes the run directory and before any
 device starts, so bad input leaves nothing behind. It needs the models, the
 data and the tiler (so torch): it sits above ``config``, which stays free of them.
@@ -25,14 +28,16 @@ from edgetrain.errors import EdgetrainError
 from edgetrain.models import build_model, check_model
 from edgetrain.plan.stages import check_sequential, pipeline_layers, stage_bounds
 from edgetrain.spec import RunSpec
+from edgetrain.task_kinds import run_task, task_kind
 from edgetrain.tiling.strategy import plan_section
 
 
-def check_before_launch(cfg: TrainConfig, spec: RunSpec, model: Any = None) -> None:
+def check_before_launch(cfg: TrainConfig, spec: RunSpec, model: Any = None, task: Any = None):
     """What ``validate`` cannot see in the values: checked before the run directory and the devices.
 
     ``spec`` is ``resolve(cfg)``, the options already parsed; ``model`` is the ``nn.Module`` given to
-    ``train`` instead of ``cfg.model``, if any.
+    ``train`` instead of ``cfg.model``, if any; ``task`` the ``Task`` given instead of ``cfg.task``, if any.
+    Returns the dataset where the task's check built it (the launcher may hand it on), else None.
     """
     check_output_dir(cfg.output, "config key 'output'")
     if spec.checkpoint.resume_dir:
@@ -43,18 +48,58 @@ def check_before_launch(cfg: TrainConfig, spec: RunSpec, model: Any = None) -> N
         check_model(cfg.model)
     check_dataset(cfg.dataset)
     check_data(cfg)
+    name = run_task(cfg.task, cfg.dataset)
+    kind = None if task is not None else task_kind(name)  # one line for an unknown name
+    if kind is not None:
+        kind.check_strategy(cfg.strategy)
+        if spec.partition.by_label and kind.targets != "labels":
+            raise EdgetrainError(f"--partition {spec.partition.text} skews class labels, which task {kind.name} "
+                                 f"does not have; use --partition iid")
+    data = check_task(cfg, model, task, name) if kind is None or kind.check_batch else None
     if spec.tiling is None and spec.pipeline is None:
-        return
-    (channels, height, width), classes = dataset_shape(cfg.dataset)
-    if cfg.dataset == "synthetic":
-        height = width = cfg.image_size
+        return data
+    if data is not None:  # the task's check built the data: its own shape (a detection set's resolution)
+        shape, channels, classes = tuple(data.input_shape), data.in_channels, data.num_classes
+    else:
+        (channels, height, width), classes = dataset_shape(cfg.dataset)
+        if cfg.dataset == "synthetic":
+            height = width = cfg.image_size
+        shape = (channels, height, width)
     model = model if model is not None else build_model(cfg.model, channels, classes)
     if spec.tiling is not None:
-        plan_section(model, spec.tiling, (channels, height, width))
+        plan_section(model, spec.tiling, shape)
     if spec.pipeline is not None:
-        check_sequential(model, torch.randn(2, channels, height, width), f"model {cfg.model}")
+        check_sequential(model, torch.randn(2, *shape), f"model {cfg.model}")
         if not cfg.cluster and "WORLD_SIZE" not in os.environ:  # else the devices check it, knowing their number
             stage_bounds(spec.pipeline, pipeline_layers(model), cfg.devices // spec.pipeline.replicas)
+    return data
+
+
+def check_task(cfg: TrainConfig, model: Any, task: Any, name: str):
+    """The task fits the data (``Task.check_data``: every target) and the model's output for two samples
+    (``Task.check``), on copies, the model in eval mode; returns the data built for it."""
+    import copy
+
+    from edgetrain.tasks import build_task
+
+    data = build_data(cfg)
+    task = task if task is not None else build_task(name, data)
+    task.check_data(data)
+    if len(data.train) == 0:
+        raise EdgetrainError(f"dataset {cfg.dataset} has no training samples; give it some")
+    model = copy.deepcopy(model) if model is not None else build_model(cfg.model, data.in_channels,
+                                                                         data.num_classes)
+    model.eval()
+    x, y = task.collate([data.train[i] for i in range(min(2, len(data.train)))])
+    with torch.no_grad():
+        try:
+            out = model(x)
+        except RuntimeError as e:
+            raise EdgetrainError(f"model {cfg.model} cannot take the {cfg.dataset} inputs of shape "
+                                 f"{tuple(x.shape[1:])} ({str(e).splitlines()[0]}); choose a model for that "
+                                 f"shape") from None
+    task.check(out, y)
+    return data
 
 
 def check_data(cfg: TrainConfig) -> None:

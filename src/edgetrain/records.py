@@ -8,7 +8,12 @@ Files of a run directory and the record each line or file holds:
 - ``evals.jsonl``: one ``EvalRecord`` per evaluation, appended as it happens;
 - ``membership.jsonl``: one ``MembershipRecord`` per membership change of an
   elastic run (``--min-devices``, train/elastic.py), appended as it happens;
-- ``summary.json``: one ``RunSummary`` (with a ``DeviceSummary`` per device).
+- ``summary.json``: one ``RunSummary`` (with a ``DeviceSummary`` per device,
+  and the run's task as a ``TaskRecord``: its metrics' names, labels, units).
+
+An evaluation's figures are ``EvalRecord.metrics``, keyed by the names the
+run's ``TaskRecord`` declares (``MetricRecord``): the report takes a metric's
+label, unit and direction from there, never from the key's spelling.
 
 Every record is a dataclass with ``to_dict()`` (JSON-able) and
 ``from_dict()``, which checks each key's JSON type against the field's
@@ -199,13 +204,68 @@ class StepRecord(Record):
 
 
 @dataclass
+class MetricRecord(Record):
+    """One metric a task reports (``tasks.base.Metric``): ``name`` keys it in ``EvalRecord.metrics``, ``label``
+    and ``unit`` are what a plot's axis says (unit ``""``: a fraction of 1), ``fmt`` how a value is printed."""
+
+    name: str
+    unit: str = ""
+    higher_is_better: bool = True
+    label: str = ""
+    fmt: str = ".4g"
+
+    @property
+    def title(self) -> str:
+        text = self.label or self.name
+        return f"{text} ({self.unit})" if self.unit else text
+
+    def format(self, value: float) -> str:
+        return f"{format(value, self.fmt)}{' ' + self.unit if self.unit else ''}"
+
+
+@dataclass
+class TaskRecord(Record):
+    """What a run learned: the task's name (a built-in kind, or ``module:QualName`` for one passed from Python),
+    its headline metric's name and every metric it reports."""
+
+    name: str
+    headline: str
+    metrics: list[MetricRecord] = field(default_factory=list)
+    loss: str = ""       # what the loss is, for a plot's axis ("cross-entropy")
+
+    def metric(self, name: str) -> MetricRecord | None:
+        return next((m for m in self.metrics if m.name == name), None)
+
+    @property
+    def headline_metric(self) -> MetricRecord | None:
+        return self.metric(self.headline)
+
+
+# What a run before tasks learned: a classifier scored by accuracy.
+CLASSIFICATION = TaskRecord("classification", "accuracy",
+                            [MetricRecord("accuracy", "", True, "accuracy", ".1%")], "cross-entropy")
+
+
+@dataclass
 class EvalRecord(Record):
-    """One evaluation on the whole test set (a line of ``evals.jsonl``, and ``RunSummary.evals``)."""
+    """One evaluation on the whole test set (a line of ``evals.jsonl``, and ``RunSummary.evals``).
+
+    ``metrics``: every metric of the run's task by its name (``TaskRecord``); ``test_accuracy`` is a
+    classifier's accuracy (None for other tasks), as runs before tasks wrote it."""
 
     epoch: int
     step: int
     test_loss: float
-    test_accuracy: float
+    test_accuracy: float | None = None
+    metrics: dict[str, float] | None = None   # None: a run before tasks (its test_accuracy says it all)
+
+    omit_when_none: ClassVar[tuple[str, ...]] = ("metrics",)
+
+    def values(self) -> dict[str, float]:
+        """Every metric of the evaluation by name (a run before tasks: its accuracy)."""
+        if self.metrics is not None:
+            return dict(self.metrics)
+        return {} if self.test_accuracy is None else {"accuracy": self.test_accuracy}
 
 
 @dataclass
@@ -298,6 +358,9 @@ class RunSummary(Record):
     test_accuracy: float | None = None
     evals: list[EvalRecord] = field(default_factory=list)
     membership: list[MembershipRecord] = field(default_factory=list)
+    task: TaskRecord | None = None                  # what was learned; None: a classifier (runs before tasks)
+    train_metrics: dict[str, float] | None = None   # the task's train figures over the last epoch
+    test_metrics: dict[str, float] | None = None    # the last evaluation's metrics (EvalRecord.metrics)
     per_device: list[DeviceSummary]
     throughput_samples_per_s: float
     achieved_gflops: float | None = None
@@ -315,7 +378,7 @@ class RunSummary(Record):
     checkpoint: str | None = None
 
     details_field: ClassVar[str | None] = "details"
-    omit_when_none: ClassVar[tuple[str, ...]] = ("energy_j_per_epoch",)
+    omit_when_none: ClassVar[tuple[str, ...]] = ("energy_j_per_epoch", "task", "train_metrics", "test_metrics")
 
 
 def modelled_throughput(s: RunSummary) -> dict | None:

@@ -15,11 +15,15 @@ refuses combinations that cannot run (``RunSpec``'s docstring lists them).
 ``fp16``, ``bf16``                 half-precision all-reduce
 ``int8``                           linear 8-bit quantization
 ``qsgd[:LEVELS]``                  stochastic quantization, 1..127 levels (default 127)
+``quant[:BITS]``                   linear BITS-bit quantization (2..8, default 4), packed,
+                                   with error feedback; ``noef``
 ``topk:RATIO``                     top-k with error feedback; options ``dgc`` (momentum
                                    correction, ``momentum=0.9``), ``warmup=STEPS`` (DGC's
                                    sparsity ramp), ``layerwise`` (a budget per layer, as
                                    DGC), ``compact`` (fp16 value + 16-bit index
-                                   gap: 4 bytes per entry, not 8), ``noef``
+                                   gap: 4 bytes per entry, not 8), ``bits=B`` (B-bit
+                                   values and 16-bit gaps: SparseLoCo's 2 bits),
+                                   ``noef``
 ``randk:RATIO``                    random-k (shared seed) with error feedback; ``noef``
 ``sign``                           EF-signSGD (scaled sign, error feedback); ``sign:vote``
                                    for signSGD majority vote
@@ -37,6 +41,11 @@ refuses combinations that cannot run (``RunSpec``'s docstring lists them).
 ``local:H``                                    local SGD, average every ``H`` steps;
 ``local:H:nesterov[:lr=0.7][:momentum=0.9]``   with DiLoCo's outer Nesterov step; every
                                                compressor but ``powersgd`` and ``dgc``
+``diloco:H[:lr=0.7][:momentum=0.9]``          the same as ``local:H:nesterov...``
+``streaming:H[:fragments=2][:overlap=1]``      Streaming DiLoCo: fragments averaged at
+``...[:mix=0.5][:lr=0.7][:momentum=0.9]``      staggered steps in the background
+                                               (comm/streaming.py); as ``async:S``'s
+                                               compressors
 ``async:S``                                    bounded staleness ``S`` steps; every fixed-size
                                                compressor (not ``threshold``, ``powersgd``, ``dgc``)
 ``gossip[:H]``                                 ring gossip every ``H`` steps (default 1);
@@ -93,10 +102,11 @@ from edgetrain.errors import EdgetrainError
 
 # ---------------------------------------------------------------- --compress
 
-METHODS = ("none", "fp16", "bf16", "int8", "qsgd", "topk", "randk", "sign", "powersgd", "threshold")
+METHODS = ("none", "fp16", "bf16", "int8", "qsgd", "quant", "topk", "randk", "sign", "powersgd", "threshold")
 _OPTIONS = {
     "none": set(), "fp16": set(), "bf16": set(), "int8": set(), "qsgd": set(),
-    "topk": {"dgc", "momentum", "warmup", "noef", "layerwise", "compact"},
+    "quant": {"noef"},
+    "topk": {"dgc", "momentum", "warmup", "noef", "layerwise", "compact", "bits"},
     "randk": {"noef"},
     "sign": {"vote", "noef"},
     "powersgd": {"start"},
@@ -165,6 +175,8 @@ def _check(name: str, arg: float | None, options: dict, text: str) -> None:
                                  f"e.g. {name}:0.01 keeps 1% of the entries")
     elif name == "qsgd" and arg is not None and not (arg == int(arg) and 1 <= arg <= 127):
         raise EdgetrainError(f"qsgd levels must be an integer in [1, 127], got {arg:g}")
+    elif name == "quant" and arg is not None and not (arg == int(arg) and 2 <= arg <= 8):
+        raise EdgetrainError(f"quant takes a whole number of bits from 2 to 8, got {arg:g}; e.g. --compress quant:4")
     elif name == "powersgd" and arg is not None and not (arg == int(arg) and arg >= 1):
         raise EdgetrainError(f"powersgd rank must be an integer >= 1, got {arg:g}")
     elif name == "threshold" and arg is not None and not arg > 0:
@@ -177,6 +189,11 @@ def _check(name: str, arg: float | None, options: dict, text: str) -> None:
         raise EdgetrainError("momentum= applies to DGC momentum correction: add :dgc, e.g. topk:0.001:dgc:momentum=0.9")
     if "dgc" in options and "noef" in options:
         raise EdgetrainError("dgc keeps its own residual; it cannot be combined with noef")
+    if "bits" in options and not (options["bits"] == int(options["bits"]) and 1 <= options["bits"] <= 8):
+        raise EdgetrainError(f"bits= is the bits of a kept value, a whole number from 1 to 8, got {options['bits']:g}; "
+                             "e.g. topk:0.01:bits=2")
+    if "bits" in options and "compact" in options:
+        raise EdgetrainError("bits= already sends 16-bit positions as compact does, with B-bit values: drop :compact")
     for key in ("warmup", "start"):
         if key in options and not (options[key] == int(options[key]) and options[key] >= 0):
             raise EdgetrainError(f"{key}= must be a whole number of steps, got {options[key]:g}")
@@ -199,7 +216,8 @@ def _number(value: str, token: str, text: str) -> float:
 
 # ---------------------------------------------------------------- --sync
 
-SYNC_MODES = ("sync", "local", "async", "gossip", "fedavg")
+SYNC_MODES = ("sync", "local", "async", "gossip", "fedavg", "streaming")
+SYNC_ALIASES = ("diloco",)  # diloco:H parses to local:H:nesterov
 
 
 @dataclass(frozen=True)
@@ -216,45 +234,32 @@ class SyncSpec:
     scaffold: bool = False     # fedavg:...:scaffold: SCAFFOLD's control variates
     weighted: bool = False     # fedavg:...:weighted: updates weighted by the devices' sample counts (McMahan's n_k/n)
     reset: bool = False        # fedavg:...:reset: a fresh client optimizer (no momentum carried over) each round
+    fragments: int = 1         # streaming: fragments of the model, each synchronised at its own step of the H
+    overlap: int = 0           # streaming: inner steps a fragment's exchange runs behind before it is applied
+    mix: float = 0.0           # streaming: share of the local fragment kept when the averaged one is applied
 
 
 def parse_sync(text: str | None) -> SyncSpec:
     """Parse and validate a ``--sync`` spec; raise ``EdgetrainError`` with the fix if it is wrong."""
     text = (text or "sync").strip().lower()
     mode, *rest = text.split(":")
-    if mode not in SYNC_MODES:
-        raise EdgetrainError(f"unknown sync mode {mode!r} in --sync {text!r}; use sync, local:H, async:S, gossip "
-                             "or fedavg:E")
+    if mode not in SYNC_MODES + SYNC_ALIASES:
+        raise EdgetrainError(f"unknown sync mode {mode!r} in --sync {text!r}; use sync, local:H, diloco:H, "
+                             "streaming:H, async:S, gossip or fedavg:E")
+    if mode == "diloco":  # local SGD with DiLoCo's outer Nesterov step, spelt as the papers name it
+        return _parse_local(rest, text, nesterov=True)
+    if mode == "streaming":
+        return _parse_streaming(rest, text)
     if mode == "fedavg":
         return _parse_fedavg(rest, text)
     if mode == "sync":
         if rest:
             raise EdgetrainError(f"--sync sync takes no arguments, got {text!r}")
         return SyncSpec("sync", text=text)
+    if mode == "local":
+        return _parse_local(rest, text)
     number = _int(rest[0], mode, text) if rest else None
     options = rest[1:]
-    if mode == "local":
-        if number is None:
-            raise EdgetrainError("local SGD needs the number of local steps between averages, e.g. --sync local:8")
-        if number < 1:
-            raise EdgetrainError(f"local SGD period H must be >= 1 step, got {number} in {text!r}; "
-                                 "e.g. --sync local:8 averages every 8 steps (local:1 is synchronous averaging)")
-        nesterov, lr, momentum = False, 0.7, 0.9
-        for opt in options:
-            key, eq, value = opt.partition("=")
-            if opt == "nesterov":
-                nesterov = True
-            elif eq and key in ("lr", "momentum"):
-                number_value = _float(value, opt, text)
-                lr, momentum = (number_value, momentum) if key == "lr" else (lr, number_value)
-            else:
-                raise EdgetrainError(f"unknown local SGD option {opt!r} in {text!r}; options: nesterov, lr=, momentum=")
-        if (lr != 0.7 or momentum != 0.9) and not nesterov:
-            raise EdgetrainError("lr= and momentum= set the outer Nesterov step: add :nesterov, "
-                                 "e.g. --sync local:8:nesterov:lr=0.7")
-        if not lr > 0 or not 0 <= momentum < 1:
-            raise EdgetrainError(f"outer lr must be > 0 and momentum in [0, 1), got lr={lr:g}, momentum={momentum:g}")
-        return SyncSpec("local", period=number, nesterov=nesterov, outer_lr=lr, outer_momentum=momentum, text=text)
     if options:
         raise EdgetrainError(f"--sync {mode} takes one number at most, got {text!r}")
     if mode == "async":
@@ -268,6 +273,79 @@ def parse_sync(text: str | None) -> SyncSpec:
     if period < 1:
         raise EdgetrainError(f"gossip period must be >= 1 step, got {period}")
     return SyncSpec("gossip", period=period, text=text)
+
+
+def _period(rest: list[str], mode: str, text: str) -> int:
+    """The H of ``local:H`` / ``diloco:H`` / ``streaming:H``: local steps between two exchanges."""
+    name = "local SGD" if mode == "local" else mode
+    if not rest:
+        raise EdgetrainError(f"{name} needs the number of local steps between averages, e.g. --sync {mode}:8")
+    number = _int(rest[0], mode, text)
+    if number < 1:
+        raise EdgetrainError(f"{name} period H must be >= 1 step, got {number} in {text!r}; "
+                             f"e.g. --sync {mode}:8 averages every 8 steps ({mode}:1 averages every step)")
+    return number
+
+
+def _outer(key: str, value: str, opt: str, text: str, values: dict) -> bool:
+    """Read an outer-step option (``lr=``, ``momentum=``) into ``values``; False if ``key`` is none."""
+    if key not in ("lr", "momentum"):
+        return False
+    values[key] = _float(value, opt, text)
+    return True
+
+
+def _check_outer(values: dict) -> None:
+    lr, momentum = values["lr"], values["momentum"]
+    if not (lr > 0 and math.isfinite(lr)) or not 0 <= momentum < 1:
+        raise EdgetrainError(f"outer lr must be > 0 and momentum in [0, 1), got lr={lr:g}, momentum={momentum:g}")
+
+
+def _parse_local(rest: list[str], text: str, nesterov: bool = False) -> SyncSpec:
+    """``local:H[:nesterov][:lr=][:momentum=]``; ``diloco:H[:lr=][:momentum=]`` is the same with ``nesterov``."""
+    mode = text.split(":")[0]
+    number = _period(rest, mode, text)
+    values = {"lr": 0.7, "momentum": 0.9}
+    for opt in rest[1:]:
+        key, eq, value = opt.partition("=")
+        if opt == "nesterov" and mode == "local":
+            nesterov = True
+        elif not (eq and _outer(key, value, opt, text, values)):
+            allowed = "nesterov, lr=, momentum=" if mode == "local" else "lr=, momentum="
+            raise EdgetrainError(f"unknown {mode} option {opt!r} in {text!r}; options: {allowed}")
+    if (values["lr"], values["momentum"]) != (0.7, 0.9) and not nesterov:
+        raise EdgetrainError("lr= and momentum= set the outer Nesterov step: add :nesterov, "
+                             "e.g. --sync local:8:nesterov:lr=0.7 (or write diloco:8:lr=0.7)")
+    _check_outer(values)
+    return SyncSpec("local", period=number, nesterov=nesterov, outer_lr=values["lr"],
+                    outer_momentum=values["momentum"], text=text)
+
+
+def _parse_streaming(rest: list[str], text: str) -> SyncSpec:
+    """``streaming:H[:fragments=F][:overlap=T][:mix=A][:lr=][:momentum=]`` (comm/streaming.py)."""
+    number = _period(rest, "streaming", text)
+    values = {"lr": 0.7, "momentum": 0.9, "fragments": 2.0, "overlap": 1.0, "mix": 0.5}
+    for opt in rest[1:]:
+        key, eq, value = opt.partition("=")
+        if eq and key in ("fragments", "overlap", "mix"):
+            values[key] = _float(value, opt, text)
+        elif not (eq and _outer(key, value, opt, text, values)):
+            raise EdgetrainError(f"unknown streaming option {opt!r} in {text!r}; options: fragments=, overlap=, "
+                                 "mix=, lr=, momentum=")
+    _check_outer(values)
+    fragments, overlap = values["fragments"], values["overlap"]
+    if fragments != int(fragments) or not 1 <= fragments <= number:
+        raise EdgetrainError(f"streaming fragments=F must be a whole number from 1 to H={number} (each fragment "
+                             f"is synchronised at its own step of the H), got {fragments:g} in {text!r}")
+    if overlap != int(overlap) or not 0 <= overlap < number:
+        raise EdgetrainError(f"streaming overlap=T must be a whole number of steps from 0 to H-1={number - 1} (a "
+                             f"fragment's exchange must land before its next one starts), got {overlap:g} in {text!r}")
+    if not 0 <= values["mix"] <= 1:
+        raise EdgetrainError(f"streaming mix=A must be in [0, 1] (the share of the local fragment kept when the "
+                             f"averaged one lands), got {values['mix']:g} in {text!r}")
+    return SyncSpec("streaming", period=number, nesterov=True, outer_lr=values["lr"],
+                    outer_momentum=values["momentum"], text=text, fragments=int(fragments), overlap=int(overlap),
+                    mix=values["mix"])
 
 
 def _parse_fedavg(rest: list[str], text: str) -> SyncSpec:
@@ -351,9 +429,9 @@ def check_compatible(sync: SyncSpec, compress: CompressSpec) -> None:
     if compress.is_dgc:
         raise EdgetrainError(f"dgc momentum correction applies to gradients (--sync sync), not to the model "
                              f"deltas of {sync.text!r}; drop :dgc")
-    if sync.mode == "async" and compress.method == "threshold":
-        raise EdgetrainError("threshold sends a variable number of entries, which the non-blocking rounds of "
-                             "--sync async cannot carry; use topk, randk or sign with async")
+    if sync.mode in ("async", "streaming") and compress.method == "threshold":
+        raise EdgetrainError(f"threshold sends a variable number of entries, which the non-blocking rounds of "
+                             f"--sync {sync.mode} cannot carry; use topk, randk, quant or sign with {sync.mode}")
     if sync.mode == "gossip" and compress.method != "none":
         raise EdgetrainError(f"gossip averages full models with neighbours and supports --compress none only, "
                              f"not {compress.text!r} (compressed gossip needs CHOCO-SGD, not implemented)")
@@ -391,6 +469,11 @@ class PartitionSpec:
     def local(self) -> bool:
         """Whether each device holds its own part of the data (any kind but ``none``)."""
         return self.kind != "none"
+
+    @property
+    def by_label(self) -> bool:
+        """Whether the split reads class labels (``dirichlet``, ``shards``: label skew), not only counts."""
+        return self.kind in ("dirichlet", "shards")
 
 
 def parse_partition(text: str | None) -> PartitionSpec:
@@ -841,3 +924,4 @@ class RunSpec:
     min_devices: int | None = None  # elastic membership (train/elastic.py) below all devices; None: fail-stop
     tensorboard: bool = False    # rank 0 also writes TensorBoard event files (train.tensorboard_log)
     dedup: DedupSpec | None = None  # drop near-duplicate training images first (data/dedup.py)
+    task: str | None = None      # --task as given (None: the one the dataset implies, edgetrain.task_kinds)

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from edgetrain.comm.compress import (QSGD, DGCMemory, HalfCast, Int8, MajorityVote, NoCompression, RandomK,
+from edgetrain.comm.compress import (QSGD, DGCMemory, HalfCast, Int8, LowBit, MajorityVote, NoCompression, RandomK,
                                      ResidualMemory, ScaledSign, Threshold, TopK, link_threshold, unpack)
 from edgetrain.errors import EdgetrainError
 from edgetrain.spec import get_link, parse_compress
@@ -151,7 +151,8 @@ def test_threshold_higher_on_poorer_links():
 
 
 @pytest.mark.parametrize("make", [lambda: TopK(0.01), lambda: TopK(0.01, compact=True), lambda: RandomK(0.02),
-                                  ScaledSign, lambda: Threshold(0.05), Int8])
+                                  ScaledSign, lambda: Threshold(0.05), Int8, lambda: TopK(0.05, bits=2),
+                                  lambda: LowBit(4), lambda: LowBit(2)])
 def test_error_feedback_loses_nothing(make):
     c, memory = make(), ResidualMemory()
     inputs, sent = torch.zeros(500, dtype=torch.float64), torch.zeros(500, dtype=torch.float64)
@@ -183,7 +184,7 @@ def test_dgc_memory_momentum_correction():
 
 
 def test_pack_unpack_roundtrip():
-    for c in (Int8(), TopK(0.1), ScaledSign(), QSGD(8)):
+    for c in (Int8(), TopK(0.1), ScaledSign(), QSGD(8), TopK(0.1, bits=2), TopK(0.1, bits=3), LowBit(4), LowBit(3)):
         x = sample(333)
         p = c.encode(x)
         buf = p.pack()
@@ -194,7 +195,8 @@ def test_pack_unpack_roundtrip():
 @pytest.mark.parametrize("spec, message", [
     ("topk:0", "fraction in (0, 1]"), ("topk:2", "fraction in (0, 1]"), ("topk", "needs the fraction"),
     ("randk:-1", "fraction"), ("zip", "unknown compression"), ("topk:0.01:foo", "unknown option"),
-    ("qsgd:500", "levels"), ("fp16:3", "takes no number"), ("topk:0.01:momentum=0.9", "add :dgc"),
+    ("qsgd:500", "levels"), ("quant:1", "from 2 to 8"), ("topk:0.01:bits=9", "from 1 to 8"),
+    ("topk:0.01:bits=2:compact", "drop :compact"), ("fp16:3", "takes no number"), ("topk:0.01:momentum=0.9", "add :dgc"),
 ])
 def test_bad_compress_specs(spec, message):
     with pytest.raises(EdgetrainError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -320,3 +322,32 @@ def test_topk_warmup_of_buckets_made_after_step_0_follows_the_same_schedule():
         for key in ([0] if step == 0 else [0, 1, 2]):
             kept = c.encode(sample(), key).tensors[0].numel()
             assert kept == math.ceil(want * 1000), f"step {step}, bucket {key}: kept {kept}"
+
+
+def test_topk_with_bits_keeps_the_selection_signs_and_group_means():
+    x = sample(70_000)
+    plain, coded = TopK(0.01), TopK(0.01, bits=2)
+    d, p = coded.decode(coded.encode(x)), coded.encode(x)
+    kept = plain.decode(plain.encode(x)) != 0
+    assert torch.equal(d != 0, kept) and torch.equal(d[kept].sign(), x[kept].sign())
+    # two magnitude groups of equal count, each decoded to its mean magnitude
+    mags = x[kept].abs().sort().values
+    half = len(mags) // 2
+    means = [mags[:half].mean().item(), mags[half:].mean().item()]
+    assert sorted(d[kept].abs().unique().tolist()) == pytest.approx(means)
+    # 2 fp32 group means, a 16-bit gap and 2 bits of value per slot: 700 entries and the one gap filler that
+    # 70,000 positions may need (compact's fixed size)
+    slots = 700 + 1
+    assert p.nbytes == 2 * 4 + 2 * slots + math.ceil(2 * slots / 8)
+
+
+def test_lowbit_bound_and_packed_size():
+    x = layered()
+    for bits in (2, 4, 8):
+        c = LowBit(bits)
+        p = c.encode(x, segments=SEGMENTS)
+        d = c.decode(p)
+        assert p.nbytes == 4 * len(SEGMENTS) + math.ceil(len(x) * bits / 8)
+        for part, dpart in zip(torch.split(x, SEGMENTS), torch.split(d, SEGMENTS)):
+            levels = 2 ** (bits - 1) - 1
+            assert (part - dpart).abs().max() <= part.abs().max() / (2 * levels) + 1e-6

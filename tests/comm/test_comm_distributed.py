@@ -69,6 +69,8 @@ def test_link_model_matches_enforced_run():
 LTE = ("lte-10m", "virtual", 0.0)
 SYNC_CASES = [("local:4", "none", *LTE), ("local:4:nesterov", "topk:0.2", *LTE), ("async:2", "none", *LTE),
               ("async:3", "sign", *LTE), ("gossip", "none", *LTE), ("sync", "threshold:0.01", *LTE),
+              # SparseLoCo (2-bit top-k of the pseudo-gradient, error feedback) and Streaming DiLoCo at 4 bits
+              ("diloco:4:lr=1:momentum=0", "topk:0.05:bits=2", *LTE), ("streaming:4:fragments=2", "quant:4", *LTE),
               # an enforced link and a straggler: device 1 computes 30 ms longer every step
               ("async:2", "none", "40mbit:10ms", "enforced", 0.03)]
 

@@ -35,6 +35,8 @@ def final_model(run_dir) -> dict:
     (2, "topk:0.1", "sync"),         # error-feedback residuals of the DDP hook, per parameter
     (2, "topk:0.1", "local:4"),      # reference model and residuals in the middle of a local period
     (2, "none", "async:1"),          # the round in flight at the checkpoint, applied at the next step
+    (2, "topk:0.1:bits=2", "diloco:4"),  # SparseLoCo: outer momentum, residuals of the 2-bit codes
+    (2, "quant:4", "streaming:4:fragments=2:overlap=2"),  # an exchange in flight at step 6's checkpoint
     (2, "powersgd:2:start=2", "sync"),  # P, Q, residuals: the resumed first step runs on DDP's first bucket layout
 ])
 def test_resumed_run_ends_as_the_uninterrupted_one(tmp_path, devices, compress, sync):

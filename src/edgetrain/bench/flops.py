@@ -30,7 +30,7 @@ from edgetrain.models.flops import count_training_flops
 
 def training_flops_per_sample(model: torch.nn.Module, dataset: str = "cifar10", batch_size: int = 2, *,
                               input_shape: Sequence[int] | None = None,
-                              num_classes: int | None = None) -> dict[str, Any]:
+                              num_classes: int | None = None, task=None, example=None) -> dict[str, Any]:
     """Forward, backward and total flops of one training sample (``models.flops.count_training_flops``).
 
     ``input_shape`` (channels, height, width) and ``num_classes`` override ``dataset``'s nominal ones:
@@ -39,7 +39,7 @@ def training_flops_per_sample(model: torch.nn.Module, dataset: str = "cifar10", 
     if input_shape is None or num_classes is None:
         nominal_shape, nominal_classes = dataset_shape(dataset)
         input_shape, num_classes = input_shape or nominal_shape, num_classes or nominal_classes
-    return count_training_flops(model, input_shape, num_classes, batch_size)
+    return count_training_flops(model, input_shape, num_classes, batch_size, task=task, example=example)
 
 
 def achieved(flops_per_sample: float, samples_per_s: float, peak_gflops: float | None) -> dict[str, Any]:

@@ -50,6 +50,8 @@ from edgetrain.data import cifar
 from edgetrain.data.datasets import random_crop_flip
 from edgetrain.errors import EdgetrainError
 from edgetrain.results import StallsResult
+from edgetrain.tasks.base import Task
+from edgetrain.tasks.classification import ClassificationTask
 
 def cifar_files(data_dir: str | os.PathLike) -> list[Path]:
     d = Path(data_dir)
@@ -127,10 +129,11 @@ def _loader(ds: CifarFiles, batch_size: int, workers: int, seed: int) -> DataLoa
                       timeout=120 if workers else 0)
 
 
-def _epoch(model, loader_or_batch, steps: int, train: bool) -> float:
-    """Seconds for ``steps`` batches: training on them, or only fetching them when ``train`` is off."""
+def _epoch(model, loader_or_batch, steps: int, train: bool, task: Task | None = None) -> float:
+    """Seconds for ``steps`` batches: training on them (``task``'s loss, default a classifier's, as a mean over
+    the batch), or only fetching them when ``train`` is off."""
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9) if train else None
-    loss_fn = torch.nn.CrossEntropyLoss()
+    task = task or ClassificationTask()
     t0 = time.perf_counter()
     if isinstance(loader_or_batch, DataLoader):
         batches = iter(loader_or_batch)
@@ -140,7 +143,7 @@ def _epoch(model, loader_or_batch, steps: int, train: bool) -> float:
     for x, y in source:
         if train:
             opt.zero_grad(set_to_none=True)
-            loss_fn(model(x), y).backward()
+            (task.loss(model(x), y) / task.batch_size(y)).backward()
             opt.step()
     elapsed = time.perf_counter() - t0
     if isinstance(loader_or_batch, DataLoader):

@@ -61,9 +61,12 @@ def build_model(name: str, dataset: str = "cifar10"):
 
 
 def time_steps(model, batch_size: int, steps: int, warmup: int, dataset: str = "cifar10",
-               threads: int | None = None, seed: int = 0, min_time_s: float = 0.0) -> dict[str, Any]:
+               threads: int | None = None, seed: int = 0, min_time_s: float = 0.0, task=None) -> dict[str, Any]:
     """Time at least ``steps`` training steps (and ``min_time_s`` seconds of them, if ``steps``) after
-    ``warmup`` untimed ones; return per-step seconds and the median-based rate."""
+    ``warmup`` untimed ones; return per-step seconds and the median-based rate. The loss is ``task``'s
+    (default: a classifier's) as a mean over the batch, on random inputs and random labels (a classifier's)
+    or the task's ``example_target``."""
+    from edgetrain.tasks.classification import ClassificationTask
     from edgetrain.bench.common import timing_summary
 
     import torch
@@ -73,15 +76,18 @@ def time_steps(model, batch_size: int, steps: int, warmup: int, dataset: str = "
     torch.manual_seed(seed)
     shape, classes = dataset_shape(dataset)
     x = torch.randn(batch_size, *shape)
-    y = torch.randint(0, classes, (batch_size,))
+    if task is None:
+        task, y = ClassificationTask(), torch.randint(0, classes, (batch_size,))
+    else:
+        with torch.no_grad():
+            y = task.example_target(model.eval()(x))
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    loss_fn = torch.nn.CrossEntropyLoss()
 
     def step() -> float:
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = loss_fn(model(x), y)
+        loss = task.loss(model(x), y) / batch_size
         loss.backward()
         opt.step()
         return time.perf_counter() - t0

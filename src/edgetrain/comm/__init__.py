@@ -16,7 +16,7 @@ Map: ``cluster/links.py`` (link model), ``emulation.py`` (enforced / virtual
 clock), ``compress/`` (one module per method, ``memory.py`` for error
 feedback), ``exchange.py`` (the compressed average every mode uses),
 ``hook.py`` (DDP hook), ``sync.py`` / ``local_sgd.py`` / ``asynchronous.py`` /
-``gossip.py``, ``federated.py`` (modes), ``deadline.py`` (round deadlines of local SGD and
+``gossip.py``, ``federated.py``, ``streaming.py`` (modes), ``deadline.py`` (round deadlines of local SGD and
 federated rounds); the specs themselves are parsed in ``edgetrain.spec``.
 """
 from __future__ import annotations
@@ -36,12 +36,13 @@ from edgetrain.comm.federated import FederatedAveraging
 from edgetrain.comm.gossip import Gossip
 from edgetrain.comm.hook import CompressionState, compression_hook
 from edgetrain.comm.local_sgd import LocalSGD
+from edgetrain.comm.streaming import StreamingDiLoCo
 from edgetrain.comm.sync import Synchronous, SyncMode
 from edgetrain.spec import PRESETS, CompressSpec, Link, RunSpec, get_link, parse_compress, parse_sync
 
 __all__ = ["build_sync", "device_clock", "link_emulator", "make_hook", "build_hook", "parse_compress", "parse_sync",
            "CommStats", "LinkEmulator", "SyncMode", "Synchronous", "LocalSGD", "BoundedStaleness", "Gossip",
-           "FederatedAveraging"]
+           "FederatedAveraging", "StreamingDiLoCo"]
 
 
 def build_hook(spec: CompressSpec, emulator: LinkEmulator, link: Link | None = None, seed: int = 0,
@@ -144,5 +145,8 @@ def build_sync(model: nn.Module, spec: RunSpec, rank: int, world_size: int, stat
         return LocalSGD(model, world_size, emulator, sync.period, compressor, memory, sync.nesterov,
                         sync.outer_lr, sync.outer_momentum, group=group, rank=rank, deadline=spec.round_deadline,
                         **common)
+    if sync.mode == "streaming":
+        return StreamingDiLoCo(model, world_size, rank, emulator, sync.period, sync.fragments, sync.overlap, sync.mix,
+                               compressor, memory, sync.outer_lr, sync.outer_momentum, group=group, **common)
     return BoundedStaleness(model, world_size, rank, emulator, sync.staleness, compressor, memory,
                             group=group, **common)

@@ -38,7 +38,8 @@ def average(x: torch.Tensor, compressor: Compressor, memory, emulator: LinkEmula
     its parameter, under which the memory keeps that segment's state whatever its place in
     ``x`` (see ``compress/memory.py``); without names the memory keeps ``x`` whole under ``key``.
     """
-    x = x.detach().reshape(-1).float()
+    x = x.detach().reshape(-1)
+    x = x if x.dtype == torch.float64 else x.float()  # fp64 only in exactness tests; compressors read fp32
     parts = tuple(zip(names, segments or (x.numel(),), strict=True)) if names else None
     payload, own = compress(x, compressor, memory, key, parts, segments)
     world = dist.get_world_size(group) if dist.is_initialized() else 1

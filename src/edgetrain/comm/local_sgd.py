@@ -9,7 +9,8 @@ error feedback), and the devices step ``ref`` with the mean::
 
     plain:     ref = ref - mean(ref - x_i)          (= mean of the models)
     nesterov:  ref = outer SGD step on ref with gradient mean(ref - x_i),
-               lr 0.7, momentum 0.9, Nesterov      (DiLoCo, Douillard et al. 2023)
+               lr 0.7, momentum 0.9, Nesterov      (DiLoCo, Douillard et al. 2023;
+               ``--sync diloco:H[:lr=][:momentum=]``, momentum 0: plain outer SGD)
 
 then every device continues from ``ref``. Each device's optimizer keeps its
 own state (momentum) across averages, as in the papers.
@@ -80,7 +81,9 @@ class LocalSGD(SyncMode):
         self.outer = None
         if nesterov:
             self.ref.requires_grad_(True)
-            self.outer = torch.optim.SGD([self.ref], lr=outer_lr, momentum=outer_momentum, nesterov=True)
+            # momentum 0 is a plain outer SGD step (torch refuses Nesterov without momentum)
+            self.outer = torch.optim.SGD([self.ref], lr=outer_lr, momentum=outer_momentum,
+                                         nesterov=outer_momentum > 0)
         self.local_steps = 0
         self.averages = 0
         self.rank = rank
@@ -201,7 +204,7 @@ class LocalSGD(SyncMode):
                 if self.outer is None:
                     self.ref -= pseudo_grad
                 else:
-                    self.ref.grad = pseudo_grad
+                    self.ref.grad = pseudo_grad.to(self.ref.dtype)
                     self.outer.step()
                     self.ref.grad = None
         unflatten(self.ref.detach(), self.params)

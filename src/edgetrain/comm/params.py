@@ -26,8 +26,9 @@ def broadcast_model(model: nn.Module, emulator: LinkEmulator, group=None) -> Non
 
 
 def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """One fp32 vector holding ``tensors`` back to back (a copy)."""
-    return parameters_to_vector([t.detach().float() for t in tensors]).clone()
+    """One fp32 vector holding ``tensors`` back to back (a copy); fp64 if they all are (exactness tests)."""
+    wide = bool(tensors) and all(t.dtype == torch.float64 for t in tensors)
+    return parameters_to_vector([t.detach().to(torch.float64 if wide else torch.float32) for t in tensors]).clone()
 
 
 def unflatten(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:

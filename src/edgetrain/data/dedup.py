@@ -170,9 +170,12 @@ def images_of(dataset):
 
 
 def without(dataset, kept: np.ndarray):
-    """A shallow copy of ``dataset`` holding only the samples ``kept`` (its ``images`` and ``labels``)."""
-    smaller = copy.copy(dataset)
+    """A shallow copy of ``dataset`` holding only the samples ``kept`` (its ``images`` and ``labels``); a dataset
+    holding more per sample (a detection set's boxes) gives its own ``subset``."""
     index = torch.as_tensor(kept, dtype=torch.long)
+    if hasattr(dataset, "subset"):
+        return dataset.subset(index)
+    smaller = copy.copy(dataset)
     smaller.images, smaller.labels = dataset.images[index], dataset.labels[index]
     return smaller
 

@@ -119,12 +119,21 @@ def own_training_set(path: str, label: str, shared: DataSplit, local_batch: int)
                         shared.train.std.flatten().tolist(), scale=255.0 if images.dtype == np.uint8 else 1.0)
 
 
+def class_labels(dataset: Dataset):
+    """A training set's class labels for the sampler's partitions; a set without them (regression values, a
+    task's own targets) as one class, so that it is split by counts only (``--partition iid``)."""
+    labels = getattr(dataset, "labels", None)
+    if isinstance(labels, torch.Tensor) and labels.dim() == 1 and not torch.is_floating_point(labels):
+        return labels
+    return np.zeros(len(dataset), dtype=np.int64)
+
+
 def build_training_data(data: DataSplit, device: DeviceSpec, partition: PartitionSpec, local_batches: list[int],
                         rank: int, seed: int) -> tuple[Dataset, Sampler, PartitionReport | None]:
     """This device's training set and the loop's sampler over it: its own file where the cluster file gives one,
     else the run's dataset through ``build_sampler`` (its share of every global batch, or its partition)."""
     if device.data is None:
-        return (data.train, *build_sampler(data.train.labels, partition, local_batches, rank, seed))
+        return (data.train, *build_sampler(class_labels(data.train), partition, local_batches, rank, seed))
     own = own_training_set(device.data, device.label, data, local_batches[rank])
     print(f"{device.label} trains on its own data: {len(own)} images from {device.data}", flush=True)
     steps = len(data.train) // sum(local_batches)  # the same on every device: they step in lockstep

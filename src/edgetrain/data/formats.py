@@ -1,4 +1,5 @@
-"""Your own data on disk: an image folder or a ``.npz`` of arrays (``--dataset imagefolder|npz --data-dir PATH``).
+"""Your own data on disk: an image folder, a ``.npz`` of arrays or a CSV table
+(``--dataset imagefolder|npz|csv --data-dir PATH``).
 
 ``imagefolder``: ``PATH/<class>/<image>`` with one subfolder per class
 (classes in sorted order are labels 0, 1, ...), PNG or JPEG files (by
@@ -12,8 +13,20 @@ split is made.
 (N, C, H, W) images, uint8 (0..255) or float, and ``y`` (N,) integer labels
 0..K-1; ``x_test``/``y_test`` give the split, else 80/20 as above.
 
+``npz`` with ``--task regression``: ``x`` (N, ...) float inputs of any shape
+(feature vectors (N, F), sensor series (N, T, C)) and ``y`` (N,) or (N, K)
+float targets, every value finite; ``x_test``/``y_test`` give the split, else
+a seeded 80/20 one.
+
+``csv``: a table with a header row, one sample per row; the column named
+``y`` (or the columns ``y1``, ``y2``, ...) is the target, every other column
+a feature; numbers only. Targets are real values with ``--task regression``,
+else integer class labels. ``PATH`` is the file (split 80/20, seeded) or a
+folder holding ``train.csv`` and ``test.csv``.
+
 Images are normalised per channel with the training set's mean and standard
-deviation, and not augmented. A file that cannot be read, a wrong shape or
+deviation, and not augmented; other inputs per feature (or per channel of a
+series). A file that cannot be read, a wrong shape or
 dtype, or a missing array is one ``EdgetrainError`` naming the file and the fix.
 """
 from __future__ import annotations
@@ -24,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from edgetrain.data.datasets import DataSplit, TensorImages
+from edgetrain.data.datasets import DataSplit, TensorImages, TensorSamples, feature_statistics, split_indices, values_split
 from edgetrain.errors import EdgetrainError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
@@ -162,3 +175,145 @@ def arrays_split(x_train, y_train, x_test, y_test, name: str) -> DataSplit:
     classes = int(max(y_train.max(), y_test.max() if len(y_test) else 0)) + 1
     return DataSplit(TensorImages(x_train, y_train, mean, std, scale=scale),
                      TensorImages(x_test, y_test, mean, std, scale=scale), classes, name)
+
+
+def npz_values(path: str | Path, seed: int = 0) -> DataSplit:
+    """A regression ``.npz``: ``x`` (N, ...) float inputs and ``y`` (N,) or (N, K) float targets (module docstring)."""
+    path = Path(path)
+    arrays = _read_npz(path)
+    x, y = _inputs(arrays["x"], path, "x"), _values(arrays["y"], path, "y", len(arrays["x"]))
+    if "x_test" in arrays:
+        x_test, y_test = _inputs(arrays["x_test"], path, "x_test"), _values(arrays["y_test"], path, "y_test",
+                                                                             len(arrays["x_test"]))
+        if x_test.shape[1:] != x.shape[1:] or y_test.shape[1:] != y.shape[1:]:
+            raise EdgetrainError(f"npz file {path}: x_test/y_test samples are {x_test.shape[1:]}/{y_test.shape[1:]} "
+                                 f"but x/y samples are {x.shape[1:]}/{y.shape[1:]}; save both with one shape")
+        return values_split(x, y, name=path.stem, x_test=x_test, y_test=y_test)
+    _enough(len(y), path)
+    return values_split(x, y, *split_indices(len(y), seed), name=path.stem)
+
+
+def _read_npz(path: Path) -> dict:
+    if not path.is_file():
+        raise EdgetrainError(f"npz file {path} does not exist; set data_dir to a .npz holding arrays x and y")
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            arrays = {k: f[k] for k in f.files}
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
+        raise EdgetrainError(f"npz file {path} cannot be read ({e}); write it with numpy.savez(path, x=..., y=...) "
+                             "and numeric arrays") from None
+    missing = [k for k in ("x", "y") if k not in arrays]
+    if missing or (("x_test" in arrays) != ("y_test" in arrays)):
+        raise EdgetrainError(f"npz file {path} lacks {' and '.join(missing) or 'x_test or y_test'} (holds "
+                             f"{', '.join(sorted(arrays)) or 'nothing'}); save x, y and optionally x_test, y_test")
+    return arrays
+
+
+def _inputs(x: np.ndarray, path: Path, key: str) -> np.ndarray:
+    if x.ndim < 2 or len(x) == 0:
+        raise EdgetrainError(f"{path}: {key} has shape {x.shape}; save inputs as (N, ...) with one row per sample")
+    if not (np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.integer)):
+        raise EdgetrainError(f"{path}: {key} is {x.dtype}; save numeric inputs")
+    bad = np.argwhere(~np.isfinite(x.astype(np.float64)))
+    if len(bad):
+        raise EdgetrainError(f"{path}: {key} holds {x.flat[np.ravel_multi_index(bad[0], x.shape)]} at sample "
+                             f"{bad[0][0]}; replace NaN and inf inputs (or drop those samples)")
+    return x.astype(np.float64)
+
+
+def _values(y: np.ndarray, path: Path, key: str, count: int, row_offset: int | None = None) -> np.ndarray:
+    """Regression targets (N,) or (N, K): numeric and finite, one per sample."""
+    if y.ndim not in (1, 2) or len(y) != count or not (np.issubdtype(y.dtype, np.floating)
+                                                        or np.issubdtype(y.dtype, np.integer)):
+        raise EdgetrainError(f"{path}: {key} has shape {y.shape} of {y.dtype}; save {count} real targets, (N,) or "
+                             "(N, K), one per sample")
+    bad = np.argwhere(~np.isfinite(y.astype(np.float64)))
+    if len(bad):
+        where = f"line {bad[0][0] + row_offset}" if row_offset is not None else f"sample {bad[0][0]}"
+        raise EdgetrainError(f"{path}: target {key} is {y.reshape(len(y), -1)[bad[0][0]].tolist()} at {where}; "
+                             f"regression targets must be finite numbers: fix or drop that sample")
+    return y.astype(np.float64)
+
+
+def _enough(n: int, source: Path) -> None:
+    if n < 5:
+        raise EdgetrainError(f"{source} holds {n} samples, too few to split 80/20 into training and test sets; "
+                             "add samples or give the test set yourself")
+
+
+def csv_values(path: str | Path, seed: int = 0, labels: bool = False) -> DataSplit:
+    """A CSV table (module docstring): real targets (``labels`` False: regression) or class labels."""
+    path = Path(path)
+    if path.is_dir():
+        if not ((path / "train.csv").is_file() and (path / "test.csv").is_file()):
+            raise EdgetrainError(f"csv folder {path} lacks train.csv and test.csv; give a .csv file or a folder "
+                                 "with both")
+        (x, y), (x_test, y_test) = (_read_csv(path / f, labels) for f in ("train.csv", "test.csv"))
+        if x_test.shape[1:] != x.shape[1:] or y_test.shape[1:] != y.shape[1:]:
+            raise EdgetrainError(f"csv folder {path}: test.csv has other columns than train.csv; give both the same "
+                                 "header")
+    else:
+        x, y = _read_csv(path, labels)
+        _enough(len(y), path)
+        train, test = split_indices(len(y), seed)
+        x, y, x_test, y_test = x[train], y[train], x[test], y[test]
+    if not labels:
+        return values_split(x, y, name=path.stem, x_test=x_test, y_test=y_test)
+    mean, std = feature_statistics(torch.as_tensor(x))
+    classes = int(max(y.max(), y_test.max() if len(y_test) else 0)) + 1
+    return DataSplit(TensorSamples(torch.as_tensor(x).float(), torch.as_tensor(y), mean, std),
+                     TensorSamples(torch.as_tensor(x_test).float(), torch.as_tensor(y_test), mean, std), classes,
+                     path.stem)
+
+
+def _read_csv(path: Path, labels: bool) -> tuple[np.ndarray, np.ndarray]:
+    import csv
+
+    if not path.is_file():
+        raise EdgetrainError(f"csv file {path} does not exist; set data_dir to a .csv with a header row and a "
+                             "column y")
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            rows = list(csv.reader(f))
+    except (OSError, UnicodeDecodeError) as e:
+        raise EdgetrainError(f"csv file {path} cannot be read ({e}); save it as UTF-8 text") from None
+    if not rows:
+        raise EdgetrainError(f"csv file {path} is empty; give a header row and one row per sample")
+    header = [h.strip() for h in rows[0]]
+    targets = [i for i, h in enumerate(header) if h == "y" or (h[:1] == "y" and h[1:].isdigit())]
+    features = [i for i in range(len(header)) if i not in targets]
+    if not targets or not features:
+        raise EdgetrainError(f"csv file {path}: header {','.join(header)} names "
+                             f"{'no target column' if not targets else 'no feature column'}; name the target "
+                             "column y (or y1, y2, ...) and give at least one feature column")
+    values = []
+    for line, row in enumerate(rows[1:], start=2):
+        if not any(cell.strip() for cell in row):
+            continue
+        if len(row) != len(header):
+            raise EdgetrainError(f"{path} line {line}: {len(row)} values but the header has {len(header)} columns; "
+                                 "give one value per column")
+        try:
+            values.append([float(cell) for cell in row])
+        except ValueError:
+            bad = next(c for c in row if not _is_float(c))
+            raise EdgetrainError(f"{path} line {line}: {bad!r} is not a number; give numbers only") from None
+    if not values:
+        raise EdgetrainError(f"csv file {path} has a header but no rows; give one row per sample")
+    table = np.asarray(values, dtype=np.float64)
+    x = _inputs(table[:, features], path, "features")
+    y = table[:, targets] if len(targets) > 1 else table[:, targets[0]]
+    if labels:
+        if len(targets) > 1 or not np.all(np.isfinite(y)) or np.any(y != np.round(y)) or y.min() < 0:
+            raise EdgetrainError(f"{path}: column y must hold integer class labels >= 0 for a classifier; give "
+                                 "labels 0..K-1, or --task regression for real targets")
+        return x, y.astype(np.int64)
+    return x, _values(y, path, "y", len(y), row_offset=2)
+
+
+def _is_float(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False

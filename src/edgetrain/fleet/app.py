@@ -92,7 +92,10 @@ from edgetrain.models import build_model, check_model
 from edgetrain.report.files import atomic_write
 from edgetrain.spec import CompressSpec, PartitionSpec, ServerOptSpec, parse_compress, parse_partition, \
     parse_server_opt
-from edgetrain.train.loop import evaluate as evaluate_model
+from edgetrain.data.device_data import class_labels
+from edgetrain.task_kinds import run_task, task_kind
+from edgetrain.tasks import Task, build_task
+from edgetrain.train.evaluation import evaluate_task
 
 try:
     from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -109,7 +112,7 @@ DEFAULTS: dict[str, bool | float | int | str] = {
     "model": "small_cnn", "dataset": "digits", "data-dir": "", "partition": "iid", "num-rounds": 3,
     "local-steps": 5, "batch-size": 16, "lr": 0.05, "compress": "none", "server-opt": "fedavg",
     "fraction-train": 1.0, "min-nodes": 2, "round-timeout": 120.0, "seed": 0,
-    "prox-mu": 0.0, "scaffold": False, "fraction-evaluate": 1.0, "output-dir": "",
+    "prox-mu": 0.0, "scaffold": False, "fraction-evaluate": 1.0, "output-dir": "", "task": "",
 }
 TYPE_NAMES = {int: "whole number", float: "number", str: "string", bool: "true or false"}
 # compressors whose payload the server cannot decode without state the client keeps to itself
@@ -142,6 +145,7 @@ class FleetSpec:
     scaffold: bool
     fraction_evaluate: float
     output_dir: Path | None
+    task: str | None = None  # a built-in task (edgetrain.task_kinds); None: the one the dataset implies
 
 
 def fleet_spec(run_config: dict) -> FleetSpec:
@@ -167,6 +171,7 @@ def fleet_spec(run_config: dict) -> FleetSpec:
                              f"{cfg['round-timeout']!r}")
     check_model(cfg["model"])
     check_dataset(cfg["dataset"])
+    task_kind(run_task(cfg["task"] or None, cfg["dataset"]))  # one line for an unknown task
     partition = parse_partition(cfg["partition"])
     if not partition.local:
         raise EdgetrainError("run-config partition none gives no device its own data; use iid, dirichlet:ALPHA "
@@ -180,7 +185,8 @@ def fleet_spec(run_config: dict) -> FleetSpec:
                      cfg["local-steps"], cfg["batch-size"], cfg["lr"], compress,
                      parse_server_opt(cfg["server-opt"]), cfg["fraction-train"], cfg["min-nodes"],
                      cfg["round-timeout"], cfg["seed"], cfg["prox-mu"] or None, cfg["scaffold"],
-                     cfg["fraction-evaluate"], Path(cfg["output-dir"]) if cfg["output-dir"] else None)
+                     cfg["fraction-evaluate"], Path(cfg["output-dir"]) if cfg["output-dir"] else None,
+                     cfg["task"] or None)
 
 
 def _typed(key: str, value):
@@ -195,13 +201,18 @@ def _typed(key: str, value):
 
 def load_data(spec: FleetSpec):
     """The dataset the spec names, built as ``edgetrain train`` builds it."""
-    return build_data(TrainConfig(dataset=spec.dataset, data_dir=spec.data_dir, seed=spec.seed))
+    return build_data(TrainConfig(dataset=spec.dataset, data_dir=spec.data_dir, seed=spec.seed, task=spec.task))
+
+
+def fleet_task(spec: FleetSpec, data) -> Task:
+    """The run's task (tasks/base.py): its loss trains each device, its evaluator scores the global model."""
+    return build_task(run_task(spec.task, spec.dataset), data)
 
 
 def global_model(spec: FleetSpec, data) -> nn.Module:
     """The model, its initial weights from the seed (a client overwrites them with the global ones)."""
     torch.manual_seed(spec.seed)
-    return build_model(spec.model, data.input_shape[0], data.num_classes)
+    return build_model(spec.model, data.in_channels, data.num_classes)
 
 
 def model_record(model: nn.Module) -> ArrayRecord:
@@ -232,14 +243,15 @@ def local_update(spec: FleetSpec, model: nn.Module, data, partition: np.ndarray,
     """``local-steps`` SGD steps on the device's own samples, each gradient corrected by FedProx (the
     model the round started from is the anchor) and SCAFFOLD (``control`` c and ``own_control`` c_i)."""
     params = list(model.parameters())
+    task = fleet_task(spec, data)
     start = flatten([p.detach() for p in params])
     optimizer = torch.optim.SGD(params, lr=spec.lr)
     rng = np.random.default_rng((spec.seed, server_round, partition_id))
     model.train()
     losses, gradient_sum = [], torch.zeros_like(start)
     for _ in range(spec.local_steps):
-        x, y = data.train[torch.from_numpy(rng.choice(partition, size=spec.batch_size, replace=False))]
-        loss = nn.functional.cross_entropy(model(x), y)
+        x, y = task.collate([data.train[int(i)] for i in rng.choice(partition, size=spec.batch_size, replace=False)])
+        loss = task.loss(model(x), y) / spec.batch_size  # the task's sum, as a mean over the batch
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         gradient = flatten([p.grad for p in params])
@@ -263,7 +275,7 @@ def client_partition(spec: FleetSpec, data, node_config: dict, split: str = "tra
     if not 0 <= partition_id < partitions:
         raise EdgetrainError(f"partition-id {partition_id} is outside 0..{partitions - 1} (num-partitions)")
     dataset, min_size = (data.train, spec.batch_size) if split == "train" else (data.test, 1)
-    parts = split_dataset(dataset.labels.numpy(), spec.partition, [min_size] * partitions, spec.seed)
+    parts = split_dataset(np.asarray(class_labels(dataset)), spec.partition, [min_size] * partitions, spec.seed)
     return partition_id, parts[partition_id]
 
 
@@ -333,15 +345,17 @@ def train(msg: Message, context: Context) -> Message:
 
 @client_app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
-    """The global model on the device's own test split: its loss and accuracy, weighted by its test samples."""
+    """The global model on the device's own test split: its loss and the task's metrics (``eval-accuracy`` for a
+    classifier), weighted by its test samples."""
     spec = fleet_spec(context.run_config)
     data = load_data(spec)
     _, test_split = client_partition(spec, data, context.node_config, split="test")
     model = global_model(spec, data)
     load_global(model, msg.content["arrays"])
-    loss, accuracy = evaluate_model(model, Subset(data.test, test_split.tolist()), rank=0, world=1)
-    return Message(content=RecordDict({"metrics": MetricRecord({"num-examples": len(test_split), "eval-loss": loss,
-                                                                "eval-accuracy": accuracy})}), reply_to=msg)
+    metrics = evaluate_task(model, Subset(data.test, test_split.tolist()), 0, 1, fleet_task(spec, data))
+    return Message(content=RecordDict({"metrics": MetricRecord({"num-examples": len(test_split),
+                                                                **{f"eval-{k}": v for k, v in metrics.items()}})}),
+                   reply_to=msg)
 
 
 class EdgetrainStrategy(FedAvg):

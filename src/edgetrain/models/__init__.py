@@ -18,13 +18,15 @@ from torch import nn
 
 from edgetrain.errors import EdgetrainError
 from edgetrain.models.resnet import ResNet18
+from edgetrain.models.sensors import MLP, Conv1DNet
 from edgetrain.models.small_cnn import SmallCNN, SmallCNNGroupNorm
-from edgetrain.models.yolo_tiny import YoloTiny
+from edgetrain.models.yolo_tiny import YoloTiny, yolov2_tiny, yolov2_tiny_small
 
 ModelFactory = Callable[..., nn.Module]
 
 MODELS: dict[str, ModelFactory] = {"small_cnn": SmallCNN, "small_cnn_gn": SmallCNNGroupNorm,
-                                   "resnet18": ResNet18, "yolo_tiny": YoloTiny}
+                                   "resnet18": ResNet18, "yolo_tiny": YoloTiny, "mlp": MLP, "conv1d": Conv1DNet,
+                                   "yolov2_tiny": yolov2_tiny, "yolov2_tiny_small": yolov2_tiny_small}
 _BUILTIN = frozenset(MODELS)
 
 

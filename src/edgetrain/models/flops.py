@@ -28,21 +28,32 @@ from typing import Any, Sequence
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from edgetrain.tasks.base import Task
+from edgetrain.tasks.classification import ClassificationTask
+
 
 def count_training_flops(model: torch.nn.Module, input_shape: Sequence[int], num_classes: int,
-                         batch_size: int = 2) -> dict[str, Any]:
-    """Forward, backward and total flops of one training sample (counted on a ``batch_size`` batch)."""
+                         batch_size: int = 2, task: Task | None = None, example: tuple | None = None
+                         ) -> dict[str, Any]:
+    """Forward, backward and total flops of one training sample (counted on a ``batch_size`` batch), the loss
+    being ``task``'s (default: a classifier's) on ``example``'s targets (a real batch ``(x, target)``, whose
+    inputs set the batch size) or on a target the task makes up (``Task.example_target``)."""
+    task = task or ClassificationTask()
     shape = tuple(input_shape)
     counted = copy.deepcopy(model).train()
     counted.zero_grad(set_to_none=True)
-    loss_fn = torch.nn.CrossEntropyLoss()
     with torch.random.fork_rng(devices=[]):  # dropout and the fake batch must not move the run's RNG
         # on the model's device: a model built on the meta device (models/init.py) is counted without storage
-        device = next(iter(counted.parameters()), torch.empty(0)).device
-        x = torch.randn(batch_size, *shape, device=device)
-        y = torch.randint(0, num_classes, (batch_size,), device=device)
+        first = next(iter(counted.parameters()), torch.empty(0))
+        dtype = first.dtype if first.is_floating_point() else None  # the model's precision (a float64 model)
+        if example is not None:
+            x, target = example[0].to(first.device, dtype), task.to_device(example[1], first.device)
+            batch_size = len(x)
+        else:
+            x, target = torch.randn(batch_size, *shape, device=first.device, dtype=dtype), None
         with FlopCounterMode(display=False) as forward_counter:
-            loss = loss_fn(counted(x), y)
+            out = counted(x)
+            loss = task.loss(out, task.example_target(out) if target is None else target) / batch_size
         with FlopCounterMode(display=False) as backward_counter:
             loss.backward()
     fwd = forward_counter.get_total_flops() / batch_size

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from edgetrain.cluster.profiles import DeviceSpec, plan_devices, split_batch
 from edgetrain.config import TrainConfig, resolve
-from edgetrain.plan.costs import ModelCosts, count_costs, data_footprint
+from edgetrain.plan.costs import ModelCosts, count_costs, data_footprint, run_task_of
 from edgetrain.plan.model import DEFAULT_EFFICIENCY, Prediction, predict
 from edgetrain.plan.traffic import traffic
 from edgetrain.spec import RunSpec
@@ -41,7 +41,7 @@ def plan_inputs(cfg: TrainConfig, costs: ModelCosts | None = None) -> PlanInputs
     if costs is None:
         shape, classes, dataset_bytes = cifar10_footprint() if cfg.dataset == "cifar10" and not cfg.data_dir \
             else data_footprint(cfg)
-        costs = count_costs(cfg.model, shape, classes, dataset_bytes=dataset_bytes)
+        costs = count_costs(cfg.model, shape, classes, dataset_bytes=dataset_bytes, task=run_task_of(cfg))
     return PlanInputs(cfg, resolve(cfg), costs, devices, batches)
 
 

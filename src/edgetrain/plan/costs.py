@@ -30,12 +30,13 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from edgetrain.cluster.memory import SavedTensorMeter
 from edgetrain.errors import EdgetrainError
 from edgetrain.models.flops import count_training_flops
+from edgetrain.tasks.base import Task
+from edgetrain.tasks.classification import ClassificationTask
 
 DDP_BUCKET_CAP_MB = 25.0  # edgetrain.comm.sync.Synchronous passes this to DDP
 
@@ -75,18 +76,23 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def count_flops(model: nn.Module, input_shape: tuple[int, ...], num_classes: int, batch: int = 2) -> tuple[float, float]:
+def count_flops(model: nn.Module, input_shape: tuple[int, ...], num_classes: int, batch: int = 2,
+                task: Task | None = None) -> tuple[float, float]:
     """(train, forward) FLOPs per sample: ``models.flops.count_training_flops``, the trainer's own counter."""
-    counted = count_training_flops(model, input_shape, num_classes, batch)
+    counted = count_training_flops(model, input_shape, num_classes, batch, task=task)
     return counted["total_flops"], counted["forward_flops"]
 
 
-def count_activation_bytes(model: nn.Module, input_shape: tuple[int, ...], num_classes: int, batch: int = 2) -> float:
-    """Bytes autograd saves for backward per sample: distinct storages, parameters and buffers excluded."""
+def count_activation_bytes(model: nn.Module, input_shape: tuple[int, ...], num_classes: int, batch: int = 2,
+                           task: Task | None = None) -> float:
+    """Bytes autograd saves for backward per sample: distinct storages, parameters and buffers excluded; the
+    loss is ``task``'s (default: a classifier's, on random labels; else on the task's ``example_target``)."""
     x, y = _batch(input_shape, num_classes, batch)
+    task = task or ClassificationTask()
     model.train()
     with SavedTensorMeter([*model.parameters(), *model.buffers()]) as meter:
-        loss = F.cross_entropy(model(x), y)
+        out = model(x)
+        loss = task.loss(out, task.example_target(out)) / batch
     del loss
     return meter.bytes / batch
 
@@ -103,18 +109,20 @@ def ddp_buckets(model: nn.Module, cap_mb: float = DDP_BUCKET_CAP_MB) -> tuple[tu
 
 
 def count_costs(model: nn.Module | str, input_shape: tuple[int, ...], num_classes: int = 10,
-                dataset_bytes: int = 0, name: str | None = None) -> ModelCosts:
+                dataset_bytes: int = 0, name: str | None = None, task: Task | None = None) -> ModelCosts:
     """Count a model's training costs at ``input_shape`` (one sample, without the batch dimension)."""
     if isinstance(model, str):
         from edgetrain.models import build_model
 
         name = name or model
-        model = build_model(model, input_shape[0], num_classes)
+        from edgetrain.data.datasets import input_channels
+
+        model = build_model(model, input_channels(input_shape), num_classes)
     name = name or type(model).__name__
     state = {k: v.clone() for k, v in model.state_dict().items()}  # counting must not change the model
     try:
-        train_flops, forward_flops = count_flops(model, input_shape, num_classes)
-        activations = count_activation_bytes(model, input_shape, num_classes)
+        train_flops, forward_flops = count_flops(model, input_shape, num_classes, task=task)
+        activations = count_activation_bytes(model, input_shape, num_classes, task=task)
     except RuntimeError as e:
         raise EdgetrainError(f"model {name} does not run on inputs of shape {tuple(input_shape)} "
                              f"({str(e).splitlines()[0]}); check dataset / image_size") from None
@@ -152,6 +160,18 @@ def data_footprint(cfg) -> tuple[tuple[int, int, int], int, int]:
     from edgetrain.data import build_data
 
     data = build_data(cfg)
-    size = sum(s.images.numel() * s.images.element_size() + s.labels.numel() * s.labels.element_size()
-               for s in (data.train, data.test))
-    return data.input_shape, data.num_classes, size
+    return data.input_shape, data.num_classes, held_bytes(data.train) + held_bytes(data.test)
+
+
+def held_bytes(dataset) -> int:
+    """Bytes of the tensors a dataset holds (inputs and targets; not its normalisation statistics)."""
+    return sum(v.numel() * v.element_size() for k, v in vars(dataset).items()
+               if isinstance(v, torch.Tensor) and k not in ("mean", "std"))
+
+
+def run_task_of(cfg, data=None) -> Task:
+    """The task a ``TrainConfig`` trains (``--task``, else the one its dataset implies), for the cost counts."""
+    from edgetrain.task_kinds import run_task
+    from edgetrain.tasks import build_task
+
+    return build_task(run_task(cfg.task, cfg.dataset), data)

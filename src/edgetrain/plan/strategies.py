@@ -90,6 +90,7 @@ import math
 import torch
 
 from edgetrain.comm.accounting import ring_allgather_bytes, ring_allreduce_bytes
+from edgetrain.data.datasets import input_channels
 from edgetrain.errors import EdgetrainError
 from edgetrain.plan.config import PlanInputs
 from edgetrain.plan.model import MIB, Prediction, device_gflops, exchange_seconds
@@ -110,7 +111,7 @@ def _build(inputs: PlanInputs) -> torch.nn.Module:
     from edgetrain.models import build_model
 
     costs = inputs.costs
-    return build_model(inputs.cfg.model, costs.input_shape[0], costs.num_classes)
+    return build_model(inputs.cfg.model, input_channels(costs.input_shape), costs.num_classes)
 
 
 def _shard_bytes(params: list[torch.Tensor], p: int) -> int:

@@ -82,6 +82,9 @@ def traffic(costs: ModelCosts, devices: int, sync: SyncSpec, compress: CompressS
                        neighbours_only=True, state_copies=neighbours + 1 if neighbours else 0, **common)
     if sync_spec.mode == "sync":
         return _synchronous(costs, p, spec, common)
+    if sync_spec.mode == "streaming":  # its exchanges overlap compute, which this model of blocking rounds has not
+        raise EdgetrainError(f"the planner does not model --sync {sync_spec.text} (background exchanges of "
+                             "fragments); plan with diloco:H for the bytes, or measure with edgetrain train")
     # local SGD and async average the flattened model (pseudo-gradient) in one tensor
     kind, payload = _payload(spec, numel)
     sent = _traffic_bytes(kind, payload, p)

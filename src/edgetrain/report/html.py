@@ -171,7 +171,7 @@ def headline(run: dict[str, Any], peak: tuple[float, str] | None = None) -> tupl
                  percent_of_peak(p.details.get("fraction_of_peak")),
                  p.peak_rss_mb, p.data_s, p.compute_s, p.comm_s, _mb(p.bytes_sent), _mb(p.bytes_recv)]
                 for p in per_device]
-        notes = [f"throughput {d.throughput_samples_per_s:.1f} samples/s; test accuracy {_pct(d.test_accuracy)}"]
+        notes = [f"throughput {d.throughput_samples_per_s:.1f} samples/s; {_headline(d)}"]
         rounds = round_cells(d.details)
         if rounds:
             cols.append(ROUNDS_COLUMN)
@@ -245,6 +245,16 @@ def headline(run: dict[str, Any], peak: tuple[float, str] | None = None) -> tupl
     else:
         cols, rows = [], []
     return cols, rows, notes
+
+
+def _headline(d) -> str:
+    """A training run's headline result: a classifier's test accuracy, else its task's headline metric, by the
+    names and unit its task record gives."""
+    headline = d.task.headline_metric if d.task else None
+    if headline is None or d.test_accuracy is not None:
+        return f"test accuracy {_pct(d.test_accuracy)}"
+    value = (d.test_metrics or {}).get(headline.name)
+    return f"test {headline.label or headline.name} " + (headline.format(value) if value is not None else "n/a")
 
 
 def configurations(run: dict[str, Any]) -> list[tuple[str, dict[str, float | None]]]:
@@ -331,20 +341,30 @@ def shared_axes(configs: list[tuple[str, dict]]) -> list[str]:
 
 
 def training_curves(runs: list[dict[str, Any]]) -> str:
-    """Loss and accuracy of every training run shown, on shared axes (``report.training``)."""
+    """Loss and the task's metrics of every training run shown (a classifier's: accuracy), one figure per task
+    with that task's runs overlaid on shared axes (``report.training``)."""
     curves = [training.curves(r["dir"].name, r["data"], r["steps"], r["evals"]) for r in runs if r["kind"] == "train"]
     curves = [c for c in curves if c.steps or c.eval_steps]
     if not curves:
         return ""
     from edgetrain.report import plots
 
+    by_task: dict[str, list] = {}
+    for c in curves:
+        by_task.setdefault(c.task.name, []).append(c)
     modelled = any(c.modelled_s for c in curves)
+    images = []
+    for name, group in by_task.items():
+        labels = " and ".join((m.label or m.name) for m in group[0].task.metrics)
+        alt = f"loss and {labels} curves" + (f" ({name})" if len(by_task) > 1 else "")
+        images.append(_img(plots.png_bytes(plots.plot_training_curves(group)), alt))
+    metrics = "accuracy" if set(by_task) == {"classification"} else "each task's metrics"
     meta = (f"{len(curves)} training run(s); train loss: mean over the devices at each step, thin, with a running "
-            f"mean; test loss and accuracy at each evaluation; host time is measured (sum of the slowest device's "
+            f"mean; test loss and {metrics} at each evaluation; host time is measured (sum of the slowest device's "
             f"step times)" + ("; time on the device clocks is modelled (this host's compute plus the link model)"
-                              if modelled else ""))
+                              if modelled else "") + ("; one figure per task" if len(by_task) > 1 else ""))
     return (f'<section><h2>Training curves</h2><div class="meta">{html.escape(meta)}</div><div class="imgs">'
-            f'{_img(plots.png_bytes(plots.plot_training_curves(curves)), "loss and accuracy curves")}</div></section>')
+            f'{"".join(images)}</div></section>')
 
 
 def run_section(run: dict[str, Any], peak: tuple[float, str] | None = None) -> str:

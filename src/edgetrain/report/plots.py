@@ -277,6 +277,13 @@ class RunCurves:
     eval_loss: list[float]
     eval_accuracy: list[float]
     changes: list[tuple[int, str]] = field(default_factory=list)  # elastic runs: (step, "leave"/"join")
+    task: Any = None                # its TaskRecord (records.py): the metrics' names, labels, units; None: accuracy
+    eval_metrics: dict[str, list[float]] = field(default_factory=dict)  # each metric at each evaluation
+
+    def metric_series(self, name: str) -> list[float]:
+        if name in self.eval_metrics:
+            return self.eval_metrics[name]
+        return self.eval_accuracy if name == "accuracy" else []
 
     def at(self, xs: list[float], steps: list[int]) -> list[float]:
         """``xs`` (a time series over ``self.steps``) at the given step counts."""
@@ -293,15 +300,30 @@ def running_mean(values: Sequence[float], window: int) -> list[float]:
     return out
 
 
+def _metric_axis(metric) -> tuple[str, float, str]:
+    """(axis label, scale, legend word) of a task's metric: a fraction printed as a percentage is plotted in %."""
+    label = metric.label or metric.name
+    if metric.fmt.endswith("%"):
+        return f"test {label} (%)", 100.0, label
+    return f"test {label}" + (f" ({metric.unit})" if metric.unit else ""), 1.0, label
+
+
 def plot_training_curves(runs: Sequence[RunCurves]):
-    """Loss and accuracy against step, host time and (where a run has one) modelled time; one colour per run."""
+    """Loss and each metric of the runs' task (a classifier: accuracy) against step, host time and (where a run
+    has one) modelled time; one colour per run. The runs share one task (``RunCurves.task``; the first run's
+    decides the columns)."""
+    from edgetrain.records import CLASSIFICATION
+
+    task = next((r.task for r in runs if r.task is not None), None) or CLASSIFICATION
+    metrics = task.metrics or [task.headline_metric]
     axes_x = [("step", "steps", None), ("host", "host time (s, measured; evaluation excluded)", "host_s")]
     if any(r.modelled_s for r in runs):
         axes_x.append(("modelled", "time on the device clocks (s, MODELLED: host compute + link model)",
                        "modelled_s"))
-    fig, axes = plt.subplots(len(axes_x), 2, figsize=(11, 3.4 * len(axes_x)), squeeze=False)
+    width = 5.5 * (1 + len(metrics))
+    fig, axes = plt.subplots(len(axes_x), 1 + len(metrics), figsize=(width, 3.4 * len(axes_x)), squeeze=False)
     for row, (kind, xlabel, field) in zip(axes, axes_x):
-        loss_ax, acc_ax = row
+        loss_ax, metric_axes = row[0], row[1:]
         for i, run in enumerate(runs):
             color = COLORS[i % 10]
             xs = run.steps if field is None else getattr(run, field)
@@ -320,19 +342,25 @@ def plot_training_curves(runs: Sequence[RunCurves]):
             eval_x = run.eval_steps if field is None else run.at(xs, run.eval_steps)
             if run.eval_steps:
                 loss_ax.plot(eval_x, run.eval_loss, "o--", color=color, ms=4, label=f"{run.name}: test loss")
-                acc_ax.plot(eval_x, [100 * a for a in run.eval_accuracy], "o-", color=color, ms=4,
-                            label=f"{run.name}: test accuracy")
-        loss_ax.set_ylabel("loss (cross-entropy)")
-        acc_ax.set_ylabel("test accuracy (%)")
+                for metric, ax in zip(metrics, metric_axes):
+                    values = run.metric_series(metric.name)
+                    if values:
+                        _, scale, word = _metric_axis(metric)
+                        ax.plot(eval_x, [scale * v if v is not None else math.nan for v in values], "o-",
+                                color=color, ms=4, label=f"{run.name}: test {word}")
+        loss_ax.set_ylabel(f"loss ({task.loss or 'the task' + chr(39) + 's'})")
         for ax in row:
             ax.set_xlabel(xlabel)
             ax.set_xlim(left=0)
         loss_ax.set_ylim(bottom=0)
         loss_ax.set_title(f"Loss vs {kind}" + (" time" if field else ""))
-        acc_ax.set_title(f"Test accuracy vs {kind}" + (" time" if field else ""))
-        if not any(r.eval_steps for r in runs):
-            acc_ax.text(0.5, 0.5, "no evaluation (the run had --no-eval)", ha="center", va="center",
-                        transform=acc_ax.transAxes)
+        for metric, ax in zip(metrics, metric_axes):
+            axis, _, word = _metric_axis(metric)
+            ax.set_ylabel(axis)
+            ax.set_title(f"Test {word} vs {kind}" + (" time" if field else ""))
+            if not any(r.eval_steps for r in runs):
+                ax.text(0.5, 0.5, "no evaluation (the run had --no-eval)", ha="center", va="center",
+                        transform=ax.transAxes)
         for ax in row:
             if ax.get_legend_handles_labels()[0]:
                 ax.legend(fontsize=7)

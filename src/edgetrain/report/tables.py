@@ -51,8 +51,14 @@ def print_train_summary(summary: dict | RunSummary, console: Console | None = No
                       f"step {modelled['step_s']:,.3f} s, throughput {modelled['samples_per_s']:,.1f} samples/s, "
                       f"communication+waiting {modelled['comm_fraction']:.0%} of the step; the figures above "
                       f"are this host's", highlight=False)
-    acc_text = f"{s.test_accuracy:.2%}" if s.test_accuracy is not None else "not evaluated"
-    console.print(f"[bold]test accuracy {acc_text}[/]  train loss {s.train_loss:.4f}  "
+    headline = s.task.headline_metric if s.task else None
+    if headline is not None and s.test_accuracy is None:  # not a classifier: the headline its task record names
+        value = (s.test_metrics or {}).get(headline.name)
+        result = f"test {headline.label or headline.name} " + (headline.format(value) if value is not None
+                                                                else "not evaluated")
+    else:  # a classifier, as runs before tasks printed it
+        result = "test accuracy " + (f"{s.test_accuracy:.2%}" if s.test_accuracy is not None else "not evaluated")
+    console.print(f"[bold]{result}[/]  train loss {s.train_loss:.4f}  "
                   f"throughput {s.throughput_samples_per_s:,.1f} samples/s  "
                   f"{s.steps} steps in {s.wall_time_s:.1f} s  ->  {s.run_dir}")
 

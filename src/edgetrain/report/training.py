@@ -6,7 +6,8 @@ config, which is shown as the run wrote it:
 - ``metrics.jsonl`` (``StepRecord`` per step and device): train loss, time
   split, bytes, and the device clocks;
 - the evaluations (``RunSummary.evals``, else ``evals.jsonl``): test loss and
-  accuracy;
+  every metric of the run's task (``RunSummary.task``: its names, labels and
+  units; a run without one is a classifier, scored by accuracy);
 - ``summary.json`` (``RunSummary``, ``DeviceSummary``) and ``config.yaml``:
   the parameter table.
 
@@ -42,7 +43,7 @@ from typing import Any
 
 from edgetrain.config import read_yaml_mapping
 from edgetrain.errors import EdgetrainError
-from edgetrain.records import EvalRecord, RunSummary, StepRecord
+from edgetrain.records import CLASSIFICATION, EvalRecord, RunSummary, StepRecord
 
 
 def read_records(path: Path, record: type) -> list:
@@ -89,10 +90,13 @@ def curves(name: str, summary: RunSummary, steps: list[StepRecord], evals: list[
         clocks = [r.virtual_s for r in records if r.virtual_s is not None]
         virtual = virtual and len(clocks) == len(records)
         modelled.append(max(clocks, default=0.0))
+    task = summary.task or CLASSIFICATION  # a run before tasks: a classifier
+    values = [e.values() for e in evals]
     return RunCurves(name=name, steps=done, train_loss=loss, host_s=host, modelled_s=modelled if virtual else None,
                      eval_steps=[e.step for e in evals], eval_loss=[e.test_loss for e in evals],
                      eval_accuracy=[e.test_accuracy for e in evals],
-                     changes=[(m.step, m.kind) for m in summary.membership])
+                     changes=[(m.step, m.kind) for m in summary.membership], task=task,
+                     eval_metrics={m.name: [v.get(m.name, math.nan) for v in values] for m in task.metrics})
 
 
 def _count(values: list[Any]) -> str:
@@ -114,6 +118,7 @@ def parameters(summary: RunSummary, config: dict[str, Any]) -> dict[str, Any]:
     if strategy and c.get("grid", "1x1") != "1x1":
         strategy += f", grid {c['grid']}"
     rows = {
+        "task": summary.task.name if summary.task else c.get("task"),  # None: a run before tasks (classification)
         "model": summary.model or c.get("model"),
         "parameters": summary.params,
         "dataset": summary.dataset or c.get("dataset"),

@@ -12,10 +12,11 @@ One training step on every device (no central server):
 3. ``backward()`` retraces all of it through the adjoint exchanges, and one
    all-reduce sums every parameter's gradient share over devices.
 
-Each device's loss is ``loss_fn(its share) * share / batch``, so the shares of
-the gradient sum to the gradient of the mean loss over the global batch,
-exactly what one device would compute (``loss_fn`` must average over its
-batch, as ``nn.CrossEntropyLoss()`` does).
+Each device's loss is ``task.loss(its share) / batch`` (the task's loss is a
+sum over samples, tasks/base.py), so the shares of the gradient sum to the
+gradient of the mean loss over the global batch, exactly what one device would
+compute. The share of a target batch is ``task.take``: targets of any structure
+(a detection image's boxes) are cut as the feature maps are.
 """
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ from edgetrain.cluster.peers import wait
 from edgetrain.errors import EdgetrainError
 from edgetrain.models.batchnorm import convert_batchnorm
 from edgetrain.spec import TilingSpec
+from edgetrain.tasks.base import Task
+from edgetrain.tasks.classification import ClassificationTask
 from edgetrain.tiling.grouping import Machine, choose_groups, grouping_cost, measure_machine
 from edgetrain.tiling.layers import Unit, check_sequence, describe, model_layers
 from edgetrain.tiling.plan import SectionPlan
@@ -53,8 +56,10 @@ class TiledTraining:
 
     def __init__(self, model: nn.Module, tiling: TilingSpec, input_shape: tuple[int, int, int],
                  device_flops: float | None = None, link_bandwidth_bytes_s: float | None = None,
-                 link_latency_s: float | None = None, group=None, timeout_s: float = 300.0):
+                 link_latency_s: float | None = None, group=None, timeout_s: float = 300.0,
+                 task: Task | None = None):
         self.grid = tiling.grid
+        self.task = task or ClassificationTask()
         self.comm = Comm(group, timeout_s)
         self.model = model
         self.input_shape = tuple(int(v) for v in input_shape)
@@ -112,8 +117,12 @@ class TiledTraining:
             if self.comm.rank == 0:
                 print(self.groups_why, flush=True)
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, loss_fn) -> tuple[float, int, int]:
-        """One step's forward and backward; returns (mean loss over the global batch, correct, samples).
+    def forward_backward(self, x: torch.Tensor, y, loss_fn=None) -> tuple[float, int, int]:
+        """One step's forward and backward; returns (mean loss over the global batch, right answers where the
+        task counts them (``correct``), samples); ``last["local"]`` holds this device's share of the accounting.
+
+        ``y``: the task's target batch. ``loss_fn``: a loss that AVERAGES over its batch (``F.cross_entropy``)
+        to use instead of the task's summed one.
 
         Afterwards every parameter's ``.grad`` (added to what it held before) is
         the gradient of the mean loss over the global batch, on every device.
@@ -140,14 +149,15 @@ class TiledTraining:
         bounds = batch_bounds(n, self.comm.world)
         lo, hi = bounds[self.comm.rank], bounds[self.comm.rank + 1]
         out = self.tail(share)
-        y_share = y[lo:hi]
-        loss = loss_fn(out, y_share) * ((hi - lo) / n)
+        y_share = self.task.take(y, slice(lo, hi))
+        loss = self.task.loss(out, y_share) / n if loss_fn is None else loss_fn(out, y_share) * ((hi - lo) / n)
         loss.backward()
-        correct = int((out.argmax(1) == y_share).sum()) if out.dim() == 2 and y_share.dim() == 1 else 0
+        counts = self.task.train_counts(out.detach(), y_share)
+        correct = int(counts.get("correct", 0))
         self._sum_gradients(before)
         metrics = torch.zeros(2 + 2 * self.comm.world, dtype=torch.float64)
         metrics[0], metrics[1] = loss.detach().item(), correct
-        local = {"loss_sum": metrics[0].item() * n, "correct": correct, "samples": hi - lo}
+        local = {"loss_sum": metrics[0].item() * n, "counts": counts, "samples": hi - lo}
         metrics[2 + self.comm.rank] = peak
         metrics[2 + self.comm.world + self.comm.rank] = meter.bytes
         if self._tail_bn_bytes and self.tail.training:

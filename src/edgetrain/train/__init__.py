@@ -20,7 +20,8 @@ from edgetrain.spec import back_after_s
 
 
 def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: nn.Module | str | None = None,
-          strategy: str | type | None = None, **overrides: Any) -> dict | None:
+          strategy: str | type | None = None, task: Any = None, dataset: Any = None,
+          **overrides: Any) -> dict | None:
     """Train as ``config`` says (a ``TrainConfig``, a dict or a YAML path) with ``overrides`` on top.
 
     On one host this starts ``config.devices`` emulated devices and returns the
@@ -35,19 +36,56 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     device's part); ``edgetrain.load_checkpoint(run_dir)`` reads either back whole.
     ``strategy`` is the config's ``strategy`` key or a ``train.strategy.Strategy``
     subclass (defined at module level) to train with instead of a built-in one.
+    ``task`` is the config's ``task`` key (classification, regression, detection) or your own
+    ``tasks.base.Task`` instance (its class defined at module level), recorded as ``module:QualName``; a
+    built-in task given without a dataset (or model) brings its own default one (``edgetrain.task_kinds``).
+    ``dataset`` is the config's ``dataset`` key or a dataset factory ``(data_dir, seed) -> DataSplit or arrays``
+    (module level), registered under its function's name for this run.
     """
     from edgetrain.data import build_data, user_datasets
-    from edgetrain.data.device_data import check_device_data
+    from edgetrain.data.datasets import LOADED_ONCE
+    from edgetrain.data.device_data import check_device_data, class_labels
     from edgetrain.data.partition import split_dataset
     from edgetrain.models import model_reference, user_models
     from edgetrain.train.checkpoint import check_resume_devices, checkpoint_files, elastic_run_dir, resume_hint
     from edgetrain.train.loop import accelerator_device, phase, run_worker
+
+    from edgetrain.data import register_dataset
+    from edgetrain.task_kinds import task_defaults
+    from edgetrain.tasks import Task, task_reference
 
     refuse_nested_launch()
     if isinstance(model, str):
         overrides["model"], model = model, None
     if isinstance(strategy, str):
         overrides["strategy"], strategy = strategy, None
+    if isinstance(task, str):
+        overrides["task"], task = task, None
+    elif task is not None:
+        if not isinstance(task, Task):
+            raise EdgetrainError(f"task must be a task name or an edgetrain.tasks.Task instance, not a "
+                                 f"{type(task).__name__}; subclass edgetrain.tasks.Task at module level")
+        overrides["task"] = task_reference(task)
+    if isinstance(dataset, str):
+        overrides["dataset"] = dataset
+    elif dataset is not None:  # a factory: registered for this run only, under its own name
+        from edgetrain.data.datasets import DATASETS
+
+        name = getattr(dataset, "__name__", type(dataset).__name__)
+        before = DATASETS.get(name)
+        register_dataset(name, dataset)
+        rest = {k: v for k, v in overrides.items() if k not in ("dataset", "task")}
+        try:
+            return train(config, model, strategy, task if task is not None else overrides.get("task"), name, **rest)
+        finally:
+            if before is None:
+                DATASETS.pop(name, None)
+            else:
+                DATASETS[name] = before
+    # a built-in --task given without a dataset or model brings its own (edgetrain.task_kinds)
+    given = {*overrides, *_given(config)}
+    if "resume" not in given:  # a resumed run is as its config.yaml says
+        overrides.update(task_defaults(overrides.get("task") or _given(config).get("task"), given))
     torchrun = under_torchrun()
     rank, world = check_rank_environment() if torchrun else (0, None)
     cfg = load_config(config, **overrides)
@@ -58,7 +96,8 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
         phase(cfg, rank, f"continuing the torchrun job's run in {elastic_dir} from its newest checkpoint")
         cfg = load_config(config, **{**overrides, "resume": str(elastic_dir)})
     spec = resolve(cfg)  # the options parsed once; the devices build from these
-    check_before_launch(cfg, spec, model)  # before the run directory and the devices: bad input leaves nothing
+    checked = check_before_launch(cfg, spec, model, task)  # before the run directory and the devices: bad input
+    # leaves nothing
     accelerator_device(cfg.accelerator)
     if model is not None:
         cfg = dataclasses.replace(cfg, model=model_reference(model))
@@ -73,9 +112,9 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     check_device_data(cfg, spec, devices, local_batches, rank if torchrun else None)  # the cluster file's 'data'
     # digits' loader imports scikit-learn, a second of CPU in every device process: the launcher loads it once
     # and hands it to its emulated devices with their arguments. Under torchrun each device loads its own.
-    data = build_data(cfg) if cfg.dataset == "digits" and not torchrun else None
+    data = (checked or build_data(cfg)) if cfg.dataset in LOADED_ONCE and not torchrun else None
     if spec.partition.local:  # a split that leaves a device short of a batch: refused before any device starts
-        split_dataset((data or build_data(cfg)).train.labels, spec.partition, local_batches, spec.seed)
+        split_dataset(class_labels((data or build_data(cfg)).train), spec.partition, local_batches, spec.seed)
     beyond = next((f.rank for f in spec.faults if f.rank >= len(devices)), None)
     if beyond is not None:
         raise EdgetrainError(f"EDGETRAIN_FAULT names device {beyond}, but the run has {len(devices)} "
@@ -94,7 +133,7 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
         write_yaml(run_dir / "config.yaml", {**cfg.to_dict(), **({"devices": world} if torchrun else {})})
 
     args = (cfg, spec, devices, local_batches, speeds, str(run_dir) if run_dir else None, model, user_models(),
-            cluster_token, strategy, user_datasets(), data)
+            cluster_token, strategy, user_datasets(), data, task)
     if torchrun:
         try:
             return run_worker(*args)
@@ -118,6 +157,19 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
         if spec.checkpoint.enabled:  # the devices stopped with a checkpoint: say how to go on
             raise Terminated(resume_hint(run_dir)) from None
         raise
+
+
+def _given(config) -> dict:
+    """The keys a config source sets itself (a ``TrainConfig`` sets every key)."""
+    if isinstance(config, TrainConfig):
+        return config.to_dict()
+    if isinstance(config, dict):
+        return config
+    if config is not None:
+        from edgetrain.yamlfile import read_yaml_mapping
+
+        return read_yaml_mapping(config, "config file")
+    return {}
 
 
 __all__ = ["train", "TrainConfig", "load_config"]

@@ -174,6 +174,7 @@ from edgetrain.errors import EdgetrainError
 from edgetrain.records import MembershipRecord
 from edgetrain.report.files import remove_stale_temps, save_torch
 from edgetrain.spec import CheckpointSpec
+from edgetrain.tasks.base import sum_totals
 
 CHECKPOINT_DIR = "checkpoints"
 FINAL_FILE = "checkpoint.pt"  # the final model of a run whose devices each hold all of it
@@ -445,7 +446,12 @@ def device_state_for(saved: list[dict], rank: int, world: int) -> tuple[dict, li
     gone = range(world, len(saved))
     if len(gone):
         dropped.append(f"the RNG state of device(s) {', '.join(map(str, gone))}")
-    totals = [sum(d["epoch_totals"][i] for d in saved) for i in range(3)] if rank == 0 else [0.0, 0.0, 0.0]
+    totals = [0.0, 0.0, 0.0]  # the epoch's running totals (loss, train counts, samples): all of them on rank 0
+    if rank == 0:
+        parts = [d["epoch_totals"] for d in saved]
+        totals = list(sum_totals(parts))
+        if not any(isinstance(p[1], dict) for p in parts):  # a classifier's right answers, as a number
+            totals[1] = sum(p[1] for p in parts)
     return {**first, "strategy": strategy, "rng": own["rng"] if own else None,
             "records": own["records"] if own else [], "epoch_totals": totals,
             "throttle": (own or first)["throttle"]}, dropped

@@ -94,7 +94,6 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -214,13 +213,13 @@ class FullyShardedDataParallel(Strategy):
         self.clock.emulator.start_step()
         optimizer.zero_grad(set_to_none=True)
         out = self.model(x)
-        loss_sum = F.cross_entropy(out, y, reduction="sum")
+        loss_sum = c.task.loss(out, y)
         (loss_sum * (c.world / c.cfg.batch_size)).backward()
         optimizer.step()
         # every collective ran blocking: the time in them is the time compute waited on them
         comm_s = c.stats.snapshot()["comm_s"] - busy_before
         self.clock.after_step(0)  # the clock: the latest device's compute, then the step's collectives
-        return StepResult(loss_sum.item(), int((out.detach().argmax(1) == y).sum()), len(y), comm_s,
+        return StepResult(loss_sum.item(), c.task.train_counts(out.detach(), y), c.task.batch_size(y), comm_s,
                           self.clock.step_metrics())
 
     def finish(self) -> None:

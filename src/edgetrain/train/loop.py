@@ -96,6 +96,9 @@ from edgetrain.models.init import build_on_meta
 from edgetrain.records import DeviceSummary, EvalRecord, MembershipRecord, RunSummary, StepRecord
 from edgetrain.report.files import atomic_write, save_torch, write_json
 from edgetrain.spec import RunSpec
+from edgetrain.task_kinds import run_task
+from edgetrain.tasks import Task, build_task, task_record
+from edgetrain.tasks.base import add_counts, as_counts, sum_totals
 from edgetrain.train.checkpoint import (FINAL_DIR, FINAL_FILE, Checkpointer, resume_hint, rng_state,
                                         save_final_parts, set_rng_state)
 from edgetrain.train.elastic import Elastic
@@ -321,7 +324,7 @@ class RunWriter:
     def summary(self, cfg: TrainConfig, strategy: Strategy, optimizer, per_device: list[DeviceSummary], train_totals,
                 evals: list[EvalRecord], params, data, world, local_batches, steps, wall_s, flops_per_sample,
                 partition: PartitionReport | None = None, membership: list[MembershipRecord] | None = None,
-                planned_steps: int | None = None) -> dict:
+                planned_steps: int | None = None, task_name: str | None = None) -> dict:
         """Rank 0, last: checkpoint.pt (a pooled strategy's devices wrote checkpoint/ already) and summary.json;
         returns the summary as written."""
         run_dir = self.run_dir
@@ -334,15 +337,19 @@ class RunWriter:
         split = {k: sum(getattr(d, f"{k}_s") for d in per_device) / world for k in ("data", "compute", "comm")}
         last = evals[-1] if evals else None
         bytes_sent = sum(d.bytes_sent for d in per_device)
+        task = strategy.context.task
+        train_loss, train_counts, train_seen = train_totals
+        train_figures = task.train_figures(train_counts, int(train_seen))
         summary = RunSummary(
             run_dir=str(run_dir), model=cfg.model, params=params, dataset=data.name,
             input_shape=list(data.input_shape), flops_per_sample=flops_per_sample,
             devices=world, profiles=[d.profile for d in per_device], strategy=strategy.name,
             accelerator=str(strategy.context.device), global_batch=cfg.batch_size, local_batches=local_batches,
-            steps=steps, train_loss=(train_totals[0] / train_totals[2]).item(),
-            train_accuracy=(train_totals[1] / train_totals[2]).item(),
+            steps=steps, train_loss=train_loss / train_seen if train_seen else float("nan"),
+            train_accuracy=train_figures.get("accuracy"),
             test_loss=last.test_loss if last else None, test_accuracy=last.test_accuracy if last else None,
-            evals=evals, membership=membership or [],
+            evals=evals, membership=membership or [], task=task_record(task, task_name),
+            train_metrics=train_figures, test_metrics=last.values() if last else None,
             throughput_samples_per_s=sum(d.samples_per_s for d in per_device),
             achieved_gflops=sum(d.details["achieved_gflops"] for d in per_device),
             step_s=step_s, time_split_s=split,
@@ -362,12 +369,13 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
                speeds: list[float | None], run_dir: str | None, user_model: nn.Module | None = None,
                registered: dict | None = None, cluster_token: str = "",
                strategy_class: type[Strategy] | None = None, datasets: dict | None = None,
-               loaded: DataSplit | None = None) -> dict | None:
+               loaded: DataSplit | None = None, user_task: Task | None = None) -> dict | None:
     """Train on this device; rank 0 returns the run summary, the others None.
 
     ``strategy_class``: a ``Strategy`` to train with instead of ``registered_strategy(spec.strategy)``;
     ``registered`` and ``datasets``: models and datasets registered in the launching process; ``loaded``:
-    the dataset as the launching process loaded it (else this device loads it).
+    the dataset as the launching process loaded it (else this device loads it); ``user_task``: a ``Task`` passed
+    from Python (else the run's built-in task, ``--task`` or the one the dataset implies).
     """
     started = time.perf_counter()
     # A device that sits out the first steps (rounds it is no member of, comm/local_sgd.py) steps the schedule
@@ -394,13 +402,16 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
         if rank == 0:
             print(dedup.describe(), flush=True)
     # On the meta device (no storage): the strategy materialises only what this device holds (models/init.py).
-    model = user_model if user_model is not None else build_on_meta(build_model, cfg.model, data.input_shape[0],
+    model = user_model if user_model is not None else build_on_meta(build_model, cfg.model, data.in_channels,
                                                                      data.num_classes)
     params = count_parameters(model)
+    task = copy.deepcopy(user_task) if user_task is not None else build_task(run_task(cfg.task, cfg.dataset), data)
     # The model actually trained at the input shape actually fed (counted on a copy, RNG untouched).
     phase(cfg, rank, f"counting FLOPs: {cfg.model} at {'x'.join(map(str, data.input_shape))}")
     flops_per_sample = training_flops_per_sample(model, input_shape=data.input_shape,
-                                                 num_classes=data.num_classes) if rank == 0 or elastic else None
+                                                 num_classes=data.num_classes, task=task,
+                                                 example=task.collate([data.train[i] for i in range(min(2, len(data.train)))])
+                                                 ) if rank == 0 or elastic else None
     if at.returning:  # ready to train: admitted at the members' next step (train/elastic.py)
         rank, world = elastic.join()
         at = dataclasses.replace(at, rank=rank, world=world)
@@ -410,7 +421,7 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
     stats = CommStats()
     strategy = (strategy_class or registered_strategy(spec.strategy))(StrategyContext(
         cfg, spec, rank, world, local_batches[rank], tuple(data.input_shape), stats, at.me.link, at.device,
-        steps_per_epoch=len(data.train) // cfg.batch_size))
+        steps_per_epoch=len(data.train) // cfg.batch_size, task=task))
     model = strategy.adapt(strategy.materialise(model))
     throttle = Throttle(at.speed) if at.speed is not None else None
     if cfg.throttle and any(speed is not None for speed in speeds):  # the same on every device: all take part
@@ -432,7 +443,7 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
     if len(sampler) == 0:
         raise EdgetrainError(f"batch_size {cfg.batch_size} is larger than the {len(data.train)} training images of "
                              f"{data.name}; lower batch_size")
-    loader = DataLoader(train_set, batch_sampler=sampler, num_workers=cfg.workers,
+    loader = DataLoader(train_set, batch_sampler=sampler, num_workers=cfg.workers, collate_fn=task.collate,
                         persistent_workers=cfg.workers > 0, timeout=cfg.timeout if cfg.workers > 0 else 0,
                         worker_init_fn=loader_worker_init if cfg.workers > 0 else None,
                         pin_memory=at.device.type == "cuda")
@@ -448,7 +459,7 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
     evals: list[EvalRecord] = []
     step, start_epoch, limit_mb = 0, 0, at.me.profile.memory_mb
     ema_loss = None
-    epoch_loss = epoch_correct = epoch_seen = 0.0
+    epoch_loss, epoch_counts, epoch_seen = 0.0, {}, 0.0
     if mine:
         strategy.load_state_dict(mine["strategy"])
         if strategy.pooled:  # this device's part, from the checkpoint's directory (DCP; a collective)
@@ -459,7 +470,8 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
         records = [StepRecord.from_dict(r) for r in mine["records"]]
         evals = [EvalRecord.from_dict(e) for e in run_state["evals"]]
         writer.restart(records, evals)
-        epoch_loss, epoch_correct, epoch_seen = mine["epoch_totals"]
+        epoch_loss, epoch_counts, epoch_seen = mine["epoch_totals"]
+        epoch_counts = as_counts(epoch_counts)
         ema_loss, step, start_epoch = mine["ema_loss"], run_state["step"], run_state["epoch"]
         started -= run_state["wall_s"]  # the summary's wall time covers the whole run
         set_rng_state(mine["rng"], at.device)  # last: nothing above may draw from it
@@ -473,7 +485,7 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
         if step == resumed_step and mine:
             sampler.resume_at(epoch, step - epoch * len(sampler))
         else:
-            epoch_loss = epoch_correct = epoch_seen = 0.0
+            epoch_loss, epoch_counts, epoch_seen = 0.0, {}, 0.0
         batches = iter(loader)
         while step < total_steps:
             if checkpoints.due(step, resumed_step):
@@ -484,7 +496,8 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
                     # a pooled strategy's optimizer state is in its part (sharded_state), not in every device's
                     **({} if strategy.pooled else {"optimizer": optimizer.state_dict()}),
                     "scheduler": scheduler.state_dict(), "rng": rng_state(at.device),
-                    "records": [r.to_dict() for r in records], "epoch_totals": [epoch_loss, epoch_correct, epoch_seen],
+                    "records": [r.to_dict() for r in records],
+                    "epoch_totals": [epoch_loss, dict(epoch_counts), epoch_seen],
                     "ema_loss": ema_loss, "throttle": _throttle_state(throttle)},
                     strategy.sharded_state(optimizer) if strategy.pooled else None)
                 if checkpoints.stopped:
@@ -496,7 +509,7 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
                 if elastic:
                     elastic.boundary(step, epoch, evals)
                 x, y = next(batches)
-                x, y = x.to(at.device, non_blocking=True), y.to(at.device, non_blocking=True)
+                x, y = x.to(at.device, non_blocking=True), task.to_device(y, at.device)
                 recorder.data_ready()
                 result = strategy.train_step(x, y, optimizer)
             except StopIteration:
@@ -509,7 +522,7 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
             records.append(record)
             writer.step(record)
             epoch_loss += result.loss_sum
-            epoch_correct += result.correct
+            epoch_counts = add_counts(epoch_counts, result.train_counts)
             epoch_seen += result.samples
             step += 1
             if limit_mb is not None and record.peak_rss_mb > limit_mb:
@@ -518,17 +531,24 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
             if record.loss is not None:  # None: a step this device sat out (a round it is no member of)
                 ema_loss = record.loss if ema_loss is None else 0.9 * ema_loss + 0.1 * record.loss
             if bar and ema_loss is not None:
-                bar.update(step, epoch, ema_loss, epoch_correct / max(epoch_seen, 1), cfg.batch_size / record.step_s)
+                bar.update(step, epoch, ema_loss, figures_text(task, task.train_figures(epoch_counts, int(epoch_seen))),
+                           cfg.batch_size / record.step_s)
         if checkpoints.stopped:
             break
         if step >= total_steps or epoch == epochs - 1:
             strategy.finish()  # the last exchange: every device now holds the same model
         if cfg.eval:
-            test_loss, test_acc = strategy.evaluate(data.test)
-            evals.append(EvalRecord(epoch=epoch, step=step, test_loss=test_loss, test_accuracy=test_acc))
+            metrics = strategy.evaluate(data.test)
+            if isinstance(metrics, tuple):  # a strategy of one's own may give a classifier's (loss, accuracy)
+                metrics = {"loss": metrics[0], "accuracy": metrics[1]}
+            test_loss = metrics.pop("loss")
+            evals.append(EvalRecord(epoch=epoch, step=step, test_loss=test_loss,
+                                    test_accuracy=metrics.get("accuracy"), metrics=metrics))
             if rank == 0:
                 writer.evaluation(evals[-1])
-            _note(bar, rank, f"epoch {epoch + 1}/{epochs}: test accuracy {test_acc:.1%}, loss {test_loss:.3f}")
+            headline = task.headline
+            _note(bar, rank, f"epoch {epoch + 1}/{epochs}: test {headline.label or headline.name} "
+                             f"{headline.format(metrics[headline.name])}, loss {test_loss:.3f}")
         if step >= total_steps:
             break
     checkpoints.release_sigterm()
@@ -540,7 +560,7 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
         save_final_parts(run_dir, strategy.sharded_state(optimizer, final=True), step, cfg.to_dict(), rank, world,
                          spec.timeout_s, planned_steps=int(total_steps))
 
-    train_totals = torch.tensor([epoch_loss, epoch_correct, epoch_seen], dtype=torch.float64)
+    train_totals = (epoch_loss, epoch_counts, epoch_seen)
     mine = _device_summary(records, at, local_batches[rank], throttle)
     if limit_mb is not None and mine.run_peak_rss_mb > limit_mb:
         # Warned, not raised: training is done and the final model is written; but a real device of this size
@@ -550,8 +570,9 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
               f"{mine.run_peak_rss_mb:.0f} MiB > its {limit_mb} MiB after the final exchange and checkpoint "
               f"({strategy.name}); "
               f"its training steps peaked at {mine.peak_rss_mb:.0f} MiB", file=sys.stderr, flush=True)
-    if world > 1:
-        dist.all_reduce(train_totals)
+    if world > 1:  # rank 0's summary needs them (JSON: the counts are a dict of the task's own keys)
+        everyone = gather_json(list(train_totals), dst=0)
+        train_totals = sum_totals(everyone) if everyone is not None else train_totals
         # JSON, not pickles: see cluster/peers
         gathered = gather_json(([r.to_dict() for r in records], mine.to_dict()), dst=0)
     else:
@@ -564,7 +585,8 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
         per_device = [DeviceSummary.from_dict(d) for _, d in gathered]
         summary = writer.summary(cfg, strategy, optimizer, per_device, train_totals, evals, params, data, world,
                                  local_batches, step, time.perf_counter() - started, flops_per_sample, partition,
-                                 elastic.history() if elastic else [], planned_steps=int(total_steps))
+                                 elastic.history() if elastic else [], planned_steps=int(total_steps),
+                                 task_name=cfg.task if user_task is not None else run_task(cfg.task, cfg.dataset))
     dist.barrier()
     dist.destroy_process_group()
     if checkpoints.stopped:
@@ -633,15 +655,25 @@ class _Bar:
         self.task = self.progress.add_task("train", total=total, info="")
         self.progress.start()
 
-    def update(self, step, epoch, loss, acc, rate):
+    def update(self, step, epoch, loss, figures: str, rate):
         self.progress.update(self.task, completed=step,
-                             info=f"epoch {epoch + 1}  loss {loss:.3f}  acc {acc:.1%}  {rate:,.0f} samples/s")
+                             info=f"epoch {epoch + 1}  loss {loss:.3f}  {figures}{rate:,.0f} samples/s")
 
     def note(self, text: str):
         self.progress.console.print(text)
 
     def close(self):
         self.progress.stop()
+
+
+def figures_text(task: Task, figures: dict) -> str:
+    """The progress bar's train figures: ``acc 91.2%  `` for a classifier (its metrics' own formats)."""
+    shown = []
+    for name, value in figures.items():
+        metric = task.metric(name)
+        label = "acc" if name == "accuracy" else (metric.label or name) if metric else name
+        shown.append(f"{label} {metric.format(value) if metric else format(value, '.4g')}  ")
+    return "".join(shown)
 
 
 def _progress(cfg, rank, total):

@@ -92,9 +92,9 @@ result on, point to point over the replica's group (plain ``dist.send`` /
 ``recv`` under ``no_grad``, not the schedule: its buffers and state are
 built for the training step's micro-batches with gradients, and
 ``schedule.eval`` would re-initialise them at every switch); the last stage
-scores the logits against its own copy of the labels, and the totals (loss
-sum, correct, samples) are all-reduced over every device, the other stages
-adding zeros. So every device gets the (loss, accuracy) of the whole model
+scores the outputs against its own copy of the targets in the task's
+evaluator, whose states every device gathers and merges (the other stages
+have none). So every device gets the task's metrics of the whole model
 on the whole test set, as one device evaluating the final model does
 (tests/train/test_pipeline.py, with BatchNorm too; hybrid:
 test_pipeline_hybrid.py). Evaluation is not training: its sends are not
@@ -163,7 +163,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
@@ -183,7 +182,7 @@ from edgetrain.plan.split import StageDevice, layer_costs, p2p_seconds, plan_spl
 from edgetrain.plan.stages import (BACKWARD, FORWARD, describe_stages, pipeline_layers, pipeline_timeline,
                                    stage_bounds)
 from edgetrain.spec import get_link
-from edgetrain.train.evaluation import mean_loss_and_accuracy, score
+from edgetrain.train.evaluation import gathered_metrics
 from edgetrain.train.fsdp import clock_summary
 from edgetrain.train.strategy import FLAT_OPTIMIZER, STRATEGIES, StepResult, Strategy
 
@@ -296,9 +295,12 @@ class Pipeline(Strategy):
         # so the gradient is the mean loss's over the global batch B = D x replica batch
         scale = 1.0 / self.replica_batch
 
-        def loss_fn(out, target):  # summed over micro-batches: the mean loss over this replica's batch
+        def loss_fn(out, positions):  # summed over micro-batches: the mean loss over this replica's batch
+            # the schedule cuts tensors only: it hands the micro-batch's positions in the batch, and the task
+            # takes those samples of the target, whatever its structure (train_step)
             started = time.perf_counter()
-            loss = F.cross_entropy(out, target, reduction="sum") * scale
+            target = c.task.take(self.target, slice(int(positions[0]), int(positions[-1]) + 1))
+            loss = c.task.loss(out, target) * scale
             self.stage.actions[-1][2] += time.perf_counter() - started  # part of the forward just timed
             return loss
 
@@ -392,9 +394,11 @@ class Pipeline(Strategy):
         sent, received, compute = self.sent, self.received, self.stage.compute_s
         losses: list[torch.Tensor] = []
         started = time.perf_counter()
-        # the first stage feeds the images, the last one scores the labels
+        # the first stage feeds the images, the last one scores the targets
+        self.target = y
+        positions = torch.arange(c.task.batch_size(y)) if self.is_last else None
         out = self.schedule.step(*((x,) if self.is_first else ()),
-                                 **(dict(target=y, losses=losses) if self.is_last else {}))
+                                 **(dict(target=positions, losses=losses) if self.is_last else {}))
         ended = time.perf_counter()
         comm_s = max(0.0, ended - started - (self.stage.compute_s - compute))
         c.stats.record(self.sent - sent, self.received - received, 0, comm_s)
@@ -404,9 +408,9 @@ class Pipeline(Strategy):
         optimizer.step()
         metrics = {"comm_busy_s": None, **self._close_step(time.perf_counter() - optimizer_started)}
         if not self.is_last:
-            return StepResult(0.0, 0, 0, comm_s, metrics)
+            return StepResult(0.0, {}, 0, comm_s, metrics)
         loss_sum = float(sum(loss.item() for loss in losses)) * self.replica_batch
-        return StepResult(loss_sum, int((out.detach().argmax(1) == y).sum()), len(y), comm_s, metrics)
+        return StepResult(loss_sum, c.task.train_counts(out.detach(), y), c.task.batch_size(y), comm_s, metrics)
 
     def _allreduce_gradients(self) -> float:
         """This stage's gradients averaged over its D replicas (``allreduce_gradients``); the exchange's compute
@@ -457,37 +461,36 @@ class Pipeline(Strategy):
                 "virtual_comm_s": step["comm_model_s"]}
 
     @torch.no_grad()
-    def evaluate(self, dataset, batch: int = 256) -> tuple[float, float]:
-        """(mean loss, accuracy) over the whole test set, pipelined: no device holds more than its stage.
+    def evaluate(self, dataset, batch: int = 256) -> dict[str, float]:
+        """The task's metrics over the whole test set, pipelined: no device holds more than its stage.
 
         Every device of replica ``r`` walks the same shard (``shard_indices`` by replica, not by rank) in batches
         of the replica's training batch (``batch`` is not used: a stage's activations stay those of a training
         step's size or less); each stage, in eval mode (BatchNorm: its running statistics), runs its layers on
         what the previous stage sent (the first: the images) and sends the result to the next one, point to
-        point over the replica's group; the last scores the logits against its own copy of the labels. The
-        totals are all-reduced over every device (the other stages add zeros). Not training: nothing is
+        point over the replica's group; the last scores the outputs against its own copy of the targets in the
+        task's evaluator, whose states every device gathers and merges (the other stages have none). Not
+        training: nothing is
         counted in the byte tallies (``_count_bytes`` counts only with gradients on) nor charged to the links
         or the device clock."""
         c = self.context
         was_training = self.stage_module.training
         self.stage_module.eval()
-        totals = torch.zeros(3, dtype=torch.float64)
+        evaluator = c.task.evaluator() if self.is_last else None
         shard = Subset(dataset, shard_indices(len(dataset), self.replica, self.replicas))
-        for x, y in DataLoader(shard, batch_size=self.replica_batch):
+        for x, y in DataLoader(shard, batch_size=self.replica_batch, collate_fn=c.task.collate):
             if self.is_first:
                 activation = x.to(c.device)
             else:  # the previous stage of this replica is the previous rank (layout: module docstring)
-                activation = torch.empty(len(y), *self.input_shape, dtype=self.input_dtype, device=c.device)
+                activation = torch.empty(len(x), *self.input_shape, dtype=self.input_dtype, device=c.device)
                 dist.recv(activation, src=c.rank - 1, group=self.pipe_group)
             out = self.stage_module(activation)
             if self.is_last:
-                totals += score(out, y.to(c.device))
+                evaluator.update(out, c.task.to_device(y, c.device))
             else:
                 dist.send(out.contiguous(), dst=c.rank + 1, group=self.pipe_group)
         self.stage_module.train(was_training)
-        if c.world > 1:
-            dist.all_reduce(totals)
-        return mean_loss_and_accuracy(totals)
+        return gathered_metrics(evaluator, c.world)
 
     def finish(self) -> None:
         if self.finished:

@@ -11,10 +11,11 @@ drives a ``Strategy`` the same way for every kind, on every device::
     strategy.rebuild(rank, world, local_batch)  # the same again on a new group (elastic membership), then
                                     # load_state_dict; strategies that split the model refuse --min-devices
     optimizer over strategy.parameters()
-    per step:  strategy.train_step(x, y, optimizer) -> StepResult
+    per step:  strategy.train_step(x, y, optimizer) -> StepResult   (y: the task's target batch, any structure)
     strategy.finish()               # final exchange: every device holds the same model afterwards
-    strategy.evaluate(test_set)     # (mean loss, accuracy) over the whole test set, every device the same;
-                                    # default: ``eval_model`` on this device's shard (train/evaluation.py)
+    strategy.evaluate(test_set)     # {"loss": mean, <metric>: value} of the run's task over the whole test
+                                    # set, every device the same; default: ``eval_model`` on this device's
+                                    # shard (train/evaluation.py)
     strategy.eval_model             # the module the default evaluate runs
     strategy.summary()              # extra fields for summary.json (RunSummary.details)
     strategy.state_dict()           # what a checkpoint holds (default: the model); load_state_dict after setup
@@ -27,8 +28,13 @@ batch (tiled: every device runs its tile of every image); ``data_share``
 turns it into the sampler's shares and this device's index among them
 (a hybrid pipeline overrides it: one share per replica, read by all its stages).
 
+Every strategy drives the run's task (``context.task``, tasks/base.py) and
+computes no loss of its own: ``task.loss`` is summed over a share's samples,
+``task.take`` cuts a target batch into shares, ``task.train_counts`` scores them.
+
 ``StepResult`` is this device's part of the step's accounting: the loss
-summed over the samples it scored, how many it got right, how many it scored
+summed over the samples it scored, the task's train counts (``counts``: a dict,
+or an int for a classifier's right answers), how many it scored
 (summed over devices: the global batch), the seconds it waited on
 communication that compute did not hide, and extra ``StepRecord`` fields.
 
@@ -55,7 +61,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
@@ -66,8 +71,10 @@ from edgetrain.errors import EdgetrainError
 from edgetrain.models.batchnorm import convert_batchnorm
 from edgetrain.models.init import materialise
 from edgetrain.spec import RunSpec
+from edgetrain.tasks.base import Task
+from edgetrain.tasks.classification import ClassificationTask
 from edgetrain.tiling import TiledTraining
-from edgetrain.train.evaluation import evaluate
+from edgetrain.train.evaluation import evaluate_task
 
 # A pooled strategy's optimizer state in its part of a checkpoint (``sharded_state``): one key per parameter
 # name and state, so no two devices write the same key with different values.
@@ -88,15 +95,20 @@ class StrategyContext:
     link: Any = None                      # this device's link from the cluster file (None: the config's)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     steps_per_epoch: int = 0              # steps of one pass over the training set (len(train) // cfg.batch_size)
+    task: Task = field(default_factory=ClassificationTask)  # what is learned: the loss, targets, metrics
 
 
 @dataclass
 class StepResult:
     loss_sum: float
-    correct: int
+    counts: dict | int  # the task's train_counts (summable); an int: a classifier's right answers, {"correct": n}
     samples: int
     comm_s: float
     metrics: dict = field(default_factory=dict)
+
+    @property
+    def train_counts(self) -> dict:
+        return {"correct": self.counts} if isinstance(self.counts, int) else self.counts
 
 
 class Strategy(abc.ABC):
@@ -146,12 +158,13 @@ class Strategy(abc.ABC):
     @abc.abstractmethod
     def eval_model(self) -> nn.Module: ...
 
-    def evaluate(self, dataset, batch: int = 256) -> tuple[float, float]:
-        """(mean loss, accuracy) over the whole test set ``dataset``, the same on every device (a collective:
-        every device calls it). Default: ``eval_model`` on this device's shard, in batches of ``batch``, the
-        totals all-reduced (``train.evaluation.evaluate``)."""
+    def evaluate(self, dataset, batch: int = 256) -> dict[str, float]:
+        """``{"loss": mean per sample, <metric name>: value...}`` of the run's task over the whole test set
+        ``dataset``, the same on every device (a collective: every device calls it). Default: ``eval_model`` on
+        this device's shard, in batches of ``batch``, the evaluators' states merged
+        (``train.evaluation.evaluate_task``). A strategy may return (mean loss, accuracy) instead (a classifier)."""
         c = self.context
-        return evaluate(self.eval_model, dataset, c.rank, c.world, batch=batch, device=c.device)
+        return evaluate_task(self.eval_model, dataset, c.rank, c.world, c.task, batch=batch, device=c.device)
 
     def summary(self) -> dict:
         return {}
@@ -234,11 +247,11 @@ class DataParallel(Strategy):
         if not self.sync.trains(self.steps):  # not sampled for the round, or past its deadline (comm/local_sgd.py)
             self._after_step(optimizer)
             self.steps += 1
-            return StepResult(0.0, 0, 0, time.perf_counter() - started, self.sync.step_metrics())
+            return StepResult(0.0, {}, 0, time.perf_counter() - started, self.sync.step_metrics())
         collectives = c.stats.snapshot()["collectives"]
         optimizer.zero_grad(set_to_none=True)
         out = self.sync.model(x)
-        loss_sum = F.cross_entropy(out, y, reduction="sum")
+        loss_sum = c.task.loss(out, y)
         (loss_sum * (c.world / c.cfg.batch_size)).backward()
         t_backward = time.perf_counter()
         self.sync.after_backward(self.steps)
@@ -253,7 +266,7 @@ class DataParallel(Strategy):
         if after["collectives"] > collectives and started <= after["last_launch"] <= t_backward:
             hidden_wait = t_backward - after["last_launch"]
         comm_s = hidden_wait + (t_after_backward - t_backward) + (ended - t_optimizer)
-        return StepResult(loss_sum.item(), int((out.detach().argmax(1) == y).sum()), len(y), comm_s,
+        return StepResult(loss_sum.item(), c.task.train_counts(out.detach(), y), c.task.batch_size(y), comm_s,
                           self.sync.step_metrics())
 
     def _after_step(self, optimizer) -> None:
@@ -310,7 +323,8 @@ class Tiled(Strategy):
 
     def adapt(self, model: nn.Module) -> nn.Module:
         spec = self.context.spec
-        self.tiled = TiledTraining(model, spec.tiling, self.context.input_shape, timeout_s=spec.timeout_s)
+        self.tiled = TiledTraining(model, spec.tiling, self.context.input_shape, timeout_s=spec.timeout_s,
+                                   task=self.context.task)
         return model
 
     def setup(self, model: nn.Module) -> None:
@@ -318,7 +332,7 @@ class Tiled(Strategy):
 
     def train_step(self, x, y, optimizer) -> StepResult:
         optimizer.zero_grad(set_to_none=True)
-        self.tiled.forward_backward(x, y, F.cross_entropy)
+        self.tiled.forward_backward(x, y)
         optimizer.step()
         last, stats = self.tiled.last, self.context.stats
         # no hook threads run in tiled mode: the tally is the tiled section's own
@@ -326,7 +340,7 @@ class Tiled(Strategy):
         stats.bytes_recv += last["bytes_recv"]
         stats.comm_s += last["exchange_s"]
         local = last["local"]
-        return StepResult(local["loss_sum"], local["correct"], local["samples"], last["exchange_s"])
+        return StepResult(local["loss_sum"], local["counts"], local["samples"], last["exchange_s"])
 
     @property
     def eval_model(self) -> nn.Module:

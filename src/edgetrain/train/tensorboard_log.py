@@ -18,7 +18,8 @@ Scalars, against the number of steps done (``StepRecord.step + 1``, as
   (the loop's split, see ``train.loop``) and, where the sync mode keeps a
   device clock, ``time/device_clock_s`` (modelled on a virtual link);
 - ``comm/bytes_sent``, ``comm/bytes_recv``; ``memory/peak_rss_mb``;
-- rank 0 only: ``eval/loss`` and ``eval/accuracy`` on the whole test set.
+- rank 0 only: ``eval/loss`` and ``eval/<metric>`` of the task (a classifier: ``eval/accuracy``) on the whole
+  test set.
 
 Accuracy is the test set's: a step's training accuracy is not in its record.
 """
@@ -57,7 +58,8 @@ class TensorBoardLog:
 
     def evaluation(self, record: EvalRecord) -> None:
         self.writer.add_scalar("eval/loss", record.test_loss, record.step)
-        self.writer.add_scalar("eval/accuracy", record.test_accuracy, record.step)
+        for name, value in record.values().items():  # a classifier's: eval/accuracy, as before tasks
+            self.writer.add_scalar(f"eval/{name}", value, record.step)
         self.writer.flush()
 
     def close(self) -> None:

@@ -11,12 +11,20 @@
 Levels travel as int8 (``L <= 127``), with one fp32 norm per tensor. QSGD's
 Elias coding of the levels is not used: the byte count is the int8 tensor's.
 
-Neither keeps state; both are usually run without error feedback.
+``LowBit`` (``quant:BITS``, 2 to 8 bits): per tensor one fp32 scale
+``s = max|x|``, ``q = round(m x / s)`` with ``m = 2**(BITS-1) - 1`` levels on
+each side of zero, sent as ``q + m`` in BITS bits, packed (``bitpack.py``):
+the outer gradients of Streaming DiLoCo (Douillard et al. 2025, 4 bits).
+Error bound: ``|x_i - d_i| <= max|x| / (2 m)``; run with error feedback
+unless ``noef``.
+
+Int8 and QSGD keep no state and are usually run without error feedback.
 """
 from __future__ import annotations
 
 import torch
 
+from edgetrain.comm.compress import bitpack
 from edgetrain.comm.compress.base import Compressor, Payload, segment_ids, segment_sum
 
 TINY = torch.finfo(torch.float32).tiny
@@ -78,3 +86,29 @@ class QSGD(Compressor):
 
     def layout(self, numel: int, nbytes: int, segments=None) -> list[tuple[torch.dtype, int]]:
         return [(torch.float32, len(segments or (numel,))), (torch.int8, numel)]
+
+
+class LowBit(Compressor):
+    error_bound = "|x-d| <= max|x| / (2 (2**(bits-1) - 1)) per tensor"
+
+    def __init__(self, bits: int = 4):
+        if not 2 <= bits <= 8:
+            raise ValueError(f"quant bits must be in [2, 8], got {bits}")
+        self.bits, self.levels = bits, 2 ** (bits - 1) - 1
+        self.name = f"quant:{bits}"
+
+    def encode(self, x: torch.Tensor, key: object = 0, segments: tuple[int, ...] | None = None) -> Payload:
+        x = x.detach().reshape(-1).float()
+        parts = segments or (x.numel(),)
+        ids = segment_ids(parts, x.device)
+        scale = x.new_zeros(len(parts)).scatter_reduce_(0, ids, x.abs(), "amax").clamp_min_(TINY)
+        q = torch.round(x / scale[ids] * self.levels).clamp_(-self.levels, self.levels).to(torch.int64)
+        return Payload((scale, bitpack.pack(q + self.levels, self.bits)), x.numel(), segments)
+
+    def decode(self, payload: Payload) -> torch.Tensor:
+        scale, packed = payload.tensors
+        q = bitpack.unpack(packed, self.bits, payload.numel) - self.levels
+        return q.float() * (scale / self.levels)[segment_ids(payload.parts, packed.device)]
+
+    def layout(self, numel: int, nbytes: int, segments=None) -> list[tuple[torch.dtype, int]]:
+        return [(torch.float32, len(segments or (numel,))), (torch.uint8, bitpack.packed_bytes(numel, self.bits))]

@@ -12,7 +12,7 @@ from edgetrain.comm.compress.base import Compressor
 from edgetrain.comm.compress.cast import HalfCast
 from edgetrain.comm.compress.fp32 import NoCompression
 from edgetrain.comm.compress.memory import DGCMemory, NoMemory, ResidualMemory
-from edgetrain.comm.compress.quantize import QSGD, Int8
+from edgetrain.comm.compress.quantize import QSGD, Int8, LowBit
 from edgetrain.comm.compress.randk import RandomK
 from edgetrain.comm.compress.sign import MajorityVote, ScaledSign
 from edgetrain.comm.compress.threshold import Threshold
@@ -42,8 +42,11 @@ def build_compressor(spec: CompressSpec, link: Link | None = None, seed: int = 0
         return QSGD(int(arg or 127), seed=seed * 1_000_003 + rank), NoMemory()
     if name == "topk":
         memory = DGCMemory(opts.get("momentum", 0.9)) if "dgc" in opts else (ResidualMemory() if ef else NoMemory())
+        bits = int(opts["bits"]) if "bits" in opts else None
         return TopK(arg, warmup_steps=int(opts.get("warmup", 0)), layerwise="layerwise" in opts,
-                    compact="compact" in opts), memory
+                    compact="compact" in opts, bits=bits), memory
+    if name == "quant":
+        return LowBit(int(arg or 4)), ResidualMemory() if ef else NoMemory()
     if name == "randk":
         return RandomK(arg, seed=seed), ResidualMemory() if ef else NoMemory()
     if name == "sign":

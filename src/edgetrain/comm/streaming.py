@@ -1,0 +1,283 @@
+"""Streaming DiLoCo: the model in fragments, each averaged at its own step, in the background.
+
+DiLoCo (``local_sgd.py`` with ``nesterov``) sends the whole model's
+pseudo-gradient every ``H`` steps and waits for it. Streaming DiLoCo
+(Douillard et al., "Streaming DiLoCo with overlapping communication", 2025)
+splits the parameters into ``F`` fragments (whole parameters, in model order,
+about equal in size: ``fragment_bounds``) and gives fragment ``p`` its own
+slot in the period: it is sent at the local steps ``s`` with
+``(s + p H // F) % H == 0``. So the link carries ``1/F`` of the model at a
+time, ``F`` times as often, and each exchange can hide behind compute:
+
+1. launch (end of step ``s``): fragment ``p``'s pseudo-gradient
+   ``ref_p - x_p`` goes through ``--compress`` (with its error feedback) into a
+   non-blocking all-reduce or all-gather (``async_op=True``: gloo runs it on
+   its own threads while the device trains on);
+2. apply (end of step ``s + T``, ``T`` = ``overlap``): wait for that work
+   handle (bounded by ``--timeout``), step ``ref_p`` with the outer optimizer
+   (SGD with Nesterov momentum, one per fragment) on the mean, and set
+   ``x_p = A x_p + (1 - A) ref_p`` (``A`` = ``mix``: what the ``T`` local steps
+   since the launch leave of the device's own fragment).
+
+With ``F = 1``, ``T = 0`` and ``A = 0`` this is DiLoCo step for step (a test
+checks it). ``--compress`` quantises the outer gradients (``quant:4`` is the
+paper's 4 bits); the payloads' bytes are counted at launch.
+
+Clock: an exchange is ready at ``max(launch clocks of all devices) + Tc``
+(virtual mode; ``Tc`` the link model's time, the launch clocks ride in a
+small float64 all-reduce that is not counted as traffic), where exchanges
+queue on the link one after another; a device that reaches the apply step
+before then waits for it. In enforced mode the device sleeps until ``Tc``
+after the real collective completed. Without a link the exchange costs what
+it costs on the host's network, measured: the wait at the apply step.
+
+Finishing: every exchange in flight is applied, then each fragment trained
+since its last exchange (or mixed with ``A > 0``) has one blocking round,
+after which every device holds ``ref``, as local SGD's final round.
+
+Checkpoints wait for the exchanges in flight and keep their decoded means,
+ready clocks and apply steps, so a resumed run applies them where the
+uninterrupted run did (a test checks resumed == uninterrupted). Round
+deadlines and elastic membership are refused by ``config.resolve``.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from edgetrain.cluster.peers import wait
+from edgetrain.comm.accounting import ring_allgather_bytes, ring_allreduce_bytes
+from edgetrain.comm.compress.base import Compressor, Payload, unpack
+from edgetrain.comm.emulation import LinkEmulator
+from edgetrain.comm.exchange import average, compress
+from edgetrain.comm.params import average_buffers, flatten, unflatten
+from edgetrain.comm.sync import SyncMode
+
+
+def fragment_bounds(segments: tuple[int, ...], fragments: int) -> list[tuple[int, int]]:
+    """``fragments`` runs of whole parameters (their lengths ``segments``), in order, as equal in size as
+    cutting at parameter boundaries allows: the (first, end) parameter indices of each. A fragment gets at
+    least one parameter, so there are at most ``len(segments)`` of them."""
+    if not 1 <= fragments <= len(segments):
+        raise ValueError(f"{fragments} fragments of a model with {len(segments)} parameter tensors; "
+                         f"use fragments=1 to {len(segments)}")
+    total = sum(segments)
+    bounds, first, done = [], 0, 0
+    for p in range(fragments):
+        if p == fragments - 1:
+            end = len(segments)
+        else:
+            target = total * (p + 1) / fragments
+            end = first + 1  # at least one parameter
+            while end < len(segments) - (fragments - 1 - p) and done + sum(segments[first:end + 1]) <= target:
+                end += 1
+        bounds.append((first, end))
+        done += sum(segments[first:end])
+        first = end
+    return bounds
+
+
+@dataclass
+class _Exchange:
+    """One fragment's exchange in flight (``works`` not yet waited for) or completed (``mean`` set)."""
+
+    fragment: int
+    due_step: int          # the local step count at which it is applied
+    ready_s: float | None  # virtual clock at which it has arrived (virtual mode; set once the clocks are in)
+    modelled_s: float
+    works: list
+    buf: torch.Tensor | None = None
+    received: list[torch.Tensor] | None = None
+    clocks: torch.Tensor | None = None
+    numel: int = 0
+    ctx: object = None
+    mean: torch.Tensor | None = None
+    done_at: float | None = None  # perf_counter() when the real collective completed (enforced mode)
+
+
+class StreamingDiLoCo(SyncMode):
+    name = "streaming"
+
+    def __init__(self, model: nn.Module, world_size: int, rank: int, emulator: LinkEmulator, period: int,
+                 fragments: int, overlap: int, mix: float, compressor: Compressor, memory, outer_lr: float = 0.7,
+                 outer_momentum: float = 0.9, group=None, clock_group=None, spec: str = "streaming",
+                 compress: str = "none"):
+        if not 0 <= overlap < period:
+            raise ValueError(f"overlap must be in [0, {period}), got {overlap}")
+        if not compressor.fixed_size:
+            raise ValueError(f"{compressor.name} has a variable payload size; streaming exchanges need a fixed one")
+        super().__init__(model, world_size, emulator, clock_group, spec, compress)
+        self.model = model
+        self.rank = rank
+        self.period, self.overlap, self.mix = period, overlap, mix
+        self.compressor, self.memory = compressor, memory
+        self.group = group
+        self._start_together(model, group)
+        self.bounds = fragment_bounds(self.segments, fragments)
+        self.offsets = [p * period // fragments for p in range(fragments)]
+        self.refs = [flatten(self.params[a:b]).requires_grad_(True) for a, b in self.bounds]
+        # momentum 0 is a plain outer SGD step (torch refuses Nesterov without momentum)
+        self.outers = [torch.optim.SGD([ref], lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0)
+                       for ref in self.refs]
+        self.local_steps = 0
+        self.exchanges = 0                           # exchanges applied
+        self.applied_at = [0] * fragments            # the local step count of each fragment's last application
+        self.inflight: dict[int, _Exchange] = {}
+        self.link_free_s = 0.0                       # virtual clock at which the link finishes its queued exchanges
+        self.wait_s = 0.0                            # real seconds spent waiting for exchanges at apply steps
+        self._watch(model)
+
+    # -- fragments --------------------------------------------------------------------
+    def _fragment(self, p: int) -> list[nn.Parameter]:
+        a, b = self.bounds[p]
+        return self.params[a:b]
+
+    def _segments(self, p: int) -> tuple[int, ...]:
+        a, b = self.bounds[p]
+        return self.segments[a:b]
+
+    def launches(self, steps: int) -> list[int]:
+        """The fragments sent at the end of the ``steps``-th local step."""
+        return [p for p, offset in enumerate(self.offsets) if (steps + offset) % self.period == 0]
+
+    # -- exchanges ----------------------------------------------------------------------
+    def _launch(self, p: int, clock_s: float) -> None:
+        delta = self.refs[p].detach() - flatten(self._fragment(p))
+        payload, _ = compress(delta, self.compressor, self.memory, f"fragment{p}", None, self._segments(p))
+        world = self.world_size
+        if self.compressor.summable:
+            buf, received = payload.tensors[0].clone(), None
+            kind, sent = "allreduce", ring_allreduce_bytes(buf.numel() * buf.element_size(), world)
+            work = dist.all_reduce(buf, group=self.group, async_op=True)
+        else:
+            buf = payload.pack()
+            received = [torch.empty_like(buf) for _ in range(world)]
+            kind, sent = "allgather", ring_allgather_bytes(buf.numel(), world)
+            work = dist.all_gather(received, buf, group=self.group, async_op=True)
+        clocks = torch.tensor([clock_s], dtype=torch.float64)
+        clock_work = dist.all_reduce(clocks, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        started = self.stats.launched(sent)
+        x = _Exchange(p, self.local_steps + self.overlap, None, self.emulator.model_time(kind, sent),
+                      [work, clock_work], buf, received, clocks, payload.numel, payload.ctx)
+
+        def completed(_) -> None:
+            if x.done_at is None:
+                x.done_at = time.perf_counter()
+                self.stats.finished(started)
+
+        clock_work.get_future().add_done_callback(completed)
+        self.inflight[p] = x
+
+    def _complete(self, x: _Exchange) -> None:
+        """Wait for ``x``'s collectives (bounded) and decode the mean; the wait is blocked time."""
+        if x.mean is not None:
+            return
+        started = time.perf_counter()
+        for w in x.works:
+            wait(w, self.emulator.timeout_s, f"streaming exchange of fragment {x.fragment}")
+        if x.done_at is None:
+            x.done_at = time.perf_counter()
+        segments = self._segments(x.fragment)
+        if x.received is None:
+            x.mean = self.compressor.decode(Payload((x.buf,), x.numel, segments, x.ctx)).div_(self.world_size)
+        else:
+            layout = self.compressor.layout(x.numel, x.buf.numel(), segments)
+            x.mean = self.compressor.combine([self.compressor.decode(unpack(b, layout, x.numel, segments))
+                                              for b in x.received])
+        start = max(float(x.clocks.item()), self.link_free_s)  # exchanges queue on the link
+        x.ready_s = self.link_free_s = start + x.modelled_s
+        x.works, x.buf, x.received = [], None, None
+        waited = time.perf_counter() - started
+        self.emulator.blocked(waited)
+        self.wait_s += waited
+
+    def _apply(self, x: _Exchange, mix: float) -> float | None:
+        """Fold the completed exchange ``x`` into its fragment; the virtual clock at which it arrived."""
+        self._complete(x)
+        if self.emulator.emulated and not self.emulator.virtual:  # enforced: the link takes Tc after completion
+            remaining = x.done_at + x.modelled_s - time.perf_counter()
+            if remaining > 0:
+                time.sleep(remaining)
+                self.emulator.blocked(remaining)
+        p = x.fragment
+        with torch.no_grad():
+            self.refs[p].grad = x.mean.to(self.refs[p].dtype)
+            self.outers[p].step()
+            self.refs[p].grad = None
+            fragment = self._fragment(p)
+            mixed = self.refs[p].detach() if mix == 0 else mix * flatten(fragment) + (1 - mix) * self.refs[p].detach()
+            unflatten(mixed, fragment)
+        self.applied_at[p] = self.local_steps
+        self.exchanges += 1
+        del self.inflight[p]
+        return x.ready_s if self.emulator.virtual else None
+
+    # -- interface ---------------------------------------------------------------------
+    def after_step(self, step: int) -> None:
+        self.local_steps += 1
+        launches = self.launches(self.local_steps) if self.world_size > 1 else []
+        if launches:
+            clock = self.emulator.arrive()
+            for p in launches:
+                self._launch(p, clock)
+        ready = [self._apply(x, self.mix) for x in list(self.inflight.values()) if x.due_step == self.local_steps]
+        if self.world_size == 1:  # one device: the fragments are its model, nothing to exchange
+            self.applied_at = [self.local_steps] * len(self.bounds)
+        clocks = [r for r in ready if r is not None]
+        self._close_step(max(clocks) if clocks else None)
+
+    def _final_exchange(self) -> None:
+        self.emulator.start_step()
+        ready = [self._apply(x, mix=0.0) for x in sorted(self.inflight.values(), key=lambda x: x.due_step)]
+        arrived = self._max_clock(self.emulator.arrive())
+        for p in range(len(self.bounds)):
+            if self.local_steps > self.applied_at[p] or self.mix > 0:  # trained or mixed since its last exchange
+                delta = self.refs[p].detach() - flatten(self._fragment(p))
+                mean = average(delta, self.compressor, self.memory, self.emulator, key=f"fragment{p}",
+                               group=self.group, segments=self._segments(p))
+                with torch.no_grad():
+                    self.refs[p].grad = mean.to(self.refs[p].dtype)
+                    self.outers[p].step()
+                    self.refs[p].grad = None
+                self.exchanges += 1
+            unflatten(self.refs[p].detach(), self._fragment(p))
+        average_buffers(self.model, self.emulator, self.world_size, self.group)
+        clocks = [r for r in ready if r is not None] + [arrived]
+        self.emulator.finish_step(max(clocks), count=False)
+
+    def state_dict(self) -> dict:
+        """The mode's state with the exchanges in flight completed first (see the module docstring)."""
+        for x in self.inflight.values():
+            self._complete(x)
+        return {**super().state_dict(), "codec": self._codec_state(self.compressor, self.memory),
+                "refs": [ref.detach().clone() for ref in self.refs],
+                "outers": [outer.state_dict() for outer in self.outers],
+                "local_steps": self.local_steps, "exchanges": self.exchanges, "applied_at": list(self.applied_at),
+                "link_free_s": self.link_free_s, "wait_s": self.wait_s,
+                "inflight": [{"fragment": x.fragment, "due_step": x.due_step, "ready_s": x.ready_s,
+                              "modelled_s": x.modelled_s, "mean": x.mean} for x in self.inflight.values()]}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self._load_codec_state(self.compressor, self.memory, state["codec"])
+        with torch.no_grad():
+            for ref, saved in zip(self.refs, state["refs"], strict=True):
+                ref.copy_(saved)
+        for outer, saved in zip(self.outers, state["outers"], strict=True):
+            outer.load_state_dict(saved)
+        self.local_steps, self.exchanges = state["local_steps"], state["exchanges"]
+        self.applied_at, self.link_free_s = list(state["applied_at"]), state["link_free_s"]
+        self.wait_s = state["wait_s"]
+        now = time.perf_counter()
+        self.inflight = {x["fragment"]: _Exchange(x["fragment"], x["due_step"], x["ready_s"], x["modelled_s"], [],
+                                                  mean=x["mean"], done_at=now) for x in state["inflight"]}
+
+    def summary(self) -> dict:
+        return {**super().summary(), "exchanges": self.exchanges, "fragments": len(self.bounds),
+                "fragment_params": [sum(self._segments(p)) for p in range(len(self.bounds))],
+                "overlap_steps": self.overlap, "exchange_wait_s": self.wait_s,
+                "staleness_max_steps": self.period - 1}
