@@ -83,7 +83,8 @@ from torch.utils.data import DataLoader
 from edgetrain.bench.flops import achieved, device_peak, training_flops_per_sample
 from edgetrain.cluster.faults import inject_fault
 from edgetrain.cluster.launch import loader_worker_init
-from edgetrain.cluster.peers import admit_peers, check_rank_environment, gather_json
+from edgetrain.cluster.network import choose_gloo_interface, deadline, describe_gloo_interface
+from edgetrain.cluster.peers import admit_peers, check_rank_environment, gather_json, local_placement
 from edgetrain.cluster.profiles import DeviceSpec
 from edgetrain.cluster.throttle import Throttle, assign_cores, keep_freed_memory, page_faults, peak_rss_mb, pin
 from edgetrain.comm.accounting import CommStats
@@ -109,19 +110,28 @@ from edgetrain.train.strategy import StepResult, Strategy, StrategyContext, regi
 from edgetrain.train.tensorboard_log import TensorBoardLog, write_missing_devices
 
 
+_DEADLINE_MARGIN_S = 5.0  # past --timeout, before the rendezvous is ended from outside gloo
+
+
 def init_distributed(cfg: TrainConfig, cluster_token: str = "") -> tuple[int, int]:
     """Join the run's process group, then admit the peers (same cluster token, same config; see cluster/peers)."""
     rank, world = check_rank_environment()
     if not dist.is_initialized():
         addr = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-        phase(cfg, rank, f"rendezvous: {world} device(s) at {addr} (waiting up to {cfg.timeout:g} s)")
+        chosen = choose_gloo_interface(os.environ.get("MASTER_ADDR"))  # cluster/network.py
+        via = f", gloo on {chosen}" if chosen else ""
+        phase(cfg, rank, f"rendezvous: {world} device(s) at {addr}{via} (waiting up to {cfg.timeout:g} s)")
+        failed = (f"rendezvous at {addr} failed for rank {rank} of {world} within {cfg.timeout:g} s ({{}}); start "
+                  f"every device, check MASTER_ADDR/MASTER_PORT, the firewall and the interface gloo uses "
+                  f"({describe_gloo_interface()}; set GLOO_SOCKET_IFNAME to the cluster network's), or raise "
+                  f"--timeout")
         try:
-            dist.init_process_group("gloo", rank=rank, world_size=world,
-                                    timeout=dt.timedelta(seconds=cfg.timeout))
+            # gloo retries a peer's connection with the full timeout each time: bound the whole wait here
+            with deadline(cfg.timeout + _DEADLINE_MARGIN_S, failed.format("no answer from every peer")):
+                dist.init_process_group("gloo", rank=rank, world_size=world,
+                                        timeout=dt.timedelta(seconds=cfg.timeout))
         except (RuntimeError, TimeoutError, ValueError) as e:
-            raise EdgetrainError(f"rendezvous at {addr} failed for rank {rank} of {world} within {cfg.timeout:g} s "
-                                 f"({str(e).splitlines()[0]}); start every device, check MASTER_ADDR/MASTER_PORT "
-                                 f"and the firewall, or raise --timeout") from None
+            raise EdgetrainError(failed.format(str(e).splitlines()[0])) from None
         phase(cfg, rank, "admitting peers: cluster token and config hash of every device")
         try:
             admit_peers(cfg.to_dict(), cluster_token, rank, world)
@@ -185,7 +195,7 @@ def set_up_device(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], sp
     # from its join on. Until then it has no rank (-1: it prints no phase) and no group.
     rank, world = (-1, len(devices)) if returning else init_distributed(cfg, cluster_token)
     me = devices[device_id]
-    local_rank, local_world = int(os.environ.get("LOCAL_RANK", rank)), int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    local_rank, local_world = local_placement(rank, world)  # without torchrun: counted per host (cluster/peers)
     speed = speeds[device_id] if cfg.throttle else None
     cores = assign_cores(local_rank, local_world)
     if speed is not None:
