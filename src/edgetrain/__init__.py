@@ -71,3 +71,7 @@ class _Package(types.ModuleType):
 
 
 sys.modules[__name__].__class__ = _Package
+
+# Every strategy, sync mode and compressor is declared in edgetrain.kinds, whose descriptors the parsers of
+# edgetrain.spec look names up in: imported here, so that they are declared whatever is imported first.
+import edgetrain.kinds  # noqa: E402,F401

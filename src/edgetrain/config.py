@@ -7,10 +7,11 @@ Floats must be finite: ``nan`` and ``inf`` parse as floats but would train to
 a loss of nan or overflow a timeout in a device.
 
 ``resolve`` parses every string option once into a frozen ``RunSpec``
-(``edgetrain.spec``) and is the one place that refuses combinations that
-cannot run; ``load_config`` calls it, and the training loop, ``comm``,
-``tiling`` and ``plan`` take the spec, not the strings. This module imports
-only ``edgetrain.spec``, ``edgetrain.yamlfile`` and ``edgetrain.errors`` of edgetrain (no torch):
+(``edgetrain.spec``), then runs each kind's refusals (``edgetrain.kinds``)
+and those of the run as a whole; ``load_config`` calls it, and the training
+loop, ``comm``, ``tiling`` and ``plan`` take the spec, not the strings. It
+reads no environment: the launcher hands it a ``spec.LaunchSpec``. This module imports
+only ``edgetrain.spec``, ``edgetrain.kinds``, ``edgetrain.yamlfile`` and ``edgetrain.errors`` of edgetrain (no torch):
 checking a config is cheap, and nothing here reaches up into the packages
 that take its specs.
 
@@ -31,10 +32,11 @@ from pathlib import Path
 from typing import Any
 
 from edgetrain.errors import EdgetrainError
-from edgetrain.spec import (DEDUP_DEFAULT_THRESHOLD, DEDUP_HASH_BITS, DEDUP_MAX_THRESHOLD,
-                            FAULT_ENV, LINK_MODES, PIPELINE_SCHEDULES, STRATEGIES, CheckpointSpec, PipelineSpec, RunSpec,
-                            check_compatible, get_link, parse_compress, parse_dedup, parse_faults, parse_partition, parse_server_opt,
-                            parse_round_deadline, parse_stages, parse_sync, parse_tiling)
+from edgetrain.kinds import STRATEGIES, STRATEGY_KINDS, SYNC_KINDS, Draft, check_compatible, owner, strategy_kind
+from edgetrain.spec import (DEDUP_DEFAULT_THRESHOLD, DEDUP_HASH_BITS, DEDUP_MAX_THRESHOLD, FAULT_ENV, LINK_MODES,
+                            PIPELINE_SCHEDULES, CheckpointSpec, LaunchSpec, RunSpec, get_link, launch_spec,
+                            parse_compress, parse_dedup, parse_partition, parse_round_deadline, parse_server_opt,
+                            parse_sync, usage)
 from edgetrain.yamlfile import read_yaml_mapping
 
 
@@ -93,9 +95,8 @@ class TrainConfig:
 
     # communication over edge links
     compress: str = _opt("none", "gradient compression, e.g. none, fp16, topk:0.01, powersgd:2")
-    sync: str = _opt("sync", "synchronisation: sync, local:H, diloco:H, streaming:H, async:S, gossip, fedavg:E "
-                     "(federated rounds of E local epochs; fedavg:steps=H; options :prox=MU, :scaffold, :weighted, "
-                     ":reset)")
+    sync: str = _opt("sync", f"synchronisation: {usage('sync')} (fedavg:E: federated rounds of E local epochs; "
+                     "fedavg:steps=H; options :prox=MU, :scaffold, :weighted, :reset)")
     server_opt: str = _opt("fedavg", "federated server step: fedavg, fedavgm[:lr=1:momentum=0.9] or "
                            "fedadam[:lr=0.01:beta1=0.9:beta2=0.99:eps=0.001]")
     participation: float = _opt(1.0, "federated rounds: fraction of devices sampled per round, in (0, 1]")
@@ -286,111 +287,69 @@ def validate(cfg: TrainConfig) -> None:
     resolve(cfg)
 
 
-def resolve(cfg: TrainConfig) -> RunSpec:
-    """Every string option of ``cfg`` parsed once, and the combinations that cannot run refused, each
-    in one line naming the key and the fix (the list is ``RunSpec``'s docstring)."""
+def resolve(cfg: TrainConfig, launch: LaunchSpec | None = None) -> RunSpec:
+    """Every string option of ``cfg`` parsed once, then each kind's refusals (``edgetrain.kinds``) and those of
+    the run as a whole, each in one line naming the key and the fix (the list is ``RunSpec``'s docstring).
+
+    ``launch``: how this process was started, which the launcher reads from its environment
+    (``spec.launch_spec``); left out, it is this process's own (the library's ``resolve(cfg)``)."""
+    launch = launch_spec(os.environ) if launch is None else launch
     compress, sync = parse_compress(cfg.compress), parse_sync(cfg.sync)
     check_compatible(sync, compress)
     link = get_link(cfg.link)
     if cfg.link_mode not in LINK_MODES:
         raise EdgetrainError(f"link mode must be one of {', '.join(LINK_MODES)}, got {cfg.link_mode!r}")
-    if cfg.batchnorm == "sync" and sync.mode != "sync":
+    if cfg.batchnorm == "sync" and not sync.kind.lockstep:
         raise EdgetrainError(f"batchnorm sync all-reduces statistics at every forward, which --sync {sync.text} is "
                              "meant to avoid; use --batchnorm local")
-    if compress.is_dgc and cfg.optimizer == "sgd" and cfg.momentum > 0:
-        raise EdgetrainError(f"--compress {compress.text} applies momentum inside the hook (DGC momentum "
-                             "correction); set --momentum 0 so that it is not applied twice")
-    # FSDP2's collectives and the pipeline's sends are PyTorch's own (train/fsdp.py and train/pipeline.py count
-    # their bytes and charge them to the link emulation), not edgetrain's compressors or sync modes.
-    own_exchanges = {"fsdp": "parameter all-gathers and gradient reduce-scatters",
-                     "pipeline": "activation and gradient sends between stages"}
-    # A hybrid pipeline (--pipeline-replicas D > 1) all-reduces each stage's gradients among its D replicas
-    # through edgetrain's compressors (comm/exchange.py): --compress applies there, and only there.
-    hybrid = cfg.strategy == "pipeline" and cfg.pipeline_replicas > 1
-    if cfg.strategy in own_exchanges:
-        for key, text, ignored in (("compress", compress.text, compress.method != "none" and not hybrid),
-                                   ("sync", sync.text, sync.mode != "sync")):
-            if ignored:
-                fix = (" (a single pipeline: nothing to all-reduce); add --pipeline-replicas D for D pipelines "
-                       "whose stages all-reduce their gradients compressed, drop --compress"
-                       if key == "compress" and cfg.strategy == "pipeline" else "; drop --" + key)
-                raise EdgetrainError(f"config key '{key}' {text} does not apply to strategy {cfg.strategy}, whose "
-                                     f"{own_exchanges[cfg.strategy]} are uncompressed and synchronous{fix} "
-                                     f"or use --strategy ddp")
-    if hybrid and compress.is_powersgd:
-        raise EdgetrainError("config key 'compress' powersgd is a DDP gradient hook, which a pipeline's replicas do "
-                             "not use; with --pipeline-replicas use topk, randk, sign, threshold, int8, qsgd, fp16 or "
-                             "bf16")
-    if cfg.strategy == "pipeline" and cfg.link_mode == "enforced":
-        raise EdgetrainError("link mode enforced does not apply to strategy pipeline, whose sends are charged on a "
-                             "timeline of micro-batches (train/pipeline.py); use --link-mode virtual")
-    pipeline = _resolve_pipeline(cfg) if cfg.strategy == "pipeline" else None
-    if pipeline is None and cfg.stages != "auto":
-        raise EdgetrainError(f"config key 'stages' {cfg.stages} needs strategy pipeline (--strategy pipeline)")
-    if pipeline is None and cfg.pipeline_replicas != 1:
-        raise EdgetrainError(f"config key 'pipeline_replicas' {cfg.pipeline_replicas} needs strategy pipeline "
-                             f"(--strategy pipeline); for data parallelism alone use --strategy ddp")
-    tiling = None
-    if cfg.strategy == "tiled":
-        # Tiled training's exchanges (halos, the hand-off, gradients) run uncompressed, every step, on
-        # the host's network: options that would change them are refused, not silently ignored.
-        for key, text, ignored in (("compress", compress.text, compress.method != "none"),
-                                   ("sync", sync.text, sync.mode != "sync")):
-            if ignored:
-                raise EdgetrainError(f"config key '{key}' {text} does not apply to strategy tiled, whose exchanges "
-                                     f"are uncompressed and synchronous every step; drop --{key} or use --strategy ddp")
-        if link is not None:
-            raise EdgetrainError(f"config key 'link' {cfg.link} does not apply to strategy tiled, which does not "
-                                 f"emulate links (its exchanges run on the host's network); drop --link or use "
-                                 f"--strategy ddp")
-        tiling = parse_tiling(cfg.grid, cfg.groups)
-        if not cfg.cluster and "WORLD_SIZE" not in os.environ and cfg.devices != tiling.devices:
-            raise EdgetrainError(f"config key 'devices' is {cfg.devices} but grid {cfg.grid} needs {tiling.devices} "
-                                 f"devices, one per tile; set --devices {tiling.devices}")
-    elif cfg.grid != "1x1":
-        raise EdgetrainError(f"config key 'grid' {cfg.grid} needs strategy tiled (--strategy tiled)")
-    elif cfg.groups != "auto":
-        raise EdgetrainError(f"config key 'groups' {cfg.groups} needs strategy tiled (--strategy tiled)")
     partition, server_opt = parse_partition(cfg.partition), parse_server_opt(cfg.server_opt)
-    if partition.local and cfg.strategy in ("tiled", "pipeline"):
+    draft = Draft(cfg, compress, sync, partition, link, launch)
+    strategy = strategy_kind(cfg.strategy)
+    for kind in (compress.kind, strategy, sync.kind):
+        kind.check(draft)
+    for family, usage in (("strategy", "needs strategy {0} (--strategy {0})"), ("sync", "{1}")):
+        for key in FIELDS:
+            owning = owner(key, family)
+            if owning is not None and owning not in (strategy, sync.kind) and draft.changed(key):
+                raise EdgetrainError(f"config key '{key}' {getattr(cfg, key)} "
+                                     + usage.format(owning.name, owning.options_hint if family == "sync" else ""))
+    own = strategy.spec(draft)
+    if partition.local and not strategy.shards_batch:
         raise EdgetrainError(f"config key 'partition' {partition.text} does not apply to strategy {cfg.strategy}, "
                              "where every device reads the whole batch; drop --partition or use --strategy ddp")
-    if sync.mode == "fedavg" and not partition.local and not cfg.cluster:  # a cluster file may give devices data
-        raise EdgetrainError(f"--sync {sync.text} trains each device on its own data, which needs a partition; "
-                             "add --partition iid, dirichlet:ALPHA or shards:K")
     if not 0 < cfg.participation <= 1:
         raise EdgetrainError(f"config key 'participation' must be a fraction in (0, 1], not {cfg.participation:g}; "
                              "e.g. 0.3 samples 30% of the devices each round")
-    for key, changed in (("server_opt", server_opt.text != "fedavg"), ("participation", cfg.participation != 1)):
-        if changed and sync.mode != "fedavg":
-            raise EdgetrainError(f"config key '{key}' applies to federated rounds only; add --sync fedavg:E")
     round_deadline = parse_round_deadline(cfg.round_deadline)
-    if round_deadline is not None and (sync.mode not in ("local", "fedavg") or cfg.strategy != "ddp"):
-        # sync and tiled step together every step; gossip's pairwise and async's background exchanges have no
-        # round for a deadline to close (comm/deadline.py says how async's staleness bound relates)
-        raise EdgetrainError(f"config key 'round_deadline' {round_deadline.text} bounds the rounds of --sync local:H "
-                             f"and fedavg:E, which --sync {sync.text} with strategy {cfg.strategy} does not have; "
-                             "drop --round-deadline or use --sync local:H or fedavg:E")
+    if round_deadline is not None and (not sync.kind.rounds or strategy.own_exchanges is not None):
+        # lockstep modes and strategies of their own exchanges step together every step; gossip's pairwise and
+        # async's background exchanges have no round for a deadline to close (comm/deadline.py says how async's
+        # staleness bound relates)
+        rounds = " and ".join(k.usage for k in SYNC_KINDS.values() if k.rounds)
+        raise EdgetrainError(f"config key 'round_deadline' {round_deadline.text} bounds the rounds of --sync "
+                             f"{rounds}, which --sync {sync.text} with strategy {cfg.strategy} does not have; "
+                             f"drop --round-deadline or use --sync {rounds.replace(' and ', ' or ')}")
     if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
         # torch.utils.tensorboard writes the files but needs this package; a device would fail only after start-up
         raise EdgetrainError("config key 'tensorboard' needs the tensorboard package, which is not installed; "
                              "pip install tensorboard (or edgetrain[tensorboard]), or drop --tensorboard")
-    faults = parse_faults(os.environ.get(FAULT_ENV))
-    spec = RunSpec(compress, sync, link, cfg.link_mode, cfg.strategy, tiling, cfg.timeout, cfg.seed,
-                   cfg.accelerator, cfg.batchnorm, pipeline=pipeline, partition=partition, server_opt=server_opt,
-                   participation=cfg.participation, round_deadline=round_deadline,
+    spec = RunSpec(compress, sync, link, cfg.link_mode, cfg.strategy, own.get("tiling"), cfg.timeout, cfg.seed,
+                   cfg.accelerator, cfg.batchnorm, pipeline=own.get("pipeline"), partition=partition,
+                   server_opt=server_opt, participation=cfg.participation, round_deadline=round_deadline,
                    checkpoint=CheckpointSpec(cfg.checkpoint_every, cfg.keep_checkpoints, cfg.resume,
                                              cfg.checkpoint_every_s),
-                   faults=faults, tensorboard=cfg.tensorboard,
+                   faults=launch.faults, tensorboard=cfg.tensorboard,
                    dedup=parse_dedup(cfg.dedup), min_devices=cfg.min_devices, task=cfg.task)
     # A cluster file's device count (or torchrun's) is only known once the devices are planned: train applies
     # with_device_count then, with the count the run will have.
-    return with_device_count(cfg, spec, cfg.devices) if not cfg.cluster and "WORLD_SIZE" not in os.environ else spec
+    return with_device_count(cfg, spec, cfg.devices, launch) if draft.devices_known else spec
 
 
-def with_device_count(cfg: TrainConfig, spec: RunSpec, n: int) -> RunSpec:
+def with_device_count(cfg: TrainConfig, spec: RunSpec, n: int, launch: LaunchSpec | None = None) -> RunSpec:
     """``spec`` (``resolve(cfg)``) checked against ``n``, the number of devices the run will have, with
-    ``--min-devices K`` kept only below it (elastic membership, train/elastic.py), else None (fail-stop)."""
+    ``--min-devices K`` kept only below it (elastic membership, train/elastic.py), else None (fail-stop).
+    ``launch`` as for ``resolve``."""
+    launch = launch_spec(os.environ) if launch is None else launch
     k = spec.min_devices
     devices = "--devices" if not cfg.cluster else f"the {n} devices of cluster file {cfg.cluster}"
     if k is not None and k > n:
@@ -401,14 +360,16 @@ def with_device_count(cfg: TrainConfig, spec: RunSpec, n: int) -> RunSpec:
                              f"elastic run; add --min-devices below {devices} or drop :back=")
     if k is None or k == n:
         return dataclasses.replace(spec, min_devices=None)
-    if "WORLD_SIZE" in os.environ:
+    if launch.torchrun:
         raise EdgetrainError("--min-devices is for emulated devices on this host; under torchrun use its elastic "
                              "restarts (--nnodes MIN:MAX)")
     sync, partition = spec.sync, spec.partition
+    elastic = " or ".join(kind.usage for kind in SYNC_KINDS.values() if kind.elastic)
+    elastic_strategies = " or ".join(name for name, kind in STRATEGY_KINDS.items() if kind.elastic)
     refusals = (
-        (cfg.strategy != "ddp", f"strategy {cfg.strategy} splits the model or the images over the devices; "
-                                f"use --strategy ddp"),
-        (sync.mode not in ("sync", "local"), f"--sync {sync.text} is not elastic yet; use --sync sync or local:H"),
+        (not strategy_kind(cfg.strategy).elastic, f"strategy {cfg.strategy} splits the model or the images over "
+                                                  f"the devices; use --strategy {elastic_strategies}"),
+        (not sync.kind.elastic, f"--sync {sync.text} is not elastic yet; use --sync {elastic}"),
         (bool(cfg.checkpoint_every or cfg.checkpoint_every_s or cfg.resume),
          "survivors restore from a peer, not from checkpoints; drop --checkpoint-every/--resume"),
         (partition.local, f"--partition {partition.text} would lose a departed device's data; drop --partition"),
@@ -419,37 +380,6 @@ def with_device_count(cfg: TrainConfig, spec: RunSpec, n: int) -> RunSpec:
         if refused:
             raise EdgetrainError(f"--min-devices {k} (elastic membership) does not apply here: {why}")
     return spec
-
-
-def _resolve_pipeline(cfg: TrainConfig) -> PipelineSpec:
-    replicas = cfg.pipeline_replicas
-    pipeline = PipelineSpec(parse_stages(cfg.stages), cfg.microbatches, cfg.pipeline_schedule,
-                            planned=cfg.stages.strip().lower() == "auto", replicas=replicas)
-    if cfg.batchnorm == "sync":
-        raise EdgetrainError("config key 'batchnorm' sync does not apply to strategy pipeline: each BatchNorm lives "
-                             "on one stage and normalises each micro-batch; use --batchnorm local")
-    if cfg.batch_size % replicas:
-        raise EdgetrainError(f"config key 'pipeline_replicas' {replicas} does not divide batch_size {cfg.batch_size} "
-                             f"(each replica trains on batch_size / {replicas}); pick a divisor of it")
-    per_replica = cfg.batch_size // replicas
-    if per_replica % cfg.microbatches:
-        of = f"batch_size {cfg.batch_size}" if replicas == 1 else f"a replica's batch {per_replica} (batch_size / " \
-                                                                   f"pipeline_replicas)"
-        raise EdgetrainError(f"config key 'microbatches' {cfg.microbatches} does not divide {of}; pick a divisor "
-                             f"of it")
-    known = not cfg.cluster and "WORLD_SIZE" not in os.environ  # else the devices check it, knowing their number
-    if known and cfg.devices % replicas:
-        raise EdgetrainError(f"config key 'devices' {cfg.devices} is not a multiple of pipeline_replicas {replicas} "
-                             f"(devices = stages x replicas); set --devices to a multiple of {replicas}")
-    if known and pipeline.stages is not None and cfg.devices != pipeline.stages * replicas:
-        per = ", one per device" if replicas == 1 else f"; with {replicas} replicas that is {pipeline.stages * replicas}"
-        raise EdgetrainError(f"config key 'devices' is {cfg.devices} but stages {cfg.stages} make {pipeline.stages} "
-                             f"stages{per}; set --devices {pipeline.stages * replicas}")
-    if replicas > 1 and (cfg.checkpoint_every or cfg.checkpoint_every_s or cfg.resume):
-        raise EdgetrainError(f"checkpoints during the run (--checkpoint-every/--resume) are not supported with "
-                             f"--pipeline-replicas {replicas} yet (each replica's error-feedback state is not saved); "
-                             f"drop them or use --pipeline-replicas 1")
-    return pipeline
 
 
 # Kernel pseudo-filesystems: writes there fail half-way or change the system, never make a run directory.

@@ -8,55 +8,10 @@ their own. ``config.resolve`` builds a ``RunSpec`` from a ``TrainConfig``
 (which stays the flat, user-facing set of options) and is the one place that
 refuses combinations that cannot run (``RunSpec``'s docstring lists them).
 
-``--compress NAME[:ARG][:OPTION]...``:
-
-=================================  =================================================
-``none`` (or ``fp32``)             fp32 all-reduce, as plain DDP
-``fp16``, ``bf16``                 half-precision all-reduce
-``int8``                           linear 8-bit quantization
-``qsgd[:LEVELS]``                  stochastic quantization, 1..127 levels (default 127)
-``quant[:BITS]``                   linear BITS-bit quantization (2..8, default 4), packed,
-                                   with error feedback; ``noef``
-``topk:RATIO``                     top-k with error feedback; options ``dgc`` (momentum
-                                   correction, ``momentum=0.9``), ``warmup=STEPS`` (DGC's
-                                   sparsity ramp), ``layerwise`` (a budget per layer, as
-                                   DGC), ``compact`` (fp16 value + 16-bit index
-                                   gap: 4 bytes per entry, not 8), ``bits=B`` (B-bit
-                                   values and 16-bit gaps: SparseLoCo's 2 bits),
-                                   ``noef``
-``randk:RATIO``                    random-k (shared seed) with error feedback; ``noef``
-``sign``                           EF-signSGD (scaled sign, error feedback); ``sign:vote``
-                                   for signSGD majority vote
-``powersgd[:RANK]``                PyTorch's PowerSGD hook (default rank 2); ``start=ITER``
-                                   vanilla all-reduce iterations first (default 10)
-``threshold[:TAU]``                Strom's two-step threshold method, ``Wt`` derived
-                                   from the device's link (default tau 0.001); entries
-                                   decode to their layer's mean, ``strom`` to +-Wt
-=================================  =================================================
-
-``--sync``, and which compressors each mode composes with (``check_compatible``):
-
-=============================================  ===========================================
-``sync``                                       synchronous DDP (default); every compressor
-``local:H``                                    local SGD, average every ``H`` steps;
-``local:H:nesterov[:lr=0.7][:momentum=0.9]``   with DiLoCo's outer Nesterov step; every
-                                               compressor but ``powersgd`` and ``dgc``
-``diloco:H[:lr=0.7][:momentum=0.9]``          the same as ``local:H:nesterov...``
-``streaming:H[:fragments=2][:overlap=1]``      Streaming DiLoCo: fragments averaged at
-``...[:mix=0.5][:lr=0.7][:momentum=0.9]``      staggered steps in the background
-                                               (comm/streaming.py); as ``async:S``'s
-                                               compressors
-``async:S``                                    bounded staleness ``S`` steps; every fixed-size
-                                               compressor (not ``threshold``, ``powersgd``, ``dgc``)
-``gossip[:H]``                                 ring gossip every ``H`` steps (default 1);
-                                               ``--compress none`` only
-``fedavg:E``, ``fedavg:steps=H``               federated rounds of ``E`` local epochs (or
-``...:prox=MU``, ``...:scaffold``              ``H`` steps); FedProx term, SCAFFOLD control
-``...:weighted``, ``...:reset``                variates, updates weighted by sample counts,
-                                               client optimizer reset each round;
-                                               as ``local:H``'s compressors; needs
-                                               ``--partition``
-=============================================  ===========================================
+``--compress NAME[:ARG][:OPTION]...`` and ``--sync MODE[:ARG]...``: each method
+and mode is declared once in ``edgetrain.kinds`` (how it is written, its
+options and checks, which compressors a mode carries, where it runs and is
+planned); ``parse_compress`` and ``parse_sync`` here look the name up there.
 
 ``--server-opt`` (federated rounds only): ``fedavg`` (the mean of the models),
 ``fedavgm[:lr=1.0][:momentum=0.9]`` (Hsu et al. 2019) or
@@ -100,18 +55,29 @@ from typing import Mapping
 
 from edgetrain.errors import EdgetrainError
 
-# ---------------------------------------------------------------- --compress
+# ---------------------------------------------------------------- the kinds
 
-METHODS = ("none", "fp16", "bf16", "int8", "qsgd", "quant", "topk", "randk", "sign", "powersgd", "threshold")
-_OPTIONS = {
-    "none": set(), "fp16": set(), "bf16": set(), "int8": set(), "qsgd": set(),
-    "quant": {"noef"},
-    "topk": {"dgc", "momentum", "warmup", "noef", "layerwise", "compact", "bits"},
-    "randk": {"noef"},
-    "sign": {"vote", "noef"},
-    "powersgd": {"start"},
-    "threshold": {"strom"},
-}
+# Each strategy, sync mode and compressor (and task) is declared once, as a descriptor in ``edgetrain.kinds``,
+# which fills these tables when ``edgetrain`` is imported (the package's __init__ imports it): the parsers here
+# look a name up in them and know no kind by name (docs/design/kinds.md).
+KINDS: dict[str, dict] = {"strategy": {}, "sync": {}, "compress": {}, "task": {}}
+
+
+def usage(family: str) -> str:
+    """``sync, local:H, async:S, gossip or fedavg:E``: how each kind of ``family`` is written, for a refusal."""
+    # an alias is written as its kind is: diloco:H as local:H
+    written = [alias + kind.usage[len(kind.name):] for kind in KINDS[family].values() for alias in
+               (kind.name, *kind.aliases)]
+    return ", ".join(written[:-1]) + " or " + written[-1] if len(written) > 1 else "".join(written)
+
+
+def _lookup(family: str, name: str):
+    """The descriptor of ``name`` (or of a kind that takes ``name`` as an alias), None if none is declared."""
+    kinds = KINDS[family]
+    return kinds.get(name) or next((k for k in kinds.values() if name in k.aliases), None)
+
+
+# ---------------------------------------------------------------- --compress
 
 
 @dataclass(frozen=True)
@@ -135,8 +101,14 @@ class CompressSpec:
         return type(self), (self.method, self.arg, dict(self.options), self.text)
 
     @property
+    def kind(self):
+        """The compressor's descriptor (``edgetrain.kinds``)."""
+        return KINDS["compress"][self.method]
+
+    @property
     def is_powersgd(self) -> bool:
-        return self.method == "powersgd"
+        """A DDP gradient hook of its own (PowerSGD), not a ``Compressor``."""
+        return self.kind.hook
 
     @property
     def is_dgc(self) -> bool:
@@ -147,10 +119,10 @@ def parse_compress(text: str | None) -> CompressSpec:
     """Parse and validate a ``--compress`` spec; raise ``EdgetrainError`` with the fix if it is wrong."""
     text = (text or "none").strip().lower()
     name, *rest = text.split(":")
-    if name == "fp32":
-        name = "none"
-    if name not in METHODS:
-        raise EdgetrainError(f"unknown compression {name!r} in --compress {text!r}; use one of {', '.join(METHODS)}")
+    kind = _lookup("compress", name)
+    if kind is None:
+        raise EdgetrainError(f"unknown compression {name!r} in --compress {text!r}; use one of "
+                             f"{', '.join(KINDS['compress'])}")
     arg: float | None = None
     options: dict = {}
     for i, token in enumerate(rest):
@@ -158,45 +130,12 @@ def parse_compress(text: str | None) -> CompressSpec:
         if i == 0 and not eq and _is_number(token):
             arg = float(token)
             continue
-        if key not in _OPTIONS[name]:
-            allowed = ", ".join(sorted(_OPTIONS[name])) or "none"
-            raise EdgetrainError(f"unknown option {token!r} for {name} in --compress {text!r}; options: {allowed}")
+        if key not in kind.options:
+            allowed = ", ".join(sorted(kind.options)) or "none"
+            raise EdgetrainError(f"unknown option {token!r} for {kind.name} in --compress {text!r}; options: {allowed}")
         options[key] = _number(value, token, text) if eq else True
-    _check(name, arg, options, text)
-    return CompressSpec(name, arg, options, text)
-
-
-def _check(name: str, arg: float | None, options: dict, text: str) -> None:
-    if name in ("topk", "randk"):
-        if arg is None:
-            raise EdgetrainError(f"{name} needs the fraction of entries to keep, e.g. --compress {name}:0.01")
-        if not 0 < arg <= 1:
-            raise EdgetrainError(f"{name} ratio must be a fraction in (0, 1], got {arg:g} in {text!r}; "
-                                 f"e.g. {name}:0.01 keeps 1% of the entries")
-    elif name == "qsgd" and arg is not None and not (arg == int(arg) and 1 <= arg <= 127):
-        raise EdgetrainError(f"qsgd levels must be an integer in [1, 127], got {arg:g}")
-    elif name == "quant" and arg is not None and not (arg == int(arg) and 2 <= arg <= 8):
-        raise EdgetrainError(f"quant takes a whole number of bits from 2 to 8, got {arg:g}; e.g. --compress quant:4")
-    elif name == "powersgd" and arg is not None and not (arg == int(arg) and arg >= 1):
-        raise EdgetrainError(f"powersgd rank must be an integer >= 1, got {arg:g}")
-    elif name == "threshold" and arg is not None and not arg > 0:
-        raise EdgetrainError(f"threshold tau must be positive, got {arg:g}")
-    elif arg is not None and name in ("none", "fp16", "bf16", "int8", "sign"):
-        raise EdgetrainError(f"{name} takes no number, got {text!r}")
-    if "momentum" in options and not 0 <= options["momentum"] < 1:
-        raise EdgetrainError(f"momentum must be in [0, 1), got {options['momentum']:g}")
-    if "momentum" in options and "dgc" not in options:
-        raise EdgetrainError("momentum= applies to DGC momentum correction: add :dgc, e.g. topk:0.001:dgc:momentum=0.9")
-    if "dgc" in options and "noef" in options:
-        raise EdgetrainError("dgc keeps its own residual; it cannot be combined with noef")
-    if "bits" in options and not (options["bits"] == int(options["bits"]) and 1 <= options["bits"] <= 8):
-        raise EdgetrainError(f"bits= is the bits of a kept value, a whole number from 1 to 8, got {options['bits']:g}; "
-                             "e.g. topk:0.01:bits=2")
-    if "bits" in options and "compact" in options:
-        raise EdgetrainError("bits= already sends 16-bit positions as compact does, with B-bit values: drop :compact")
-    for key in ("warmup", "start"):
-        if key in options and not (options[key] == int(options[key]) and options[key] >= 0):
-            raise EdgetrainError(f"{key}= must be a whole number of steps, got {options[key]:g}")
+    kind.check_arguments(arg, options, text)
+    return CompressSpec(kind.name, arg, options, text)
 
 
 def _is_number(token: str) -> bool:
@@ -215,9 +154,6 @@ def _number(value: str, token: str, text: str) -> float:
 
 
 # ---------------------------------------------------------------- --sync
-
-SYNC_MODES = ("sync", "local", "async", "gossip", "fedavg", "streaming")
-SYNC_ALIASES = ("diloco",)  # diloco:H parses to local:H:nesterov
 
 
 @dataclass(frozen=True)
@@ -238,144 +174,20 @@ class SyncSpec:
     overlap: int = 0           # streaming: inner steps a fragment's exchange runs behind before it is applied
     mix: float = 0.0           # streaming: share of the local fragment kept when the averaged one is applied
 
+    @property
+    def kind(self):
+        """The sync mode's descriptor (``edgetrain.kinds``)."""
+        return KINDS["sync"][self.mode]
+
 
 def parse_sync(text: str | None) -> SyncSpec:
     """Parse and validate a ``--sync`` spec; raise ``EdgetrainError`` with the fix if it is wrong."""
     text = (text or "sync").strip().lower()
     mode, *rest = text.split(":")
-    if mode not in SYNC_MODES + SYNC_ALIASES:
-        raise EdgetrainError(f"unknown sync mode {mode!r} in --sync {text!r}; use sync, local:H, diloco:H, "
-                             "streaming:H, async:S, gossip or fedavg:E")
-    if mode == "diloco":  # local SGD with DiLoCo's outer Nesterov step, spelt as the papers name it
-        return _parse_local(rest, text, nesterov=True)
-    if mode == "streaming":
-        return _parse_streaming(rest, text)
-    if mode == "fedavg":
-        return _parse_fedavg(rest, text)
-    if mode == "sync":
-        if rest:
-            raise EdgetrainError(f"--sync sync takes no arguments, got {text!r}")
-        return SyncSpec("sync", text=text)
-    if mode == "local":
-        return _parse_local(rest, text)
-    number = _int(rest[0], mode, text) if rest else None
-    options = rest[1:]
-    if options:
-        raise EdgetrainError(f"--sync {mode} takes one number at most, got {text!r}")
-    if mode == "async":
-        if number is None:
-            raise EdgetrainError("async needs a staleness bound in steps, e.g. --sync async:4")
-        if number < 1:
-            raise EdgetrainError(f"async staleness bound must be >= 1 step, got {number}; "
-                                 "a bound of 0 is synchronous training: use --sync sync")
-        return SyncSpec("async", staleness=number, text=text)
-    period = 1 if number is None else number
-    if period < 1:
-        raise EdgetrainError(f"gossip period must be >= 1 step, got {period}")
-    return SyncSpec("gossip", period=period, text=text)
-
-
-def _period(rest: list[str], mode: str, text: str) -> int:
-    """The H of ``local:H`` / ``diloco:H`` / ``streaming:H``: local steps between two exchanges."""
-    name = "local SGD" if mode == "local" else mode
-    if not rest:
-        raise EdgetrainError(f"{name} needs the number of local steps between averages, e.g. --sync {mode}:8")
-    number = _int(rest[0], mode, text)
-    if number < 1:
-        raise EdgetrainError(f"{name} period H must be >= 1 step, got {number} in {text!r}; "
-                             f"e.g. --sync {mode}:8 averages every 8 steps ({mode}:1 averages every step)")
-    return number
-
-
-def _outer(key: str, value: str, opt: str, text: str, values: dict) -> bool:
-    """Read an outer-step option (``lr=``, ``momentum=``) into ``values``; False if ``key`` is none."""
-    if key not in ("lr", "momentum"):
-        return False
-    values[key] = _float(value, opt, text)
-    return True
-
-
-def _check_outer(values: dict) -> None:
-    lr, momentum = values["lr"], values["momentum"]
-    if not (lr > 0 and math.isfinite(lr)) or not 0 <= momentum < 1:
-        raise EdgetrainError(f"outer lr must be > 0 and momentum in [0, 1), got lr={lr:g}, momentum={momentum:g}")
-
-
-def _parse_local(rest: list[str], text: str, nesterov: bool = False) -> SyncSpec:
-    """``local:H[:nesterov][:lr=][:momentum=]``; ``diloco:H[:lr=][:momentum=]`` is the same with ``nesterov``."""
-    mode = text.split(":")[0]
-    number = _period(rest, mode, text)
-    values = {"lr": 0.7, "momentum": 0.9}
-    for opt in rest[1:]:
-        key, eq, value = opt.partition("=")
-        if opt == "nesterov" and mode == "local":
-            nesterov = True
-        elif not (eq and _outer(key, value, opt, text, values)):
-            allowed = "nesterov, lr=, momentum=" if mode == "local" else "lr=, momentum="
-            raise EdgetrainError(f"unknown {mode} option {opt!r} in {text!r}; options: {allowed}")
-    if (values["lr"], values["momentum"]) != (0.7, 0.9) and not nesterov:
-        raise EdgetrainError("lr= and momentum= set the outer Nesterov step: add :nesterov, "
-                             "e.g. --sync local:8:nesterov:lr=0.7 (or write diloco:8:lr=0.7)")
-    _check_outer(values)
-    return SyncSpec("local", period=number, nesterov=nesterov, outer_lr=values["lr"],
-                    outer_momentum=values["momentum"], text=text)
-
-
-def _parse_streaming(rest: list[str], text: str) -> SyncSpec:
-    """``streaming:H[:fragments=F][:overlap=T][:mix=A][:lr=][:momentum=]`` (comm/streaming.py)."""
-    number = _period(rest, "streaming", text)
-    values = {"lr": 0.7, "momentum": 0.9, "fragments": 2.0, "overlap": 1.0, "mix": 0.5}
-    for opt in rest[1:]:
-        key, eq, value = opt.partition("=")
-        if eq and key in ("fragments", "overlap", "mix"):
-            values[key] = _float(value, opt, text)
-        elif not (eq and _outer(key, value, opt, text, values)):
-            raise EdgetrainError(f"unknown streaming option {opt!r} in {text!r}; options: fragments=, overlap=, "
-                                 "mix=, lr=, momentum=")
-    _check_outer(values)
-    fragments, overlap = values["fragments"], values["overlap"]
-    if fragments != int(fragments) or not 1 <= fragments <= number:
-        raise EdgetrainError(f"streaming fragments=F must be a whole number from 1 to H={number} (each fragment "
-                             f"is synchronised at its own step of the H), got {fragments:g} in {text!r}")
-    if overlap != int(overlap) or not 0 <= overlap < number:
-        raise EdgetrainError(f"streaming overlap=T must be a whole number of steps from 0 to H-1={number - 1} (a "
-                             f"fragment's exchange must land before its next one starts), got {overlap:g} in {text!r}")
-    if not 0 <= values["mix"] <= 1:
-        raise EdgetrainError(f"streaming mix=A must be in [0, 1] (the share of the local fragment kept when the "
-                             f"averaged one lands), got {values['mix']:g} in {text!r}")
-    return SyncSpec("streaming", period=number, nesterov=True, outer_lr=values["lr"],
-                    outer_momentum=values["momentum"], text=text, fragments=int(fragments), overlap=int(overlap),
-                    mix=values["mix"])
-
-
-def _parse_fedavg(rest: list[str], text: str) -> SyncSpec:
-    fix = "e.g. --sync fedavg:1 (one local epoch per round) or fedavg:steps=20"
-    if not rest:
-        raise EdgetrainError(f"fedavg needs the local work per round; {fix}")
-    epochs, period, mu, scaffold, weighted, reset = 0, 0, None, False, False, False
-    for i, token in enumerate(rest):
-        key, eq, value = token.partition("=")
-        if i == 0 and not eq:
-            epochs = _int(token, "fedavg", text)
-        elif i == 0 and key == "steps":
-            period = _int(value, "fedavg", text)
-        elif i > 0 and key == "prox" and eq:
-            mu = _float(value, token, text)
-        elif i > 0 and token == "scaffold":
-            scaffold = True
-        elif i > 0 and token == "weighted":
-            weighted = True
-        elif i > 0 and token == "reset":
-            reset = True
-        else:
-            raise EdgetrainError(f"unknown fedavg option {token!r} in --sync {text!r}; write fedavg:E or "
-                                 "fedavg:steps=H, then optionally :prox=MU, :scaffold, :weighted and :reset")
-    if max(epochs, period) < 1:
-        raise EdgetrainError(f"fedavg needs at least one local epoch or step per round, got {text!r}; {fix}")
-    if mu is not None and not (mu >= 0 and math.isfinite(mu)):
-        raise EdgetrainError(f"fedavg prox=MU must be a finite number >= 0, got {mu:g} in {text!r}; e.g. prox=0.01")
-    return SyncSpec("fedavg", period=period, local_epochs=epochs, prox_mu=mu, scaffold=scaffold, weighted=weighted,
-                    reset=reset, text=text)
+    kind = _lookup("sync", mode)
+    if kind is None:
+        raise EdgetrainError(f"unknown sync mode {mode!r} in --sync {text!r}; use {usage('sync')}")
+    return kind.parse(rest, text)
 
 
 SERVER_OPTIMIZERS = {"fedavg": {}, "fedavgm": {"lr": 1.0, "momentum": 0.9},
@@ -419,24 +231,6 @@ def parse_server_opt(text: str | None) -> ServerOptSpec:
     return ServerOptSpec(name, text=text, **values)
 
 
-def check_compatible(sync: SyncSpec, compress: CompressSpec) -> None:
-    """Refuse combinations that do not make sense, saying why and what works."""
-    if sync.mode == "sync":
-        return
-    if compress.is_powersgd:
-        raise EdgetrainError(f"powersgd is a DDP gradient hook and works with --sync sync only, not {sync.text!r}; "
-                             "with local/async averaging use topk, randk, sign, int8, qsgd, fp16 or bf16")
-    if compress.is_dgc:
-        raise EdgetrainError(f"dgc momentum correction applies to gradients (--sync sync), not to the model "
-                             f"deltas of {sync.text!r}; drop :dgc")
-    if sync.mode in ("async", "streaming") and compress.method == "threshold":
-        raise EdgetrainError(f"threshold sends a variable number of entries, which the non-blocking rounds of "
-                             f"--sync {sync.mode} cannot carry; use topk, randk, quant or sign with {sync.mode}")
-    if sync.mode == "gossip" and compress.method != "none":
-        raise EdgetrainError(f"gossip averages full models with neighbours and supports --compress none only, "
-                             f"not {compress.text!r} (compressed gossip needs CHOCO-SGD, not implemented)")
-
-
 def _int(token: str, mode: str, text: str) -> int:
     try:
         return int(token)
@@ -449,7 +243,6 @@ def _float(value: str, opt: str, text: str) -> float:
         return float(value)
     except ValueError:
         raise EdgetrainError(f"option {opt!r} in --sync {text!r} needs a number") from None
-
 
 # ---------------------------------------------------------------- --partition
 
@@ -832,6 +625,20 @@ def back_after_s(faults: tuple[FaultSpec, ...]) -> float | None:
     return next((f.back_s for f in faults if f.back_s is not None), None)
 
 
+@dataclass(frozen=True)
+class LaunchSpec:
+    """How this process was started: what the launcher reads from its environment (``launch_spec``) and hands
+    to ``config.resolve``, which reads no environment of its own."""
+
+    torchrun: bool = False               # started by torchrun (WORLD_SIZE set): it, not the config, counts devices
+    faults: tuple[FaultSpec, ...] = ()   # EDGETRAIN_FAULT
+
+
+def launch_spec(environ: Mapping[str, str]) -> LaunchSpec:
+    """The ``LaunchSpec`` of a process whose environment is ``environ`` (``os.environ``, for the launcher)."""
+    return LaunchSpec("WORLD_SIZE" in environ, parse_faults(environ.get(FAULT_ENV)))
+
+
 # ---------------------------------------------------------------- dedup
 
 # ``--dedup``: a perceptual hash of HASH_BITS bits per image (data/dedup.py); images whose hashes differ in at
@@ -863,9 +670,6 @@ def parse_dedup(text: str | int | None) -> DedupSpec | None:
 
 # ---------------------------------------------------------------- the run
 
-STRATEGIES = ("ddp", "tiled", "fsdp", "pipeline")
-
-
 @dataclass(frozen=True)
 class CheckpointSpec:
     """``--checkpoint-every N``, ``--keep-checkpoints K``, ``--resume RUN_DIR`` (train/checkpoint.py)."""
@@ -885,8 +689,8 @@ class CheckpointSpec:
 class RunSpec:
     """Everything below the config needs to know about a run, parsed and checked (``config.resolve``).
 
-    Refused there, in one place, each with the fix: compressors a sync mode
-    cannot carry (``check_compatible``); ``batchnorm: sync`` with a mode other
+    Refused there, each with the fix, by the kinds' own checks (``edgetrain.kinds``) and those of the run as
+    a whole: compressors a sync mode cannot carry (``kinds.check_compatible``); ``batchnorm: sync`` with a mode other
     than ``sync``; DGC with optimizer momentum (applied twice); with
     ``strategy: tiled`` any ``compress``, ``sync`` or ``link`` (tiled training
     exchanges halos, feature maps and gradients uncompressed and unemulated,
@@ -908,7 +712,7 @@ class RunSpec:
     sync: SyncSpec
     link: Link | None            # every device's link unless the cluster file gives its own; None: not emulated
     link_mode: str               # LINK_MODES
-    strategy: str                # STRATEGIES
+    strategy: str                # a strategy's name (edgetrain.kinds)
     tiling: TilingSpec | None    # set exactly when strategy is tiled
     timeout_s: float             # wait for a peer (rendezvous and every collective) at most this long
     seed: int

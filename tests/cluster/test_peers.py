@@ -90,6 +90,15 @@ def test_different_cluster_tokens_fail_on_every_node_with_one_line(tmp_path):
     for code, err in results:
         assert code == 2 and err.count("\n") == 1, err
         assert "cluster token that does not match" in err and "s3cret" not in err
+    assert not list((tmp_path / "node0").iterdir())  # refused before training: no run directory left
+
+
+def test_a_node_without_a_token_is_told_so(tmp_path, monkeypatch):
+    monkeypatch.delenv("EDGETRAIN_CLUSTER_TOKEN", raising=False)
+    (code0, err0), (code1, err1) = start_nodes(tmp_path, [["--cluster-token", "s3cret"], []], world=2)
+    assert code0 == code1 == 2, (err0, err1)
+    assert "device(s) 1 have no cluster token" in err0 and err0.count("\n") == 1, err0
+    assert "this device (rank 1) has no cluster token" in err1 and err1.count("\n") == 1, err1
 
 
 def test_token_from_environment_matches_flag_and_is_not_written(tmp_path):
@@ -97,6 +106,7 @@ def test_token_from_environment_matches_flag_and_is_not_written(tmp_path):
                           env_extra={"EDGETRAIN_CLUSTER_TOKEN": "s3cret"})
     assert [code for code, _ in results] == [0, 0], results
     run_dir = next((tmp_path / "node0").iterdir())
+    assert "devices: 2" in (run_dir / "config.yaml").read_text()  # WORLD_SIZE, not --devices' default
     for name in ("config.yaml", "summary.json"):
         assert "s3cret" not in (run_dir / name).read_text()
 

@@ -18,7 +18,7 @@ from edgetrain.spec import CheckpointSpec
 from edgetrain.train import checkpoint
 from edgetrain.train.checkpoint import (Checkpointer, check_resumable, check_resume_devices, checkpoint_files,
                                         checkpoint_step, device_state_for, elastic_run_dir)
-from edgetrain_testing import FAST, run_cli
+from edgetrain_testing import FAST, NEEDS_POOLED, run_cli
 
 # 128 synthetic images in global batches of 32: 4 steps an epoch, so step 6 is in the middle of epoch 1.
 SMALL = dict(model="small_cnn", dataset="synthetic", image_size=8, synthetic_samples=128, batch_size=32, steps=10,
@@ -149,6 +149,7 @@ class _WholePart:
                        options=StateDictOptions(flatten_optimizer_state_dict=True))
 
 
+@NEEDS_POOLED
 def test_a_pooled_write_killed_half_way_leaves_the_previous_checkpoint_usable(tmp_path, monkeypatch):
     writer = Checkpointer(CheckpointSpec(every_steps=1, keep=2), str(tmp_path), rank=0, world=1, timeout_s=5)
     saved = _WholePart(0)
@@ -324,6 +325,7 @@ def test_powersgd_state_follows_its_parameters_into_another_bucket_layout():
     assert 1 not in state.psgd.error_dict
 
 
+@NEEDS_POOLED
 def test_load_checkpoint_says_whether_a_pooled_runs_model_is_partial(tmp_path, capsys):
     from edgetrain.train.checkpoint import save_final_parts
 

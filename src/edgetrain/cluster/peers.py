@@ -46,6 +46,7 @@ import hmac
 import json
 import os
 import secrets
+import socket
 import threading
 from datetime import timedelta
 from typing import Any
@@ -187,6 +188,51 @@ def _to_tensor(payload: bytes, length: int) -> torch.Tensor:
     return out
 
 
+def peer_failure(error: BaseException, rank: int, timeout_s: float) -> str | None:
+    """One line for a collective that failed because a peer died or stopped answering (gloo's own error:
+    a connection closed or reset, a timed-out send or receive), or None for any other error. Under torchrun
+    or the plain recipe no launcher is there to pick the device that failed first, so each survivor says
+    this rather than gloo's traceback."""
+    text = str(error).strip()
+    if not isinstance(error, (RuntimeError, dist.DistError)) or not any(
+            mark in text for mark in ("gloo/transport", "Connection closed by peer", "Connection reset by peer",
+                                      "Broken pipe", "Timed out waiting")):
+        return None
+    detail = text.splitlines()[0].split("] ", 1)[-1]  # gloo's source path cut
+    return (f"device {rank}: a peer device stopped answering during the run ({detail}); the device that failed "
+            f"first says why in its own output (a killed or lost host says nothing): restart the run there, or "
+            f"raise --timeout ({timeout_s:g} s) if it was only slow")
+
+
+def host_identity() -> str:
+    """This machine (its boot id) and network namespace: devices that share both share this host's cores."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            machine = f.read().strip()
+    except OSError:  # not Linux
+        machine = socket.gethostname()
+    try:
+        namespace = os.readlink("/proc/self/ns/net")
+    except OSError:
+        namespace = ""
+    return f"{machine}/{namespace}"
+
+
+def local_placement(rank: int, world: int) -> tuple[int, int]:
+    """(this device's index among the devices on its host, how many there are).
+
+    torchrun and the local launcher say it (``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``). Without them (the plain
+    ``RANK=`` recipe, one process per host) it is counted: the devices all-gather ``host_identity`` (a
+    collective, right after admission), so a process alone on its host gets all its cores, and several
+    started by hand on one host share them."""
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if world == 1 or rank < 0 or not dist.is_initialized():
+        return 0, 1
+    hosts = all_gather_json(host_identity())
+    return hosts[:rank].count(hosts[rank]), hosts.count(hosts[rank])
+
+
 def admit_peers(config: dict, cluster_token: str, rank: int, world: int) -> None:
     """Check that every device has this device's cluster token and config (collectives: all devices call it)."""
     if world == 1:
@@ -202,6 +248,14 @@ def admit_peers(config: dict, cluster_token: str, rank: int, world: int) -> None
 
     answers = _all_gather_digest(answer(rank))
     strangers = [r for r, got in enumerate(answers) if not hmac.compare_digest(got, answer(r))]
+    if strangers and not cluster_token:
+        raise EdgetrainError(f"this device (rank {rank}) has no cluster token and its peers have one; set "
+                             f"{TOKEN_ENV} (or --cluster-token) to the cluster's token on this node")
+    tokenless = [r for r in strangers if hmac.compare_digest(answers[r], hmac.new(
+        b"", bytes(nonce.tolist()) + r.to_bytes(8, "big"), hashlib.sha256).digest())]
+    if strangers and tokenless == strangers:
+        raise EdgetrainError(f"device(s) {', '.join(map(str, strangers))} have no cluster token (this device, rank "
+                             f"{rank}, has one); set {TOKEN_ENV} (or --cluster-token) on every node")
     if strangers:
         raise EdgetrainError(f"device(s) {', '.join(map(str, strangers))} gave a cluster token that does not match "
                              f"this device's (rank {rank}); start every node with the same --cluster-token "

@@ -26,16 +26,12 @@ from torch import nn
 
 from edgetrain.cluster.peers import all_gather_json
 from edgetrain.comm.accounting import CommStats
-from edgetrain.comm.allreduce import AllReduceState, allreduce_hook
 from edgetrain.comm.asynchronous import BoundedStaleness
-from edgetrain.comm.compress.memory import NoMemory
-from edgetrain.comm.compress.powersgd import PowerSGDHookState, powersgd_hook
-from edgetrain.comm.compress.spec import build_compressor
 from edgetrain.comm.emulation import LinkEmulator
 from edgetrain.comm.federated import FederatedAveraging
 from edgetrain.comm.gossip import Gossip
-from edgetrain.comm.hook import CompressionState, compression_hook
 from edgetrain.comm.local_sgd import LocalSGD
+from edgetrain.comm.setup import SyncSetup, build_hook
 from edgetrain.comm.streaming import StreamingDiLoCo
 from edgetrain.comm.sync import Synchronous, SyncMode
 from edgetrain.spec import PRESETS, CompressSpec, Link, RunSpec, get_link, parse_compress, parse_sync
@@ -43,20 +39,6 @@ from edgetrain.spec import PRESETS, CompressSpec, Link, RunSpec, get_link, parse
 __all__ = ["build_sync", "device_clock", "link_emulator", "make_hook", "build_hook", "parse_compress", "parse_sync",
            "CommStats", "LinkEmulator", "SyncMode", "Synchronous", "LocalSGD", "BoundedStaleness", "Gossip",
            "FederatedAveraging", "StreamingDiLoCo"]
-
-
-def build_hook(spec: CompressSpec, emulator: LinkEmulator, link: Link | None = None, seed: int = 0,
-               group=None) -> tuple[object, object]:
-    """The DDP (state, hook) pair for a compression spec: ``allreduce.py``'s overlapping hook where the
-    method allows (summable, no error feedback, no emulated link), else the blocking ``hook.py``."""
-    if spec.is_powersgd:
-        return PowerSGDHookState(rank=int(spec.arg or 2), start_iter=int(spec.options.get("start", 10)),
-                                 emulator=emulator, group=group), powersgd_hook
-    compressor, memory = build_compressor(spec, link, seed, emulator.rank)
-    if compressor.summable and isinstance(memory, NoMemory) and not emulator.emulated:
-        # nothing to charge to a link and nothing to remember: let the all-reduce overlap backward
-        return AllReduceState(group, emulator.stats, compressor), allreduce_hook
-    return CompressionState(compressor, memory, emulator, group), compression_hook
 
 
 def make_hook(compress: str = "none", link: str | Link | None = None, mode: str = "virtual",
@@ -105,7 +87,8 @@ def device_clock(model: nn.Module, spec: RunSpec, rank: int, world_size: int, st
 
 def build_sync(model: nn.Module, spec: RunSpec, rank: int, world_size: int, stats: CommStats | None = None,
                link: str | Link | dict | None = None, steps_per_epoch: int = 0, **ddp_kwargs) -> SyncMode:
-    """The sync object for this worker, as ``spec.sync`` / ``spec.compress`` / links say.
+    """The sync object for this worker, as ``spec.sync`` / ``spec.compress`` / links say: built by the sync
+    mode's own module (its kind's ``runtime``, ``edgetrain.kinds``) from a ``SyncSetup``.
 
     ``link``: this device's link (from the cluster file, checked by ``plan_devices``);
     ``None`` falls back to ``spec.link``. Every device must call this (it runs setup
@@ -113,40 +96,10 @@ def build_sync(model: nn.Module, spec: RunSpec, rank: int, world_size: int, stat
     sync mode; ``broadcast_buffers`` defaults to on unless ``spec.batchnorm`` is ``sync``.
     ``steps_per_epoch`` turns ``fedavg:E``'s local epochs into steps per round.
     """
-    compress, sync, seed = spec.compress, spec.sync, spec.seed
     my_link = get_link(link) if link is not None else spec.link
     emulator = link_emulator(spec, rank, world_size, stats, my_link)
-    links = emulator.links
     distributed = world_size > 1 and dist.is_initialized()
     clock_group = dist.new_group(backend="gloo") if distributed else None
-    common = dict(clock_group=clock_group, spec=sync.text, compress=compress.text)
-    if sync.mode == "sync":
-        hook = state = None
-        # uncompressed and no link to charge: no hook, DDP's own all-reduce (Synchronous counts its bytes)
-        if distributed and (compress.method != "none" or links is not None):
-            state, hook = build_hook(compress, emulator, my_link, seed)
-        ddp_kwargs.setdefault("broadcast_buffers", spec.batchnorm != "sync")
-        return Synchronous(model, world_size, hook=hook, hook_state=state, emulator=emulator, **common,
-                           **ddp_kwargs)
-    # the averaging traffic gets its own group so it never interleaves with other collectives
-    group = dist.new_group(backend="gloo") if distributed else None
-    if sync.mode == "gossip":
-        return Gossip(model, world_size, rank, emulator, sync.period, group=group, **common)
-    compressor, memory = build_compressor(compress, my_link, seed, rank)
-    if sync.mode == "fedavg":
-        period = sync.period or sync.local_epochs * steps_per_epoch
-        if period < 1:
-            raise ValueError(f"--sync {sync.text} needs steps_per_epoch to count its local epochs in steps")
-        return FederatedAveraging(model, world_size, rank, emulator, period, compressor, memory, spec.server_opt,
-                                  spec.participation, sync.prox_mu, sync.scaffold, seed, sync.weighted, sync.reset,
-                                  group=group,
-                                  deadline=spec.round_deadline, **common)
-    if sync.mode == "local":
-        return LocalSGD(model, world_size, emulator, sync.period, compressor, memory, sync.nesterov,
-                        sync.outer_lr, sync.outer_momentum, group=group, rank=rank, deadline=spec.round_deadline,
-                        **common)
-    if sync.mode == "streaming":
-        return StreamingDiLoCo(model, world_size, rank, emulator, sync.period, sync.fragments, sync.overlap, sync.mix,
-                               compressor, memory, sync.outer_lr, sync.outer_momentum, group=group, **common)
-    return BoundedStaleness(model, world_size, rank, emulator, sync.staleness, compressor, memory,
-                            group=group, **common)
+    setup = SyncSetup(model, spec, rank, world_size, emulator, my_link, distributed, clock_group, steps_per_epoch,
+                      ddp_kwargs)
+    return spec.sync.kind.load_runtime()(setup)

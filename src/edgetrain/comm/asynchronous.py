@@ -62,6 +62,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -73,6 +74,9 @@ from edgetrain.comm.compress.base import Compressor, Payload, unpack
 from edgetrain.comm.emulation import LinkEmulator
 from edgetrain.comm.params import average_buffers, flatten, unflatten
 from edgetrain.comm.sync import SyncMode
+
+if TYPE_CHECKING:
+    from edgetrain.comm.setup import SyncSetup
 
 
 @dataclass
@@ -288,3 +292,11 @@ class BoundedStaleness(SyncMode):
                 "staleness_max": max(seen) if seen else None,
                 "staleness_histogram": {str(k): seen.count(k) for k in sorted(set(seen))},
                 "blocking_waits": self.blocking_waits}
+
+
+def build(setup: SyncSetup) -> BoundedStaleness:
+    """``--sync async:S``."""
+    group = setup.averaging_group()
+    compressor, memory = setup.compressor()
+    return BoundedStaleness(setup.model, setup.world_size, setup.rank, setup.emulator, setup.spec.sync.staleness,
+                            compressor, memory, group=group, **setup.common)

@@ -67,6 +67,8 @@ from the new global model.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 from torch import nn
@@ -78,6 +80,9 @@ from edgetrain.comm.exchange import average
 from edgetrain.comm.local_sgd import LocalSGD
 from edgetrain.comm.params import flatten, unflatten
 from edgetrain.spec import ServerOptSpec
+
+if TYPE_CHECKING:
+    from edgetrain.comm.setup import SyncSetup
 
 
 def sample_participants(world: int, fraction: float, seed: int, round_index: int) -> list[int]:
@@ -219,3 +224,16 @@ class FederatedAveraging(LocalSGD):
                                                 else None),
                 "prox_mu": self.prox_mu, "scaffold": self.scaffold, "weighted": self.weighted,
                 "client_optimizer_reset": self.reset_client_optimizer}
+
+
+def build(setup: SyncSetup) -> FederatedAveraging:
+    """``--sync fedavg:E`` (or ``fedavg:steps=H``): a round is ``E`` epochs of ``steps_per_epoch`` local steps."""
+    spec, sync = setup.spec, setup.spec.sync
+    group = setup.averaging_group()
+    compressor, memory = setup.compressor()
+    period = sync.period or sync.local_epochs * setup.steps_per_epoch
+    if period < 1:
+        raise ValueError(f"--sync {sync.text} needs steps_per_epoch to count its local epochs in steps")
+    return FederatedAveraging(setup.model, setup.world_size, setup.rank, setup.emulator, period, compressor, memory,
+                              spec.server_opt, spec.participation, sync.prox_mu, sync.scaffold, spec.seed,
+                              sync.weighted, sync.reset, group=group, deadline=spec.round_deadline, **setup.common)

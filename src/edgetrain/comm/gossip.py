@@ -21,6 +21,7 @@ error feedback of CHOCO-SGD (Koloskova et al., ICML 2019), not implemented.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,9 @@ from edgetrain.comm.accounting import ring_allreduce_bytes
 from edgetrain.comm.emulation import LinkEmulator
 from edgetrain.comm.params import average_buffers, flatten, unflatten
 from edgetrain.comm.sync import SyncMode
+
+if TYPE_CHECKING:
+    from edgetrain.comm.setup import SyncSetup
 
 
 def ring_neighbours(rank: int, world_size: int) -> list[int]:
@@ -114,3 +118,10 @@ class Gossip(SyncMode):
 
     def summary(self) -> dict:
         return {**super().summary(), "exchanges": self.exchanges, "neighbours": self.neighbours}
+
+
+def build(setup: SyncSetup) -> Gossip:
+    """``--sync gossip[:H]``."""
+    group = setup.averaging_group()
+    return Gossip(setup.model, setup.world_size, setup.rank, setup.emulator, setup.spec.sync.period, group=group,
+                  **setup.common)

@@ -45,6 +45,7 @@ from __future__ import annotations
 import datetime as dt
 import math
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -58,6 +59,9 @@ from edgetrain.comm.exchange import average
 from edgetrain.comm.params import average_buffers, flatten, unflatten
 from edgetrain.comm.sync import SyncMode
 from edgetrain.spec import DeadlineSpec
+
+if TYPE_CHECKING:
+    from edgetrain.comm.setup import SyncSetup
 
 ROUND_STATUSES = ("joined", "missed_deadline", "not_sampled")
 
@@ -251,3 +255,13 @@ class LocalSGD(SyncMode):
         if self._round_counts_all is not None:
             out["round_participation"] = self._round_counts_all  # per device: rounds joined / missed / not sampled
         return out
+
+
+def build(setup: SyncSetup) -> LocalSGD:
+    """``--sync local:H[:nesterov...]``."""
+    sync = setup.spec.sync
+    group = setup.averaging_group()
+    compressor, memory = setup.compressor()
+    return LocalSGD(setup.model, setup.world_size, setup.emulator, sync.period, compressor, memory, sync.nesterov,
+                    sync.outer_lr, sync.outer_momentum, group=group, rank=setup.rank,
+                    deadline=setup.spec.round_deadline, **setup.common)

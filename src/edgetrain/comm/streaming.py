@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -56,6 +57,9 @@ from edgetrain.comm.emulation import LinkEmulator
 from edgetrain.comm.exchange import average, compress
 from edgetrain.comm.params import average_buffers, flatten, unflatten
 from edgetrain.comm.sync import SyncMode
+
+if TYPE_CHECKING:
+    from edgetrain.comm.setup import SyncSetup
 
 
 def fragment_bounds(segments: tuple[int, ...], fragments: int) -> list[tuple[int, int]]:
@@ -281,3 +285,13 @@ class StreamingDiLoCo(SyncMode):
                 "fragment_params": [sum(self._segments(p)) for p in range(len(self.bounds))],
                 "overlap_steps": self.overlap, "exchange_wait_s": self.wait_s,
                 "staleness_max_steps": self.period - 1}
+
+
+def build(setup: SyncSetup) -> StreamingDiLoCo:
+    """``--sync streaming:H[:fragments=F][:overlap=T][:mix=A][:lr=][:momentum=]``."""
+    sync = setup.spec.sync
+    group = setup.averaging_group()
+    compressor, memory = setup.compressor()
+    return StreamingDiLoCo(setup.model, setup.world_size, setup.rank, setup.emulator, sync.period, sync.fragments,
+                           sync.overlap, sync.mix, compressor, memory, sync.outer_lr, sync.outer_momentum, group=group,
+                           **setup.common)

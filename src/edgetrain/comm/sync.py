@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -62,6 +63,9 @@ from edgetrain.comm.compress.powersgd import PowerSGDHookState
 from edgetrain.comm.emulation import LinkEmulator
 from edgetrain.comm.hook import CompressionState
 from edgetrain.comm.params import broadcast_model
+
+if TYPE_CHECKING:
+    from edgetrain.comm.setup import SyncSetup
 
 _CLOCK = ("virtual_s", "compute_s", "comm_model_s", "comm_blocked_s", "steps", "collectives")  # LinkEmulator's
 _TALLY = ("bytes_sent", "bytes_recv", "collectives", "comm_s")  # CommStats'
@@ -292,3 +296,16 @@ class Synchronous(SyncMode):
         if self.ddp_allreduce:
             metrics["comm_busy_s"] = None  # DDP's own all-reduce: not measured (see the class docstring)
         return metrics
+
+
+def build(setup: SyncSetup) -> Synchronous:
+    """``--sync sync``: DDP, through the compressor's hook where there is one to run."""
+    from edgetrain.comm.setup import build_hook
+
+    spec, hook, state = setup.spec, None, None
+    # uncompressed and no link to charge: no hook, DDP's own all-reduce (Synchronous counts its bytes)
+    if setup.distributed and (not spec.compress.kind.plain or setup.emulator.links is not None):
+        state, hook = build_hook(spec.compress, setup.emulator, setup.link, spec.seed)
+    ddp_kwargs = {"broadcast_buffers": spec.batchnorm != "sync", **setup.ddp_kwargs}
+    return Synchronous(setup.model, setup.world_size, hook=hook, hook_state=state, emulator=setup.emulator,
+                       **setup.common, **ddp_kwargs)

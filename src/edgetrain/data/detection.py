@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from edgetrain.data.datasets import DataSplit
+from edgetrain.data.images import DataSplit
 from edgetrain.errors import EdgetrainError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp")

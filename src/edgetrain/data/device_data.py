@@ -57,6 +57,7 @@ from edgetrain.data.datasets import DataSplit, TensorImages, build_data
 from edgetrain.data.formats import image_folder_arrays, npz_file_arrays
 from edgetrain.data.partition import PartitionReport, PartitionSampler, build_sampler
 from edgetrain.errors import EdgetrainError
+from edgetrain.kinds import strategy_kind
 from edgetrain.spec import PartitionSpec, RunSpec
 
 if TYPE_CHECKING:
@@ -69,7 +70,7 @@ def check_device_data(cfg, spec: RunSpec, devices: list[DeviceSpec], local_batch
     (``rank`` None: emulated devices, all on this host) or of device ``rank`` (under torchrun) read."""
     given = [d for d in devices if d.data is not None]
     if not given:
-        if spec.sync.mode == "fedavg" and not spec.partition.local:
+        if spec.sync.kind.needs_partition and not spec.partition.local:
             raise EdgetrainError(f"--sync {spec.sync.text} trains each device on its own data, which needs a "
                                  "partition or data per device; add --partition iid, dirichlet:ALPHA or shards:K, "
                                  "or give each device 'data' in the cluster file")
@@ -79,7 +80,7 @@ def check_device_data(cfg, spec: RunSpec, devices: list[DeviceSpec], local_batch
         raise EdgetrainError(f"the cluster file gives 'data' for some devices but not {missing.label}: give it "
                              "for every device or none")
     for refused, what in ((spec.partition.local, f"--partition {spec.partition.text} splits the shared dataset"),
-                          (spec.strategy in ("tiled", "pipeline"),
+                          (not strategy_kind(spec.strategy).shards_batch,
                            f"strategy {spec.strategy} gives every device the whole global batch"),
                           (spec.dedup is not None, "--dedup filters the shared dataset")):
         if refused:

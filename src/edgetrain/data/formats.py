@@ -37,7 +37,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from edgetrain.data.datasets import DataSplit, TensorImages, TensorSamples, feature_statistics, split_indices, values_split
+from edgetrain.data.images import (DataSplit, TensorImages, TensorSamples, feature_statistics, split_indices,
+                                   values_split)
 from edgetrain.errors import EdgetrainError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")

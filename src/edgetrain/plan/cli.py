@@ -26,6 +26,7 @@ import sys
 from edgetrain.arguments import fraction, non_negative_float, positive_float, positive_int
 from edgetrain.config import add_config_arguments, check_output_dir, load_config, resolve
 from edgetrain.errors import EdgetrainError
+from edgetrain.kinds import STRATEGY_KINDS
 from edgetrain.results import PLAN_FILE, PlanPrediction, PlanResult, PlanScaling, PlanSimulation
 
 # The TrainConfig options that describe what is planned (the rest only matter to a real run).
@@ -33,8 +34,9 @@ PLAN_FIELDS = ("model", "dataset", "data_dir", "image_size", "synthetic_samples"
                "batch_size", "local_batch", "optimizer", "momentum", "compress", "sync", "link", "seed", "output",
                "run_name", "microbatches", "pipeline_schedule")
 # --strategy: the strategies each choice predicts
-PLAN_STRATEGIES = {"ddp": ("ddp",), "fsdp": ("fsdp",), "pipeline": ("pipeline",),
-                   "compare": ("ddp", "fsdp", "pipeline")}
+_PLANNED = tuple(name for name, kind in STRATEGY_KINDS.items() if kind.planner is not None)
+# (a strategy without a planner model is refused in its own line: edgetrain.kinds)
+PLAN_STRATEGIES = {**{name: (name,) for name in STRATEGY_KINDS}, "compare": _PLANNED}
 MAX_DEVICES = 1 << 20
 
 
@@ -65,7 +67,8 @@ def register(sub) -> None:
                    help="simulate the links' latency jitter")
     p.add_argument("--strategy", default="ddp", choices=PLAN_STRATEGIES,
                    help="what to predict: ddp (data parallel), fsdp, pipeline (stages from the split planner), or "
-                        "compare: all three side by side and the one to use (edgetrain.plan.strategies)")
+                        "compare: every strategy the planner models side by side and the one to use "
+                        "(edgetrain.plan.strategies)")
     p.add_argument("--scale", default=None, metavar="N,N,...",
                    help="device counts for the scaling table, e.g. 1,2,4,...,4096 ('...' keeps doubling)")
     p.set_defaults(func=run)
@@ -118,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
     from edgetrain.plan.config import plan_inputs, predict_inputs
     from edgetrain.plan.report import (console, device_groups, plot_scaling, print_prediction, print_scaling,
                                        print_simulation, print_strategies)
+    from edgetrain.plan.model import step_timing
     from edgetrain.plan.simulate import scaling, simulate
     from edgetrain.plan.strategies import compare
     from edgetrain.report.files import new_run_dir, write_json
@@ -125,6 +129,8 @@ def run(args: argparse.Namespace) -> int:
     straggler_prob, straggler_factor = parse_stragglers(args.stragglers)
     counts = parse_scale(args.scale) if args.scale else None
     strategies = PLAN_STRATEGIES[args.strategy]
+    for name in strategies:
+        STRATEGY_KINDS[name].load_planner()  # one the planner has no model of: refused before anything is computed
     # the checks edgetrain train --strategy NAME makes (link aside: here it is modelled)
     specs = {name: resolve(dataclasses.replace(cfg, strategy=name, link=None)) for name in strategies}
     sim_options = dict(compute_cv=args.compute_cv, straggler_prob=straggler_prob, straggler_factor=straggler_factor,
@@ -135,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     pred = predict_inputs(inputs, **knobs)
     knobs["runtime_mb"] = pred.runtime_mb  # measured once
     steps = args.sim_steps
-    if pred.traffic.mode in ("local", "gossip"):  # whole periods, or the mean would miss part of an exchange
+    if step_timing(pred.traffic) == "periodic":  # whole periods, or the mean would miss part of an exchange
         steps = math.ceil(steps / pred.traffic.period) * pred.traffic.period
     sim = PlanSimulation.from_dict(simulate(pred, steps=steps, **sim_options).to_dict())
     rows = scaling(lambda n: predict_inputs(inputs, n, **knobs), counts, steps, **sim_options) if counts else None
@@ -147,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
         print_scaling(rows, out)
     comparison = None
     if strategies != ("ddp",):
-        pipeline = specs["pipeline"].pipeline if "pipeline" in specs else None
+        pipeline = next((spec.pipeline for spec in specs.values() if spec.pipeline is not None), None)
         comparison = compare(inputs, pred, strategies, pipeline.microbatches if pipeline else cfg.microbatches,
                              pipeline.schedule if pipeline else cfg.pipeline_schedule)
         print_strategies(comparison, out)

@@ -21,7 +21,7 @@ from edgetrain.cluster.profiles import DeviceSpec, plan_devices, split_batch
 from edgetrain.config import TrainConfig, resolve
 from edgetrain.plan.costs import ModelCosts, count_costs, data_footprint, run_task_of
 from edgetrain.plan.model import DEFAULT_EFFICIENCY, Prediction, predict
-from edgetrain.plan.traffic import traffic
+from edgetrain.plan.traffic import TrafficOptions, traffic
 from edgetrain.spec import RunSpec
 
 
@@ -45,13 +45,25 @@ def plan_inputs(cfg: TrainConfig, costs: ModelCosts | None = None) -> PlanInputs
     return PlanInputs(cfg, resolve(cfg), costs, devices, batches)
 
 
-CIFAR10_IMAGES = 50_000 + 10_000  # training + test images of the official release
+CIFAR10_TRAIN_IMAGES = 50_000
+CIFAR10_IMAGES = CIFAR10_TRAIN_IMAGES + 10_000  # training + test images of the official release
 
 
 def cifar10_footprint() -> tuple[tuple[int, int, int], int, int]:
     """(input shape, classes, bytes in memory) of CIFAR-10 as ``data.cifar`` loads it: uint8 images, int64 labels."""
     shape = (3, 32, 32)
     return shape, 10, CIFAR10_IMAGES * (shape[0] * shape[1] * shape[2] + 8)
+
+
+def train_samples(cfg: TrainConfig) -> int:
+    """Images in ``cfg``'s training set: counted without loading where the set's size is known."""
+    if cfg.dataset == "synthetic":
+        return cfg.synthetic_samples
+    if cfg.dataset == "cifar10" and not cfg.data_dir:
+        return CIFAR10_TRAIN_IMAGES
+    from edgetrain.data import build_data
+
+    return len(build_data(cfg).train)
 
 
 def scaled(inputs: PlanInputs, n: int) -> tuple[list[DeviceSpec], list[int]]:
@@ -65,8 +77,11 @@ def predict_inputs(inputs: PlanInputs, n: int | None = None, efficiency: float =
                    overlap: float = 0.0, runtime_mb: float | None = None) -> Prediction:
     """The analytic prediction for the configured cluster, or for it scaled to ``n`` devices."""
     devices, batches = (inputs.devices, inputs.batches) if n is None else scaled(inputs, n)
-    cfg = inputs.cfg
-    return predict(inputs.costs, devices, batches, traffic(inputs.costs, len(devices), inputs.spec.sync,
-                                                           inputs.spec.compress),
+    cfg, spec = inputs.cfg, inputs.spec
+    # a round of fedavg:E is E passes over the training set: only then is its size needed (loading it)
+    options = TrafficOptions(steps_per_epoch=train_samples(cfg) // cfg.batch_size if spec.sync.local_epochs else None,
+                             server_opt=spec.server_opt, participation=spec.participation)
+    return predict(inputs.costs, devices, batches, traffic(inputs.costs, len(devices), spec.sync, spec.compress,
+                                                           options),
                    efficiency=efficiency, overlap=overlap, optimizer=cfg.optimizer, momentum=cfg.momentum,
                    runtime_mb=runtime_mb)

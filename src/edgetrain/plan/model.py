@@ -27,12 +27,17 @@ round is ``collective_time`` of a 1-round (``p2p``) transfer of one chunk over
 the distinct links, so thousands of identical links cost no more than one.
 The mean latency is used (no jitter; the simulator adds it).
 
-Step time, with ``c_max`` the slowest device's compute and ``H`` the period:
+Step time, with ``c_max`` the slowest device's compute and ``H`` the period, by the
+sync mode's ``timing`` (``edgetrain.kinds``: ``lockstep``, ``periodic`` or ``bounded``):
 
 * ``sync``:     ``c_max + Tc`` (DDP; no overlap: edgetrain's hooks finish their
   collective before backward goes on). ``overlap`` hides ``min(overlap x Tc, c_max)``
   of it, as DDP on a real network overlaps buckets with backward.
 * ``local:H``:  ``c_max + Tc / H`` (devices run freely, all meet every H steps).
+* ``fedavg:E``: as ``local:H``, ``H`` the local steps of a round (``E`` epochs of
+  ``len(train) // B`` steps, or ``fedavg:steps=H``); ``Tc`` one exchange of the
+  update, two with SCAFFOLD (its control variates). Every device takes part
+  (``participation`` below 1 is refused).
 * ``gossip:H``: ``c_max + Tc / H``, ``Tc`` the slowest device-and-neighbours
   exchange; independent of ``p``. Steady state: a slow device holds back its
   neighbours, and through them, hop by hop, the whole ring.
@@ -62,11 +67,13 @@ from dataclasses import dataclass, field
 from edgetrain.cluster.links import PRESETS, ROUNDS, Link, collective_time, get_link
 from edgetrain.cluster.profiles import DeviceProfile, DeviceSpec, host_core_gflops
 from edgetrain.errors import EdgetrainError
+from edgetrain.kinds import SYNC_KINDS
 from edgetrain.plan.costs import ModelCosts
 from edgetrain.plan.traffic import Traffic
 from edgetrain.results import PlanDevice
 
 DEFAULT_EFFICIENCY = 0.6
+TIMINGS = ("lockstep", "periodic", "bounded")  # the step rules below (a sync kind's ``timing``)
 MIB = 2**20
 
 
@@ -77,7 +84,9 @@ def idle_process_mb() -> float:
     optimizers import on first use, and edgetrain's training code)."""
     from edgetrain.cluster.launch import DEVICE_IMPORTS
 
-    code = f"import psutil, {', '.join(DEVICE_IMPORTS)}; print(psutil.Process().memory_info().rss / 2**20)"
+    # what imports here (an older torch lacks FSDP2: train/fsdp.py does not import, the fork server skips it too)
+    code = (f"import importlib, psutil\nfor m in {DEVICE_IMPORTS!r}:\n    try: importlib.import_module(m)\n"
+            f"    except ImportError: pass\nprint(psutil.Process().memory_info().rss / 2**20)")
     env = dict(os.environ)
     src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
@@ -129,6 +138,16 @@ def gossip_seconds(traffic: Traffic, links: list[Link], rank: int) -> float:
     p = len(links)
     members = list(dict.fromkeys(links[j % p] for j in (rank - 1, rank, rank + 1)))
     return sum(collective_time(members, kind, sent) for kind, sent in traffic.collectives)
+
+
+def step_timing(traffic: Traffic) -> str:
+    """How steps wait for ``traffic``'s exchanges: its sync mode's ``timing`` (``edgetrain.kinds``), one of
+    ``TIMINGS``; a timing without a step rule here is refused, never modelled as another."""
+    timing = SYNC_KINDS[traffic.mode].timing
+    if timing not in TIMINGS:
+        raise EdgetrainError(f"--sync {traffic.sync} steps by {timing!r}, which the planner has no step model of; "
+                             f"measure it with edgetrain train")
+    return timing
 
 
 @dataclass(kw_only=True)
@@ -228,12 +247,13 @@ def predict(costs: ModelCosts, devices: list[DeviceSpec], batches: list[int], tr
         exchange = exchange_seconds(traffic, links)  # type: ignore[arg-type]
         per_device_exchange = [exchange] * p
 
-    if traffic.mode == "async":
+    timing = step_timing(traffic)
+    if timing == "bounded":
         round_s = max(exchange, c_max)
         steps = [max(c, round_s / traffic.period) if exchange else c for c in compute]
         comm = [0.0] * p  # rounds run in the background; what shows is waiting
-    else:
-        exposed = exchange - min(overlap * exchange, c_max) if traffic.mode == "sync" else exchange
+    else:  # lockstep or periodic: step_timing admits no other
+        exposed = exchange - min(overlap * exchange, c_max) if timing == "lockstep" else exchange
         comm = [exposed / traffic.period] * p
         steps = [c_max + comm[0]] * p
     memory = _memory(costs, traffic, optimizer, momentum, runtime_mb, batches)

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from edgetrain.plan.model import DevicePrediction, Prediction
+from edgetrain.plan.model import DevicePrediction, Prediction, step_timing
 from edgetrain.report.files import atomic_write
 from edgetrain.results import PlanComparison, PlanDevice, PlanDeviceGroup, PlanScalingRow, PlanSimulation
 
@@ -74,7 +74,7 @@ def print_prediction(pred: Prediction, out: Console) -> None:
               + f"  [dim](runtime = measured idle process RSS {pred.runtime_mb:,.0f} MiB)[/]")
     if t.collectives:
         kinds = ", ".join(f"{k} {b / 1e6:,.3f} MB" for k, b in t.collectives)
-        every = "" if t.period == 1 else f" every {t.period} steps" if t.mode != "async" else ""
+        every = "" if t.period == 1 else f" every {t.period} steps" if step_timing(t) != "bounded" else ""
         out.print(f"exchange{every}: {len(t.collectives)} collective(s) ({escape(kinds)}) sent per device, "
                   f"payload {t.payload_bytes / 1e6:,.3f} MB vs fp32 {t.fp32_bytes / 1e6:,.3f} MB, "
                   f"modelled {pred.exchange_s:,.3f} s")

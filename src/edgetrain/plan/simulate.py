@@ -46,7 +46,7 @@ import torch
 
 from edgetrain.cluster.links import ROUNDS
 from edgetrain.errors import EdgetrainError
-from edgetrain.plan.model import Prediction
+from edgetrain.plan.model import Prediction, step_timing
 from edgetrain.results import PlanScalingRow
 
 
@@ -130,9 +130,10 @@ def simulate(pred: Prediction, steps: int = 100, compute_cv: float = 0.05, strag
     compute = _compute_times(rng, mean, steps, compute_cv, straggler_prob, straggler_factor)
     compute_total = compute.sum(axis=1)
     comm_s = np.zeros(p)
-    if traffic.mode == "async":
+    timing = step_timing(traffic)
+    if timing == "bounded":
         ends = _async(rng, pred, compute, jitter)
-    else:
+    else:  # lockstep or periodic: an exchange every ``period`` steps
         # step by step over the rows of (steps, devices) arrays: one step's clocks lie together in memory
         by_step = np.ascontiguousarray(compute.T)
         del compute
@@ -154,7 +155,7 @@ def simulate(pred: Prediction, steps: int = 100, compute_cv: float = 0.05, strag
                 else:
                     ready = arrive.max()  # all devices leave together: one clock, broadcast below
                     spent = tc[x]
-                    if traffic.mode == "sync":
+                    if timing == "lockstep":
                         spent = spent - min(pred.overlap * spent, by_step[s].max())
                 t = ready + spent
                 comm_s += spent

@@ -92,6 +92,7 @@ import torch
 from edgetrain.comm.accounting import ring_allgather_bytes, ring_allreduce_bytes
 from edgetrain.data.datasets import input_channels
 from edgetrain.errors import EdgetrainError
+from edgetrain.kinds import STRATEGY_KINDS, strategy_kind
 from edgetrain.plan.config import PlanInputs
 from edgetrain.plan.model import MIB, Prediction, device_gflops, exchange_seconds
 from edgetrain.plan.split import StageDevice, layer_costs, p2p_seconds, plan_split
@@ -99,7 +100,8 @@ from edgetrain.plan.stages import FORWARD, check_sequential, pipeline_layers, pi
 from edgetrain.plan.traffic import Traffic
 from edgetrain.results import PlanComparison, PlanStrategy, PlanStrategyDevice
 
-STRATEGY_ORDER = ("ddp", "fsdp", "pipeline")  # the preference among equally fast strategies
+# the preference among equally fast strategies: their order of declaration (edgetrain.kinds)
+STRATEGY_ORDER = tuple(name for name, kind in STRATEGY_KINDS.items() if kind.planner is not None)
 
 
 def optimizer_copies(optimizer: str, momentum: float) -> int:
@@ -142,7 +144,7 @@ def fsdp_units(model: torch.nn.Module) -> list[list[torch.Tensor]]:
     return [*units, [t for t in model.parameters() if t.requires_grad and id(t) not in seen]]
 
 
-def ddp_strategy(pred: Prediction) -> PlanStrategy:
+def ddp_strategy(inputs: PlanInputs, pred: Prediction, microbatches: int = 0, schedule: str = "") -> PlanStrategy:
     """``model.predict``'s data-parallel prediction as a strategy row."""
     sent = round(pred.traffic.bytes_per_exchange / pred.traffic.period)
     devices = [PlanStrategyDevice(rank=d.rank, profile=d.profile, role=f"batch {d.batch}", compute_s=d.compute_s,
@@ -153,7 +155,7 @@ def ddp_strategy(pred: Prediction) -> PlanStrategy:
                      [f"{pred.traffic.sync}, compress {pred.traffic.compress}: all-reduce of the gradients"])
 
 
-def fsdp_strategy(inputs: PlanInputs, pred: Prediction) -> PlanStrategy:
+def fsdp_strategy(inputs: PlanInputs, pred: Prediction, microbatches: int = 0, schedule: str = "") -> PlanStrategy:
     """FSDP2's shards, gathered units and collectives (module docstring)."""
     p, costs = len(pred.devices), inputs.costs
     units = fsdp_units(_build(inputs))
@@ -268,13 +270,8 @@ def compare(inputs: PlanInputs, pred: Prediction, strategies: tuple[str, ...], m
     """The ``strategies`` predicted side by side; with more than one, the recommendation (module docstring)."""
     rows = []
     for name in strategies:
-        try:
-            if name == "ddp":
-                rows.append(ddp_strategy(pred))
-            elif name == "fsdp":
-                rows.append(fsdp_strategy(inputs, pred))
-            else:
-                rows.append(pipeline_strategy(inputs, pred, microbatches, schedule))
+        try:  # each strategy's own model (its kind's ``planner``); one without, or an unknown one, is refused
+            rows.append(strategy_kind(name).load_planner()(inputs, pred, microbatches, schedule))
         except EdgetrainError as e:
             if len(strategies) == 1:
                 raise

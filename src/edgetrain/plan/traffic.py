@@ -16,10 +16,14 @@ sends, not a formula of our own:
   hook's own ``_should_compress`` rule (its first ``start`` steps send plain
   fp32 and are not modelled).
 
-Synchronous DDP exchanges each gradient bucket separately (so a model in two
+Each sync mode's traffic is its kind's planner model (``edgetrain.kinds``:
+the functions below named there), each compressor's payload too
+(``encoded_buckets``, ``powersgd_buckets``); a kind without one is refused in
+its own line. Synchronous DDP exchanges each gradient bucket separately (so a model in two
 buckets pays the ring latency twice); local SGD and async average the whole
 flattened model in one tensor; gossip sends its fp32 parameters to each ring
-neighbour in one point-to-point round.
+neighbour in one point-to-point round; a federated round (``fedavg``) is local
+SGD's exchange after the round's local steps, twice with SCAFFOLD.
 
 ``threshold`` is refused: its payload depends on the gradients' values.
 DGC's and top-k's warm-up ramps are not modelled (steady-state density).
@@ -37,7 +41,8 @@ from edgetrain.comm.compress.memory import DGCMemory, ResidualMemory
 from edgetrain.comm.compress.spec import build_compressor
 from edgetrain.errors import EdgetrainError
 from edgetrain.plan.costs import ModelCosts
-from edgetrain.spec import CompressSpec, SyncSpec, check_compatible
+from edgetrain.kinds import check_compatible
+from edgetrain.spec import CompressSpec, ServerOptSpec, SyncSpec
 
 
 @dataclass(frozen=True)
@@ -45,7 +50,7 @@ class Traffic:
     """One device's communication. ``collectives``: (kind, bytes this device sends) of one exchange;
     kinds are those of ``edgetrain.cluster.links.ROUNDS``."""
 
-    mode: str                    # sync, local, async, gossip
+    mode: str                    # the sync mode (its kind's ``timing`` says how steps wait for it)
     period: int                  # steps between exchanges (async: the staleness bound)
     collectives: tuple[tuple[str, int], ...]
     payload_bytes: int           # the compressed data of one exchange, before the algorithm's traffic
@@ -64,68 +69,126 @@ class Traffic:
         return [k for k, _ in self.collectives]
 
 
-def traffic(costs: ModelCosts, devices: int, sync: SyncSpec, compress: CompressSpec) -> Traffic:
-    """The traffic of one device in a cluster of ``devices`` (specs parsed once: ``edgetrain.spec``)."""
-    sync_spec, spec = sync, compress
-    check_compatible(sync_spec, spec)  # a caller may pair specs that config.resolve never saw
-    if spec.method == "threshold":
-        raise EdgetrainError("--compress threshold sends as many entries as crossed the threshold, which depends on "
-                             "the gradients' values: the planner cannot predict it; measure it with edgetrain train, "
-                             "or plan with topk:RATIO at the density you expect")
-    p = devices
+@dataclass(frozen=True)
+class TrafficOptions:
+    """What a sync mode's traffic may need beyond the two specs (``config.resolve``'s ``RunSpec`` has them)."""
+
+    steps_per_epoch: int | None = None    # steps of one pass over the training set (None: not known here)
+    server_opt: ServerOptSpec = ServerOptSpec()
+    participation: float = 1.0
+
+
+def traffic(costs: ModelCosts, devices: int, sync: SyncSpec, compress: CompressSpec,
+            options: TrafficOptions = TrafficOptions()) -> Traffic:
+    """The traffic of one device in a cluster of ``devices`` (specs parsed once: ``edgetrain.spec``), as the sync
+    mode's planner model says (its kind's ``planner``, ``edgetrain.kinds``); a kind without one is refused."""
+    check_compatible(sync, compress)  # a caller may pair specs that config.resolve never saw
+    compress.kind.load_planner()      # a compressor the planner cannot model is refused in its own line
+    return sync.kind.load_planner()(costs, devices, sync, compress, options)
+
+
+def _common(costs: ModelCosts, sync: SyncSpec, compress: CompressSpec) -> dict:
+    return dict(sync=sync.text, compress=compress.text, fp32_bytes=4 * costs.params)
+
+
+def _compressed(costs: ModelCosts, p: int, spec: CompressSpec, whole_model: bool
+                ) -> tuple[tuple[tuple[str, int], ...], int, float]:
+    """(collectives, payload bytes, model-sized buffers of error feedback) of one exchange of ``spec``: of DDP's
+    gradient buckets, or of the whole flattened model (``whole_model``), as the compressor's planner says."""
+    return spec.kind.load_planner()(costs, p, spec, whole_model)
+
+
+def gossip(costs: ModelCosts, p: int, sync: SyncSpec, compress: CompressSpec, options: TrafficOptions) -> Traffic:
+    """``gossip[:H]``: fp32 parameters to each ring neighbour in one point-to-point round."""
     numel = costs.params
-    common = dict(sync=sync_spec.text, compress=spec.text, fp32_bytes=4 * numel)
-    if sync_spec.mode == "gossip":
-        neighbours = len({-1 % p, 1 % p} - {0}) if p > 1 else 0
-        sent = neighbours * 4 * numel
-        return Traffic("gossip", sync_spec.period, (("p2p", sent),) if neighbours else (), payload_bytes=4 * numel,
-                       neighbours_only=True, state_copies=neighbours + 1 if neighbours else 0, **common)
-    if sync_spec.mode == "sync":
-        return _synchronous(costs, p, spec, common)
-    if sync_spec.mode == "streaming":  # its exchanges overlap compute, which this model of blocking rounds has not
-        raise EdgetrainError(f"the planner does not model --sync {sync_spec.text} (background exchanges of "
-                             "fragments); plan with diloco:H for the bytes, or measure with edgetrain train")
-    # local SGD and async average the flattened model (pseudo-gradient) in one tensor
-    kind, payload = _payload(spec, numel)
-    sent = _traffic_bytes(kind, payload, p)
-    copies = 1 + _memory_copies(spec)                     # ref
-    if sync_spec.mode == "local":
-        copies += 1 if sync_spec.nesterov else 0           # the outer optimizer's momentum
-        return Traffic("local", sync_spec.period, ((kind, sent),) if p > 1 else (), payload_bytes=payload,
-                       neighbours_only=False, state_copies=copies, **common)
-    return Traffic("async", sync_spec.staleness, ((kind, sent),) if p > 1 else (), payload_bytes=payload,
-                   neighbours_only=False, state_copies=copies + 1, **common)  # + the snapshot of the round in flight
+    neighbours = len({-1 % p, 1 % p} - {0}) if p > 1 else 0
+    sent = neighbours * 4 * numel
+    return Traffic("gossip", sync.period, (("p2p", sent),) if neighbours else (), payload_bytes=4 * numel,
+                   neighbours_only=True, state_copies=neighbours + 1 if neighbours else 0,
+                   **_common(costs, sync, compress))
 
 
-def _synchronous(costs: ModelCosts, p: int, spec: CompressSpec, common: dict) -> Traffic:
+def synchronous(costs: ModelCosts, p: int, sync: SyncSpec, compress: CompressSpec,
+                options: TrafficOptions) -> Traffic:
+    """``sync``: DDP's gradient buckets, each exchanged on its own."""
+    common = _common(costs, sync, compress)
     if p == 1:  # one device runs the bare model: no DDP, no hook
         return Traffic("sync", 1, (), payload_bytes=0, neighbours_only=False, state_copies=0.0, **common)
+    collectives, payload, memory = _compressed(costs, p, compress, whole_model=False)
+    # + DDP's bucket buffers (gradient_as_bucket_view is off): a second copy of the gradients
+    return Traffic("sync", 1, collectives, payload_bytes=payload, neighbours_only=False,
+                   state_copies=1.0 + memory, **common)
+
+
+def local_sgd(costs: ModelCosts, p: int, sync: SyncSpec, compress: CompressSpec, options: TrafficOptions) -> Traffic:
+    """``local:H``: the flattened model's delta in one tensor every H steps; keeps the reference model."""
+    collectives, payload, memory = _compressed(costs, p, compress, whole_model=True)
+    copies = 1 + memory + (1 if sync.nesterov else 0)   # ref, error feedback, the outer optimizer's momentum
+    return Traffic("local", sync.period, collectives if p > 1 else (), payload_bytes=payload, neighbours_only=False,
+                   state_copies=copies, **_common(costs, sync, compress))
+
+
+def bounded_staleness(costs: ModelCosts, p: int, sync: SyncSpec, compress: CompressSpec,
+                      options: TrafficOptions) -> Traffic:
+    """``async:S``: as local SGD's exchange, in rounds at most S steps behind; ``period`` is the bound."""
+    collectives, payload, memory = _compressed(costs, p, compress, whole_model=True)
+    return Traffic("async", sync.staleness, collectives if p > 1 else (), payload_bytes=payload,
+                   neighbours_only=False, state_copies=1 + memory + 1,  # ref, EF, the snapshot of the round in flight
+                   **_common(costs, sync, compress))
+
+
+# Model-sized buffers of each server optimizer's state: SGD without momentum none, with it one, Adam two.
+SERVER_STATE_COPIES = {"fedavg": 0, "fedavgm": 1, "fedadam": 2}
+
+
+def federated(costs: ModelCosts, p: int, sync: SyncSpec, compress: CompressSpec, options: TrafficOptions) -> Traffic:
+    """``fedavg:E`` / ``fedavg:steps=H``: a round is ``H`` local steps (``E`` epochs of them), then one exchange of
+    the compressed update (SCAFFOLD: a second one, of its control variates), as ``comm/federated.py`` does."""
+    if options.participation != 1:
+        raise EdgetrainError(f"edgetrain plan models federated rounds in which every device takes part, not "
+                             f"participation {options.participation:g}; plan with participation 1, and measure "
+                             "sampled rounds with edgetrain train")
+    period = sync.period or sync.local_epochs * (options.steps_per_epoch or 0)
+    if period < 1:
+        raise EdgetrainError(f"--sync {sync.text} counts a round in epochs of the training set, which this plan "
+                             "does not know; plan --sync fedavg:steps=H with H the steps of a round")
+    collectives, payload, memory = _compressed(costs, p, compress, whole_model=True)
+    exchanges = 2 if sync.scaffold else 1
+    # the global model, error feedback, the server optimizer's state, SCAFFOLD's c, c_i and gradient sum
+    copies = 1 + memory + SERVER_STATE_COPIES[options.server_opt.name] + (3 if sync.scaffold else 0)
+    return Traffic("fedavg", period, collectives * exchanges if p > 1 else (), payload_bytes=payload * exchanges,
+                   neighbours_only=False, state_copies=copies, **_common(costs, sync, compress))
+
+
+def encoded_buckets(costs: ModelCosts, p: int, spec: CompressSpec, whole_model: bool
+                    ) -> tuple[tuple[tuple[str, int], ...], int, float]:
+    """A ``Compressor``'s exchange: each bucket (or the whole model) encoded by the real compressor, summable
+    payloads all-reduced, the others all-gathered."""
+    collectives = []
+    total = 0
+    for numel in [costs.params] if whole_model else costs.bucket_numels:
+        kind, payload = _encoded(spec, numel)
+        total += payload
+        collectives.append((kind, _traffic_bytes(kind, payload, p)))
+    return tuple(collectives), total, _memory_copies(spec)
+
+
+def powersgd_buckets(costs: ModelCosts, p: int, spec: CompressSpec, whole_model: bool
+                     ) -> tuple[tuple[tuple[str, int], ...], int, float]:
+    """PowerSGD's hook: per bucket, all-reduces of the matrices it does not compress and of ``P`` and ``Q``;
+    one model-sized buffer of error feedback (warm-started P and Q are small and not counted)."""
+    if whole_model:
+        raise EdgetrainError("powersgd compresses DDP's gradient buckets, not a model delta; plan it with --sync sync")
+    rank = int(spec.arg or 2)
     collectives: list[tuple[str, int]] = []
     payload_total = 0
-    copies = 1.0  # DDP's bucket buffers (gradient_as_bucket_view is off): a second copy of the gradients
-    if spec.is_powersgd:
-        rank = int(spec.arg or 2)
-        for bucket in costs.buckets:
-            parts = _powersgd_parts([costs.param_shapes[i] for i in bucket], rank)
-            payload_total += 4 * sum(parts)
-            collectives += [("allreduce", ring_allreduce_bytes(4 * n, p)) for n in parts]
-        copies += 1  # PowerSGD's error feedback (warm-started P and Q are small and not counted)
-    else:
-        for numel in costs.bucket_numels:
-            kind, payload = _payload(spec, numel)
-            payload_total += payload
-            collectives.append((kind, _traffic_bytes(kind, payload, p)))
-        copies += _memory_copies(spec)
-    return Traffic("sync", 1, tuple(collectives), payload_bytes=payload_total, neighbours_only=False,
-                   state_copies=copies, **common)
+    for bucket in costs.buckets:
+        parts = _powersgd_parts([costs.param_shapes[i] for i in bucket], rank)
+        payload_total += 4 * sum(parts)
+        collectives += [("allreduce", ring_allreduce_bytes(4 * n, p)) for n in parts]
+    return tuple(collectives), payload_total, 1
 
 
-def _payload(spec: CompressSpec, numel: int) -> tuple[str, int]:
-    """(collective kind, payload bytes) of compressing ``numel`` fp32 values with ``spec``."""
-    return _encoded(spec, numel)
-
-
-@functools.lru_cache(maxsize=256)
 def _encoded(spec: CompressSpec, numel: int) -> tuple[str, int]:
     compressor, _ = build_compressor(spec)
     x = torch.randn(numel, generator=torch.Generator().manual_seed(0))
@@ -139,8 +202,6 @@ def _traffic_bytes(kind: str, payload: int, p: int) -> int:
 
 def _memory_copies(spec: CompressSpec) -> int:
     """Model-sized buffers the compressor's error feedback keeps: residual 1, DGC 2 (velocity, accumulation)."""
-    if spec.is_powersgd:
-        return 1
     _, memory = build_compressor(spec)
     return 2 if isinstance(memory, DGCMemory) else 1 if isinstance(memory, ResidualMemory) else 0
 

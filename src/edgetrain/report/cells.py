@@ -13,6 +13,9 @@ noisy baseline. Each comes with its note.
 """
 from __future__ import annotations
 
+import base64
+import html
+import json
 from typing import Any
 
 NOISY_SPREAD = 0.25
@@ -84,3 +87,23 @@ def round_cells(details: dict) -> list[str] | None:
     if not counts:
         return None
     return [f"{c['joined']}/{c['missed_deadline']}/{c['not_sampled']}" for c in counts]
+
+
+# ---- HTML pieces of the report page (report/html.py, report/plan_page.py) ----
+
+def img(png: bytes, alt: str) -> str:
+    """An inline PNG of the report page."""
+    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{base64.b64encode(png).decode()}">'
+
+
+def table(columns: list[str], rows: list[list[Any]], cls: str = "") -> str:
+    """An HTML table of ``rows``, each cell through ``fmt``."""
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(fmt(v))}</td>" for v in r) + "</tr>" for r in rows)
+    return f'<table class="{cls}"><tr>{head}</tr>{body}</table>'
+
+
+def kv(d: dict[str, Any]) -> str:
+    """A two-column table of a mapping's set values."""
+    rows = [[k, json.dumps(v) if isinstance(v, (list, dict)) else v] for k, v in d.items() if v is not None]
+    return table(["parameter", "value"], rows, "kv")

@@ -30,7 +30,6 @@ Values inside a bench's rows are shown as written.
 """
 from __future__ import annotations
 
-import base64
 import datetime as _dt
 import html
 import json
@@ -41,8 +40,9 @@ from edgetrain.errors import EdgetrainError
 from edgetrain.records import RunSummary, modelled_throughput
 from edgetrain.report import training
 from edgetrain.report.cells import (ABOVE_PEAK_NOTE, NOISY_NOTE, ROUNDS_COLUMN, ROUNDS_NOTE, efficiency_cell, flag_notes, fmt,
-                                    percent_of_peak, round_cells, spread_cell)
-from edgetrain.results import BenchResult, PeakResult, PlanResult
+                                    img, kv, percent_of_peak, round_cells, spread_cell, table)
+from edgetrain.results import (BatchResult, BenchResult, CountersResult, PeakResult, PlanResult, PowerResult,
+                               ScalingResult, StallsResult, VariabilityResult)
 
 AXES = [  # (key, label, unit, higher is better)
     ("throughput", "throughput", "samples/s", True),
@@ -103,21 +103,6 @@ def load_run(run_dir: str | Path) -> dict[str, Any]:
         raise EdgetrainError(f"{run_dir} is an incomplete run: config.yaml but no summary.json, so the run was stopped "
                              f"before it ended{note}; rerun it to get a report")
     raise EdgetrainError(f"{run_dir} is not an edgetrain run directory (no result.json, summary.json or plan.json)")
-
-
-def _img(png: bytes, alt: str) -> str:
-    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{base64.b64encode(png).decode()}">'
-
-
-def _table(columns: list[str], rows: list[list[Any]], cls: str = "") -> str:
-    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(fmt(v))}</td>" for v in r) + "</tr>" for r in rows)
-    return f'<table class="{cls}"><tr>{head}</tr>{body}</table>'
-
-
-def _kv(d: dict[str, Any]) -> str:
-    rows = [[k, json.dumps(v) if isinstance(v, (list, dict)) else v] for k, v in d.items() if v is not None]
-    return _table(["parameter", "value"], rows, "kv")
 
 
 # ---- what each kind of run shows ----
@@ -189,62 +174,88 @@ def headline(run: dict[str, Any], peak: tuple[float, str] | None = None) -> tupl
                          if p.details.get("peak_source")})
         notes += [ABOVE_PEAK_NOTE] if any(p.details.get("above_peak") for p in per_device) else []
         return cols, rows, notes
-    bench = d.name
     notes = list(d.notes)
-    if bench == "peak":
-        cols = ["kind", "n", "threads", "GFLOPS best", "GFLOPS median", "scaled residual"]
-        rows = [[r["kind"], r["n"], r["threads"], r["gflops_best"], r["gflops_median"],
-                 r.get("max_scaled_residual")] for r in d.rows]
-        notes += [f"{a['devices']} devices at once, {a['kind']} n={a['n']}: {a['gflops_median_sum']:.1f} GFLOPS"
-                  for a in d.aggregate]
-    elif bench == "batch":
-        cols = ["batch", "status", "samples/s", "median step s", "spread", "peak RSS MB", "GFLOPS", "peak GFLOPS",
-                "% of peak"]
-        rows = [[r["batch_size"], r["status"], r.get("samples_per_s"), r.get("step_s_median"),
-                 spread_cell(r.get("spread"), r.get("noisy", False)), r.get("peak_rss_mb") or r.get("rss_mb"),
-                 r.get("achieved_gflops"), r.get("peak_gflops_median"), percent_of_peak(r.get("fraction_of_peak"))]
-                for r in d.rows]
-        notes += [ABOVE_PEAK_NOTE] if any(r.get("above_peak") for r in d.rows) else []
-        notes += [NOISY_NOTE] if any(r.get("noisy") for r in d.rows) else []
-        notes.append(f"best batch {d.best}; largest that fits {d.largest_fitting_batch}; memory limit "
-                     f"{d.profile['memory_limit_mb']:.0f} MB ({d.profile['limit_source']}); "
-                     f"{d.flops_per_sample['total_flops'] / 1e9:.3f} GFLOP per training sample; peak: "
-                     f"{d.peak_source}")
-    elif bench == "scaling":
-        cols = ["devices", "samples/s", "speedup", "efficiency", "data ms", "compute ms", "comm ms", "wait ms"]
-        rows = [[r["devices"], r["throughput_samples_per_s"], r["speedup"],
-                 efficiency_cell(r) if "flags" in r else _pct(r["efficiency"]),
-                 *(1000 * r["split_s_per_step"][k] for k in ("data", "compute", "comm", "wait"))] for r in d.rows]
-        notes += flag_notes(d.rows) if all("flags" in r for r in d.rows) else []
-    elif bench == "stalls":
-        cols = ["workers", "loader cached/s", "loader cold/s", "train cached/s", "train cold/s", "prep stall s",
-                "fetch stall s", "limiting"]
-        rows = [[r["workers"], r["prep_samples_per_s"], r["fetch_samples_per_s"], r["train_cached_samples_per_s"],
-                 r["train_cold_samples_per_s"], r["prep_stall_s"], r["fetch_stall_s"], r["limiting_stage"]]
-                for r in d.rows]
-        notes += [f"ingestion rate (no stall) {d.ingestion_samples_per_s:.1f} samples/s", d.verdict]
-    elif bench == "counters":
-        cols = ["event", "count", "per sample"]
-        rows = [[k, v, d.per_sample.get(k)] for k, v in d.counts.items()]
-        rows += [[k, v, None] for k, v in d.ratios.items()]
-        notes += [d.message] if d.message else []
-    elif bench == "power":
-        m = " (modelled)" if d.energy_source["modelled"] else ""
-        cols = ["setting", "samples/s", "s/epoch", f"J/epoch{m}", f"avg W{m}", "Pareto"]
-        front = {r["setting"] for r in d.pareto}
-        rows = [[r["setting"], r["samples_per_s"], r["epoch_s"], r["energy_j_per_epoch"], r["avg_power_w"],
-                 r["setting"] in front] for r in d.rows]
-        notes.insert(0, f"energy source: {d.energy_source['kind']}")
-    elif bench == "variability":
-        cols = ["run", "device", "mean step ms", "CV within"]
-        rows = [[run_["run"], dev["rank"], 1000 * dev["mean_step_s"], _pct(dev["cv_within"])]
-                for run_ in d.runs for dev in run_["devices"]]
-        s = d.summary
-        notes.append(f"CV within a run {_pct(s['cv_within_mean'])}, across runs {_pct(s['cv_across_runs'])}, "
-                     f"across devices {_pct(s['cv_across_devices'])}")
-    else:
-        cols, rows = [], []
+    cols, rows = BENCH_HEADLINES[type(d)](d, notes)
     return cols, rows, notes
+
+
+def _peak_rows(d: PeakResult, notes: list[str]) -> tuple[list[str], list[list[Any]]]:
+    cols = ["kind", "n", "threads", "GFLOPS best", "GFLOPS median", "scaled residual"]
+    rows = [[r["kind"], r["n"], r["threads"], r["gflops_best"], r["gflops_median"],
+             r.get("max_scaled_residual")] for r in d.rows]
+    notes += [f"{a['devices']} devices at once, {a['kind']} n={a['n']}: {a['gflops_median_sum']:.1f} GFLOPS"
+              for a in d.aggregate]
+    return cols, rows
+
+
+def _batch_rows(d: BatchResult, notes: list[str]) -> tuple[list[str], list[list[Any]]]:
+    cols = ["batch", "status", "samples/s", "median step s", "spread", "peak RSS MB", "GFLOPS", "peak GFLOPS",
+            "% of peak"]
+    rows = [[r["batch_size"], r["status"], r.get("samples_per_s"), r.get("step_s_median"),
+             spread_cell(r.get("spread"), r.get("noisy", False)), r.get("peak_rss_mb") or r.get("rss_mb"),
+             r.get("achieved_gflops"), r.get("peak_gflops_median"), percent_of_peak(r.get("fraction_of_peak"))]
+            for r in d.rows]
+    notes += [ABOVE_PEAK_NOTE] if any(r.get("above_peak") for r in d.rows) else []
+    notes += [NOISY_NOTE] if any(r.get("noisy") for r in d.rows) else []
+    notes.append(f"best batch {d.best}; largest that fits {d.largest_fitting_batch}; memory limit "
+                 f"{d.profile['memory_limit_mb']:.0f} MB ({d.profile['limit_source']}); "
+                 f"{d.flops_per_sample['total_flops'] / 1e9:.3f} GFLOP per training sample; peak: "
+                 f"{d.peak_source}")
+    return cols, rows
+
+
+def _scaling_rows(d: ScalingResult, notes: list[str]) -> tuple[list[str], list[list[Any]]]:
+    cols = ["devices", "samples/s", "speedup", "efficiency", "data ms", "compute ms", "comm ms", "wait ms"]
+    rows = [[r["devices"], r["throughput_samples_per_s"], r["speedup"],
+             efficiency_cell(r) if "flags" in r else _pct(r["efficiency"]),
+             *(1000 * r["split_s_per_step"][k] for k in ("data", "compute", "comm", "wait"))] for r in d.rows]
+    notes += flag_notes(d.rows) if all("flags" in r for r in d.rows) else []
+    return cols, rows
+
+
+def _stalls_rows(d: StallsResult, notes: list[str]) -> tuple[list[str], list[list[Any]]]:
+    cols = ["workers", "loader cached/s", "loader cold/s", "train cached/s", "train cold/s", "prep stall s",
+            "fetch stall s", "limiting"]
+    rows = [[r["workers"], r["prep_samples_per_s"], r["fetch_samples_per_s"], r["train_cached_samples_per_s"],
+             r["train_cold_samples_per_s"], r["prep_stall_s"], r["fetch_stall_s"], r["limiting_stage"]]
+            for r in d.rows]
+    notes += [f"ingestion rate (no stall) {d.ingestion_samples_per_s:.1f} samples/s", d.verdict]
+    return cols, rows
+
+
+def _counters_rows(d: CountersResult, notes: list[str]) -> tuple[list[str], list[list[Any]]]:
+    cols = ["event", "count", "per sample"]
+    rows = [[k, v, d.per_sample.get(k)] for k, v in d.counts.items()]
+    rows += [[k, v, None] for k, v in d.ratios.items()]
+    notes += [d.message] if d.message else []
+    return cols, rows
+
+
+def _power_rows(d: PowerResult, notes: list[str]) -> tuple[list[str], list[list[Any]]]:
+    m = " (modelled)" if d.energy_source["modelled"] else ""
+    cols = ["setting", "samples/s", "s/epoch", f"J/epoch{m}", f"avg W{m}", "Pareto"]
+    front = {r["setting"] for r in d.pareto}
+    rows = [[r["setting"], r["samples_per_s"], r["epoch_s"], r["energy_j_per_epoch"], r["avg_power_w"],
+             r["setting"] in front] for r in d.rows]
+    notes.insert(0, f"energy source: {d.energy_source['kind']}")
+    return cols, rows
+
+
+def _variability_rows(d: VariabilityResult, notes: list[str]) -> tuple[list[str], list[list[Any]]]:
+    cols = ["run", "device", "mean step ms", "CV within"]
+    rows = [[run_["run"], dev["rank"], 1000 * dev["mean_step_s"], _pct(dev["cv_within"])]
+            for run_ in d.runs for dev in run_["devices"]]
+    s = d.summary
+    notes.append(f"CV within a run {_pct(s['cv_within_mean'])}, across runs {_pct(s['cv_across_runs'])}, "
+                 f"across devices {_pct(s['cv_across_devices'])}")
+    return cols, rows
+
+
+# Each bench result's table, by its result type (results.BENCH_RESULTS); a type without one here is a KeyError,
+# which tests/report/test_html.py checks for every registered type.
+BENCH_HEADLINES = {PeakResult: _peak_rows, BatchResult: _batch_rows, ScalingResult: _scaling_rows,
+                   StallsResult: _stalls_rows, CountersResult: _counters_rows, PowerResult: _power_rows,
+                   VariabilityResult: _variability_rows}
 
 
 def _headline(d) -> str:
@@ -322,7 +333,7 @@ def comparison(runs: list[dict[str, Any]], max_configs: int = 8) -> str:
         # A radar of one or two axes, or of axes most runs lack, draws a shape the data do not have.
         return (f'<section><h2>Comparison</h2><div class="meta">{len(configs)} configurations; no radar chart: '
                 f'they share {len(shared)} measured axis/axes ({", ".join(shared) or "none"}), and a radar needs '
-                f'at least 3</div><div>{_table(cols, rows)}</div></section>')
+                f'at least 3</div><div>{table(cols, rows)}</div></section>')
     from edgetrain.report import plots
 
     axes = [axis for axis in AXES if axis[0] in shared]
@@ -331,8 +342,8 @@ def comparison(runs: list[dict[str, Any]], max_configs: int = 8) -> str:
                       "Configurations compared (1 = best shown)")
     return (f'<section><h2>Comparison</h2><div class="meta">{len(configs)} configurations; the radar shows the '
             f'{len(axes)} axes every one of them measured, each scored against the best configuration shown</div>'
-            f'<div class="flex"><div class="imgs">{_img(plots.png_bytes(fig), "radar chart")}</div>'
-            f'<div>{_table(cols, rows)}</div></div></section>')
+            f'<div class="flex"><div class="imgs">{img(plots.png_bytes(fig), "radar chart")}</div>'
+            f'<div>{table(cols, rows)}</div></div></section>')
 
 
 def shared_axes(configs: list[tuple[str, dict]]) -> list[str]:
@@ -357,7 +368,7 @@ def training_curves(runs: list[dict[str, Any]]) -> str:
     for name, group in by_task.items():
         labels = " and ".join((m.label or m.name) for m in group[0].task.metrics)
         alt = f"loss and {labels} curves" + (f" ({name})" if len(by_task) > 1 else "")
-        images.append(_img(plots.png_bytes(plots.plot_training_curves(group)), alt))
+        images.append(img(plots.png_bytes(plots.plot_training_curves(group)), alt))
     metrics = "accuracy" if set(by_task) == {"classification"} else "each task's metrics"
     meta = (f"{len(curves)} training run(s); train loss: mean over the devices at each step, thin, with a running "
             f"mean; test loss and {metrics} at each evaluation; host time is measured (sum of the slowest device's "
@@ -385,15 +396,15 @@ def run_section(run: dict[str, Any], peak: tuple[float, str] | None = None) -> s
         parts.append(f'<div class="note{cls}">{html.escape(n)}</div>')
     parts.append('<div class="flex"><div>')
     if rows:
-        parts.append("<h3>Results</h3>" + _table(cols, rows))
-    parts.append("</div><div><h3>Parameters</h3>" + _kv(params or {}) + "</div></div>")
+        parts.append("<h3>Results</h3>" + table(cols, rows))
+    parts.append("</div><div><h3>Parameters</h3>" + kv(params or {}) + "</div></div>")
     if run["pngs"]:
-        parts.append('<div class="imgs">' + "".join(_img(p.read_bytes(), p.name) for p in run["pngs"]) + "</div>")
+        parts.append('<div class="imgs">' + "".join(img(p.read_bytes(), p.name) for p in run["pngs"]) + "</div>")
     split = training.device_split(d, run["steps"]) if run["kind"] == "train" else None
     if split:
         from edgetrain.report import plots
 
-        parts.append('<div class="imgs">' + _img(plots.png_bytes(plots.plot_device_split(*split)),
+        parts.append('<div class="imgs">' + img(plots.png_bytes(plots.plot_device_split(*split)),
                                                  "time split and bytes per device") + "</div>")
     parts.append("</section>")
     return "".join(parts)

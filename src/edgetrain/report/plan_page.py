@@ -26,8 +26,7 @@ from __future__ import annotations
 import html
 from typing import Any
 
-from edgetrain.report.cells import fmt
-from edgetrain.report.html import _img, _kv, _table
+from edgetrain.report.cells import fmt, img, kv, table
 from edgetrain.results import PlanComparison, PlanResult
 
 
@@ -38,7 +37,7 @@ def plan_section(run: dict[str, Any]) -> str:
     parts = [f"<section><h2>plan (modelled)</h2><div class='meta'>{html.escape(meta)}</div>"]
     parts += [f'<div class="note modelled">{html.escape(n)}</div>' for n in notes(plan)]
     parts.append("<h3>Per device, modelled (devices with the same prediction are one row)</h3>")
-    parts.append(_table(["ranks", "devices", "profile", "GFLOPS", "batch", "link", "compute s", "comm s", "wait s",
+    parts.append(table(["ranks", "devices", "profile", "GFLOPS", "batch", "link", "compute s", "comm s", "wait s",
                          "step s", "samples/s", "memory MiB", "limit MiB", "comm+wait %"],
                         [[g.ranks, g.count, g.profile, g.gflops, g.batch, g.link, g.compute_s, g.comm_s, g.wait_s,
                           g.step_s, g.samples_per_s, g.memory_total_mb,
@@ -48,7 +47,7 @@ def plan_section(run: dict[str, Any]) -> str:
     if plan.scaling:
         parts.append(f"<h3>Scaling, modelled ({html.escape(plan.scaling.mode)}: every device keeps its local batch)"
                      f"</h3>")
-        parts.append(_table(["devices", "step s", "samples/s", "speedup", "efficiency", "sim step s", "sim p99 s",
+        parts.append(table(["devices", "step s", "samples/s", "speedup", "efficiency", "sim step s", "sim p99 s",
                              "sim samples/s", "sim speedup", "sim efficiency", "comm %", "wait %"],
                             [[r.devices, r.analytic_step_s, r.analytic_throughput, r.analytic_speedup,
                               r.analytic_efficiency, r.simulated_step_s, r.simulated_p99_step_s,
@@ -60,9 +59,9 @@ def plan_section(run: dict[str, Any]) -> str:
     knobs = {"efficiency": pred.efficiency, "overlap": pred.overlap, "runtime_mb": pred.runtime_mb,
              "sim_steps": sim.steps, "compute_cv": sim.compute_cv, "stragglers": sim.straggler_prob or None,
              "link_jitter": sim.link_jitter}
-    parts.append("<h3>Planned</h3>" + _kv({**plan.config, **knobs}))
+    parts.append("<h3>Planned</h3>" + kv({**plan.config, **knobs}))
     if run["pngs"]:
-        parts.append('<div class="imgs">' + "".join(_img(p.read_bytes(), p.name) for p in run["pngs"]) + "</div>")
+        parts.append('<div class="imgs">' + "".join(img(p.read_bytes(), p.name) for p in run["pngs"]) + "</div>")
     parts.append("</section>")
     return "".join(parts)
 
@@ -72,13 +71,13 @@ def strategies_section(comparison: PlanComparison) -> str:
     parts = [f"<h3>Strategies, modelled (link {html.escape(comparison.link)}, the same global batch)</h3>"]
     if comparison.reason:
         parts.append(f'<div class="note modelled">recommended: {html.escape(comparison.reason)}</div>')
-    parts.append(_table(["strategy", "fits", "step s", "samples/s", "memory MiB (max)", "sent MB/step (max)",
+    parts.append(table(["strategy", "fits", "step s", "samples/s", "memory MiB (max)", "sent MB/step (max)",
                          "bubble", "refused"],
                         [[s.strategy, "yes" if s.fits else "NO", s.step_s, s.throughput_samples_per_s,
                           s.memory_total_mb_max, None if s.step_s is None else s.sent_bytes_per_step_max / 1e6,
                           None if s.bubble_fraction is None else f"{s.bubble_fraction:.1%}", s.refused or ""]
                          for s in comparison.strategies]))
-    parts.append(_table(["strategy", "rank", "profile", "role", "compute s", "comm+wait s", "step s", "memory MiB",
+    parts.append(table(["strategy", "rank", "profile", "role", "compute s", "comm+wait s", "step s", "memory MiB",
                          "limit MiB", "sent MB/step"],
                         [[s.strategy, d.rank, d.profile, d.role, d.compute_s, d.comm_s, d.step_s, d.memory_total_mb,
                           fmt(d.memory_limit_mb) + (" OVER LIMIT" if d.over_limit else ""),

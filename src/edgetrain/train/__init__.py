@@ -3,19 +3,20 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 from typing import Any
 
 from torch import nn
 
 from edgetrain.cluster.launch import launch_local, refuse_nested_launch, under_torchrun
 from edgetrain.cluster.membership import ElasticLaunch
-from edgetrain.cluster.peers import TOKEN_ENV, check_rank_environment
+from edgetrain.cluster.peers import TOKEN_ENV, check_rank_environment, peer_failure
 from edgetrain.cluster.profiles import device_speed, plan_devices, split_batch
 from edgetrain.config import TrainConfig, load_config, resolve, with_device_count
 from edgetrain.errors import EdgetrainError, Terminated
 from edgetrain.preflight import check_before_launch
 from edgetrain.report.files import new_run_dir, write_yaml
-from edgetrain.spec import back_after_s
+from edgetrain.spec import back_after_s, launch_spec
 
 
 def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: nn.Module | str | None = None,
@@ -94,7 +95,9 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     if elastic_dir is not None and rank == 0 and checkpoint_files(elastic_dir):
         phase(cfg, rank, f"continuing the torchrun job's run in {elastic_dir} from its newest checkpoint")
         cfg = load_config(config, **{**overrides, "resume": str(elastic_dir)})
-    spec = resolve(cfg)  # the options parsed once; the devices build from these
+    # the options parsed once, with how this process was started (its environment); the devices build from these
+    launch = launch_spec(os.environ)
+    spec = resolve(cfg, launch)
     checked = check_before_launch(cfg, spec, model, task)  # before the run directory and the devices: bad input
     # leaves nothing
     accelerator_device(cfg.accelerator)
@@ -104,7 +107,8 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     cluster_token = cfg.cluster_token or os.environ.get(TOKEN_ENV, "")
     cfg = dataclasses.replace(cfg, cluster_token=None)
     devices = plan_devices(cfg, world)
-    spec = with_device_count(cfg, spec, len(devices))  # the checks that need the count: a cluster file's known now
+    # the checks that need the count: a cluster file's is known now
+    spec = with_device_count(cfg, spec, len(devices), launch)
     local_batches = split_batch(cfg, devices)
     if spec.checkpoint.resume_dir and rank == 0:
         check_resume_devices(spec.checkpoint.resume_dir, len(devices), spec.partition.local)
@@ -128,12 +132,21 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
         run_dir = cfg.resume if rank == 0 else None  # the same directory, its config.yaml as it was
     elif rank == 0:
         run_dir = new_run_dir(cfg.output, elastic_dir.name if elastic_dir else cfg.run_name)
-        write_yaml(run_dir / "config.yaml", cfg.to_dict())
+        # under torchrun or the plain recipe the run has WORLD_SIZE devices, whatever --devices says
+        write_yaml(run_dir / "config.yaml", {**cfg.to_dict(), **({"devices": world} if torchrun else {})})
 
     args = (cfg, spec, devices, local_batches, speeds, str(run_dir) if run_dir else None, model, user_models(),
             cluster_token, strategy, user_datasets(), data, task)
     if torchrun:
-        return run_worker(*args)
+        try:
+            return run_worker(*args)
+        except Exception as e:
+            if run_dir and not cfg.resume and [p.name for p in run_dir.iterdir()] == ["config.yaml"]:
+                shutil.rmtree(run_dir, ignore_errors=True)  # refused before training (admission): nothing to keep
+            line = peer_failure(e, rank, cfg.timeout)
+            if line:
+                raise EdgetrainError(line) from None
+            raise
     phase(cfg, rank, f"starting {len(devices)} emulated device(s) on this host")
     elastic = None
     if spec.min_devices is not None and spec.min_devices < len(devices):  # survivors go on (train/elastic.py)

@@ -228,6 +228,7 @@ class Checkpointer:
 
         template = strategy.sharded_state(optimizer)  # this device's tensors, as they are laid out now
         tensors, _ = split_sharded(template)
+        _check_dcp()
         with _one_process():
             dcp.load(tensors, storage_reader=dcp.FileSystemReader(mine["parts_dir"]),
                      no_dist=not _distributed(self.world))
@@ -409,6 +410,7 @@ def write_parts(target: Path, tensors: dict, own: dict, run: dict, rank: int, wo
         raise EdgetrainError(f"device {rank} cannot see the checkpoint directory {temporary} that device 0 made: "
                              f"every device of a pipeline or fsdp run writes its own part there; put the run "
                              f"directory (--output) on a file system every node shares, at the same path")
+    _check_dcp()
     with _one_process():
         dcp.save(tensors, storage_writer=dcp.FileSystemWriter(temporary), no_dist=not _distributed(world))
     save_torch(temporary / device_file(rank), own)
@@ -487,6 +489,7 @@ def _read_parts(folder: Path) -> dict:
     metadata = reader.read_metadata()
     flat = {key: torch.empty(entry.size, dtype=entry.properties.dtype)
             for key, entry in metadata.state_dict_metadata.items() if isinstance(entry, TensorStorageMetadata)}
+    _check_dcp()
     with _one_process():
         dcp.load(flat, storage_reader=reader, no_dist=True)  # DCP joins the shards of every device
     parts: dict = {"model": {}, "optimizer": {}}
@@ -540,3 +543,16 @@ def _load(source, **options):
     loader must know: imported here (0.6 s), not at every device's start (train/strategy.py imports fsdp lazily)."""
     import torch.distributed.tensor  # noqa: F401
     return torch.load(source, weights_only=True, **options)
+
+
+def _check_dcp() -> None:
+    """One line where this torch's distributed checkpoint cannot write or read a pooled run's parts in one
+    process (``no_dist``: torch 2.4 has no such argument)."""
+    import inspect
+
+    import torch.distributed.checkpoint as dcp
+
+    if "no_dist" not in inspect.signature(dcp.save).parameters:
+        raise EdgetrainError(f"the pipeline and fsdp strategies write their model in parts with "
+                             f"torch.distributed.checkpoint, whose save in this torch {torch.__version__} has no "
+                             f"no_dist; use --strategy ddp, or install a newer torch (2.13 is tested)")

@@ -40,6 +40,7 @@ class Elastic:
     """One device's part in an elastic run; the protocol is in docs/design/elastic.md."""
 
     failures = (RuntimeError, EdgetrainError, MembershipChanged)
+    reports_anywhere = True  # rank 0 may leave: every device counts the FLOPs the summary needs
 
     def __init__(self, spec: RunSpec, devices: list[DeviceSpec], local_batches: list[int], run_dir: str | None):
         self.spec, self.devices, self.run_dir = spec, devices, run_dir
@@ -148,9 +149,9 @@ class Elastic:
         return self.rank, self.world, self.local_batches, iter(self.loader), step
 
     # -- the end ---------------------------------------------------------------------------
-    def all_records(self) -> list[StepRecord]:
+    def all_records(self, gathered: list[list[dict]] | None = None) -> list[StepRecord]:
         """Every device's step records, departed ones and earlier lives of returning ones included (from the
-        run directory's per-device files, which each device flushes every step)."""
+        run directory's per-device files, which each device flushes every step; not ``gathered``)."""
         files = [Path(self.run_dir) / f"metrics-{d}.jsonl" for d in range(len(self.devices))]
         return [StepRecord.from_dict(json.loads(line)) for f in files if f.exists()
                 for line in f.read_text().splitlines() if line.strip()]
@@ -236,3 +237,30 @@ class Elastic:
             verb, goes = ("left", "go on") if kind == "leave" else ("joined", "train")
             print(f"edgetrain: {names} {verb} at step {step}; {self.world} of {len(self.devices)} devices {goes} "
                   f"(min {self.spec.min_devices}); re-formed in {took_s:.1f} s", file=sys.stderr, flush=True)
+
+
+class FailStop:
+    """The membership of a run without ``--min-devices``: the devices it started with, to its end. A lost
+    device stops the run (the launcher does), so nothing changes here: the loop calls it as it calls
+    ``Elastic``, and every call is a no-op."""
+
+    failures: tuple[type[BaseException], ...] = ()   # nothing is re-formed: ``except ()`` catches nothing
+    joining = False
+    reports_anywhere = False   # rank 0 stays rank 0 (an elastic run's rank 0 may move: every device counts FLOPs)
+
+    def __init__(self, spec: RunSpec, local_batches: list[int]):
+        self.faults, self.local_batches = spec.faults, list(local_batches)
+
+    def start(self, strategy, optimizer, scheduler, sampler, loader, step: int, epoch: int,
+              evals: list[EvalRecord]) -> tuple[int, int, list[EvalRecord]]:
+        return step, epoch, evals
+
+    def boundary(self, step: int, epoch: int, evals: list[EvalRecord]) -> None:
+        """Every device starts every step: nothing to agree on."""
+
+    def all_records(self, gathered: list[list[dict]]) -> list[StepRecord]:
+        """Every device's step records: ``gathered`` from the devices (and the departed ones of a resume)."""
+        return [StepRecord.from_dict(r) for records in gathered for r in records]
+
+    def history(self) -> list[MembershipRecord]:
+        return []

@@ -22,8 +22,9 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGath
 from edgetrain.comm import device_clock
 from edgetrain.comm.accounting import ring_allgather_bytes, ring_allreduce_bytes
 from edgetrain.comm.emulation import LinkEmulator
+from edgetrain.kinds import STRATEGY_KINDS
 from edgetrain.models.init import initialised_layers, is_meta, materialise
-from edgetrain.train.strategy import FLAT_OPTIMIZER, STRATEGIES, DataParallel, StepResult, Strategy
+from edgetrain.train.strategy import FLAT_OPTIMIZER, DataParallel, StepResult, Strategy
 
 
 
@@ -92,7 +93,7 @@ class FullyShardedDataParallel(Strategy):
     """Data parallel over the batch, with the model's state sharded over the devices (FSDP2)."""
 
     name = "fsdp"
-    pooled = True
+    shard_data, pooled = STRATEGY_KINDS[name].shards_batch, STRATEGY_KINDS[name].pooled
 
     adapt = DataParallel.adapt  # --batchnorm sync: CrossDeviceBatchNorm2d, as in data parallelism
 
@@ -188,5 +189,3 @@ def clock_summary(clock) -> dict:
         summary.pop(key)
     return summary
 
-
-STRATEGIES[FullyShardedDataParallel.name] = FullyShardedDataParallel

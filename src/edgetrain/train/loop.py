@@ -22,11 +22,14 @@ Rank 0 says each start-up phase in one line on stderr as it begins
 set-up, training), unless ``--no-progress``; the
 launcher adds the host's speed measurement and the devices' start.
 
-Checkpoints during the run, ``--resume`` and the stop on SIGTERM are a
-``Checkpointer`` (train/checkpoint.py: what is held, the protocol, what is
-exact): it is asked at the start of every step, before the batch is taken.
-A resumed run restores every device's state there and rewrites the records
-files from the checkpoint's, so that no step is counted twice.
+Checkpoints during the run, ``--resume`` and the stop on SIGTERM are
+``LoopCheckpoints`` (train/resume.py, over train/checkpoint.py's
+``Checkpointer``: what is held, the protocol, what is exact): asked at the
+start of every step, before the batch is taken. A resumed run restores every
+device's state before the first step and rewrites the records files from the
+checkpoint's, so that no step is counted twice. Who trains is the run's
+membership (train/elastic.py): ``FailStop``, the devices of the start to the
+end, or ``Elastic`` with ``--min-devices``; the loop calls either alike.
 
 Each step's ``StepRecord`` (records.py) says where the time went:
 
@@ -80,7 +83,8 @@ from torch.utils.data import DataLoader
 from edgetrain.bench.flops import achieved, device_peak, training_flops_per_sample
 from edgetrain.cluster.faults import inject_fault
 from edgetrain.cluster.launch import loader_worker_init
-from edgetrain.cluster.peers import admit_peers, check_rank_environment, gather_json
+from edgetrain.cluster.network import choose_gloo_interface, deadline, describe_gloo_interface
+from edgetrain.cluster.peers import admit_peers, check_rank_environment, gather_json, local_placement
 from edgetrain.cluster.profiles import DeviceSpec
 from edgetrain.cluster.throttle import Throttle, assign_cores, keep_freed_memory, page_faults, peak_rss_mb, pin
 from edgetrain.comm.accounting import CommStats
@@ -97,13 +101,16 @@ from edgetrain.report.files import atomic_write, save_torch, write_json
 from edgetrain.spec import RunSpec
 from edgetrain.task_kinds import run_task
 from edgetrain.tasks import Task, build_task, task_record
-from edgetrain.tasks.base import add_counts, as_counts, sum_totals
-from edgetrain.train.checkpoint import (FINAL_DIR, FINAL_FILE, Checkpointer, resume_hint, rng_state,
-                                        save_final_parts, set_rng_state)
-from edgetrain.train.elastic import Elastic
+from edgetrain.tasks.base import sum_totals
+from edgetrain.train.checkpoint import FINAL_DIR, FINAL_FILE, Checkpointer, resume_hint, save_final_parts
+from edgetrain.train.elastic import Elastic, FailStop
 from edgetrain.train.evaluation import evaluate  # noqa: F401  (imported from here: fleet/app.py, tests)
+from edgetrain.train.resume import LoopCheckpoints, LoopState
 from edgetrain.train.strategy import StepResult, Strategy, StrategyContext, registered_strategy
 from edgetrain.train.tensorboard_log import TensorBoardLog, write_missing_devices
+
+
+_DEADLINE_MARGIN_S = 5.0  # past --timeout, before the rendezvous is ended from outside gloo
 
 
 def init_distributed(cfg: TrainConfig, cluster_token: str = "") -> tuple[int, int]:
@@ -111,14 +118,20 @@ def init_distributed(cfg: TrainConfig, cluster_token: str = "") -> tuple[int, in
     rank, world = check_rank_environment()
     if not dist.is_initialized():
         addr = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-        phase(cfg, rank, f"rendezvous: {world} device(s) at {addr} (waiting up to {cfg.timeout:g} s)")
+        chosen = choose_gloo_interface(os.environ.get("MASTER_ADDR"))  # cluster/network.py
+        via = f", gloo on {chosen}" if chosen else ""
+        phase(cfg, rank, f"rendezvous: {world} device(s) at {addr}{via} (waiting up to {cfg.timeout:g} s)")
+        failed = (f"rendezvous at {addr} failed for rank {rank} of {world} within {cfg.timeout:g} s ({{}}); start "
+                  f"every device, check MASTER_ADDR/MASTER_PORT, the firewall and the interface gloo uses "
+                  f"({describe_gloo_interface()}; set GLOO_SOCKET_IFNAME to the cluster network's), or raise "
+                  f"--timeout")
         try:
-            dist.init_process_group("gloo", rank=rank, world_size=world,
-                                    timeout=dt.timedelta(seconds=cfg.timeout))
+            # gloo retries a peer's connection with the full timeout each time: bound the whole wait here
+            with deadline(cfg.timeout + _DEADLINE_MARGIN_S, failed.format("no answer from every peer")):
+                dist.init_process_group("gloo", rank=rank, world_size=world,
+                                        timeout=dt.timedelta(seconds=cfg.timeout))
         except (RuntimeError, TimeoutError, ValueError) as e:
-            raise EdgetrainError(f"rendezvous at {addr} failed for rank {rank} of {world} within {cfg.timeout:g} s "
-                                 f"({str(e).splitlines()[0]}); start every device, check MASTER_ADDR/MASTER_PORT "
-                                 f"and the firewall, or raise --timeout") from None
+            raise EdgetrainError(failed.format(str(e).splitlines()[0])) from None
         phase(cfg, rank, "admitting peers: cluster token and config hash of every device")
         try:
             admit_peers(cfg.to_dict(), cluster_token, rank, world)
@@ -182,7 +195,7 @@ def set_up_device(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], sp
     # from its join on. Until then it has no rank (-1: it prints no phase) and no group.
     rank, world = (-1, len(devices)) if returning else init_distributed(cfg, cluster_token)
     me = devices[device_id]
-    local_rank, local_world = int(os.environ.get("LOCAL_RANK", rank)), int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    local_rank, local_world = local_placement(rank, world)  # without torchrun: counted per host (cluster/peers)
     speed = speeds[device_id] if cfg.throttle else None
     cores = assign_cores(local_rank, local_world)
     if speed is not None:
@@ -379,8 +392,9 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
         register_model(name, factory)
     for name, factory in (datasets or {}).items():
         register_dataset(name, factory)
-    elastic = Elastic(spec, devices, local_batches, run_dir) if spec.min_devices else None  # train/elastic.py
-    at = set_up_device(cfg, spec, devices, speeds, cluster_token, elastic)
+    # who trains (train/elastic.py): the devices of the start to the end, or as many as remain and come back
+    membership = Elastic(spec, devices, local_batches, run_dir) if spec.min_devices else FailStop(spec, local_batches)
+    at = set_up_device(cfg, spec, devices, speeds, cluster_token, membership)
     rank = at.rank
 
     phase(cfg, rank, f"loading data: {cfg.dataset}")
@@ -401,13 +415,13 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
     flops_per_sample = training_flops_per_sample(model, input_shape=data.input_shape,
                                                  num_classes=data.num_classes, task=task,
                                                  example=task.collate([data.train[i] for i in range(min(2, len(data.train)))])
-                                                 ) if rank == 0 or elastic else None
+                                                 ) if rank == 0 or membership.reports_anywhere else None
     if at.returning:  # ready to train: admitted at the members' next step (train/elastic.py)
-        rank, world = elastic.join()
+        rank, world = membership.join()
         at = dataclasses.replace(at, rank=rank, world=world)
-    rank, world, local_batches = at.rank, at.world, elastic.local_batches if elastic else local_batches
-    checkpoints = Checkpointer(spec.checkpoint, run_dir, rank, world, spec.timeout_s)
-    run_state, mine = checkpoints.load()  # (None, None) for a new run
+    rank, world, local_batches = at.rank, at.world, membership.local_batches
+    checkpoints = LoopCheckpoints(Checkpointer(spec.checkpoint, run_dir, rank, world, spec.timeout_s),
+                                  cfg.to_dict(), at.device)
     stats = CommStats()
     strategy = (strategy_class or registered_strategy(spec.strategy))(StrategyContext(
         cfg, spec, rank, world, local_batches[rank], tuple(data.input_shape), stats, at.me.link, at.device,
@@ -417,9 +431,8 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
     if cfg.throttle and any(speed is not None for speed in speeds):  # the same on every device: all take part
         phase(cfg, rank, "calibrating the throttle: a reference pass per device, one device of this host at a time")
         batch = strategy.calibration_batch
-        if mine and throttle:  # the resumed device keeps its calibration
-            vars(throttle).update(mine["throttle"])
-        calibrate_throttle(throttle, model, None if batch is None or mine else
+        checkpoints.keep_calibration(throttle)
+        calibrate_throttle(throttle, model, None if batch is None or checkpoints.resumed else
                            torch.randn(batch, *data.input_shape, device=at.device), at)
     phase(cfg, rank, f"setting up strategy {strategy.name}")
     strategy.setup(model)
@@ -445,113 +458,95 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
     phase(cfg, rank, f"training: {int(total_steps)} steps, {epochs} epoch(s)")
     recorder = StepRecorder(stats, at.device_id)
     bar = _progress(cfg, rank, int(total_steps))
-    records: list[StepRecord] = []
-    evals: list[EvalRecord] = []
-    step, start_epoch, limit_mb = 0, 0, at.me.profile.memory_mb
-    ema_loss = None
-    epoch_loss, epoch_counts, epoch_seen = 0.0, {}, 0.0
-    if mine:
-        strategy.load_state_dict(mine["strategy"])
-        if strategy.pooled:  # this device's part, from the checkpoint's directory (DCP; a collective)
-            checkpoints.load_sharded(strategy, optimizer, mine)
-        else:
-            optimizer.load_state_dict(mine["optimizer"])
-        scheduler.load_state_dict(mine["scheduler"])
-        records = [StepRecord.from_dict(r) for r in mine["records"]]
-        evals = [EvalRecord.from_dict(e) for e in run_state["evals"]]
-        writer.restart(records, evals)
-        epoch_loss, epoch_counts, epoch_seen = mine["epoch_totals"]
-        epoch_counts = as_counts(epoch_counts)
-        ema_loss, step, start_epoch = mine["ema_loss"], run_state["step"], run_state["epoch"]
-        started -= run_state["wall_s"]  # the summary's wall time covers the whole run
-        set_rng_state(mine["rng"], at.device)  # last: nothing above may draw from it
-    if elastic:  # a returning device receives the current state here
-        step, start_epoch, evals = elastic.start(strategy, optimizer, scheduler, sampler, loader, step, start_epoch,
-                                                 evals)
-    resumed_step = step
-    checkpoints.catch_sigterm()
-    for epoch in range(start_epoch, epochs):
+    state = LoopState(started, planned_steps=int(total_steps))
+    limit_mb = at.me.profile.memory_mb
+    checkpoints.restore(state, strategy, optimizer, scheduler, writer)
+    # a returning device of an elastic run receives the current state here
+    state.step, state.epoch, state.evals = membership.start(strategy, optimizer, scheduler, sampler, loader,
+                                                            state.step, state.epoch, state.evals)
+    checkpoints.resumed_step = state.step
+    checkpoints.files.catch_sigterm()
+    for epoch in range(state.epoch, epochs):
+        state.epoch = epoch
         sampler.set_epoch(epoch)
-        if step == resumed_step and mine:
-            sampler.resume_at(epoch, step - epoch * len(sampler))
+        if checkpoints.resumes_in(state):
+            sampler.resume_at(epoch, state.step - epoch * len(sampler))
         else:
-            epoch_loss, epoch_counts, epoch_seen = 0.0, {}, 0.0
+            state.new_epoch()
         batches = iter(loader)
-        while step < total_steps:
-            if checkpoints.due(step, resumed_step):
-                checkpoints.save(step, {
-                    "step": step, "planned_steps": int(total_steps), "epoch": epoch, "evals": [e.to_dict() for e in evals],
-                    "wall_s": time.perf_counter() - started, "config": cfg.to_dict()}, {
-                    "strategy": strategy.state_dict(),
-                    # a pooled strategy's optimizer state is in its part (sharded_state), not in every device's
-                    **({} if strategy.pooled else {"optimizer": optimizer.state_dict()}),
-                    "scheduler": scheduler.state_dict(), "rng": rng_state(at.device),
-                    "records": [r.to_dict() for r in records],
-                    "epoch_totals": [epoch_loss, dict(epoch_counts), epoch_seen],
-                    "ema_loss": ema_loss, "throttle": _throttle_state(throttle)},
-                    strategy.sharded_state(optimizer) if strategy.pooled else None)
-                if checkpoints.stopped:
-                    break
-            # EDGETRAIN_FAULT, for tests and chaos runs
-            inject_fault(elastic.faults if elastic else spec.faults, at.device_id, step, spec.timeout_s)
+        while state.step < total_steps:
+            if checkpoints.save_if_due(state, strategy, optimizer, scheduler, throttle):
+                break  # SIGTERM: stopped with this checkpoint
+            inject_fault(membership.faults, at.device_id, state.step, spec.timeout_s)  # EDGETRAIN_FAULT
             recorder.start()
             try:
-                if elastic:
-                    elastic.boundary(step, epoch, evals)
+                membership.boundary(state.step, epoch, state.evals)
                 x, y = next(batches)
                 x, y = x.to(at.device, non_blocking=True), task.to_device(y, at.device)
                 recorder.data_ready()
                 result = strategy.train_step(x, y, optimizer)
             except StopIteration:
                 break
-            except Elastic.failures if elastic else () as e:  # a device left or joined: the step is done again
-                rank, world, local_batches, batches, step = elastic.reform(e, epoch)
+            except membership.failures as e:  # a device left or joined: the step is done again
+                rank, world, local_batches, batches, state.step = membership.reform(e, epoch)
                 continue
             scheduler.step()
-            record = recorder.finish(step, epoch, result, scheduler.get_last_lr()[0])
-            records.append(record)
+            record = recorder.finish(state.step, epoch, result, scheduler.get_last_lr()[0])
             writer.step(record)
-            epoch_loss += result.loss_sum
-            epoch_counts = add_counts(epoch_counts, result.train_counts)
-            epoch_seen += result.samples
-            step += 1
+            state.count(record, result)
             if limit_mb is not None and record.peak_rss_mb > limit_mb:
                 raise EdgetrainError(f"{at.me.label} ran out of memory: peak {record.peak_rss_mb:.0f} MiB > its "
-                                     f"{limit_mb} MiB at step {step}; lower batch_size or give the profile more memory_mb")
-            if record.loss is not None:  # None: a step this device sat out (a round it is no member of)
-                ema_loss = record.loss if ema_loss is None else 0.9 * ema_loss + 0.1 * record.loss
-            if bar and ema_loss is not None:
-                bar.update(step, epoch, ema_loss, figures_text(task, task.train_figures(epoch_counts, int(epoch_seen))),
+                                     f"{limit_mb} MiB at step {state.step}; lower batch_size or give the profile "
+                                     f"more memory_mb")
+            if bar and state.ema_loss is not None:
+                bar.update(state.step, epoch, state.ema_loss,
+                           figures_text(task, task.train_figures(state.totals[1], int(state.totals[2]))),
                            cfg.batch_size / record.step_s)
         if checkpoints.stopped:
             break
-        if step >= total_steps or epoch == epochs - 1:
+        if state.step >= total_steps or epoch == epochs - 1:
             strategy.finish()  # the last exchange: every device now holds the same model
         if cfg.eval:
             metrics = strategy.evaluate(data.test)
             if isinstance(metrics, tuple):  # a strategy of one's own may give a classifier's (loss, accuracy)
                 metrics = {"loss": metrics[0], "accuracy": metrics[1]}
             test_loss = metrics.pop("loss")
-            evals.append(EvalRecord(epoch=epoch, step=step, test_loss=test_loss,
-                                    test_accuracy=metrics.get("accuracy"), metrics=metrics))
+            state.evals.append(EvalRecord(epoch=epoch, step=state.step, test_loss=test_loss,
+                                          test_accuracy=metrics.get("accuracy"), metrics=metrics))
             if rank == 0:
-                writer.evaluation(evals[-1])
+                writer.evaluation(state.evals[-1])
             headline = task.headline
             _note(bar, rank, f"epoch {epoch + 1}/{epochs}: test {headline.label or headline.name} "
                              f"{headline.format(metrics[headline.name])}, loss {test_loss:.3f}")
-        if step >= total_steps:
+        if state.step >= total_steps:
             break
-    checkpoints.release_sigterm()
+    checkpoints.files.release_sigterm()
     if bar:
         bar.close()
     strategy.finish()  # no-op if the last epoch already called it
     writer.close()
     if strategy.pooled:  # every device writes its own part of the final model: RUN_DIR/checkpoint/
-        save_final_parts(run_dir, strategy.sharded_state(optimizer, final=True), step, cfg.to_dict(), rank, world,
-                         spec.timeout_s, planned_steps=int(total_steps))
+        save_final_parts(run_dir, strategy.sharded_state(optimizer, final=True), state.step, cfg.to_dict(), rank,
+                         world, spec.timeout_s, planned_steps=state.planned_steps)
+    task_name = cfg.task if user_task is not None else run_task(cfg.task, cfg.dataset)
+    summary = _end_of_run(cfg, state, at, strategy, optimizer, writer, membership, checkpoints, throttle, devices,
+                          rank, world, local_batches, params, data, flops_per_sample, partition, task_name)
+    dist.barrier()
+    dist.destroy_process_group()
+    if checkpoints.stopped:
+        raise Terminated(resume_hint(run_dir) if run_dir else "")
+    return summary
 
-    train_totals = (epoch_loss, epoch_counts, epoch_seen)
-    mine = _device_summary(records, at, local_batches[rank], throttle)
+
+def _end_of_run(cfg: TrainConfig, state: LoopState, at: DeviceSetup, strategy: Strategy, optimizer, writer: RunWriter,
+                membership, checkpoints: LoopCheckpoints, throttle: Throttle | None, devices: list[DeviceSpec],
+                rank: int, world: int, local_batches: list[int], params: int, data: DataSplit, flops_per_sample,
+                partition: PartitionReport | None, task_name: str | None) -> dict | None:
+    """Every device: its summary and records to rank 0, which writes metrics.jsonl, checkpoint.pt and
+    summary.json; rank 0 returns the summary, the others None."""
+    limit_mb = at.me.profile.memory_mb
+    train_totals = tuple(state.totals)
+    mine = _device_summary(state.records, at, local_batches[rank], throttle)
     if limit_mb is not None and mine.run_peak_rss_mb > limit_mb:
         # Warned, not raised: training is done and the final model is written; but a real device of this size
         # would not have survived the end of the run (its evaluation, the final exchange or checkpoint), and
@@ -564,38 +559,23 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
         everyone = gather_json(list(train_totals), dst=0)
         train_totals = sum_totals(everyone) if everyone is not None else train_totals
         # JSON, not pickles: see cluster/peers
-        gathered = gather_json(([r.to_dict() for r in records], mine.to_dict()), dst=0)
+        gathered = gather_json(([r.to_dict() for r in state.records], mine.to_dict()), dst=0)
     else:
-        gathered = [([r.to_dict() for r in records], mine.to_dict())]
-    summary = None
-    if rank == 0:
-        all_records = elastic.all_records() if elastic else [
-            StepRecord.from_dict(r) for recs, _ in [*gathered, (checkpoints.departed_records, None)] for r in recs]
-        writer.metrics(all_records, max([len(devices), *(r.rank + 1 for r in all_records)]))
-        per_device = [DeviceSummary.from_dict(d) for _, d in gathered]
-        summary = writer.summary(cfg, strategy, optimizer, per_device, train_totals, evals, params, data, world,
-                                 local_batches, step, time.perf_counter() - started, flops_per_sample, partition,
-                                 elastic.history() if elastic else [], planned_steps=int(total_steps),
-                                 task_name=cfg.task if user_task is not None else run_task(cfg.task, cfg.dataset))
-    dist.barrier()
-    dist.destroy_process_group()
-    if checkpoints.stopped:
-        raise Terminated(resume_hint(run_dir) if run_dir else "")
-    return summary
+        gathered = [([r.to_dict() for r in state.records], mine.to_dict())]
+    if rank != 0:
+        return None
+    all_records = membership.all_records([records for records, _ in gathered] + [checkpoints.files.departed_records])
+    writer.metrics(all_records, max([len(devices), *(r.rank + 1 for r in all_records)]))
+    per_device = [DeviceSummary.from_dict(d) for _, d in gathered]
+    return writer.summary(cfg, strategy, optimizer, per_device, train_totals, state.evals, params, data, world,
+                          local_batches, state.step, time.perf_counter() - state.started, flops_per_sample,
+                          partition, membership.history(), planned_steps=state.planned_steps, task_name=task_name)
 
 
 def phase(cfg: TrainConfig, rank: int, text: str) -> None:
     """A start-up phase on rank 0, one line on stderr as it begins (not with --no-progress)."""
     if cfg.progress and rank == 0:
         print(f"edgetrain: {text}", file=sys.stderr, flush=True)
-
-
-def _throttle_state(throttle: Throttle | None) -> dict | None:
-    """The throttle's calibration, which a resumed device keeps instead of measuring again."""
-    if throttle is None:
-        return None
-    return {k: getattr(throttle, k) for k in ("reference_cpu", "reference_batch", "reference_gradients",
-                                              "inflation", "inflations", "slept")}
 
 
 def _note(bar, rank: int, text: str) -> None:

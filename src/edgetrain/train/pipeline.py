@@ -28,6 +28,7 @@ from edgetrain.comm.exchange import average
 from edgetrain.comm.params import flatten, unflatten
 from edgetrain.data import shard_indices
 from edgetrain.errors import EdgetrainError
+from edgetrain.kinds import STRATEGY_KINDS
 from edgetrain.models.init import META, is_meta, materialise
 from edgetrain.plan.model import device_gflops, device_links, idle_process_mb
 from edgetrain.plan.split import StageDevice, layer_costs, p2p_seconds, plan_split
@@ -36,7 +37,7 @@ from edgetrain.plan.stages import (BACKWARD, FORWARD, describe_stages, pipeline_
 from edgetrain.spec import get_link
 from edgetrain.train.evaluation import gathered_metrics
 from edgetrain.train.fsdp import clock_summary
-from edgetrain.train.strategy import FLAT_OPTIMIZER, STRATEGIES, StepResult, Strategy
+from edgetrain.train.strategy import FLAT_OPTIMIZER, StepResult, Strategy
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -72,8 +73,8 @@ class Pipeline(Strategy):
     """The model's layers in stages over the devices (``torch.distributed.pipelining``)."""
 
     name = "pipeline"
-    pooled = True
-    shard_data = False  # every stage gets its replica's whole batch; the schedule cuts it into micro-batches
+    # every stage gets its replica's whole batch; the schedule cuts it into micro-batches
+    shard_data, pooled = STRATEGY_KINDS[name].shards_batch, STRATEGY_KINDS[name].pooled
 
     def data_share(self, local_batches: list[int]) -> tuple[list[int], int]:
         # the global batch is cut into one share per replica: every stage of replica r reads share r
@@ -342,7 +343,7 @@ class Pipeline(Strategy):
             else:
                 dist.send(out.contiguous(), dst=c.rank + 1, group=self.pipe_group)
         self.stage_module.train(was_training)
-        return gathered_metrics(evaluator, c.world)
+        return gathered_metrics(evaluator, c.world, type(c.task.evaluator()).merge)
 
     def finish(self) -> None:
         if self.finished:
@@ -416,5 +417,3 @@ def _least(values):
     given = [v for v in values if v is not None]
     return min(given) if given else None
 
-
-STRATEGIES[Pipeline.name] = Pipeline

@@ -38,10 +38,11 @@ or an int for a classifier's right answers), how many it scored
 (summed over devices: the global batch), the seconds it waited on
 communication that compute did not hide, and extra ``StepRecord`` fields.
 
-A new strategy is a class here, or in a module of its own that adds itself
-to ``STRATEGIES`` and is named in ``_STRATEGY_MODULES`` at the end of this
-one (``fsdp.py``, ``pipeline.py``: ``registered_strategy`` imports it when a
-run asks for it); ``edgetrain.train.train(strategy=Cls)`` runs one that is not
+A new strategy is a class here, or in a module of its own (``fsdp.py``,
+``pipeline.py``), and its descriptor in ``edgetrain.kinds``, which names the
+class (``registered_strategy`` imports it when a run asks for it) and says
+what it can do (``shard_data`` and ``pooled`` here are read from it);
+``edgetrain.train.train(strategy=Cls)`` runs one that is not
 registered (tests/train/test_strategy.py trains with one written there).
 A strategy whose devices each hold only part of the model (``pooled``:
 pipeline, fsdp) never gathers it whole: instead of ``checkpoint_state``,
@@ -55,7 +56,6 @@ from __future__ import annotations
 import abc
 import dataclasses
 import gc
-import importlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,6 +67,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from edgetrain.comm import build_sync
 from edgetrain.comm.accounting import CommStats
 from edgetrain.config import TrainConfig
+from edgetrain.errors import EdgetrainError
+from edgetrain.kinds import STRATEGY_KINDS, strategy_kind
 from edgetrain.models.batchnorm import convert_batchnorm
 from edgetrain.models.init import materialise
 from edgetrain.spec import RunSpec
@@ -220,6 +222,7 @@ class DataParallel(Strategy):
     """
 
     name = "ddp"
+    shard_data, pooled = STRATEGY_KINDS[name].shards_batch, STRATEGY_KINDS[name].pooled
 
     def adapt(self, model: nn.Module) -> nn.Module:
         if self.context.cfg.batchnorm == "sync" and self.context.world > 1:
@@ -314,7 +317,7 @@ class Tiled(Strategy):
     """
 
     name = "tiled"
-    shard_data = False
+    shard_data, pooled = STRATEGY_KINDS[name].shards_batch, STRATEGY_KINDS[name].pooled
 
     @property
     def calibration_batch(self) -> None:
@@ -349,16 +352,16 @@ class Tiled(Strategy):
         return {"sync": "tiled", "tiling": self.tiled.report()}
 
 
-STRATEGIES: dict[str, type[Strategy]] = {"ddp": DataParallel, "tiled": Tiled}
-
-# Strategies in modules of their own subclass Strategy and add themselves to STRATEGIES when imported. They
-# are imported only by a run that asks for them: FSDP2 and torch.distributed.pipelining pull in DTensor and
-# dynamo, 1.3 s of the 3.4 s a device spends importing (python -X importtime), which a ddp run never uses.
-_STRATEGY_MODULES = {"fsdp": "edgetrain.train.fsdp", "pipeline": "edgetrain.train.pipeline"}
-
-
 def registered_strategy(name: str) -> type[Strategy]:
-    """The Strategy that ``--strategy name`` trains with, its module imported on first use."""
-    if name not in STRATEGIES and name in _STRATEGY_MODULES:
-        importlib.import_module(_STRATEGY_MODULES[name])
-    return STRATEGIES[name]
+    """The Strategy that ``--strategy name`` trains with: its kind's ``runtime`` (``edgetrain.kinds``), its module
+    imported on first use. FSDP2 and torch.distributed.pipelining pull in DTensor and dynamo, 1.3 s of the 3.4 s
+    a device spends importing (python -X importtime), which a ddp run never uses."""
+    try:
+        strategy = strategy_kind(name).load_runtime()
+    except ImportError as e:  # FSDP2 (fully_shard and its collectives), which torch 2.4 does not export
+        raise EdgetrainError(f"strategy {name} needs a newer torch than this {torch.__version__} ({e}); "
+                             f"use --strategy ddp, or install a newer torch (2.13 is tested)") from None
+    if strategy.pooled:  # its model is written in parts: checked before training, not after it
+        from edgetrain.train.checkpoint import _check_dcp
+        _check_dcp()
+    return strategy

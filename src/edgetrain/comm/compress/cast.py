@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from edgetrain.comm.compress.base import Compressor, Payload
+from edgetrain.comm.compress.memory import NoMemory
 
 FP16_MAX = 65504.0
 
@@ -42,3 +43,13 @@ class HalfCast(Compressor):
 
     def layout(self, numel: int, nbytes: int, segments=None) -> list[tuple[torch.dtype, int]]:
         return [(self.dtype, numel)]
+
+
+def build_fp16(spec, link=None, seed: int = 0, rank: int = 0):
+    """``--compress fp16``'s (compressor, memory) pair (``edgetrain.kinds``)."""
+    return HalfCast(torch.float16), NoMemory()
+
+
+def build_bf16(spec, link=None, seed: int = 0, rank: int = 0):
+    """``--compress bf16``'s (compressor, memory) pair (``edgetrain.kinds``)."""
+    return HalfCast(torch.bfloat16), NoMemory()

@@ -22,3 +22,10 @@ class NoCompression(Compressor):
 
     def layout(self, numel: int, nbytes: int, segments=None) -> list[tuple[torch.dtype, int]]:
         return [(torch.float32, numel)]
+
+
+def build(spec, link=None, seed: int = 0, rank: int = 0):
+    """``--compress none``'s (compressor, memory) pair (``edgetrain.kinds``)."""
+    from edgetrain.comm.compress.memory import NoMemory
+
+    return NoCompression(), NoMemory()

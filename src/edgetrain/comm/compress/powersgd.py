@@ -192,3 +192,9 @@ def powersgd_hook(state: PowerSGDHookState, bucket: dist.GradBucket) -> torch.fu
     out: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     out.set_result(result)
     return out
+
+
+def build_hook(spec, emulator: LinkEmulator, group=None) -> tuple[PowerSGDHookState, object]:
+    """``--compress powersgd[:RANK][:start=ITER]``: the DDP (state, hook) pair (``edgetrain.kinds``)."""
+    return PowerSGDHookState(rank=int(spec.arg or 2), start_iter=int(spec.options.get("start", 10)),
+                             emulator=emulator, group=group), powersgd_hook

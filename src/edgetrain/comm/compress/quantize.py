@@ -26,6 +26,7 @@ import torch
 
 from edgetrain.comm.compress import bitpack
 from edgetrain.comm.compress.base import Compressor, Payload, segment_ids, segment_sum
+from edgetrain.comm.compress.memory import NoMemory, ResidualMemory
 
 TINY = torch.finfo(torch.float32).tiny
 
@@ -112,3 +113,18 @@ class LowBit(Compressor):
 
     def layout(self, numel: int, nbytes: int, segments=None) -> list[tuple[torch.dtype, int]]:
         return [(torch.float32, len(segments or (numel,))), (torch.uint8, bitpack.packed_bytes(numel, self.bits))]
+
+
+def build_int8(spec, link=None, seed: int = 0, rank: int = 0):
+    """``--compress int8``'s (compressor, memory) pair (``edgetrain.kinds``)."""
+    return Int8(), NoMemory()
+
+
+def build_qsgd(spec, link=None, seed: int = 0, rank: int = 0):
+    """``--compress qsgd[:LEVELS]``: the rounding noise made independent per device from ``rank``."""
+    return QSGD(int(spec.arg or 127), seed=seed * 1_000_003 + rank), NoMemory()
+
+
+def build_quant(spec, link=None, seed: int = 0, rank: int = 0):
+    """``--compress quant[:BITS]``: packed BITS-bit values, with error feedback unless ``noef``."""
+    return LowBit(int(spec.arg or 4)), NoMemory() if "noef" in spec.options else ResidualMemory()

@@ -17,6 +17,7 @@ import zlib
 import torch
 
 from edgetrain.comm.compress.base import Compressor, Payload
+from edgetrain.comm.compress.memory import NoMemory, ResidualMemory
 
 
 class RandomK(Compressor):
@@ -53,3 +54,8 @@ class RandomK(Compressor):
 
     def layout(self, numel: int, nbytes: int, segments=None) -> list[tuple[torch.dtype, int]]:
         return [(torch.float32, nbytes // 4)]
+
+
+def build(spec, link=None, seed: int = 0, rank: int = 0):
+    """``--compress randk:RATIO``: ``seed`` must be the same on every device (shared indices)."""
+    return RandomK(spec.arg, seed=seed), NoMemory() if "noef" in spec.options else ResidualMemory()

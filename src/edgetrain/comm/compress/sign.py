@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from edgetrain.comm.compress.base import Compressor, Payload, segment_ids, segment_sum
+from edgetrain.comm.compress.memory import NoMemory, ResidualMemory
 
 _BITS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
 
@@ -67,3 +68,10 @@ class MajorityVote(ScaledSign):
         votes = torch.stack([d.sign() for d in decoded]).sum(0)
         scale = torch.stack([d.abs() for d in decoded]).mean(0)  # each device's per-tensor scale, averaged
         return votes.sign_().mul_(scale)
+
+
+def build(spec, link=None, seed: int = 0, rank: int = 0):
+    """``--compress sign``: EF-signSGD, or with ``vote`` signSGD's majority vote (no error feedback)."""
+    if "vote" in spec.options:
+        return MajorityVote(), NoMemory()
+    return ScaledSign(), NoMemory() if "noef" in spec.options else ResidualMemory()

@@ -41,6 +41,7 @@ import torch
 
 from edgetrain.cluster.links import Link
 from edgetrain.comm.compress.base import Compressor, Payload, segment_ids, segment_sum
+from edgetrain.comm.compress.memory import ResidualMemory
 
 REFERENCE_BPS = 1e9
 
@@ -99,3 +100,8 @@ class Threshold(Compressor):
     def layout(self, numel: int, nbytes: int, segments=None) -> list[tuple[torch.dtype, int]]:
         head = 1 if self.decode_to == "strom" else 2 * len(segments or (numel,))
         return [(torch.float32, head), (torch.int32, (nbytes - 4 * head) // 4)]
+
+
+def build(spec, link: Link | None = None, seed: int = 0, rank: int = 0):
+    """``--compress threshold[:TAU]``: ``Wt`` from this device's ``link``; always with error feedback."""
+    return Threshold(spec.arg or 0.001, link, "strom" if "strom" in spec.options else "mean"), ResidualMemory()

@@ -47,6 +47,7 @@ import torch
 
 from edgetrain.comm.compress import bitpack
 from edgetrain.comm.compress.base import Compressor, Payload
+from edgetrain.comm.compress.memory import DGCMemory, NoMemory, ResidualMemory
 
 
 GAP_FILL = 65535  # the code of a filler; codes below it mean "next entry is code + 1 positions on"
@@ -174,3 +175,14 @@ def _coded_encode(x: torch.Tensor, indices: torch.Tensor, bits: int) -> tuple[to
     codes = torch.zeros(len(gaps), dtype=torch.int64, device=x.device)
     codes[own] = group | ((values < 0).to(torch.int64) << (bits - 1))
     return codebook, gaps, bitpack.pack(codes, bits)
+
+
+def build(spec, link=None, seed: int = 0, rank: int = 0):
+    """``--compress topk:RATIO[:OPTION]...``'s (compressor, memory) pair: DGC's memory with ``dgc``, else a
+    residual (error feedback) unless ``noef``."""
+    opts = spec.options
+    memory = DGCMemory(opts.get("momentum", 0.9)) if "dgc" in opts else \
+        (NoMemory() if "noef" in opts else ResidualMemory())
+    bits = int(opts["bits"]) if "bits" in opts else None
+    return TopK(spec.arg, warmup_steps=int(opts.get("warmup", 0)), layerwise="layerwise" in opts,
+                compact="compact" in opts, bits=bits), memory

@@ -1,0 +1,61 @@
+"""What a sync mode is built from (``SyncSetup``), and the DDP gradient hook a compressor gives (``build_hook``).
+
+``build_sync`` (``comm/__init__.py``) makes one ``SyncSetup`` per device and hands it to the sync mode's
+builder, which its kind names (``edgetrain.kinds``); each mode's module has its own ``build(setup)``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+from torch import nn
+
+from edgetrain.comm.allreduce import AllReduceState, allreduce_hook
+from edgetrain.comm.compress.memory import NoMemory
+from edgetrain.comm.compress.spec import build_compressor
+from edgetrain.comm.emulation import LinkEmulator
+from edgetrain.comm.hook import CompressionState, compression_hook
+from edgetrain.spec import CompressSpec, Link, RunSpec
+
+
+def build_hook(spec: CompressSpec, emulator: LinkEmulator, link: Link | None = None, seed: int = 0,
+               group=None) -> tuple[object, object]:
+    """The DDP (state, hook) pair for a compression spec: a hook of the compressor's own (PowerSGD), else
+    ``allreduce.py``'s overlapping hook where the method allows (summable, no error feedback, no emulated
+    link), else the blocking ``hook.py``."""
+    if spec.kind.hook:
+        return spec.kind.load_runtime()(spec, emulator, group)
+    compressor, memory = build_compressor(spec, link, seed, emulator.rank)
+    if compressor.summable and isinstance(memory, NoMemory) and not emulator.emulated:
+        # nothing to charge to a link and nothing to remember: let the all-reduce overlap backward
+        return AllReduceState(group, emulator.stats, compressor), allreduce_hook
+    return CompressionState(compressor, memory, emulator, group), compression_hook
+
+
+@dataclass
+class SyncSetup:
+    """One device's inputs to its sync mode's builder (every device builds at once: setup collectives)."""
+
+    model: nn.Module
+    spec: RunSpec
+    rank: int
+    world_size: int
+    emulator: LinkEmulator
+    link: Link | None             # this device's link (None: not emulated)
+    distributed: bool
+    clock_group: object           # the group of the clocks' and summaries' exchanges
+    steps_per_epoch: int = 0      # turns fedavg:E's local epochs into steps
+    ddp_kwargs: dict = field(default_factory=dict)
+
+    @property
+    def common(self) -> dict:
+        """The keyword arguments every ``SyncMode`` takes."""
+        return dict(clock_group=self.clock_group, spec=self.spec.sync.text, compress=self.spec.compress.text)
+
+    def averaging_group(self):
+        """A group of its own for the averaging traffic, so that it never interleaves with other collectives."""
+        return dist.new_group(backend="gloo") if self.distributed else None
+
+    def compressor(self) -> tuple[object, object]:
+        """The (compressor, memory) pair of ``--compress`` for this device."""
+        return build_compressor(self.spec.compress, self.link, self.spec.seed, self.rank)

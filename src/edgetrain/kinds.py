@@ -1,0 +1,612 @@
+"""Every strategy, sync mode and compressor, declared once: one descriptor each (docs/design/kinds.md).
+
+A descriptor holds what the rest of edgetrain asks of a kind: its name and
+how it is written, its parser (into the frozen specs of ``edgetrain.spec``),
+its capabilities, its own refusals of a run (``config.resolve`` runs them),
+where the code that runs it lives and where its planner model lives, or the
+one line that refuses to plan it. Those places are ``"module:attribute"``
+strings, imported on first use, so this module stays torch-free and at the
+bottom; nothing else names a kind to decide what to do with it.
+Declaring a descriptor registers it in ``spec.KINDS``, where the parsers look
+names up; ``edgetrain``'s package ``__init__`` imports this module, so every
+kind is declared before anything is parsed.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
+
+from edgetrain.errors import EdgetrainError
+from edgetrain.spec import (KINDS, CompressSpec, LaunchSpec, Link, PartitionSpec, PipelineSpec, SyncSpec,
+                            _float, _int, parse_stages, parse_tiling)
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A run being resolved (``config.resolve``): its config and the options parsed so far, what the kinds'
+    refusals look at. ``cfg`` is a ``config.TrainConfig`` (a layer above, so not named here)."""
+
+    cfg: Any
+    compress: CompressSpec
+    sync: SyncSpec
+    partition: PartitionSpec
+    link: Link | None
+    launch: LaunchSpec
+
+    @property
+    def strategy(self) -> StrategyKind:
+        return strategy_kind(self.cfg.strategy)
+
+    @property
+    def devices_known(self) -> bool:
+        """The config gives the number of devices (not a cluster file, whose devices count after planning, nor
+        torchrun, which counts them itself): checks against it can be made before any device starts."""
+        return not self.cfg.cluster and not self.launch.torchrun
+
+    def changed(self, key: str) -> bool:
+        """Whether config key ``key`` is set to other than its default."""
+        default = type(self.cfg).__dataclass_fields__[key].default
+        value = getattr(self.cfg, key)
+        return (str(value).strip().lower() != str(default)) if isinstance(value, str) else value != default
+
+
+Check = Callable[[Draft], None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Kind:
+    """What every kind declares. ``runtime`` and ``planner`` are ``"module:attribute"``, loaded on first use."""
+
+    family: ClassVar[str]
+
+    name: str
+    usage: str                          # how it is written on the command line, e.g. ``local:H``
+    summary: str                        # one line for the reference page
+    runtime: str                        # what runs it
+    planner: str | None = None          # its planner model (``edgetrain plan``)
+    unplanned: str | None = None        # or the line refusing to plan it: the problem and the fix
+    checks: tuple[Check, ...] = ()      # its refusals of a whole run, each one line with the fix
+    aliases: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if (self.planner is None) == (self.unplanned is None):
+            raise TypeError(f"{self.family} {self.name} needs a planner model or the line refusing to plan it")
+        if self.name in KINDS[self.family]:
+            raise TypeError(f"{self.family} {self.name} is declared twice")
+        KINDS[self.family][self.name] = self
+
+    def load_runtime(self) -> Any:
+        return _load(self.runtime)
+
+    def load_planner(self) -> Any:
+        """The planner model; a kind without one is refused here, in its own line, never planned as another."""
+        if self.planner is None:
+            raise EdgetrainError(self.unplanned)
+        return _load(self.planner)
+
+    def check(self, draft: Draft) -> None:
+        for check in self.checks:
+            check(draft)
+
+
+def _load(where: str) -> Any:
+    module, _, attribute = where.partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+# ---------------------------------------------------------------- compressors
+
+@dataclass(frozen=True, kw_only=True)
+class CompressKind(Kind):
+    """``--compress``: ``runtime`` builds ``(Compressor, memory)`` from ``(spec, link, seed, rank)``, or, for a
+    ``hook``, the DDP ``(state, hook)`` from ``(spec, emulator, group)``; ``planner`` gives its traffic
+    (``plan/traffic.py``)."""
+
+    family: ClassVar[str] = "compress"
+    options: frozenset[str] = frozenset()
+    check_arguments: Callable[[float | None, dict, str], None]
+    plain: bool = False        # sends fp32 as plain DDP does: nothing compressed
+    hook: bool = False         # a DDP gradient hook of its own, not a Compressor: synchronous steps only
+    fixed_size: bool = True    # the same bytes every exchange, whatever the values
+
+
+def _no_number(name: str) -> Callable[[float | None, dict, str], None]:
+    def check(arg, options, text):
+        if arg is not None:
+            raise EdgetrainError(f"{name} takes no number, got {text!r}")
+    return check
+
+
+def _fraction(name: str) -> Callable[[float | None, dict, str], None]:
+    def check(arg, options, text):
+        if arg is None:
+            raise EdgetrainError(f"{name} needs the fraction of entries to keep, e.g. --compress {name}:0.01")
+        if not 0 < arg <= 1:
+            raise EdgetrainError(f"{name} ratio must be a fraction in (0, 1], got {arg:g} in {text!r}; "
+                                 f"e.g. {name}:0.01 keeps 1% of the entries")
+    return check
+
+
+def _whole_steps(key: str, options: dict) -> None:
+    if key in options and not (options[key] == int(options[key]) and options[key] >= 0):
+        raise EdgetrainError(f"{key}= must be a whole number of steps, got {options[key]:g}")
+
+
+def _check_topk(arg, options, text):
+    _fraction("topk")(arg, options, text)
+    if "momentum" in options and not 0 <= options["momentum"] < 1:
+        raise EdgetrainError(f"momentum must be in [0, 1), got {options['momentum']:g}")
+    if "momentum" in options and "dgc" not in options:
+        raise EdgetrainError("momentum= applies to DGC momentum correction: add :dgc, e.g. topk:0.001:dgc:momentum=0.9")
+    if "dgc" in options and "noef" in options:
+        raise EdgetrainError("dgc keeps its own residual; it cannot be combined with noef")
+    if "bits" in options and not (options["bits"] == int(options["bits"]) and 1 <= options["bits"] <= 8):
+        raise EdgetrainError(f"bits= is the bits of a kept value, a whole number from 1 to 8, got {options['bits']:g}; "
+                             "e.g. topk:0.01:bits=2")
+    if "bits" in options and "compact" in options:
+        raise EdgetrainError("bits= already sends 16-bit positions as compact does, with B-bit values: drop :compact")
+    _whole_steps("warmup", options)
+
+
+def _check_qsgd(arg, options, text):
+    if arg is not None and not (arg == int(arg) and 1 <= arg <= 127):
+        raise EdgetrainError(f"qsgd levels must be an integer in [1, 127], got {arg:g}")
+
+
+def _check_quant(arg, options, text):
+    if arg is not None and not (arg == int(arg) and 2 <= arg <= 8):
+        raise EdgetrainError(f"quant takes a whole number of bits from 2 to 8, got {arg:g}; e.g. --compress quant:4")
+
+
+def _check_powersgd(arg, options, text):
+    if arg is not None and not (arg == int(arg) and arg >= 1):
+        raise EdgetrainError(f"powersgd rank must be an integer >= 1, got {arg:g}")
+    _whole_steps("start", options)
+
+
+def _check_threshold(arg, options, text):
+    if arg is not None and not arg > 0:
+        raise EdgetrainError(f"threshold tau must be positive, got {arg:g}")
+
+
+def _dgc_without_optimizer_momentum(d: Draft) -> None:
+    if d.compress.is_dgc and d.cfg.optimizer == "sgd" and d.cfg.momentum > 0:
+        raise EdgetrainError(f"--compress {d.compress.text} applies momentum inside the hook (DGC momentum "
+                             "correction); set --momentum 0 so that it is not applied twice")
+
+
+_PAYLOAD = "edgetrain.plan.traffic:encoded_buckets"   # the real compressor's payload, encoded and measured
+_C = "edgetrain.comm.compress."
+
+CompressKind(name="none", usage="none", aliases=("fp32",), summary="fp32 all-reduce, as plain DDP",
+             runtime=_C + "fp32:build", planner=_PAYLOAD, check_arguments=_no_number("none"), plain=True)
+CompressKind(name="fp16", usage="fp16", summary="half-precision (IEEE fp16) all-reduce",
+             runtime=_C + "cast:build_fp16", planner=_PAYLOAD, check_arguments=_no_number("fp16"))
+CompressKind(name="bf16", usage="bf16", summary="half-precision (bfloat16) all-reduce",
+             runtime=_C + "cast:build_bf16", planner=_PAYLOAD, check_arguments=_no_number("bf16"))
+CompressKind(name="int8", usage="int8", summary="linear 8-bit quantization",
+             runtime=_C + "quantize:build_int8", planner=_PAYLOAD, check_arguments=_no_number("int8"))
+CompressKind(name="qsgd", usage="qsgd[:LEVELS]", summary="stochastic quantization, 1..127 levels (default 127)",
+             runtime=_C + "quantize:build_qsgd", planner=_PAYLOAD, check_arguments=_check_qsgd)
+CompressKind(name="quant", usage="quant[:BITS]",
+             summary="linear BITS-bit quantization (2..8, default 4), packed, with error feedback; noef",
+             runtime=_C + "quantize:build_quant", planner=_PAYLOAD, check_arguments=_check_quant,
+             options=frozenset({"noef"}))
+CompressKind(name="topk", usage="topk:RATIO",
+             summary="top-k with error feedback; options dgc (momentum correction, momentum=0.9), warmup=STEPS "
+                     "(DGC's sparsity ramp), layerwise (a budget per layer), compact (fp16 value + 16-bit index "
+                     "gap), bits=B (B-bit values and 16-bit gaps: SparseLoCo's 2 bits), noef",
+             runtime=_C + "topk:build", planner=_PAYLOAD, check_arguments=_check_topk,
+             options=frozenset({"dgc", "momentum", "warmup", "noef", "layerwise", "compact", "bits"}),
+             checks=(_dgc_without_optimizer_momentum,))
+CompressKind(name="randk", usage="randk:RATIO", summary="random-k (shared seed) with error feedback; noef",
+             runtime=_C + "randk:build", planner=_PAYLOAD, check_arguments=_fraction("randk"),
+             options=frozenset({"noef"}))
+CompressKind(name="sign", usage="sign", summary="EF-signSGD (scaled sign, error feedback); sign:vote for signSGD "
+                                               "majority vote",
+             runtime=_C + "sign:build", planner=_PAYLOAD, check_arguments=_no_number("sign"),
+             options=frozenset({"vote", "noef"}))
+CompressKind(name="powersgd", usage="powersgd[:RANK]",
+             summary="PyTorch's PowerSGD hook (default rank 2); start=ITER vanilla all-reduce iterations first "
+                     "(default 10)",
+             runtime=_C + "powersgd:build_hook", planner="edgetrain.plan.traffic:powersgd_buckets",
+             check_arguments=_check_powersgd, options=frozenset({"start"}), hook=True)
+CompressKind(name="threshold", usage="threshold[:TAU]",
+             summary="Strom's two-step threshold method, Wt derived from the device's link (default tau 0.001); "
+                     "entries decode to their layer's mean, strom to +-Wt",
+             runtime=_C + "threshold:build", check_arguments=_check_threshold, options=frozenset({"strom"}),
+             fixed_size=False,
+             unplanned="--compress threshold sends as many entries as crossed the threshold, which depends on the "
+                       "gradients' values: the planner cannot predict it; measure it with edgetrain train, or plan "
+                       "with topk:RATIO at the density you expect")
+
+
+# ---------------------------------------------------------------- sync modes
+
+@dataclass(frozen=True, kw_only=True)
+class SyncKind(Kind):
+    """``--sync``: ``runtime`` builds the ``SyncMode`` from a ``comm.setup.SyncSetup``; ``planner`` gives one
+    device's ``Traffic`` (``plan/traffic.py``), whose ``timing`` says how ``plan/model.py`` and
+    ``plan/simulate.py`` turn it into step times: ``lockstep`` (every step waits for the exchange),
+    ``periodic`` (an exchange every ``period`` steps) or ``bounded`` (background rounds, staleness bound)."""
+
+    family: ClassVar[str] = "sync"
+    parse: Callable[[list[str], str], SyncSpec]
+    accepts: Callable[[SyncSpec, CompressSpec], None]   # refuses the compressors it cannot carry
+    timing: str
+    rounds: bool = False            # rounds of local steps, which --round-deadline can bound
+    elastic: bool = False           # survives a device leaving (--min-devices)
+    needs_partition: bool = False   # trains each device on its own data
+    options: tuple[str, ...] = ()   # config keys only this mode takes
+    options_hint: str = ""
+
+    @property
+    def lockstep(self) -> bool:
+        return self.timing == "lockstep"
+
+
+def _parse_sync(rest: list[str], text: str) -> SyncSpec:
+    if rest:
+        raise EdgetrainError(f"--sync sync takes no arguments, got {text!r}")
+    return SyncSpec("sync", text=text)
+
+
+def _number(rest: list[str], mode: str, text: str) -> int | None:
+    return _int(rest[0], mode, text) if rest else None
+
+
+def _period(rest: list[str], mode: str, text: str) -> int:
+    """The H of ``local:H`` / ``diloco:H`` / ``streaming:H``: local steps between two exchanges."""
+    name = "local SGD" if mode == "local" else mode
+    if not rest:
+        raise EdgetrainError(f"{name} needs the number of local steps between averages, e.g. --sync {mode}:8")
+    number = _int(rest[0], mode, text)
+    if number < 1:
+        raise EdgetrainError(f"{name} period H must be >= 1 step, got {number} in {text!r}; "
+                             f"e.g. --sync {mode}:8 averages every 8 steps ({mode}:1 averages every step)")
+    return number
+
+
+def _outer(key: str, value: str, opt: str, text: str, values: dict) -> bool:
+    """Read an outer-step option (``lr=``, ``momentum=``) into ``values``; False if ``key`` is none."""
+    if key not in ("lr", "momentum"):
+        return False
+    values[key] = _float(value, opt, text)
+    return True
+
+
+def _check_outer(values: dict) -> None:
+    lr, momentum = values["lr"], values["momentum"]
+    if not (lr > 0 and math.isfinite(lr)) or not 0 <= momentum < 1:
+        raise EdgetrainError(f"outer lr must be > 0 and momentum in [0, 1), got lr={lr:g}, momentum={momentum:g}")
+
+
+def _parse_local(rest: list[str], text: str) -> SyncSpec:
+    """``local:H[:nesterov][:lr=][:momentum=]``; its alias ``diloco:H[:lr=][:momentum=]`` is the same with
+    ``nesterov``, spelt as the papers name it."""
+    mode = text.split(":")[0]
+    nesterov = mode == "diloco"
+    number = _period(rest, mode, text)
+    values = {"lr": 0.7, "momentum": 0.9}
+    for opt in rest[1:]:
+        key, eq, value = opt.partition("=")
+        if opt == "nesterov" and mode == "local":
+            nesterov = True
+        elif not (eq and _outer(key, value, opt, text, values)):
+            allowed = "nesterov, lr=, momentum=" if mode == "local" else "lr=, momentum="
+            raise EdgetrainError(f"unknown {mode} option {opt!r} in {text!r}; options: {allowed}")
+    if (values["lr"], values["momentum"]) != (0.7, 0.9) and not nesterov:
+        raise EdgetrainError("lr= and momentum= set the outer Nesterov step: add :nesterov, "
+                             "e.g. --sync local:8:nesterov:lr=0.7 (or write diloco:8:lr=0.7)")
+    _check_outer(values)
+    return SyncSpec("local", period=number, nesterov=nesterov, outer_lr=values["lr"],
+                    outer_momentum=values["momentum"], text=text)
+
+
+def _parse_streaming(rest: list[str], text: str) -> SyncSpec:
+    """``streaming:H[:fragments=F][:overlap=T][:mix=A][:lr=][:momentum=]`` (comm/streaming.py)."""
+    number = _period(rest, "streaming", text)
+    values = {"lr": 0.7, "momentum": 0.9, "fragments": 2.0, "overlap": 1.0, "mix": 0.5}
+    for opt in rest[1:]:
+        key, eq, value = opt.partition("=")
+        if eq and key in ("fragments", "overlap", "mix"):
+            values[key] = _float(value, opt, text)
+        elif not (eq and _outer(key, value, opt, text, values)):
+            raise EdgetrainError(f"unknown streaming option {opt!r} in {text!r}; options: fragments=, overlap=, "
+                                 "mix=, lr=, momentum=")
+    _check_outer(values)
+    fragments, overlap = values["fragments"], values["overlap"]
+    if fragments != int(fragments) or not 1 <= fragments <= number:
+        raise EdgetrainError(f"streaming fragments=F must be a whole number from 1 to H={number} (each fragment "
+                             f"is synchronised at its own step of the H), got {fragments:g} in {text!r}")
+    if overlap != int(overlap) or not 0 <= overlap < number:
+        raise EdgetrainError(f"streaming overlap=T must be a whole number of steps from 0 to H-1={number - 1} (a "
+                             f"fragment's exchange must land before its next one starts), got {overlap:g} in {text!r}")
+    if not 0 <= values["mix"] <= 1:
+        raise EdgetrainError(f"streaming mix=A must be in [0, 1] (the share of the local fragment kept when the "
+                             f"averaged one lands), got {values['mix']:g} in {text!r}")
+    return SyncSpec("streaming", period=number, nesterov=True, outer_lr=values["lr"],
+                    outer_momentum=values["momentum"], text=text, fragments=int(fragments), overlap=int(overlap),
+                    mix=values["mix"])
+
+
+def _one_number_at_most(rest: list[str], mode: str, text: str) -> int | None:
+    if len(rest) > 1:
+        raise EdgetrainError(f"--sync {mode} takes one number at most, got {text!r}")
+    return _number(rest, mode, text)
+
+
+def _parse_async(rest: list[str], text: str) -> SyncSpec:
+    number = _one_number_at_most(rest, "async", text)
+    if number is None:
+        raise EdgetrainError("async needs a staleness bound in steps, e.g. --sync async:4")
+    if number < 1:
+        raise EdgetrainError(f"async staleness bound must be >= 1 step, got {number}; "
+                             "a bound of 0 is synchronous training: use --sync sync")
+    return SyncSpec("async", staleness=number, text=text)
+
+
+def _parse_gossip(rest: list[str], text: str) -> SyncSpec:
+    number = _one_number_at_most(rest, "gossip", text)
+    period = 1 if number is None else number
+    if period < 1:
+        raise EdgetrainError(f"gossip period must be >= 1 step, got {period}")
+    return SyncSpec("gossip", period=period, text=text)
+
+
+def _parse_fedavg(rest: list[str], text: str) -> SyncSpec:
+    fix = "e.g. --sync fedavg:1 (one local epoch per round) or fedavg:steps=20"
+    if not rest:
+        raise EdgetrainError(f"fedavg needs the local work per round; {fix}")
+    epochs, period, mu, flags = 0, 0, None, set()
+    for i, token in enumerate(rest):
+        key, eq, value = token.partition("=")
+        if i == 0 and not eq:
+            epochs = _int(token, "fedavg", text)
+        elif i == 0 and key == "steps":
+            period = _int(value, "fedavg", text)
+        elif i > 0 and key == "prox" and eq:
+            mu = _float(value, token, text)
+        elif i > 0 and token in ("scaffold", "weighted", "reset"):
+            flags.add(token)
+        else:
+            raise EdgetrainError(f"unknown fedavg option {token!r} in --sync {text!r}; write fedavg:E or "
+                                 "fedavg:steps=H, then optionally :prox=MU, :scaffold, :weighted and :reset")
+    if max(epochs, period) < 1:
+        raise EdgetrainError(f"fedavg needs at least one local epoch or step per round, got {text!r}; {fix}")
+    if mu is not None and not (mu >= 0 and math.isfinite(mu)):
+        raise EdgetrainError(f"fedavg prox=MU must be a finite number >= 0, got {mu:g} in {text!r}; e.g. prox=0.01")
+    return SyncSpec("fedavg", period=period, local_epochs=epochs, prox_mu=mu, scaffold="scaffold" in flags,
+                    weighted="weighted" in flags, reset="reset" in flags, text=text)
+
+
+def _any_compressor(sync: SyncSpec, compress: CompressSpec) -> None:
+    """Synchronous steps carry every compressor, PowerSGD's hook included."""
+
+
+def _model_deltas(sync: SyncSpec, compress: CompressSpec) -> None:
+    """Averages of model deltas: a Compressor, not a gradient hook, and no gradient momentum correction."""
+    if compress.kind.hook:
+        raise EdgetrainError(f"{compress.method} is a DDP gradient hook and works with --sync sync only, not "
+                             f"{sync.text!r}; with local/async averaging use topk, randk, sign, int8, qsgd, fp16 or "
+                             "bf16")
+    if compress.is_dgc:
+        raise EdgetrainError(f"dgc momentum correction applies to gradients (--sync sync), not to the model "
+                             f"deltas of {sync.text!r}; drop :dgc")
+
+
+def _fixed_size_deltas(sync: SyncSpec, compress: CompressSpec) -> None:
+    _model_deltas(sync, compress)
+    if not compress.kind.fixed_size:
+        raise EdgetrainError(f"{compress.method} sends a variable number of entries, which the non-blocking rounds "
+                             f"of --sync {sync.mode} cannot carry; use topk, randk, quant or sign with {sync.mode}")
+
+
+def _uncompressed(sync: SyncSpec, compress: CompressSpec) -> None:
+    if not compress.kind.plain:
+        raise EdgetrainError(f"gossip averages full models with neighbours and supports --compress none only, "
+                             f"not {compress.text!r} (compressed gossip needs CHOCO-SGD, not implemented)")
+
+
+def check_compatible(sync: SyncSpec, compress: CompressSpec) -> None:
+    """Refuse a compressor the sync mode cannot carry, saying why and what works."""
+    sync.kind.accepts(sync, compress)
+
+
+def _own_data(d: Draft) -> None:
+    if not d.partition.local and not d.cfg.cluster:  # a cluster file may give devices data (data/device_data.py)
+        raise EdgetrainError(f"--sync {d.sync.text} trains each device on its own data, which needs a partition; "
+                             "add --partition iid, dirichlet:ALPHA or shards:K")
+
+
+_T = "edgetrain.plan.traffic:"
+SyncKind(name="sync", usage="sync", summary="synchronous DDP (default); every compressor",
+         parse=_parse_sync, accepts=_any_compressor, timing="lockstep", elastic=True,
+         runtime="edgetrain.comm.sync:build", planner=_T + "synchronous")
+SyncKind(name="local", usage="local:H",
+         summary="local SGD, average every H steps; local:H:nesterov[:lr=0.7][:momentum=0.9] (or diloco:H[:lr=]"
+                 "[:momentum=]) with DiLoCo's outer Nesterov step; every compressor but powersgd and dgc",
+         parse=_parse_local, accepts=_model_deltas, timing="periodic", rounds=True, elastic=True, aliases=("diloco",),
+         runtime="edgetrain.comm.local_sgd:build", planner=_T + "local_sgd")
+SyncKind(name="streaming", usage="streaming:H",
+         summary="Streaming DiLoCo: the model's fragments (fragments=2) averaged at staggered steps in the "
+                 "background, overlap=T steps behind (1), mix=A of the local fragment kept (0.5), lr=, momentum= of "
+                 "the outer Nesterov step; async:S's compressors",
+         parse=_parse_streaming, accepts=_fixed_size_deltas, timing="background",
+         runtime="edgetrain.comm.streaming:build",
+         unplanned="the planner does not model --sync streaming (background exchanges of fragments); plan with "
+                   "diloco:H for the bytes, or measure with edgetrain train")
+SyncKind(name="async", usage="async:S",
+         summary="bounded staleness S steps; every fixed-size compressor (not threshold, powersgd, dgc)",
+         parse=_parse_async, accepts=_fixed_size_deltas, timing="bounded",
+         runtime="edgetrain.comm.asynchronous:build", planner=_T + "bounded_staleness")
+SyncKind(name="gossip", usage="gossip",
+         summary="ring gossip every H steps (gossip[:H], default 1); --compress none only",
+         parse=_parse_gossip, accepts=_uncompressed, timing="periodic",
+         runtime="edgetrain.comm.gossip:build", planner=_T + "gossip")
+SyncKind(name="fedavg", usage="fedavg:E",
+         summary="federated rounds of E local epochs (fedavg:steps=H: H steps); :prox=MU (FedProx), :scaffold, "
+                 ":weighted (by sample counts), :reset (client optimizer each round); local:H's compressors; needs "
+                 "--partition",
+         parse=_parse_fedavg, accepts=_model_deltas, timing="periodic", rounds=True, needs_partition=True,
+         options=("server_opt", "participation"), options_hint="applies to federated rounds only; add --sync fedavg:E",
+         checks=(_own_data,), runtime="edgetrain.comm.federated:build", planner=_T + "federated")
+
+
+# ---------------------------------------------------------------- strategies
+
+@dataclass(frozen=True, kw_only=True)
+class StrategyKind(Kind):
+    """``--strategy``: ``runtime`` is its ``train.strategy.Strategy`` subclass; ``planner`` its per-strategy
+    prediction ``(inputs, prediction, microbatches, schedule) -> PlanStrategy`` (``plan/strategies.py``)."""
+
+    family: ClassVar[str] = "strategy"
+    shards_batch: bool = True        # each device reads its share of the global batch (else the whole batch)
+    pooled: bool = False             # each device holds only its part of the model
+    elastic: bool = False            # a device may leave and the others go on (--min-devices)
+    own_exchanges: str | None = None  # its exchanges are its own (not --sync / --compress): what they are
+    options: tuple[str, ...] = ()    # config keys only this strategy takes
+    spec: Callable[[Draft], dict] = lambda draft: {}   # the RunSpec fields it parses from its options
+
+
+def _exchanges_of_its_own(d: Draft, compress_applies: bool = False, compress_fix: str = "") -> None:
+    """Options that would change exchanges this strategy does not make are refused, not silently ignored."""
+    for key, text, ignored in (("compress", d.compress.text, not d.compress.kind.plain and not compress_applies),
+                               ("sync", d.sync.text, not d.sync.kind.lockstep)):
+        if ignored:
+            fix = compress_fix if key == "compress" and compress_fix else "; drop --" + key
+            raise EdgetrainError(f"config key '{key}' {text} does not apply to strategy {d.cfg.strategy}, whose "
+                                 f"{d.strategy.own_exchanges} are uncompressed and synchronous{fix} "
+                                 f"or use --strategy ddp")
+
+
+def _tiled_checks(d: Draft) -> None:
+    _exchanges_of_its_own(d)
+    if d.link is not None:
+        raise EdgetrainError(f"config key 'link' {d.cfg.link} does not apply to strategy tiled, which does not "
+                             f"emulate links (its exchanges run on the host's network); drop --link or use "
+                             f"--strategy ddp")
+
+
+def _tiling(d: Draft) -> dict:
+    cfg = d.cfg
+    tiling = parse_tiling(cfg.grid, cfg.groups)
+    if d.devices_known and cfg.devices != tiling.devices:
+        raise EdgetrainError(f"config key 'devices' is {cfg.devices} but grid {cfg.grid} needs {tiling.devices} "
+                             f"devices, one per tile; set --devices {tiling.devices}")
+    return {"tiling": tiling}
+
+
+def _pipeline_checks(d: Draft) -> None:
+    # A hybrid pipeline (--pipeline-replicas D > 1) all-reduces each stage's gradients among its D replicas
+    # through edgetrain's compressors (comm/exchange.py): --compress applies there, and only there.
+    hybrid = d.cfg.pipeline_replicas > 1
+    _exchanges_of_its_own(d, compress_applies=hybrid,
+                          compress_fix=" (a single pipeline: nothing to all-reduce); add --pipeline-replicas D for D "
+                                       "pipelines whose stages all-reduce their gradients compressed, drop --compress")
+    if hybrid and d.compress.kind.hook:
+        raise EdgetrainError(f"config key 'compress' {d.compress.method} is a DDP gradient hook, which a pipeline's "
+                             "replicas do not use; with --pipeline-replicas use topk, randk, sign, threshold, int8, "
+                             "qsgd, fp16 or bf16")
+    if d.cfg.link_mode == "enforced":
+        raise EdgetrainError("link mode enforced does not apply to strategy pipeline, whose sends are charged on a "
+                             "timeline of micro-batches (train/pipeline.py); use --link-mode virtual")
+
+
+def _pipeline(d: Draft) -> dict:
+    cfg = d.cfg
+    replicas = cfg.pipeline_replicas
+    pipeline = PipelineSpec(parse_stages(cfg.stages), cfg.microbatches, cfg.pipeline_schedule,
+                            planned=cfg.stages.strip().lower() == "auto", replicas=replicas)
+    if cfg.batchnorm == "sync":
+        raise EdgetrainError("config key 'batchnorm' sync does not apply to strategy pipeline: each BatchNorm lives "
+                             "on one stage and normalises each micro-batch; use --batchnorm local")
+    if cfg.batch_size % replicas:
+        raise EdgetrainError(f"config key 'pipeline_replicas' {replicas} does not divide batch_size {cfg.batch_size} "
+                             f"(each replica trains on batch_size / {replicas}); pick a divisor of it")
+    per_replica = cfg.batch_size // replicas
+    if per_replica % cfg.microbatches:
+        of = f"batch_size {cfg.batch_size}" if replicas == 1 else f"a replica's batch {per_replica} (batch_size / " \
+                                                                   f"pipeline_replicas)"
+        raise EdgetrainError(f"config key 'microbatches' {cfg.microbatches} does not divide {of}; pick a divisor "
+                             f"of it")
+    if d.devices_known and cfg.devices % replicas:  # else the devices check it, knowing their number
+        raise EdgetrainError(f"config key 'devices' {cfg.devices} is not a multiple of pipeline_replicas {replicas} "
+                             f"(devices = stages x replicas); set --devices to a multiple of {replicas}")
+    if d.devices_known and pipeline.stages is not None and cfg.devices != pipeline.stages * replicas:
+        per = (", one per device" if replicas == 1
+               else f"; with {replicas} replicas that is {pipeline.stages * replicas}")
+        raise EdgetrainError(f"config key 'devices' is {cfg.devices} but stages {cfg.stages} make {pipeline.stages} "
+                             f"stages{per}; set --devices {pipeline.stages * replicas}")
+    if replicas > 1 and (cfg.checkpoint_every or cfg.checkpoint_every_s or cfg.resume):
+        raise EdgetrainError(f"checkpoints during the run (--checkpoint-every/--resume) are not supported with "
+                             f"--pipeline-replicas {replicas} yet (each replica's error-feedback state is not saved); "
+                             f"drop them or use --pipeline-replicas 1")
+    return {"pipeline": pipeline}
+
+
+_S = "edgetrain.plan.strategies:"
+StrategyKind(name="ddp", usage="ddp", summary="data parallel: every device a replica on its share of the batch, "
+                                              "replicas agreeing as --sync and --compress say",
+             runtime="edgetrain.train.strategy:DataParallel", planner=_S + "ddp_strategy", elastic=True)
+StrategyKind(name="tiled", usage="tiled",
+             summary="spatial tiles of the early layers over a device grid (--grid, --groups), data parallel after "
+                     "them; every device reads the whole batch",
+             runtime="edgetrain.train.strategy:Tiled", shards_batch=False,
+             own_exchanges="halo, feature-map and gradient exchanges", options=("grid", "groups"),
+             checks=(_tiled_checks,), spec=_tiling,
+             unplanned="edgetrain plan has no model of strategy tiled (its halo and feature-map exchanges are not "
+                       "modelled); measure it with edgetrain train --strategy tiled, or plan ddp, fsdp or pipeline")
+StrategyKind(name="fsdp", usage="fsdp", summary="parameters, gradients and optimizer state sharded over the devices "
+                                                "(FSDP2)",
+             runtime="edgetrain.train.fsdp:FullyShardedDataParallel", planner=_S + "fsdp_strategy", pooled=True,
+             own_exchanges="parameter all-gathers and gradient reduce-scatters", checks=(_exchanges_of_its_own,))
+StrategyKind(name="pipeline", usage="pipeline",
+             summary="the model's layers split into stages, one per device (--stages, --microbatches, "
+                     "--pipeline-schedule, --pipeline-replicas); every device reads the whole batch",
+             runtime="edgetrain.train.pipeline:Pipeline", planner=_S + "pipeline_strategy", shards_batch=False,
+             pooled=True, own_exchanges="activation and gradient sends between stages",
+             options=("stages", "pipeline_replicas"), checks=(_pipeline_checks,), spec=_pipeline)
+
+
+# ---------------------------------------------------------------- tasks
+# A task (what a model is trained to do: its loss and metrics) is declared here the same way: a ``Kind``
+# subclass with ``family = "task"`` and its capabilities, whose ``runtime`` names its class in
+# ``edgetrain.tasks``; ``spec.KINDS["task"]`` is its table.
+
+
+# ---------------------------------------------------------------- lookups
+
+STRATEGIES: tuple[str, ...] = tuple(KINDS["strategy"])
+SYNC_MODES: tuple[str, ...] = tuple(KINDS["sync"])
+METHODS: tuple[str, ...] = tuple(KINDS["compress"])
+STRATEGY_KINDS: dict[str, StrategyKind] = KINDS["strategy"]
+SYNC_KINDS: dict[str, SyncKind] = KINDS["sync"]
+COMPRESS_KINDS: dict[str, CompressKind] = KINDS["compress"]
+
+
+def strategy_kind(name: str) -> StrategyKind:
+    """The descriptor of strategy ``name``; an unknown one is refused in one line."""
+    kind = STRATEGY_KINDS.get(name)
+    if kind is None:
+        raise EdgetrainError(f"unknown strategy {name!r}; use one of {', '.join(STRATEGIES)}")
+    return kind
+
+
+def owner(key: str, family: str) -> Kind | None:
+    """The kind of ``family`` that alone takes config key ``key`` (None: a key of every kind)."""
+    return next((k for k in KINDS[family].values() if key in k.options), None)
+
+
+def all_kinds() -> list[Kind]:
+    return [kind for family in KINDS.values() for kind in family.values()]
+
+
+def reference_table(family: str) -> str:
+    """The reference page's table of ``family``'s kinds (markdown): how each is written, what it is, and
+    whether ``edgetrain plan`` models it."""
+    rows = [f"| `{kind.usage}` | {kind.summary} | {'yes' if kind.planner else 'no'} |"
+            for kind in KINDS[family].values()]
+    return "\n".join(["| written | what it is | planned |", "| --- | --- | --- |", *rows])

@@ -1,0 +1,122 @@
+"""Each kind declared once (edgetrain.kinds): the contract every descriptor keeps, and the planner dispatching
+through the descriptors (fedavg planned as rounds, a strategy without a model refused, not planned as another)."""
+import dataclasses
+import inspect
+
+import pytest
+
+from edgetrain.config import load_config, resolve
+from edgetrain.errors import EdgetrainError
+from edgetrain.kinds import (COMPRESS_KINDS, STRATEGY_KINDS, SYNC_KINDS, CompressKind, StrategyKind, SyncKind,
+                             all_kinds)
+from edgetrain.spec import KINDS, LaunchSpec, parse_compress, parse_sync
+
+from edgetrain_testing import run_cli
+
+
+@pytest.mark.parametrize("kind", all_kinds(), ids=lambda k: f"{k.family}-{k.name}")
+def test_every_kind_has_a_parser_a_runtime_a_planner_model_or_a_refusal_and_a_reference_row(kind):
+    assert kind.summary and kind.usage.startswith(kind.name)  # the reference row, and how it is written
+    runtime = kind.load_runtime()
+    if isinstance(kind, SyncKind):
+        assert parse_sync(kind.usage.replace(":H", ":2").replace(":S", ":2").replace(":E", ":1")).kind is kind
+        assert list(inspect.signature(runtime).parameters) == ["setup"]
+    elif isinstance(kind, CompressKind):
+        example = {"topk": "topk:0.1", "randk": "randk:0.1"}.get(kind.name, kind.name)
+        assert parse_compress(example).kind is kind
+        assert len(inspect.signature(runtime).parameters) == (3 if kind.hook else 4)
+    else:
+        assert isinstance(kind, StrategyKind)
+        # the runtime class is this strategy, and what the loop reads of it is the descriptor's
+        assert (runtime.name, runtime.shard_data, runtime.pooled) == (kind.name, kind.shards_batch, kind.pooled)
+        assert callable(kind.spec)
+    if kind.planner is not None:
+        assert callable(kind.load_planner())
+    else:
+        with pytest.raises(EdgetrainError) as refused:
+            kind.load_planner()
+        assert str(refused.value) == kind.unplanned and "\n" not in kind.unplanned and ";" in kind.unplanned
+
+
+def test_the_reference_tables_have_a_row_per_kind():
+    from edgetrain.kinds import reference_table
+
+    for family in ("strategy", "sync", "compress"):
+        rows = reference_table(family).splitlines()[2:]
+        assert [row.split("`")[1] for row in rows] == [k.usage for k in KINDS[family].values()]
+    assert "| `threshold[:TAU]` | Strom's two-step threshold method" in reference_table("compress")
+    assert reference_table("compress").count("| no |") == 1 and reference_table("strategy").count("| no |") == 1
+
+
+def test_the_registry_is_the_parsers_table_and_a_kind_is_declared_once():
+    assert KINDS["strategy"] is STRATEGY_KINDS and KINDS["sync"] is SYNC_KINDS and KINDS["compress"] is COMPRESS_KINDS
+    with pytest.raises(TypeError, match="declared twice"):
+        dataclasses.replace(SYNC_KINDS["gossip"])
+    with pytest.raises(TypeError, match="needs a planner model or the line refusing to plan it"):
+        dataclasses.replace(SYNC_KINDS["gossip"], name="gossip2", planner=None)
+    assert "gossip2" not in SYNC_KINDS
+    with pytest.raises(EdgetrainError, match="use sync, local:H, diloco:H, streaming:H, async:S, gossip or fedavg:E"):
+        parse_sync("ring:2")
+
+
+def test_resolve_takes_the_launch_from_the_launcher_not_from_the_environment():
+    cfg = load_config(None, strategy="tiled", grid="1x2", devices=2)
+    cfg.devices = 1  # under torchrun, torchrun counts the devices, not the config
+    with pytest.raises(EdgetrainError, match="needs 2 devices, one per tile"):
+        resolve(cfg, LaunchSpec())
+    assert resolve(cfg, LaunchSpec(torchrun=True)).tiling.devices == 2
+
+
+FED = ["--model", "small_cnn", "--dataset", "synthetic", "--synthetic-samples", "256", "--image-size", "8",
+       "--devices", "4", "--profile", "rpi4", "--link", "lte-10m", "--batch-size", "32", "--runtime-mb", "100"]
+
+
+def test_fedavg_is_planned_as_rounds_of_local_steps(tmp_path):
+    from edgetrain.plan.config import plan_inputs, predict_inputs
+
+    config = tmp_path / "fed.yaml"
+    config.write_text("sync: fedavg:1\npartition: dirichlet:0.5\ndevices: 4\n")
+    # once a ZeroDivisionError traceback: fedavg was planned as async with a staleness of 0
+    proc = run_cli("plan", "--config", str(config), *FED, "--output", str(tmp_path), "--run-name", "fed",
+                   timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "exchange every 8 steps" in proc.stdout  # a round: one epoch of 256 // 32 local steps
+    cfg = load_config(str(config), model="small_cnn", dataset="synthetic", synthetic_samples=256, image_size=8,
+                      profile="rpi4", link="lte-10m", batch_size=32)
+    inputs = plan_inputs(cfg)
+    fed = predict_inputs(inputs, runtime_mb=100)
+    local_spec = dataclasses.replace(inputs.spec, sync=parse_sync("local:8"))
+    local = predict_inputs(dataclasses.replace(inputs, spec=local_spec), runtime_mb=100)
+    assert (fed.traffic.mode, fed.traffic.period) == ("fedavg", 8)
+    assert fed.traffic.collectives == local.traffic.collectives and fed.step_s == pytest.approx(local.step_s)
+    c_max = max(d.compute_s for d in fed.devices)
+    assert fed.step_s == pytest.approx(c_max + fed.exchange_s / 8)
+    scaffold = predict_inputs(dataclasses.replace(inputs, spec=dataclasses.replace(
+        inputs.spec, sync=parse_sync("fedavg:steps=8:scaffold"))), runtime_mb=100)
+    assert scaffold.traffic.bytes_per_exchange == 2 * fed.traffic.bytes_per_exchange  # the controls' exchange
+
+
+def test_sampled_federated_rounds_are_refused_by_the_planner_in_one_line(tmp_path):
+    config = tmp_path / "fed.yaml"
+    config.write_text("sync: fedavg:steps=4\npartition: iid\nparticipation: 0.5\n")
+    proc = run_cli("plan", "--config", str(config), *FED, "--output", str(tmp_path), timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("edgetrain: error: edgetrain plan models federated rounds in which every device "
+                                  "takes part, not participation 0.5;")
+
+
+def test_a_strategy_without_a_planner_model_is_refused_never_planned_as_another(tmp_path):
+    from edgetrain.plan.config import plan_inputs, predict_inputs
+    from edgetrain.plan.strategies import compare
+
+    proc = run_cli("plan", *FED, "--strategy", "tiled", "--output", str(tmp_path), timeout=120)
+    assert proc.returncode == 2 and proc.stderr == f"edgetrain: error: {STRATEGY_KINDS['tiled'].unplanned}\n"
+    assert not list(tmp_path.iterdir())
+    cfg = load_config(None, model="small_cnn", dataset="synthetic", synthetic_samples=64, image_size=8, devices=2,
+                      profile="rpi4", link="lte-10m", batch_size=8)
+    inputs = plan_inputs(cfg)
+    pred = predict_inputs(inputs, runtime_mb=100)
+    with pytest.raises(EdgetrainError, match="unknown strategy 'hybrid'; use one of ddp, tiled, fsdp, pipeline"):
+        compare(inputs, pred, ("hybrid",), 2, "gpipe")  # once planned as a pipeline
+    rows = compare(inputs, pred, ("ddp", "tiled"), 2, "gpipe").strategies
+    assert [(r.strategy, r.fits, r.refused) for r in rows][1] == ("tiled", False, STRATEGY_KINDS["tiled"].unplanned)
