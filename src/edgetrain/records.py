@@ -203,16 +203,9 @@ class StepRecord(Record):
                                                  "staleness", "local_steps", "round_status")
 
 
-@dataclass
-class MetricRecord(Record):
-    """One metric a task reports (``tasks.base.Metric``): ``name`` keys it in ``EvalRecord.metrics``, ``label``
-    and ``unit`` are what a plot's axis says (unit ``""``: a fraction of 1), ``fmt`` how a value is printed."""
-
-    name: str
-    unit: str = ""
-    higher_is_better: bool = True
-    label: str = ""
-    fmt: str = ".4g"
+class MetricText:
+    """How a metric is named and printed, for ``MetricRecord`` and ``tasks.base.Metric`` (which have ``name``,
+    ``unit``, ``label`` and ``fmt``)."""
 
     @property
     def title(self) -> str:
@@ -221,6 +214,18 @@ class MetricRecord(Record):
 
     def format(self, value: float) -> str:
         return f"{format(value, self.fmt)}{' ' + self.unit if self.unit else ''}"
+
+
+@dataclass
+class MetricRecord(MetricText, Record):
+    """One metric a task reports (``tasks.base.Metric``): ``name`` keys it in ``EvalRecord.metrics``, ``label``
+    and ``unit`` are what a plot's axis says (unit ``""``: a fraction of 1), ``fmt`` how a value is printed."""
+
+    name: str
+    unit: str = ""
+    higher_is_better: bool = True
+    label: str = ""
+    fmt: str = ".4g"
 
 
 @dataclass
