@@ -276,7 +276,11 @@ class MembershipRecord(Record):
     devices that left or joined, by their rank at the start of the run; ``state_from``: ``peer`` (a
     survivor's memory) or ``checkpoint`` (a resume: ``--resume`` or a torchrun restart, whose ``cause``
     says which); ``took_s``: from the change being noticed to the state restored, measured on the new
-    set's rank 0 (for a resume: reading and spreading the checkpoint).
+    set's rank 0 (for a resume: only reading and spreading the checkpoint, a fraction of a second);
+    ``outage_s`` (a resume only): how long training stood still, wall clock from the last step or checkpoint
+    the stopped run wrote (its files' times) to the state restored, the restart and the torchrun/host
+    recovery included. A peer change has none: it is noticed within a watcher poll (0.2 s) of the death,
+    so ``took_s`` is its outage.
     """
 
     wall_s: float
@@ -287,6 +291,9 @@ class MembershipRecord(Record):
     state_from: str
     took_s: float
     cause: str = ""      # a resume's: "resume" or "torchrun restart"
+    outage_s: float | None = None
+
+    omit_when_none: ClassVar[tuple[str, ...]] = ("outage_s",)
 
 
 @dataclass(kw_only=True)
