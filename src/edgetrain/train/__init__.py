@@ -10,7 +10,7 @@ from torch import nn
 
 from edgetrain.cluster.launch import launch_local, refuse_nested_launch, under_torchrun
 from edgetrain.cluster.membership import ElasticLaunch
-from edgetrain.cluster.peers import TOKEN_ENV, check_rank_environment, peer_failure
+from edgetrain.cluster.peers import check_rank_environment, cluster_token, peer_failure
 from edgetrain.cluster.profiles import device_speed, plan_devices, split_batch
 from edgetrain.config import TrainConfig, load_config, resolve, with_device_count
 from edgetrain.errors import EdgetrainError, Terminated
@@ -104,7 +104,7 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     if model is not None:
         cfg = dataclasses.replace(cfg, model=model_reference(model))
     # The token goes to the devices beside the config, never in it: the config is written to the run directory.
-    cluster_token = cfg.cluster_token or os.environ.get(TOKEN_ENV, "")
+    token = cluster_token(cfg.cluster_token, cfg.cluster_token_file, os.environ)
     cfg = dataclasses.replace(cfg, cluster_token=None)
     devices = plan_devices(cfg, world)
     # the checks that need the count: a cluster file's is known now
@@ -136,7 +136,7 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
         write_yaml(run_dir / "config.yaml", {**cfg.to_dict(), **({"devices": world} if torchrun else {})})
 
     args = (cfg, spec, devices, local_batches, speeds, str(run_dir) if run_dir else None, model, user_models(),
-            cluster_token, strategy, user_datasets(), data, task)
+            token, strategy, user_datasets(), data, task)
     if torchrun:
         try:
             return run_worker(*args)
