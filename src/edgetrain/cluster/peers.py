@@ -60,7 +60,7 @@ from edgetrain.errors import EdgetrainError
 TOKEN_ENV = "EDGETRAIN_CLUSTER_TOKEN"
 # Keys that are each node's own business: where its files are, how it reports, how long it waits.
 NODE_LOCAL_KEYS = frozenset({"data_dir", "output", "run_name", "progress", "workers", "threads", "devices",
-                             "timeout", "cluster_token", "cluster_token_file", "tensorboard",
+                             "timeout", "cluster_token", "cluster_token_file", "power_file", "tensorboard",
                              "resume"})  # rank 0 alone reads the checkpoint (a torchrun restart: only its node)
 _DIGEST_BYTES = 32
 

@@ -10,6 +10,7 @@ from torch import nn
 
 from edgetrain.cluster.launch import launch_local, refuse_nested_launch, under_torchrun
 from edgetrain.cluster.membership import ElasticLaunch
+from edgetrain.bench.power import read_watts_file
 from edgetrain.cluster.peers import check_rank_environment, cluster_token, peer_failure
 from edgetrain.cluster.profiles import device_speed, plan_devices, split_batch
 from edgetrain.config import TrainConfig, load_config, resolve, with_device_count
@@ -98,6 +99,8 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     # the options parsed once, with how this process was started (its environment); the devices build from these
     launch = launch_spec(os.environ)
     spec = resolve(cfg, launch)
+    if cfg.power_file:  # unreadable: one line now, not one per device after the run directory is made
+        read_watts_file(cfg.power_file)
     checked = check_before_launch(cfg, spec, model, task)  # before the run directory and the devices: bad input
     # leaves nothing
     accelerator_device(cfg.accelerator)
