@@ -150,7 +150,7 @@ def test_energy_in_summary_json_the_terminal_table_and_the_report():
     print_train_summary(_summary(modelled), Console(file=out, width=200))
     text = out.getvalue()
     assert "J/smp" in text and "0.25*" in text and "7.5*" in text
-    assert "devices 0: modelled" not in text and "device 0: modelled (pi: 2.7 W" in text and "modelled, not measured" in text
+    assert "device 0: modelled (pi: 2.7 W" in text and "modelled, not measured" in text
     cols, rows, notes = headline({"kind": "train", "data": _summary(modelled), "dir": Path("run")})
     assert rows[0][cols.index("J/sample")] == "0.25*" and any("device 0: modelled" in n for n in notes)
     measured = EnergyRecord.of("measured (RAPL)", True, 30.0, 10.0, 300)

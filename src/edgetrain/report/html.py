@@ -39,9 +39,9 @@ from typing import Any
 from edgetrain.errors import EdgetrainError
 from edgetrain.records import RunSummary, modelled_throughput
 from edgetrain.report import training
-from edgetrain.report.cells import (ABOVE_PEAK_NOTE, NOISY_NOTE, ROUNDS_COLUMN, ROUNDS_NOTE, efficiency_cell, energy_cells,
-                                    energy_note, flag_notes, fmt,
-                                    img, kv, percent_of_peak, round_cells, spread_cell, table)
+from edgetrain.report.cells import (ABOVE_PEAK_NOTE, NOISY_NOTE, ROUNDS_COLUMN, ROUNDS_NOTE, efficiency_cell,
+                                    energy_cells, energy_note, flag_notes, fmt, img, kv, percent_of_peak,
+                                    round_cells, spread_cell, table)
 from edgetrain.results import (BatchResult, BenchResult, CountersResult, PeakResult, PlanResult, PowerResult,
                                ScalingResult, StallsResult, VariabilityResult)
 
