@@ -502,7 +502,7 @@ def register(sub) -> None:
                                    "print each host's output with a [host] prefix, stop all on Ctrl-C. Example: "
                                    "edgetrain launch --hosts hosts.yaml -- train --epochs 5",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--hosts", metavar="FILE", required=True, help="YAML file listing the hosts (see README)")
+    p.add_argument("--hosts", metavar="FILE", required=True, help="YAML file listing the hosts (see docs/how-to/launch.md)")
     p.add_argument("--min-hosts", type=positive_int, default=None,
                    help="elastic: train on as few as this many hosts (torchrun --nnodes MIN:N; default: all)")
     p.add_argument("--max-restarts", type=non_negative_int, default=0,

@@ -75,7 +75,7 @@ def test_node_whose_master_never_arrives_ends_within_timeout_with_one_line(tmp_p
 
 def test_torchrun_recipe_with_rdzv_timeout_ends_within_it(tmp_path):
     """torchrun's agent meets its peers before edgetrain starts: ``--rdzv-conf timeout=`` bounds that wait
-    (its own output, not edgetrain's one line: the README says so)."""
+    (its own output, not edgetrain's one line: docs/how-to/launch.md says so)."""
     started = time.monotonic()
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                         "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),

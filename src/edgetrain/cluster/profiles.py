@@ -69,7 +69,7 @@ def model_power_w(idle_w: float, core_w: float, cores: int) -> float:
 
 
 # Compute rates: rpi4 from LINPACK on one Raspberry Pi 4 (15.5 GFLOPS, the Pi study cited in
-# the README); jetson-nano is its quad Cortex-A57 CPU (4 cores x 1.43 GHz x 8 fp32 FLOP/cycle
+# docs/reference/profiles.md); jetson-nano is its quad Cortex-A57 CPU (4 cores x 1.43 GHz x 8 fp32 FLOP/cycle
 # = 45.8 GFLOPS peak, at the same ~30% LINPACK efficiency as the Pi's A72): about 13.7 GFLOPS.
 BUILTIN_PROFILES: dict[str, DeviceProfile] = {
     "host": DeviceProfile("host", description="this machine, unthrottled"),
@@ -78,10 +78,10 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
     "jetson-nano": DeviceProfile("jetson-nano", cores=4, gflops=13.7, memory_mb=4096, memory_gbps=25.6, link="lan-1g",
                                  description="Jetson Nano CPU, 4x Cortex-A57 1.43 GHz, 4 GB (GPU not emulated)"),
 }
-# The small devices of memory pooling (issue 13). Cores, clocks and memory from the vendors' pages (README,
-# "Device profiles"); GFLOPS modelled as the jetson-nano's: cores x GHz x fp32 FLOP/cycle (128-bit FMA:
+# The small devices of memory pooling (issue 13). Cores, clocks and memory from the vendors' pages
+# (docs/reference/profiles.md); GFLOPS modelled as the jetson-nano's: cores x GHz x fp32 FLOP/cycle (128-bit FMA:
 # 8 on Cortex-A53, two pipes: 16 on A76 and A78AE) x 15.5 / 48, the rpi4's LINPACK over its peak.
-# Memory GB/s: rated, bus width x transfer rate of the SDRAM the vendors name (README, "Device profiles").
+# Memory GB/s: rated, bus width x transfer rate of the SDRAM the vendors name (docs/reference/profiles.md).
 BUILTIN_PROFILES.update({name: DeviceProfile(name, cores, gflops, memory_mb=memory_mb, memory_gbps=gbps, link=link,
                                              description=text)
                          for name, cores, gflops, memory_mb, gbps, link, text in (

@@ -1,151 +1,10 @@
 """Checkpoints during a run, resuming from one, and stopping on SIGTERM with one.
 
-What a checkpoint holds (``--checkpoint-every N`` steps and/or
-``--checkpoint-every-s S`` seconds): at the start of every N-th step (or of
-the first step after S seconds of rank 0's clock), before the batch is
-taken, each device's
+Every device's state is gathered to rank 0 into one atomically written file; pooled strategies
+(pipeline, fsdp) write each device's own part with torch.distributed.checkpoint instead.
+``load_checkpoint`` reads either back whole in one process.
 
-- ``Strategy.state_dict()``: the model and what the strategy keeps beside it
-  (for data parallelism the sync mode's state: error-feedback residuals per
-  parameter, compressor counters, local SGD's reference model and outer
-  momentum, the device clock and byte counters; comm/sync.py);
-- optimizer and learning-rate scheduler state;
-- RNG states: torch (and the GPU's where the device has one), numpy, Python;
-- the throttle's calibration (a resumed device does not measure again);
-- its step records so far and the epoch's running totals;
-
-and, once for the run, the step, the epoch and the batch within it (the
-sampler's position: ``GlobalBatchSampler.resume_at``), the evaluations, the
-wall time so far and the config.
-
-Protocol. Every device serialises its state with ``torch.save`` into bytes;
-rank 0 gathers them (a gloo all-gather of the lengths, then a gather of the
-bytes padded to the longest) and writes one file,
-``RUN_DIR/checkpoints/step-<step>.pt``, through ``report.files.save_torch``:
-temporary file beside it, fsync, rename. A write killed half-way leaves the
-previous checkpoints and at most a hidden temporary, never a partial
-checkpoint. Then all but the newest ``--keep-checkpoints`` are removed.
-Resuming, rank 0 reads the newest file and broadcasts its bytes; each device
-takes its own entry (``torch.load(weights_only=True)``: tensors, numbers and
-strings only), after removing the temporaries of writes a kill interrupted.
-Rank 0 alone decides whether the run resumes: while checkpoints are on,
-every device takes part in that broadcast, which carries no bytes for a new
-run. With ``--resume`` under torchrun every node reads the run's
-``config.yaml`` (so every node needs the run directory, e.g. on a shared file
-system), and rank 0 alone reads the checkpoint.
-
-Pooled strategies (``Strategy.pooled``: pipeline, fsdp) hold a model no
-device could hold whole, so nothing is gathered: every device writes its own
-part, with PyTorch's ``torch.distributed.checkpoint`` (DCP), into a directory
-(``write_parts``):
-
-- ``checkpoints/step-<step>/`` during the run, ``checkpoint/`` for the final
-  model (written by every device after ``finish``, before the summary, so
-  ``run_peak_rss_mb`` counts it);
-- ``__<rank>_0.distcp``: device ``rank``'s tensors, ``Strategy.sharded_state``:
-  its stage's layers (pipeline) or its ``DTensor`` shard of every parameter
-  (fsdp), and its optimizer's state, all keyed by the whole model's names
-  (the optimizer's flattened per parameter, ``flatten_optimizer_state_dict``,
-  as torchtitan does for pipelines: no two devices write one key with
-  different values, which DCP would de-duplicate); ``.metadata``: DCP's index
-  of where each key's pieces are, written by rank 0 once every device's data
-  is written and synced;
-- ``device-<rank>.pt``: the device's own small state (``torch.save``, read
-  with ``weights_only``): what the list above names but the model and the
-  optimizer's tensors (RNG, records, scheduler, its optimizer's
-  hyper-parameters by parameter name; fsdp: its own BatchNorm statistics, as
-  each device keeps its own during the run);
-- ``run.pt``: the run's state (rank 0's), written last.
-
-Atomicity: rank 0 makes the hidden ``.step-<step>.tmp/`` (or
-``.checkpoint.tmp/``), a barrier, every device writes its files there, a
-second barrier (both bounded by ``--timeout``, as are DCP's own gathers over
-the run's gloo group), then rank 0 writes ``run.pt`` and renames the
-directory into place (one ``rename``) and prunes. A write killed at any
-point leaves the previous checkpoints whole and at most the hidden
-directory, which rank 0 removes when the run resumes (``remove_stale_parts``)
-or writes that name again. Resuming, rank 0 picks the newest checkpoint and
-broadcasts its ``run.pt`` and path; each device reads its own
-``device-<rank>.pt``, then, once its strategy and optimizer are built, its
-part of the model and optimizer (``load_sharded``: DCP reads into this
-device's tensors as they are laid out, a collective), so a resumed pooled
-run ends bit for bit as the uninterrupted one (tested,
-tests/train/test_sharded_checkpoint.py). What each device holds meanwhile is
-its part and the small state above, never another device's part; DCP's
-planning gathers one entry per tensor to rank 0 (bounded metadata).
-Limits: every device reads and writes the run directory, so under torchrun
-it must be on a file system every node shares at the same path (one line
-otherwise); another device count is refused (``check_resume_devices``; DCP
-could reshard the tensors, but the per-device state is not mapped yet);
-``.metadata`` is DCP's pickle, so a checkpoint directory is trusted input,
-like any file ``torch.load`` reads without ``weights_only``.
-``load_checkpoint`` reads either format back whole in one process (DCP with
-``no_dist``): the run's final model for users and tests.
-
-Another number of devices. A checkpoint written by N devices resumes on M
-(``--resume RUN_DIR --devices M``, or a torchrun restart with another node
-count): every device takes device 0's model, strategy state, optimizer,
-scheduler and step; the global batch stays what it was and is split again
-over the M devices (``split_batch``), so the learning rate is unchanged and
-the sampler's position, global samples seen / global batch, is the same
-batch index of the same epoch's order. What belongs to one device and cannot
-be mapped is dropped, in one line on rank 0: error-feedback residuals (each
-is one device's unsent gradient; PowerSGD's too) and the RNG state of a
-device that is gone (an added device keeps its fresh seeded one). The
-epoch's running loss totals of all N go to rank 0, the step records of the
-devices that are gone stay in ``metrics.jsonl`` (the checkpoint carries them
-on as ``departed_records``), an added device takes device 0's throttle
-calibration. At every resume rank 0 appends a line to ``membership.jsonl``
-(step, wall time, devices before and after, torchrun's restart count). Refused before
-any device starts: another count with ``--partition`` (each device's data is
-its own). Exact where the devices computed the same as one would (with
-``--batchnorm sync`` and no compression a run of 2 devices resumed on 1 ends
-with the uninterrupted run's parameters, tested); otherwise a resumed run
-differs from an uninterrupted one by what was dropped and by local
-BatchNorm statistics over another split.
-
-torchrun restarts. torchrun's elastic agent (``--max-restarts``, ``--nnodes
-MIN:MAX``) stops and restarts every worker when a worker fails or a node
-joins or leaves. Under torchrun with a rendezvous id (``TORCHELASTIC_RUN_ID``,
-torchrun's ``--rdzv-id``; not its default ``none``) the run directory is
-``OUTPUT/train-<run id>`` (or ``--run-name``), the same for every restart of
-that job, and rank 0 continues it from its newest checkpoint whenever that
-directory holds one (``elastic_run_dir``). A checkpoint present is the test,
-not ``TORCHELASTIC_RESTART_COUNT > 0``: a node that joins later starts with
-count 0, and the agent restarts workers for a membership change without
-counting it. Only rank 0's node needs the directory (its ``resume`` is a
-node-local key of the config check, cluster/peers.py); nodes that may become
-rank 0 after a restart need the same ``--output`` on a shared file system,
-else the new rank 0 starts a new run there. A run id names one run: the same
-id later continues that run. Without checkpoints, or before the first, a
-restart starts a new run in ``train-<run id>-2`` and so on, as before.
-
-Exactness. Restoring all of the above at the same point of the loop makes a
-resumed run compute what the uninterrupted one would have, step for step, in
-a deterministic setting (CPU; augmentation is keyed by seed, epoch and
-sample, data/datasets.py, so loader workers change nothing): the tests compare final
-parameters for sync with top-k and error feedback and for local SGD.
-An asynchronous round in flight at the checkpoint is completed and kept
-(comm/asynchronous.py; tested with ``async:1``). PowerSGD's state (PyTorch's
-``PowerSGDState``: P, Q, residuals, iteration, RNG) is kept by parameter, not
-by DDP bucket, since the resumed run's first step runs on another bucket
-layout (comm/compress/powersgd.py); tested. Not exact, by design or not yet: DDP lays its gradient buckets out anew after the first step (in the
-order gradients became ready) and a resumed run's first step runs with the
-initial layout, so with 3 or more devices gloo's ring all-reduce sums some
-entries in another order in that step (float rounding; measured, 4 devices,
-resumed at step 10 of 20: parameters within 6e-8 on digits and 1.3e-6 on
-CIFAR-10 of the uninterrupted run's; with 2 devices the sum of two is
-exact), and a compressor that selects across a whole bucket may pick
-differently in that step.
-
-SIGTERM. While checkpoints are on, SIGTERM no longer unwinds a device at
-once: it sets a flag, and at the start of every step the devices all-reduce
-their flags (8 bytes with rank 0's "S seconds have passed", outside the
-counted traffic). At the first step where
-any device has one, every device stops there together, a checkpoint is
-written, then the summary, and the run ends with one line saying how to
-resume (``resume_hint``). The all-reduce is what makes the devices agree on
-the step; it keeps asynchronous devices within a step of each other.
+Design: docs/design/checkpoint.md
 """
 from __future__ import annotations
 
@@ -274,7 +133,7 @@ def _from_bytes(data: torch.Tensor) -> Any:
 
 
 class Checkpointer:
-    """One device's part in checkpoints, resuming and stopping on SIGTERM (see the module docstring)."""
+    """One device's part in checkpoints, resuming and stopping on SIGTERM (docs/design/checkpoint.md)."""
 
     def __init__(self, spec: CheckpointSpec, run_dir: str | None, rank: int, world: int, timeout_s: float):
         self.spec, self.rank, self.world, self.timeout_s = spec, rank, world, timeout_s
@@ -350,7 +209,7 @@ class Checkpointer:
             _remove(old)
 
     def _save_parts(self, step: int, run_state: dict, device_state: dict, sharded: dict) -> None:
-        """A pooled strategy's checkpoint: ``checkpoints/step-<step>/``, every device's part (module docstring)."""
+        """A pooled strategy's checkpoint: ``checkpoints/step-<step>/``, every device's part (docs/design/checkpoint.md)."""
         if self._shared is None:
             self._shared = shared_run_dir(self.run_dir, self.world)
         if self._shared is None:  # rank 0 has no run directory (a test's Checkpointer): nothing is written
