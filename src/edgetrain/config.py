@@ -254,9 +254,8 @@ def load_config(source: TrainConfig | dict | str | os.PathLike | None = None, **
 # What a resumed run may set anew: how it is watched and stopped, not what it trains; and the number of devices,
 # over which the same global batch is re-split (train/checkpoint.py, "Another number of devices").
 RESUME_MAY_CHANGE = frozenset({"resume", "progress", "eval", "timeout", "workers", "threads", "output", "run_name",
-                               "cluster_token", "cluster_token_file", "power_file", "checkpoint_every", "checkpoint_every_s",
-                               "keep_checkpoints",
-                               "devices"})
+                               "cluster_token", "cluster_token_file", "power_file", "checkpoint_every",
+                               "checkpoint_every_s", "keep_checkpoints", "devices"})
 
 
 def _resumed(run_dir: str, given: dict[str, Any]) -> TrainConfig:
