@@ -214,7 +214,7 @@ def train_flags(cfg) -> list[str]:
 
     flags = []
     for name, value in cfg.to_dict().items():
-        if value == FIELDS[name].default or name in ("cluster_token", "devices"):
+        if value == FIELDS[name].default or name in ("cluster_token", "cluster_token_file", "devices"):
             continue
         flag = name.replace("_", "-")
         flags.append((f"--{flag}" if value else f"--no-{flag}") if isinstance(value, bool) else f"--{flag}={value}")
@@ -224,7 +224,7 @@ def train_flags(cfg) -> list[str]:
 def plan_launch(args: argparse.Namespace) -> LaunchSpec:
     """The launch, validated before any connection: hosts.yaml, the options and the train command."""
     from edgetrain.cli import build_parser
-    from edgetrain.cluster.peers import TOKEN_ENV
+    from edgetrain.cluster.peers import cluster_token
     from edgetrain.config import FIELDS, load_config
 
     hosts = load_hosts(args.hosts)
@@ -244,7 +244,7 @@ def plan_launch(args: argparse.Namespace) -> LaunchSpec:
                              f"give at most {len(hosts)}")
     if not 1 <= args.rdzv_port <= 65535:
         raise EdgetrainError(f"--rdzv-port must be 1..65535, not {args.rdzv_port}")
-    token = cfg.cluster_token or os.environ.get(TOKEN_ENV) or secrets.token_hex(16)
+    token = cluster_token(cfg.cluster_token, cfg.cluster_token_file, os.environ) or secrets.token_hex(16)
     return LaunchSpec(tuple(hosts), tuple(train_flags(cfg)), token, min_hosts, args.max_restarts, args.rdzv_port,
                       args.rdzv_timeout, args.connect_timeout, args.run_id or f"edgetrain-{secrets.token_hex(4)}")
 

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from edgetrain.cluster.launch import free_port
-from edgetrain.cluster.peers import check_rank_environment
+from edgetrain.cluster.peers import check_rank_environment, cluster_token
 from edgetrain.errors import EdgetrainError
 from edgetrain_testing import REPO
 
@@ -123,3 +123,37 @@ def test_no_pickle_based_collective_in_the_package():
     offenders = [f"{path.relative_to(REPO)}:{n}" for path in (REPO / "src" / "edgetrain").rglob("*.py")
                  for n, line in enumerate(path.read_text().splitlines(), 1) if pickled.search(line)]
     assert offenders == []
+
+
+def test_token_from_a_file_matches_the_environment_and_stays_out_of_ps(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    results = start_nodes(tmp_path, [["--cluster-token-file", str(token_file)], []], world=2,
+                          env_extra={"EDGETRAIN_CLUSTER_TOKEN": "s3cret"})
+    assert [code for code, _ in results] == [0, 0], results
+    run_dir = next((tmp_path / "node0").iterdir())
+    for name in ("config.yaml", "summary.json"):
+        assert "s3cret" not in (run_dir / name).read_text()
+
+
+def test_cluster_token_sources_and_their_refusals(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("from-file\nignored\n")
+    env = {"EDGETRAIN_CLUSTER_TOKEN": "from-env"}
+    assert cluster_token(None, str(token_file), env) == "from-file"
+    assert cluster_token("from-flag", None, env) == "from-flag"
+    assert cluster_token(None, None, env) == "from-env" and cluster_token(None, None, {}) == ""
+    with pytest.raises(EdgetrainError, match="not both"):
+        cluster_token("a", str(token_file), {})
+    with pytest.raises(EdgetrainError, match=r"cannot read --cluster-token-file .*missing"):
+        cluster_token(None, str(tmp_path / "missing"), {})
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(EdgetrainError, match="is empty; write the token on its first line"):
+        cluster_token(None, str(tmp_path / "empty"), {})
+
+
+def test_the_token_flag_says_it_is_visible_to_other_users():
+    from edgetrain.config import FIELDS
+
+    assert "VISIBLE TO OTHER USERS" in FIELDS["cluster_token"].metadata["help"]
+    assert "--cluster-token-file" in FIELDS["cluster_token"].metadata["help"]

@@ -1,5 +1,6 @@
 """Checkpoints and --resume (train/checkpoint.py): resumed == uninterrupted, atomic files, last K kept, refusals."""
 import json
+import os
 import time
 from pathlib import Path
 
@@ -233,6 +234,10 @@ def test_resumed_on_fewer_devices_ends_as_the_uninterrupted_run(tmp_path):
     run_dir = Path(train(SMALL, devices=2, batchnorm="sync", output=str(tmp_path))["run_dir"])
     uninterrupted = final_model(run_dir)
     checkpoint_files(run_dir)[-1].unlink()  # killed after step 6's checkpoint
+    stopped = time.time() - 50  # as if it had stood still 50 s (a host lost, torchrun restarting)
+    for f in [*run_dir.glob("metrics-*.jsonl"), *checkpoint_files(run_dir)]:
+        os.utime(f, (stopped, stopped))
+    assert checkpoint.last_activity(run_dir) == pytest.approx(stopped)
     summary = train({"resume": str(run_dir), "devices": 1})
     assert summary["devices"] == 1 and summary["steps"] == 10
     resumed = final_model(run_dir)
@@ -245,6 +250,8 @@ def test_resumed_on_fewer_devices_ends_as_the_uninterrupted_run(tmp_path):
     membership = [json.loads(line) for line in (run_dir / "membership.jsonl").read_text().splitlines()]
     assert [{k: m[k] for k in ("step", "kind", "devices", "world", "state_from", "cause")} for m in membership] == [
         {"step": 6, "kind": "leave", "devices": [1], "world": 1, "state_from": "checkpoint", "cause": "resume"}]
+    # the outage is the 50 s the run stood still, not the fraction of a second reading the checkpoint took
+    assert 50 <= membership[0]["outage_s"] < 50 + 120 and membership[0]["took_s"] < 10, membership
 
 
 def _device(rank: int, residual: float) -> dict:

@@ -49,7 +49,8 @@ import secrets
 import socket
 import threading
 from datetime import timedelta
-from typing import Any
+from pathlib import Path
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
@@ -59,9 +60,26 @@ from edgetrain.errors import EdgetrainError
 TOKEN_ENV = "EDGETRAIN_CLUSTER_TOKEN"
 # Keys that are each node's own business: where its files are, how it reports, how long it waits.
 NODE_LOCAL_KEYS = frozenset({"data_dir", "output", "run_name", "progress", "workers", "threads", "devices",
-                             "timeout", "cluster_token", "tensorboard",
+                             "timeout", "cluster_token", "cluster_token_file", "power_file", "tensorboard",
                              "resume"})  # rank 0 alone reads the checkpoint (a torchrun restart: only its node)
 _DIGEST_BYTES = 32
+
+
+def cluster_token(token: str | None, token_file: str | None, environ: Mapping[str, str]) -> str:
+    """The cluster token from ``--cluster-token``, ``--cluster-token-file`` (its first line) or the
+    environment, in that order; "" where none is given. One line if the file cannot be read or is empty."""
+    if token and token_file:
+        raise EdgetrainError("give the cluster token once: --cluster-token or --cluster-token-file, not both")
+    if token_file:
+        try:
+            lines = Path(token_file).expanduser().read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise EdgetrainError(f"cannot read --cluster-token-file {token_file} ({e.strerror or e}); give a "
+                                 f"readable file whose first line is the token") from None
+        if not lines or not lines[0].strip():
+            raise EdgetrainError(f"--cluster-token-file {token_file} is empty; write the token on its first line")
+        return lines[0].strip()
+    return token or environ.get(TOKEN_ENV, "")
 
 
 def check_rank_environment() -> tuple[int, int]:

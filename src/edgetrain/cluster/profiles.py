@@ -16,6 +16,11 @@ A cluster file lists the devices of a run::
       - {profile: jetson-nano, batch: 24, link: wifi-20m}
       - {profile: pi-zero, count: 2}
 
+A profile may carry a power model, ``idle_w`` + ``core_w`` x busy cores
+(watts), from which training reports modelled energy where no sensor can be
+read (docs/how-to/energy.md); the built-in profiles carry none, as no figure
+of theirs was measured here.
+
 A device entry may give ``data``: the path of that device's own training
 data, an image folder or a ``.npz`` (``data/device_data.py``; a relative
 path is taken from the cluster file's folder). Then each device reads only
@@ -47,6 +52,20 @@ class DeviceProfile:
     memory_gbps: float | None = None  # rated memory bandwidth (bus width x transfer rate), GB/s; None = unknown
     link: str | None = None           # link preset or spec (see edgetrain.spec)
     description: str = ""
+    idle_w: float | None = None       # power model: watts at idle ...
+    core_w: float | None = None       # ... plus these per busy core (None: no model; see power_w)
+
+    def power_w(self, cores: int) -> float | None:
+        """Modelled power with ``cores`` busy, or None where the profile has no power model."""
+        if self.idle_w is None or self.core_w is None:
+            return None
+        return model_power_w(self.idle_w, self.core_w, cores)
+
+
+def model_power_w(idle_w: float, core_w: float, cores: int) -> float:
+    """The one power model of edgetrain: idle watts plus watts per busy core (``bench power --power-model``,
+    a profile's ``idle_w``/``core_w``). Its figures are always labelled modelled."""
+    return idle_w + core_w * cores
 
 
 # Compute rates: rpi4 from LINPACK on one Raspberry Pi 4 (15.5 GFLOPS, the Pi study cited in
@@ -140,6 +159,13 @@ def _make_profile(name: str, spec: dict, known: dict[str, DeviceProfile], source
     for key in ("cores", "memory_mb"):
         if key in spec and (not isinstance(spec[key], int) or spec[key] < 1):
             raise EdgetrainError(f"profile '{name}' in {source}: {key} must be a positive integer, not {spec[key]!r}")
+    for key in ("idle_w", "core_w"):
+        if key in spec and (not isinstance(spec[key], (int, float)) or isinstance(spec[key], bool) or spec[key] < 0):
+            raise EdgetrainError(f"profile '{name}' in {source}: {key} must be a number of watts >= 0, "
+                                 f"not {spec[key]!r}")
+    if ("idle_w" in spec) != ("core_w" in spec) and base.idle_w is None:
+        raise EdgetrainError(f"profile '{name}' in {source}: the power model needs both idle_w and core_w "
+                             f"(watts at idle, watts per busy core)")
     for key in ("gflops", "speed", "memory_gbps"):
         if key in spec and (not isinstance(spec[key], (int, float)) or spec[key] <= 0):
             raise EdgetrainError(f"profile '{name}' in {source}: {key} must be a positive number, not {spec[key]!r}")

@@ -244,7 +244,9 @@ class Checkpointer:
             return None, None
         loading = time.perf_counter()
         data = torch.empty(0, dtype=torch.uint8)
+        stood_since = None
         if self.rank == 0 and self.spec.resume_dir:
+            stood_since = last_activity(self.spec.resume_dir)  # before this life writes anything there
             folder = Path(self.spec.resume_dir) / CHECKPOINT_DIR
             remove_stale_temps(folder)  # a write the kill interrupted
             remove_stale_parts(folder)
@@ -278,7 +280,8 @@ class Checkpointer:
                       f"scheduler, the global batch is re-split over {self.world} (learning rate unchanged){kept}",
                       file=sys.stderr, flush=True)
         if self.rank == 0 and self.run_dir is not None:
-            record_membership(self.run_dir, state, self.world, time.perf_counter() - loading)
+            record_membership(self.run_dir, state, self.world, time.perf_counter() - loading,
+                              None if stood_since is None else time.time() - stood_since)
         return state, mine
 
     def _own_part(self, state: dict) -> dict:
@@ -520,14 +523,30 @@ def _read_parts(folder: Path) -> dict:
 MEMBERSHIP_FILE = "membership.jsonl"
 
 
-def record_membership(run_dir: Path, state: dict, world: int, took_s: float) -> None:
+def last_activity(run_dir: str | Path) -> float | None:
+    """Wall-clock time (``time.time``) of the last thing a run wrote before it stopped: the newest of its live
+    step files (``metrics-<rank>.jsonl``, flushed every step) and its checkpoints; None if it wrote neither."""
+    folder = Path(run_dir)
+    files = [*folder.glob("metrics-*.jsonl"), *(folder / CHECKPOINT_DIR).glob("*")]
+    times = []
+    for f in files:
+        try:
+            times.append(f.stat().st_mtime)
+        except OSError:  # a temporary removed meanwhile
+            continue
+    return max(times, default=None)
+
+
+def record_membership(run_dir: Path, state: dict, world: int, took_s: float, outage_s: float | None = None) -> None:
     """A ``MembershipRecord`` in ``membership.jsonl`` per resume (``--resume`` or a torchrun restart): the step
-    the run goes on from, its wall time, which devices left or joined (by rank), how long the load took."""
+    the run goes on from, its wall time, which devices left or joined (by rank), how long the load took
+    (``took_s``) and how long training stood still (``outage_s``: from ``last_activity`` to now)."""
     before = state["world"]
     kind = "leave" if world < before else "join" if world > before else "restart"
     record = MembershipRecord(wall_s=state["wall_s"], step=state["step"], kind=kind,
                               devices=list(range(min(world, before), max(world, before))), world=world,
                               state_from="checkpoint", took_s=round(took_s, 3),
+                              outage_s=None if outage_s is None else round(outage_s, 3),
                               cause="torchrun restart" if os.environ.get("TORCHELASTIC_RUN_ID") else "resume")
     append_membership(run_dir, record)
 

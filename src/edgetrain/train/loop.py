@@ -96,7 +96,7 @@ from edgetrain.data.partition import PartitionReport, PartitionSampler
 from edgetrain.errors import EdgetrainError, Terminated
 from edgetrain.models import build_model, count_parameters, register_model
 from edgetrain.models.init import build_on_meta
-from edgetrain.records import DeviceSummary, EvalRecord, MembershipRecord, RunSummary, StepRecord
+from edgetrain.records import DeviceSummary, EnergyRecord, EvalRecord, MembershipRecord, RunSummary, StepRecord
 from edgetrain.report.files import atomic_write, save_torch, write_json
 from edgetrain.spec import RunSpec
 from edgetrain.task_kinds import run_task
@@ -104,6 +104,7 @@ from edgetrain.tasks import Task, build_task, task_record
 from edgetrain.tasks.base import sum_totals
 from edgetrain.train.checkpoint import FINAL_DIR, FINAL_FILE, Checkpointer, resume_hint, save_final_parts
 from edgetrain.train.elastic import Elastic, FailStop
+from edgetrain.train.energy import EnergyMeter
 from edgetrain.train.evaluation import evaluate  # noqa: F401  (imported from here: fleet/app.py, tests)
 from edgetrain.train.resume import LoopCheckpoints, LoopState
 from edgetrain.train.strategy import StepResult, Strategy, StrategyContext, registered_strategy
@@ -466,6 +467,11 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
                                                             state.step, state.epoch, state.evals)
     checkpoints.resumed_step = state.step
     checkpoints.files.catch_sigterm()
+    # joules of the training steps (train/energy.py): a sensor's, shared by CPU time where devices share a host
+    energy = EnergyMeter(at.me.profile, at.me.profile.cores or at.threads, at.local_world > 1,
+                         power_file=cfg.power_file)
+    energy.start()
+    first_record = len(state.records)
     for epoch in range(state.epoch, epochs):
         state.epoch = epoch
         sampler.set_epoch(epoch)
@@ -521,6 +527,7 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
         if state.step >= total_steps:
             break
     checkpoints.files.release_sigterm()
+    energy_record = energy.stop(sum(r.samples for r in state.records[first_record:]))
     if bar:
         bar.close()
     strategy.finish()  # no-op if the last epoch already called it
@@ -530,7 +537,8 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
                          world, spec.timeout_s, planned_steps=state.planned_steps)
     task_name = cfg.task if user_task is not None else run_task(cfg.task, cfg.dataset)
     summary = _end_of_run(cfg, state, at, strategy, optimizer, writer, membership, checkpoints, throttle, devices,
-                          rank, world, local_batches, params, data, flops_per_sample, partition, task_name)
+                          rank, world, local_batches, params, data, flops_per_sample, partition, task_name,
+                          energy_record)
     dist.barrier()
     dist.destroy_process_group()
     if checkpoints.stopped:
@@ -541,12 +549,13 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local
 def _end_of_run(cfg: TrainConfig, state: LoopState, at: DeviceSetup, strategy: Strategy, optimizer, writer: RunWriter,
                 membership, checkpoints: LoopCheckpoints, throttle: Throttle | None, devices: list[DeviceSpec],
                 rank: int, world: int, local_batches: list[int], params: int, data: DataSplit, flops_per_sample,
-                partition: PartitionReport | None, task_name: str | None) -> dict | None:
+                partition: PartitionReport | None, task_name: str | None,
+                energy: EnergyRecord | None = None) -> dict | None:
     """Every device: its summary and records to rank 0, which writes metrics.jsonl, checkpoint.pt and
     summary.json; rank 0 returns the summary, the others None."""
     limit_mb = at.me.profile.memory_mb
     train_totals = tuple(state.totals)
-    mine = _device_summary(state.records, at, local_batches[rank], throttle)
+    mine = dataclasses.replace(_device_summary(state.records, at, local_batches[rank], throttle), energy=energy)
     if limit_mb is not None and mine.run_peak_rss_mb > limit_mb:
         # Warned, not raised: training is done and the final model is written; but a real device of this size
         # would not have survived the end of the run (its evaluation, the final exchange or checkpoint), and
