@@ -56,3 +56,25 @@ def keys_written_by_rank(directory) -> dict[int, set[str]]:
     for index, info in FileSystemReader(directory).read_metadata().storage_data.items():
         written.setdefault(int(info.relative_path.split("_")[2]), set()).add(index.fqn)
     return written
+
+
+@__import__("functools").lru_cache(maxsize=None)
+def _pooled_unsupported() -> str | None:
+    """Why this torch cannot run the pipeline and fsdp strategies (they are refused in one line), or None."""
+    import importlib
+    import inspect
+
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        importlib.import_module("edgetrain.train.fsdp")
+    except ImportError as e:
+        return f"this torch has no FSDP2 ({e})"
+    if "no_dist" not in inspect.signature(dcp.save).parameters:
+        return "this torch's torch.distributed.checkpoint.save has no no_dist"
+    return None
+
+
+# pytestmark of the modules that train with the pipeline or fsdp strategies (tests on the lowest torch)
+NEEDS_POOLED = __import__("pytest").mark.skipif(_pooled_unsupported() is not None,
+                                                reason=f"{_pooled_unsupported()}: pipeline and fsdp refused")

@@ -41,7 +41,7 @@ def test_config_imports_only_the_spec_layer():
                                                     "edgetrain.yamlfile"}
 
 
-# The layering README.md's "Where a change goes" states. The bottom: torch-free, importing only itself.
+# The layering docs/design/architecture.md ("Where a change goes") states. The bottom: torch-free, importing only itself.
 BOTTOM = ("errors", "spec", "kinds", "records", "results", "yamlfile")
 # A package and the packages above it that it must not import.
 ABOVE = {

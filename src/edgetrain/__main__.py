@@ -1,3 +1,3 @@
-from edgetrain.cli import main
+from edgetrain.cli import entry
 
-raise SystemExit(main())
+entry()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import signal
 import sys
 import threading
@@ -60,3 +61,20 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if on_main_thread:
             signal.signal(signal.SIGTERM, previous)
+
+
+def entry() -> None:
+    """The ``edgetrain`` command and ``python -m edgetrain``: ``main``, then the process's exit.
+
+    A device of a real cluster (``RANK`` set: torchrun's worker or the plain recipe) leaves with ``os._exit``
+    once its output is flushed: its run's files are closed by then, and a normal interpreter exit runs
+    gloo's C++ teardown (the process group's worker and transport threads, torch's static destructors)
+    after Python's own, which now and then ended a finished run in SIGABRT ("terminate called without an
+    active exception"; docs/tutorials/raspberry-pi-cluster.md). Tests call ``main`` and keep their process.
+    """
+    code = main()
+    if "RANK" in os.environ:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -152,9 +152,16 @@ class TrainConfig:
     eval: bool = _opt(True, "evaluate on the test set after every epoch")
     output: str = _opt("runs", "directory under which the run directory is made")
     run_name: str | None = _opt(None, "name of the run directory (default: train-<timestamp>)")
-    cluster_token: str | None = _opt(None, "shared secret every node of a real cluster must give (or set "
-                                     "EDGETRAIN_CLUSTER_TOKEN); checked right after the rendezvous, never written "
-                                     "to the run directory")
+    cluster_token: str | None = _opt(None, "shared secret every node of a real cluster must give; checked right "
+                                     "after the rendezvous, never written to the run directory. Given as a flag it "
+                                     "is VISIBLE TO OTHER USERS of the host (ps, /proc): prefer "
+                                     "EDGETRAIN_CLUSTER_TOKEN or --cluster-token-file")
+    cluster_token_file: str | None = _opt(None, "file whose first line is the cluster token (keep it mode 600): "
+                                          "unlike --cluster-token, not shown by ps")
+    power_file: str | None = _opt(None, "file holding this device's power draw in watts, kept current by a meter's "
+                                  "logger (a Pi's USB meter): read through the training steps for measured joules "
+                                  "per sample (else RAPL or a Jetson's INA3221 where readable, else the profile's "
+                                  "power model, labelled modelled)")
     timeout: float = _opt(120.0, "seconds to wait for a peer (rendezvous and every collective) before giving up", minimum=1.0)
     progress: bool = _opt(True, "progress bar and start-up phase lines on rank 0")
     tensorboard: bool = _opt(False, "also write TensorBoard event files to <run>/tensorboard/ (needs the tensorboard "
@@ -267,10 +274,9 @@ def load_config(source: TrainConfig | dict | str | os.PathLike | None = None, **
 
 # What a resumed run may set anew: how it is watched and stopped, not what it trains; and the number of devices,
 # over which the same global batch is re-split (train/checkpoint.py, "Another number of devices").
-RESUME_MAY_CHANGE = frozenset({"resume", "progress", "eval", "timeout", "workers", "prefetch", "cache_mb",
-                               "cache_dir", "threads", "output", "run_name",
-                               "cluster_token", "checkpoint_every", "checkpoint_every_s", "keep_checkpoints",
-                               "devices"})
+RESUME_MAY_CHANGE = frozenset({"resume", "progress", "eval", "timeout", "workers", "prefetch", "cache_mb", "cache_dir",
+                               "threads", "output", "run_name", "cluster_token", "cluster_token_file", "power_file",
+                               "checkpoint_every", "checkpoint_every_s", "keep_checkpoints", "devices"})
 
 
 def _resumed(run_dir: str, given: dict[str, Any]) -> TrainConfig:

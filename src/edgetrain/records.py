@@ -9,7 +9,8 @@ Files of a run directory and the record each line or file holds:
 - ``membership.jsonl``: one ``MembershipRecord`` per membership change of an
   elastic run (``--min-devices``, train/elastic.py), appended as it happens;
 - ``summary.json``: one ``RunSummary`` (with a ``DeviceSummary`` per device,
-  and the run's task as a ``TaskRecord``: its metrics' names, labels, units).
+  its energy an ``EnergyRecord``, and the run's task as a ``TaskRecord``: its
+  metrics' names, labels, units).
 
 An evaluation's figures are ``EvalRecord.metrics``, keyed by the names the
 run's ``TaskRecord`` declares (``MetricRecord``): the report takes a metric's
@@ -208,16 +209,9 @@ class StepRecord(Record):
                                                  "storage_items", "cache_items")
 
 
-@dataclass
-class MetricRecord(Record):
-    """One metric a task reports (``tasks.base.Metric``): ``name`` keys it in ``EvalRecord.metrics``, ``label``
-    and ``unit`` are what a plot's axis says (unit ``""``: a fraction of 1), ``fmt`` how a value is printed."""
-
-    name: str
-    unit: str = ""
-    higher_is_better: bool = True
-    label: str = ""
-    fmt: str = ".4g"
+class MetricText:
+    """How a metric is named and printed, for ``MetricRecord`` and ``tasks.base.Metric`` (which have ``name``,
+    ``unit``, ``label`` and ``fmt``)."""
 
     @property
     def title(self) -> str:
@@ -226,6 +220,18 @@ class MetricRecord(Record):
 
     def format(self, value: float) -> str:
         return f"{format(value, self.fmt)}{' ' + self.unit if self.unit else ''}"
+
+
+@dataclass
+class MetricRecord(MetricText, Record):
+    """One metric a task reports (``tasks.base.Metric``): ``name`` keys it in ``EvalRecord.metrics``, ``label``
+    and ``unit`` are what a plot's axis says (unit ``""``: a fraction of 1), ``fmt`` how a value is printed."""
+
+    name: str
+    unit: str = ""
+    higher_is_better: bool = True
+    label: str = ""
+    fmt: str = ".4g"
 
 
 @dataclass
@@ -281,7 +287,11 @@ class MembershipRecord(Record):
     devices that left or joined, by their rank at the start of the run; ``state_from``: ``peer`` (a
     survivor's memory) or ``checkpoint`` (a resume: ``--resume`` or a torchrun restart, whose ``cause``
     says which); ``took_s``: from the change being noticed to the state restored, measured on the new
-    set's rank 0 (for a resume: reading and spreading the checkpoint).
+    set's rank 0 (for a resume: only reading and spreading the checkpoint, a fraction of a second);
+    ``outage_s`` (a resume only): how long training stood still, wall clock from the last step or checkpoint
+    the stopped run wrote (its files' times) to the state restored, the restart and the torchrun/host
+    recovery included. A peer change has none: it is noticed within a watcher poll (0.2 s) of the death,
+    so ``took_s`` is its outage.
     """
 
     wall_s: float
@@ -292,6 +302,36 @@ class MembershipRecord(Record):
     state_from: str
     took_s: float
     cause: str = ""      # a resume's: "resume" or "torchrun restart"
+    outage_s: float | None = None
+
+    omit_when_none: ClassVar[tuple[str, ...]] = ("outage_s",)
+
+
+@dataclass
+class EnergyRecord(Record):
+    """A device's energy over its training steps (``train/energy.py``; design: docs/how-to/energy.md).
+
+    ``measured``: from a sensor (RAPL, Jetson INA3221, a ``--power-file``), else modelled from the device
+    profile's power model (``idle_w + core_w x cores``). ``source`` says which, in words, and is what every
+    table prints. ``host_share``: where the sensor meters the whole host and several devices share it, the
+    fraction of the host's busy CPU time this device used over the window, by which the sensor's joules
+    were multiplied; None where the sensor's joules are all this device's.
+    """
+
+    source: str
+    measured: bool
+    joules: float
+    seconds: float
+    samples: int
+    joules_per_sample: float | None    # None: no sample trained in the window
+    watts: float | None                # average power over the window
+    host_share: float | None = None
+
+    @classmethod
+    def of(cls, source: str, measured: bool, joules: float, seconds: float, samples: int,
+           host_share: float | None = None) -> "EnergyRecord":
+        return cls(source, measured, joules, seconds, samples, joules / samples if samples else None,
+                   joules / seconds if seconds > 0 else None, host_share)
 
 
 @dataclass(kw_only=True)
@@ -335,11 +375,12 @@ class DeviceSummary(Record):
     workers: int | None = None           # data-loader worker processes
     storage_items_per_epoch: float | None = None  # items read from storage per epoch (the first one included)
     cache_items_per_epoch: float | None = None    # items the --cache-mb cache served per epoch
+    energy: EnergyRecord | None = None   # None: no sensor and no power model in the profile (or an older run)
     details: dict = field(default_factory=dict)
 
     details_field: ClassVar[str | None] = "details"
-    omit_when_none: ClassVar[tuple[str, ...]] = ("page_faults", "run_peak_rss_mb", "read_s", "decode_s", "workers",
-                                                 "storage_items_per_epoch", "cache_items_per_epoch")
+    omit_when_none: ClassVar[tuple[str, ...]] = ("page_faults", "run_peak_rss_mb", "energy", "read_s", "decode_s",
+                                                 "workers", "storage_items_per_epoch", "cache_items_per_epoch")
 
 
 @dataclass(kw_only=True)

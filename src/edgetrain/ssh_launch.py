@@ -34,7 +34,9 @@ What it does, in order (asyncssh, imported only here: ``pip install edgetrain[ss
    the host, its exit and its last error line. ``after_exit`` is that decision.
 5. *Stop*. Ctrl-C or SIGTERM here, or a host's failure: every host's stdin is closed, which makes its
    ssh_node SIGTERM torchrun (which stops its workers) and SIGKILL what is left after ``_STOP_GRACE_S``;
-   the launcher waits that plus ``_STOP_MARGIN_S`` for each, then closes the connections. A launcher
+   the launcher waits that plus ``_STOP_MARGIN_S`` for each, then closes the connections. What the hosts
+   print while they stop (torchrun's and the workers' shutdown tracebacks) is not shown: the launcher's
+   one line says why the run stopped. SSH keepalives (``_KEEPALIVE_S``) notice a host cut off the network. A launcher
    that dies without stopping them closes its connections too, which ssh_node reads as the same request.
 
 Limits: a restarted host's torchrun (the same ``--rdzv-id``) continues the run in ``train-<run id>`` from
@@ -73,6 +75,10 @@ NODE_MODULE = "edgetrain.cluster.ssh_node"
 DEFAULT_RDZV_PORT = 29400  # torchrun's own default for the c10d endpoint
 _STOP_GRACE_S = 15.0  # ssh_node's wait for torchrun to stop before SIGKILL
 _STOP_MARGIN_S = 10.0  # on top of it: the session's own exit and the network
+# SSH keepalives: a host cut off the network (its link down, no FIN or RST) is noticed after about
+# _KEEPALIVE_S x _KEEPALIVE_COUNT seconds rather than TCP's own keepalive (two hours by default).
+_KEEPALIVE_S = 5.0
+_KEEPALIVE_COUNT = 3
 _PROBE_S = 30.0  # on top of --connect-timeout: the host's python starting and reading package metadata
 # torchrun's agents share their rendezvous store with the workers by default, but then a node that joins in a
 # later round (a host started again) waits for the round's MASTER_ADDR key, which a rank 0 that joined earlier
@@ -208,7 +214,7 @@ def train_flags(cfg) -> list[str]:
 
     flags = []
     for name, value in cfg.to_dict().items():
-        if value == FIELDS[name].default or name in ("cluster_token", "devices"):
+        if value == FIELDS[name].default or name in ("cluster_token", "cluster_token_file", "devices"):
             continue
         flag = name.replace("_", "-")
         flags.append((f"--{flag}" if value else f"--no-{flag}") if isinstance(value, bool) else f"--{flag}={value}")
@@ -218,7 +224,7 @@ def train_flags(cfg) -> list[str]:
 def plan_launch(args: argparse.Namespace) -> LaunchSpec:
     """The launch, validated before any connection: hosts.yaml, the options and the train command."""
     from edgetrain.cli import build_parser
-    from edgetrain.cluster.peers import TOKEN_ENV
+    from edgetrain.cluster.peers import cluster_token
     from edgetrain.config import FIELDS, load_config
 
     hosts = load_hosts(args.hosts)
@@ -238,7 +244,7 @@ def plan_launch(args: argparse.Namespace) -> LaunchSpec:
                              f"give at most {len(hosts)}")
     if not 1 <= args.rdzv_port <= 65535:
         raise EdgetrainError(f"--rdzv-port must be 1..65535, not {args.rdzv_port}")
-    token = cfg.cluster_token or os.environ.get(TOKEN_ENV) or secrets.token_hex(16)
+    token = cluster_token(cfg.cluster_token, cfg.cluster_token_file, os.environ) or secrets.token_hex(16)
     return LaunchSpec(tuple(hosts), tuple(train_flags(cfg)), token, min_hosts, args.max_restarts, args.rdzv_port,
                       args.rdzv_timeout, args.connect_timeout, args.run_id or f"edgetrain-{secrets.token_hex(4)}")
 
@@ -276,11 +282,14 @@ def dropped(code: int | None, signal_name: str | None) -> bool:
 
 
 def after_exit(spec: LaunchSpec, index: int, restarts: int, code: int | None, signal_name: str | None,
-               others_running: int) -> str:
+               others_running: int, finished: bool = False) -> str:
     """What to do when host ``index``'s process ended: "done", "restart", "leave out" or "fail" (the rules
-    of the module docstring's step 4)."""
+    of the module docstring's step 4). ``finished``: another host's torchrun already exited 0, so the run
+    is complete (torchrun succeeds only then): a host dropped now is left out, not restarted or blamed."""
     if code == 0 and signal_name is None:
         return "done"
+    if finished and dropped(code, signal_name):
+        return "leave out"
     if not dropped(code, signal_name) or index == 0:  # torchrun gave up, or the rendezvous store went with it
         return "fail"
     if restarts < spec.max_restarts:
@@ -297,13 +306,15 @@ class _Host:
         self.process = None
         self.last_error = ""
         self.restarts = 0
+        self.quiet = False
 
     async def connect(self) -> None:
         import asyncssh
 
         h = self.host
         options: dict[str, Any] = dict(port=h.port, username=h.user or getpass.getuser(),
-                                       connect_timeout=self.spec.connect_timeout)
+                                       connect_timeout=self.spec.connect_timeout, keepalive_interval=_KEEPALIVE_S,
+                                       keepalive_count_max=_KEEPALIVE_COUNT)
         if h.key:
             options["client_keys"] = [h.key]
         if h.known_hosts:
@@ -368,6 +379,8 @@ class _Host:
 
     async def _relay(self, stream, out) -> None:
         async for line in stream:
+            if self.quiet:  # stopping: torchrun's and the workers' shutdown reports are not shown
+                continue
             line = line.rstrip("\n")
             if line.strip():
                 self.last_error = line.strip()
@@ -408,6 +421,7 @@ async def _launch(spec: LaunchSpec) -> None:
         _say(f"starting torchrun on {', '.join(f'{h.name} ({h.devices} device(s))' for h in spec.hosts)}; "
              f"c10d rendezvous at {_endpoint(first.address, spec.rdzv_port)}, run id {spec.run_id}")
         running = {asyncio.ensure_future(h.run()): h for h in hosts}
+        finished = False
         while running:
             done, _ = await asyncio.wait([*running, stop_reason], return_when=asyncio.FIRST_COMPLETED)
             if stop_reason in done:
@@ -416,12 +430,15 @@ async def _launch(spec: LaunchSpec) -> None:
                 host = running.pop(task)
                 code, signal_name = task.result()
                 why = describe_exit(code, signal_name)
-                action = after_exit(spec, host.index, host.restarts, code, signal_name, len(running))
+                action = after_exit(spec, host.index, host.restarts, code, signal_name, len(running), finished)
+                finished = finished or action == "done"
                 if action == "restart":
                     host.restarts += 1
                     _say(f"host {host.host.name} dropped ({why}); starting it again "
                          f"(restart {host.restarts} of {spec.max_restarts})")
                     running[asyncio.ensure_future(host.run())] = host
+                elif action == "leave out" and finished:
+                    _say(f"host {host.host.name} dropped ({why}) after the run finished on the others")
                 elif action == "leave out":
                     _say(f"host {host.host.name} dropped ({why}); going on with the other {len(running)} "
                          f"host(s) (--min-hosts {spec.min_hosts})")
@@ -429,6 +446,11 @@ async def _launch(spec: LaunchSpec) -> None:
                     last = f" (last line: {host.last_error})" if host.last_error else ""
                     raise EdgetrainError(f"host {host.host.name} failed: {why}{last}; the other hosts were stopped")
     finally:
+        # Ctrl-C, SIGTERM or a host's failure: the one line that says why is the launcher's (or the failed
+        # host's last line, quoted in it); the stopped hosts' tracebacks (torchrun's SignalException, the
+        # workers' failed collectives: about 75 lines on three hosts) are not.
+        for h in hosts:
+            h.quiet = True
         await asyncio.gather(*(h.stop() for h in hosts))
         for task in running:
             task.cancel()
@@ -480,7 +502,7 @@ def register(sub) -> None:
                                    "print each host's output with a [host] prefix, stop all on Ctrl-C. Example: "
                                    "edgetrain launch --hosts hosts.yaml -- train --epochs 5",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--hosts", metavar="FILE", required=True, help="YAML file listing the hosts (see README)")
+    p.add_argument("--hosts", metavar="FILE", required=True, help="YAML file listing the hosts (see docs/how-to/launch.md)")
     p.add_argument("--min-hosts", type=positive_int, default=None,
                    help="elastic: train on as few as this many hosts (torchrun --nnodes MIN:N; default: all)")
     p.add_argument("--max-restarts", type=non_negative_int, default=0,

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from edgetrain.cluster.launch import free_port
-from edgetrain.cluster.peers import check_rank_environment
+from edgetrain.cluster.peers import check_rank_environment, cluster_token
 from edgetrain.errors import EdgetrainError
 from edgetrain_testing import REPO
 
@@ -75,7 +75,7 @@ def test_node_whose_master_never_arrives_ends_within_timeout_with_one_line(tmp_p
 
 def test_torchrun_recipe_with_rdzv_timeout_ends_within_it(tmp_path):
     """torchrun's agent meets its peers before edgetrain starts: ``--rdzv-conf timeout=`` bounds that wait
-    (its own output, not edgetrain's one line: the README says so)."""
+    (its own output, not edgetrain's one line: docs/how-to/launch.md says so)."""
     started = time.monotonic()
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                         "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
@@ -90,6 +90,15 @@ def test_different_cluster_tokens_fail_on_every_node_with_one_line(tmp_path):
     for code, err in results:
         assert code == 2 and err.count("\n") == 1, err
         assert "cluster token that does not match" in err and "s3cret" not in err
+    assert not list((tmp_path / "node0").iterdir())  # refused before training: no run directory left
+
+
+def test_a_node_without_a_token_is_told_so(tmp_path, monkeypatch):
+    monkeypatch.delenv("EDGETRAIN_CLUSTER_TOKEN", raising=False)
+    (code0, err0), (code1, err1) = start_nodes(tmp_path, [["--cluster-token", "s3cret"], []], world=2)
+    assert code0 == code1 == 2, (err0, err1)
+    assert "device(s) 1 have no cluster token" in err0 and err0.count("\n") == 1, err0
+    assert "this device (rank 1) has no cluster token" in err1 and err1.count("\n") == 1, err1
 
 
 def test_token_from_environment_matches_flag_and_is_not_written(tmp_path):
@@ -97,6 +106,7 @@ def test_token_from_environment_matches_flag_and_is_not_written(tmp_path):
                           env_extra={"EDGETRAIN_CLUSTER_TOKEN": "s3cret"})
     assert [code for code, _ in results] == [0, 0], results
     run_dir = next((tmp_path / "node0").iterdir())
+    assert "devices: 2" in (run_dir / "config.yaml").read_text()  # WORLD_SIZE, not --devices' default
     for name in ("config.yaml", "summary.json"):
         assert "s3cret" not in (run_dir / name).read_text()
 
@@ -113,3 +123,37 @@ def test_no_pickle_based_collective_in_the_package():
     offenders = [f"{path.relative_to(REPO)}:{n}" for path in (REPO / "src" / "edgetrain").rglob("*.py")
                  for n, line in enumerate(path.read_text().splitlines(), 1) if pickled.search(line)]
     assert offenders == []
+
+
+def test_token_from_a_file_matches_the_environment_and_stays_out_of_ps(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    results = start_nodes(tmp_path, [["--cluster-token-file", str(token_file)], []], world=2,
+                          env_extra={"EDGETRAIN_CLUSTER_TOKEN": "s3cret"})
+    assert [code for code, _ in results] == [0, 0], results
+    run_dir = next((tmp_path / "node0").iterdir())
+    for name in ("config.yaml", "summary.json"):
+        assert "s3cret" not in (run_dir / name).read_text()
+
+
+def test_cluster_token_sources_and_their_refusals(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("from-file\nignored\n")
+    env = {"EDGETRAIN_CLUSTER_TOKEN": "from-env"}
+    assert cluster_token(None, str(token_file), env) == "from-file"
+    assert cluster_token("from-flag", None, env) == "from-flag"
+    assert cluster_token(None, None, env) == "from-env" and cluster_token(None, None, {}) == ""
+    with pytest.raises(EdgetrainError, match="not both"):
+        cluster_token("a", str(token_file), {})
+    with pytest.raises(EdgetrainError, match=r"cannot read --cluster-token-file .*missing"):
+        cluster_token(None, str(tmp_path / "missing"), {})
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(EdgetrainError, match="is empty; write the token on its first line"):
+        cluster_token(None, str(tmp_path / "empty"), {})
+
+
+def test_the_token_flag_says_it_is_visible_to_other_users():
+    from edgetrain.config import FIELDS
+
+    assert "VISIBLE TO OTHER USERS" in FIELDS["cluster_token"].metadata["help"]
+    assert "--cluster-token-file" in FIELDS["cluster_token"].metadata["help"]

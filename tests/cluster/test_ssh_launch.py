@@ -257,6 +257,17 @@ def test_what_happens_when_a_host_ends(index, restarts, code, signal_name, other
     assert after_exit(spec, index, restarts, code, signal_name, others) == action
 
 
+@pytest.mark.parametrize("code, signal_name, action", [
+    (None, None, "leave out"),  # its connection was lost (a partition) after another host finished the run
+    (137, None, "leave out"),
+    (1, None, "fail"),  # its torchrun failed: still said
+])
+def test_a_host_dropped_after_the_run_finished_is_no_error(code, signal_name, action):
+    spec = LaunchSpec(hosts=(), train_flags=(), cluster_token="", min_hosts=3, max_restarts=0, rdzv_port=1,
+                      rdzv_timeout=1, connect_timeout=1, run_id="x")
+    assert after_exit(spec, 1, 0, code, signal_name, 0, finished=True) == action
+
+
 def test_train_command_reaches_the_hosts_as_flags_that_give_the_same_config(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump({"lr": 0.1, "eval": False, "link": "20mbit:5ms", "cluster_token": "s3cret"}))

@@ -1,5 +1,6 @@
 """Checkpoints and --resume (train/checkpoint.py): resumed == uninterrupted, atomic files, last K kept, refusals."""
 import json
+import os
 import time
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from edgetrain.spec import CheckpointSpec
 from edgetrain.train import checkpoint
 from edgetrain.train.checkpoint import (Checkpointer, check_resumable, check_resume_devices, checkpoint_files,
                                         checkpoint_step, device_state_for, elastic_run_dir)
-from edgetrain_testing import FAST, run_cli
+from edgetrain_testing import FAST, NEEDS_POOLED, run_cli
 
 # 128 synthetic images in global batches of 32: 4 steps an epoch, so step 6 is in the middle of epoch 1.
 SMALL = dict(model="small_cnn", dataset="synthetic", image_size=8, synthetic_samples=128, batch_size=32, steps=10,
@@ -149,6 +150,7 @@ class _WholePart:
                        options=StateDictOptions(flatten_optimizer_state_dict=True))
 
 
+@NEEDS_POOLED
 def test_a_pooled_write_killed_half_way_leaves_the_previous_checkpoint_usable(tmp_path, monkeypatch):
     writer = Checkpointer(CheckpointSpec(every_steps=1, keep=2), str(tmp_path), rank=0, world=1, timeout_s=5)
     saved = _WholePart(0)
@@ -232,6 +234,10 @@ def test_resumed_on_fewer_devices_ends_as_the_uninterrupted_run(tmp_path):
     run_dir = Path(train(SMALL, devices=2, batchnorm="sync", output=str(tmp_path))["run_dir"])
     uninterrupted = final_model(run_dir)
     checkpoint_files(run_dir)[-1].unlink()  # killed after step 6's checkpoint
+    stopped = time.time() - 50  # as if it had stood still 50 s (a host lost, torchrun restarting)
+    for f in [*run_dir.glob("metrics-*.jsonl"), *checkpoint_files(run_dir)]:
+        os.utime(f, (stopped, stopped))
+    assert checkpoint.last_activity(run_dir) == pytest.approx(stopped)
     summary = train({"resume": str(run_dir), "devices": 1})
     assert summary["devices"] == 1 and summary["steps"] == 10
     resumed = final_model(run_dir)
@@ -244,6 +250,8 @@ def test_resumed_on_fewer_devices_ends_as_the_uninterrupted_run(tmp_path):
     membership = [json.loads(line) for line in (run_dir / "membership.jsonl").read_text().splitlines()]
     assert [{k: m[k] for k in ("step", "kind", "devices", "world", "state_from", "cause")} for m in membership] == [
         {"step": 6, "kind": "leave", "devices": [1], "world": 1, "state_from": "checkpoint", "cause": "resume"}]
+    # the outage is the 50 s the run stood still, not the fraction of a second reading the checkpoint took
+    assert 50 <= membership[0]["outage_s"] < 50 + 120 and membership[0]["took_s"] < 10, membership
 
 
 def _device(rank: int, residual: float) -> dict:
@@ -324,6 +332,7 @@ def test_powersgd_state_follows_its_parameters_into_another_bucket_layout():
     assert 1 not in state.psgd.error_dict
 
 
+@NEEDS_POOLED
 def test_load_checkpoint_says_whether_a_pooled_runs_model_is_partial(tmp_path, capsys):
     from edgetrain.train.checkpoint import save_final_parts
 

@@ -7,7 +7,9 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from edgetrain_testing import FAST, on_devices
+from edgetrain_testing import NEEDS_POOLED, FAST, on_devices
+
+pytestmark = NEEDS_POOLED
 from edgetrain import load_checkpoint, train
 from edgetrain.config import TrainConfig, resolve
 from edgetrain.errors import EdgetrainError

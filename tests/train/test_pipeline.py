@@ -7,7 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from edgetrain_testing import FAST, DigitsMlp, keys_written_by_rank
+from edgetrain_testing import NEEDS_POOLED, FAST, DigitsMlp, keys_written_by_rank
+
+pytestmark = NEEDS_POOLED
 from edgetrain import load_checkpoint, train
 from edgetrain.config import TrainConfig, resolve
 from edgetrain.errors import EdgetrainError

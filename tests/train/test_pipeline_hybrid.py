@@ -10,7 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from edgetrain_testing import FAST, DigitsMlp, on_devices
+from edgetrain_testing import NEEDS_POOLED, FAST, DigitsMlp, on_devices
+
+pytestmark = NEEDS_POOLED
 from edgetrain import load_checkpoint, train
 from edgetrain.config import TrainConfig, resolve
 from edgetrain.data import build_data

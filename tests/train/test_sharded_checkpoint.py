@@ -8,7 +8,9 @@ import torch
 from edgetrain import load_checkpoint, train
 from edgetrain.errors import EdgetrainError
 from edgetrain.train.checkpoint import checkpoint_files, checkpoint_step, check_resume_devices
-from edgetrain_testing import FAST, keys_written_by_rank
+from edgetrain_testing import NEEDS_POOLED, FAST, keys_written_by_rank
+
+pytestmark = NEEDS_POOLED
 
 # 64 synthetic 8x8 images in global batches of 16: 4 steps an epoch, so the checkpoint of step 4 starts epoch 1.
 SMALL = dict(model="small_cnn", dataset="synthetic", image_size=8, synthetic_samples=64, batch_size=16, steps=6,

@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterator
 from edgetrain.arguments import non_negative_int, positive_int
 from edgetrain.bench import workload
 from edgetrain.bench.common import print_table, save_result, say, start_run
+from edgetrain.cluster.profiles import model_power_w
 from edgetrain.errors import EdgetrainError
 from edgetrain.results import PowerResult
 
@@ -90,6 +91,42 @@ def ina_power_files(roots: tuple[str, ...] = INA_ROOTS) -> list[Path]:
         except (OSError, ValueError):
             continue
     return readable
+
+
+HWMON_ROOT = "/sys/class/hwmon"
+
+
+def ina_hwmon_rails(root: str = HWMON_ROOT) -> list[tuple[Path, Path]]:
+    """Jetson INA3221 rails as hwmon exposes them (JetPack 5/6: a ``hwmon*`` whose ``name`` is ``ina3221``):
+    (``inN_input`` millivolts, ``currN_input`` milliamps) pairs that can be read."""
+    rails = []
+    for d in sorted(Path(root).glob("hwmon*")) if Path(root).is_dir() else []:
+        try:
+            if (d / "name").read_text().strip() != "ina3221":
+                continue
+        except OSError:
+            continue
+        for volts in sorted(d.glob("in[0-9]*_input")):
+            amps = d / volts.name.replace("in", "curr", 1)
+            try:
+                float(volts.read_text()), float(amps.read_text())
+                rails.append((volts, amps))
+            except (OSError, ValueError):
+                continue
+    return rails
+
+
+def hwmon_watts(rails: list[tuple[Path, Path]]) -> float:
+    return sum(float(v.read_text()) * float(a.read_text()) for v, a in rails) / 1e6
+
+
+def read_watts_file(path: str | Path) -> float:
+    """Watts from a file a power meter's logger keeps current (its last number: a line may carry a time too)."""
+    try:
+        return float(Path(path).read_text().split()[-1])
+    except (OSError, ValueError, IndexError) as e:
+        raise EdgetrainError(f"cannot read watts from --power-file {path} ({e}); the file must hold a number "
+                             f"of watts, e.g. 4.2") from None
 
 
 @contextmanager
@@ -241,7 +278,8 @@ def _measure(net, batch_size: int, steps: int, warmup: int, dataset: str, thread
         t0 = time.perf_counter()
         timing = workload.time_steps(net, batch_size, steps, 0, dataset, threads)
         metered_s = time.perf_counter() - t0
-        joules = metered_s * (source["idle_w"] + source["per_core_w"] * threads) if source["modelled"] else None
+        joules = metered_s * model_power_w(source["idle_w"], source["per_core_w"], threads) if source["modelled"] \
+            else None
         return {"timing": timing, "joules": joules, "metered_s": metered_s}
     with meter(source) as read_joules:
         t0 = time.perf_counter()

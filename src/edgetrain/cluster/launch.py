@@ -222,6 +222,7 @@ def _child(rank: int, world: int, port: int, parent_pid: int, target: Callable, 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
+    os.environ.setdefault("TORCHELASTIC_RESTART_COUNT", "0")  # torch < 2.6 reads it with the agent store
     loopback = _loopback_interface()
     if loopback:
         os.environ["GLOO_SOCKET_IFNAME"] = loopback
@@ -318,8 +319,12 @@ def _loopback_store(world: int):
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))
     listener.listen(world * 4)
-    store = dist.TCPStore("127.0.0.1", listener.getsockname()[1], is_master=True, wait_for_workers=False,
-                          master_listen_fd=listener.detach())
+    port, fd = listener.getsockname()[1], listener.detach()
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, master_listen_fd=fd)
+    except NotImplementedError:  # torch < 2.6: its libuv store takes no listening socket; the legacy one does
+        store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, master_listen_fd=fd,
+                              use_libuv=False)
     return store, store.port
 
 

@@ -46,9 +46,11 @@ import hmac
 import json
 import os
 import secrets
+import socket
 import threading
 from datetime import timedelta
-from typing import Any
+from pathlib import Path
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
@@ -58,9 +60,26 @@ from edgetrain.errors import EdgetrainError
 TOKEN_ENV = "EDGETRAIN_CLUSTER_TOKEN"
 # Keys that are each node's own business: where its files are, how it reports, how long it waits.
 NODE_LOCAL_KEYS = frozenset({"data_dir", "output", "run_name", "progress", "workers", "threads", "devices",
-                             "timeout", "cluster_token", "tensorboard",
+                             "timeout", "cluster_token", "cluster_token_file", "power_file", "tensorboard",
                              "resume"})  # rank 0 alone reads the checkpoint (a torchrun restart: only its node)
 _DIGEST_BYTES = 32
+
+
+def cluster_token(token: str | None, token_file: str | None, environ: Mapping[str, str]) -> str:
+    """The cluster token from ``--cluster-token``, ``--cluster-token-file`` (its first line) or the
+    environment, in that order; "" where none is given. One line if the file cannot be read or is empty."""
+    if token and token_file:
+        raise EdgetrainError("give the cluster token once: --cluster-token or --cluster-token-file, not both")
+    if token_file:
+        try:
+            lines = Path(token_file).expanduser().read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise EdgetrainError(f"cannot read --cluster-token-file {token_file} ({e.strerror or e}); give a "
+                                 f"readable file whose first line is the token") from None
+        if not lines or not lines[0].strip():
+            raise EdgetrainError(f"--cluster-token-file {token_file} is empty; write the token on its first line")
+        return lines[0].strip()
+    return token or environ.get(TOKEN_ENV, "")
 
 
 def check_rank_environment() -> tuple[int, int]:
@@ -187,6 +206,51 @@ def _to_tensor(payload: bytes, length: int) -> torch.Tensor:
     return out
 
 
+def peer_failure(error: BaseException, rank: int, timeout_s: float) -> str | None:
+    """One line for a collective that failed because a peer died or stopped answering (gloo's own error:
+    a connection closed or reset, a timed-out send or receive), or None for any other error. Under torchrun
+    or the plain recipe no launcher is there to pick the device that failed first, so each survivor says
+    this rather than gloo's traceback."""
+    text = str(error).strip()
+    if not isinstance(error, (RuntimeError, dist.DistError)) or not any(
+            mark in text for mark in ("gloo/transport", "Connection closed by peer", "Connection reset by peer",
+                                      "Broken pipe", "Timed out waiting")):
+        return None
+    detail = text.splitlines()[0].split("] ", 1)[-1]  # gloo's source path cut
+    return (f"device {rank}: a peer device stopped answering during the run ({detail}); the device that failed "
+            f"first says why in its own output (a killed or lost host says nothing): restart the run there, or "
+            f"raise --timeout ({timeout_s:g} s) if it was only slow")
+
+
+def host_identity() -> str:
+    """This machine (its boot id) and network namespace: devices that share both share this host's cores."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            machine = f.read().strip()
+    except OSError:  # not Linux
+        machine = socket.gethostname()
+    try:
+        namespace = os.readlink("/proc/self/ns/net")
+    except OSError:
+        namespace = ""
+    return f"{machine}/{namespace}"
+
+
+def local_placement(rank: int, world: int) -> tuple[int, int]:
+    """(this device's index among the devices on its host, how many there are).
+
+    torchrun and the local launcher say it (``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``). Without them (the plain
+    ``RANK=`` recipe, one process per host) it is counted: the devices all-gather ``host_identity`` (a
+    collective, right after admission), so a process alone on its host gets all its cores, and several
+    started by hand on one host share them."""
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if world == 1 or rank < 0 or not dist.is_initialized():
+        return 0, 1
+    hosts = all_gather_json(host_identity())
+    return hosts[:rank].count(hosts[rank]), hosts.count(hosts[rank])
+
+
 def admit_peers(config: dict, cluster_token: str, rank: int, world: int) -> None:
     """Check that every device has this device's cluster token and config (collectives: all devices call it)."""
     if world == 1:
@@ -202,6 +266,14 @@ def admit_peers(config: dict, cluster_token: str, rank: int, world: int) -> None
 
     answers = _all_gather_digest(answer(rank))
     strangers = [r for r, got in enumerate(answers) if not hmac.compare_digest(got, answer(r))]
+    if strangers and not cluster_token:
+        raise EdgetrainError(f"this device (rank {rank}) has no cluster token and its peers have one; set "
+                             f"{TOKEN_ENV} (or --cluster-token) to the cluster's token on this node")
+    tokenless = [r for r in strangers if hmac.compare_digest(answers[r], hmac.new(
+        b"", bytes(nonce.tolist()) + r.to_bytes(8, "big"), hashlib.sha256).digest())]
+    if strangers and tokenless == strangers:
+        raise EdgetrainError(f"device(s) {', '.join(map(str, strangers))} have no cluster token (this device, rank "
+                             f"{rank}, has one); set {TOKEN_ENV} (or --cluster-token) on every node")
     if strangers:
         raise EdgetrainError(f"device(s) {', '.join(map(str, strangers))} gave a cluster token that does not match "
                              f"this device's (rank {rank}); start every node with the same --cluster-token "

@@ -16,6 +16,11 @@ A cluster file lists the devices of a run::
       - {profile: jetson-nano, batch: 24, link: wifi-20m}
       - {profile: pi-zero, count: 2}
 
+A profile may carry a power model, ``idle_w`` + ``core_w`` x busy cores
+(watts), from which training reports modelled energy where no sensor can be
+read (docs/how-to/energy.md); the built-in profiles carry none, as no figure
+of theirs was measured here.
+
 A device entry may give ``data``: the path of that device's own training
 data, an image folder or a ``.npz`` (``data/device_data.py``; a relative
 path is taken from the cluster file's folder). Then each device reads only
@@ -47,7 +52,21 @@ class DeviceProfile:
     memory_gbps: float | None = None  # rated memory bandwidth (bus width x transfer rate), GB/s; None = unknown
     link: str | None = None           # link preset or spec (see edgetrain.spec)
     description: str = ""
+    idle_w: float | None = None       # power model: watts at idle ...
+    core_w: float | None = None       # ... plus these per busy core (None: no model; see power_w)
     storage: str | None = None        # where its data lives: a STORAGES name; None = this host's disk, unthrottled
+
+    def power_w(self, cores: int) -> float | None:
+        """Modelled power with ``cores`` busy, or None where the profile has no power model."""
+        if self.idle_w is None or self.core_w is None:
+            return None
+        return model_power_w(self.idle_w, self.core_w, cores)
+
+
+def model_power_w(idle_w: float, core_w: float, cores: int) -> float:
+    """The one power model of edgetrain: idle watts plus watts per busy core (``bench power --power-model``,
+    a profile's ``idle_w``/``core_w``). Its figures are always labelled modelled."""
+    return idle_w + core_w * cores
 
 
 @dataclass(frozen=True)
@@ -76,7 +95,7 @@ STORAGES: dict[str, Storage] = {s.name: s for s in (
 
 
 # Compute rates: rpi4 from LINPACK on one Raspberry Pi 4 (15.5 GFLOPS, the Pi study cited in
-# the README); jetson-nano is its quad Cortex-A57 CPU (4 cores x 1.43 GHz x 8 fp32 FLOP/cycle
+# docs/reference/profiles.md); jetson-nano is its quad Cortex-A57 CPU (4 cores x 1.43 GHz x 8 fp32 FLOP/cycle
 # = 45.8 GFLOPS peak, at the same ~30% LINPACK efficiency as the Pi's A72): about 13.7 GFLOPS.
 BUILTIN_PROFILES: dict[str, DeviceProfile] = {
     "host": DeviceProfile("host", description="this machine, unthrottled"),
@@ -86,10 +105,10 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
                                  description="Jetson Nano CPU, 4x Cortex-A57 1.43 GHz, 4 GB (GPU not emulated)",
                                  storage="emmc"),
 }
-# The small devices of memory pooling (issue 13). Cores, clocks and memory from the vendors' pages (README,
-# "Device profiles"); GFLOPS modelled as the jetson-nano's: cores x GHz x fp32 FLOP/cycle (128-bit FMA:
+# The small devices of memory pooling (issue 13). Cores, clocks and memory from the vendors' pages
+# (docs/reference/profiles.md); GFLOPS modelled as the jetson-nano's: cores x GHz x fp32 FLOP/cycle (128-bit FMA:
 # 8 on Cortex-A53, two pipes: 16 on A76 and A78AE) x 15.5 / 48, the rpi4's LINPACK over its peak.
-# Memory GB/s: rated, bus width x transfer rate of the SDRAM the vendors name (README, "Device profiles").
+# Memory GB/s: rated, bus width x transfer rate of the SDRAM the vendors name (docs/reference/profiles.md).
 BUILTIN_PROFILES.update({name: DeviceProfile(name, cores, gflops, memory_mb=memory_mb, memory_gbps=gbps, link=link,
                                              description=text, storage=storage)
                          for name, cores, gflops, memory_mb, gbps, link, text, storage in (
@@ -170,6 +189,13 @@ def _make_profile(name: str, spec: dict, known: dict[str, DeviceProfile], source
     if "storage" in spec and spec["storage"] is not None and spec["storage"] not in STORAGES:
         raise EdgetrainError(f"profile '{name}' in {source}: storage {spec['storage']!r} is unknown; use one of "
                              f"{', '.join(STORAGES)}")
+    for key in ("idle_w", "core_w"):
+        if key in spec and (not isinstance(spec[key], (int, float)) or isinstance(spec[key], bool) or spec[key] < 0):
+            raise EdgetrainError(f"profile '{name}' in {source}: {key} must be a number of watts >= 0, "
+                                 f"not {spec[key]!r}")
+    if ("idle_w" in spec) != ("core_w" in spec) and base.idle_w is None:
+        raise EdgetrainError(f"profile '{name}' in {source}: the power model needs both idle_w and core_w "
+                             f"(watts at idle, watts per busy core)")
     for key in ("gflops", "speed", "memory_gbps"):
         if key in spec and (not isinstance(spec[key], (int, float)) or spec[key] <= 0):
             raise EdgetrainError(f"profile '{name}' in {source}: {key} must be a positive number, not {spec[key]!r}")

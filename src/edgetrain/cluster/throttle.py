@@ -1,62 +1,7 @@
-"""Emulating a slow device on a fast host.
+"""Emulating a slow device on a fast host: pinned cores, speed by calibrated duty cycling, a memory
+limit, and freed memory kept for reuse.
 
-Three knobs make one host process behave like an edge device:
-
-1. **Cores.** The process is pinned (``os.sched_setaffinity``) to its own
-   subset of host cores and told to use that many torch threads, so devices
-   sharing a host do not fight over every core.
-2. **Speed by duty cycling.** A device of speed ``s`` (relative to one host
-   core) should take ``1/s`` times as long as the host for the same work. The
-   ``Throttle`` measures the CPU time the process really used since its last
-   checkpoint and sleeps until ``cpu / s`` wall seconds have passed. Sleeping
-   hands the core to the other devices pinned there, so several slow devices
-   share one core at their intended speeds as long as their speeds add up to
-   at most 1 per core. Checkpoints fire after every leaf module's forward and
-   during backward, so a throttled device also launches its gradient
-   communication late, as a real slow device would.
-
-   Duty cycling has a cost of its own on a shared host: work that follows a
-   sleep runs on cold caches and a core that was idle, so the same forward
-   pass took 10-30% more CPU time than it does back to back (measured on this
-   project's 2-core VM), and a throttle charging raw CPU time made devices that
-   much slower than their profile. So the throttle is **calibrated**:
-   ``calibrate`` times the model's forward and backward pass unthrottled and
-   back to back (the host's warm speed, which the profile's speed is relative
-   to), every throttled training pass is timed again, and CPU time is charged
-   divided by the ratio of the two (its ``inflation``, smoothed over passes).
-   When a pass ends, what it was charged is settled against the reference,
-   so every training pass takes the reference time / speed (or longer, if its
-   work alone took longer): 1/speed of the host's *warm* time, whatever
-   sleeping costs and however much the host's speed drifts meanwhile.
-3. **Memory.** The peak resident set (``ru_maxrss``) is compared with the
-   profile's memory after every step; exceeding it stops the run with a clear
-   message, as an out-of-memory kill would on the device.
-4. **Freed memory kept for reuse** (``keep_freed_memory``, every device, throttled
-   or not). glibc's malloc hands large blocks back to the kernel when they are
-   freed (``mmap``/``munmap`` above a threshold it adapts as it goes, heap
-   trimming above twice that). A training step frees its activations at the end
-   and allocates them again in the next one, so a device whose threshold stayed
-   low pays a fresh zeroed page for every activation byte of every step. It
-   depends on the history of the process: measured on ResNet-18, batch 64, one
-   core, the device process took 70,000-85,000 minor page faults per step
-   (0.12 s of system time and about 7% more CPU per step than a plain loop,
-   which happened to settle at 0), and none after ``keep_freed_memory``. It
-   fixes the thresholds (``mallopt``: mmap above 32 MiB, glibc's largest, and
-   trim above 1 GiB) so freed blocks are reused, as PyTorch's caching allocator
-   does on a GPU. The peak resident set, which the memory check reads, is a peak
-   either way. Each ``StepRecord`` carries the step's ``page_faults``.
-
-Limits, stated plainly: CPU time counts every thread of the process, so the
-communication library's own CPU work is stretched too; the host's caches,
-memory bandwidth and SIMD width are not the device's, so the emulated speed is
-right on average (GFLOPS) but not layer by layer; waiting (for data or peers)
-earns no credit, and sleeps shorter than ``quantum`` are batched. The
-inflation is measured on training passes of the calibrated batch size (from
-the start of the forward to the last gradient at a leaf's output) and applied
-to all work, optimizer and compression included; for a model whose gradients
-are communicated during the backward pass (several DDP buckets), the CPU time
-of that communication counts as pass time too. Without ``calibrate`` (tiled
-training) raw CPU time is charged.
+Design: docs/design/throttle.md
 """
 from __future__ import annotations
 

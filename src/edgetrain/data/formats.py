@@ -118,18 +118,7 @@ def npz_arrays(path: str | Path, seed: int = 0) -> DataSplit:
 def npz_file_arrays(path: str | Path) -> tuple[np.ndarray, np.ndarray, tuple | None]:
     """(images, labels, (test images, test labels) or None where the file holds no x_test/y_test)."""
     path = Path(path)
-    if not path.is_file():
-        raise EdgetrainError(f"npz file {path} does not exist; set data_dir to a .npz holding arrays x and y")
-    try:
-        with np.load(path, allow_pickle=False) as f:
-            arrays = {k: f[k] for k in f.files}
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
-        raise EdgetrainError(f"npz file {path} cannot be read ({e}); write it with numpy.savez(path, x=..., y=...) "
-                             "and numeric arrays") from None
-    missing = [k for k in ("x", "y") if k not in arrays]
-    if missing or (("x_test" in arrays) != ("y_test" in arrays)):
-        raise EdgetrainError(f"npz file {path} lacks {' and '.join(missing) or 'x_test or y_test'} (holds "
-                             f"{', '.join(sorted(arrays)) or 'nothing'}); save x, y and optionally x_test, y_test")
+    arrays = _read_npz(path)
     x, y = (_images(arrays["x"], path, "x"), _labels(arrays["y"], path, "y", len(arrays["x"])))
     if "x_test" in arrays:
         test = (_images(arrays["x_test"], path, "x_test"), _labels(arrays["y_test"], path, "y_test",

@@ -107,10 +107,11 @@ except ImportError:  # one line through the CLI, not a traceback
                          "install it with: pip install edgetrain[fleet]") from None
 
 # run-config keys and their defaults (the app's pyproject.toml repeats them for `flwr run`)
+# round-timeout: a dead or cut-off node leaves its round after this many seconds (Flower's own default is 600)
 DEFAULTS: dict[str, bool | float | int | str] = {
     "model": "small_cnn", "dataset": "digits", "data-dir": "", "partition": "iid", "num-rounds": 3,
     "local-steps": 5, "batch-size": 16, "lr": 0.05, "compress": "none", "server-opt": "fedavg",
-    "fraction-train": 1.0, "min-nodes": 2, "round-timeout": 600.0, "seed": 0,
+    "fraction-train": 1.0, "min-nodes": 2, "round-timeout": 120.0, "seed": 0,
     "prox-mu": 0.0, "scaffold": False, "fraction-evaluate": 1.0, "output-dir": "", "task": "",
 }
 TYPE_NAMES = {int: "whole number", float: "number", str: "string", bool: "true or false"}

@@ -84,7 +84,9 @@ def idle_process_mb() -> float:
     optimizers import on first use, and edgetrain's training code)."""
     from edgetrain.cluster.launch import DEVICE_IMPORTS
 
-    code = f"import psutil, {', '.join(DEVICE_IMPORTS)}; print(psutil.Process().memory_info().rss / 2**20)"
+    # what imports here (an older torch lacks FSDP2: train/fsdp.py does not import, the fork server skips it too)
+    code = (f"import importlib, psutil\nfor m in {DEVICE_IMPORTS!r}:\n    try: importlib.import_module(m)\n"
+            f"    except ImportError: pass\nprint(psutil.Process().memory_info().rss / 2**20)")
     env = dict(os.environ)
     src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))

@@ -18,6 +18,8 @@ import html
 import json
 from typing import Any
 
+from edgetrain.records import DeviceSummary, EnergyRecord
+
 NOISY_SPREAD = 0.25
 NOISY_NOTE = (f"a '!' on a spread marks a timing whose interquartile range is above {NOISY_SPREAD:.0%} of its "
               "median: too noisy to compare; run more steps (or --min-time where the bench has it) on a quieter machine")
@@ -107,3 +109,22 @@ def kv(d: dict[str, Any]) -> str:
     """A two-column table of a mapping's set values."""
     rows = [[k, json.dumps(v) if isinstance(v, (list, dict)) else v] for k, v in d.items() if v is not None]
     return table(["parameter", "value"], rows, "kv")
+
+
+def energy_cells(energy: EnergyRecord | None) -> list[str]:
+    """J/sample and average watts of a device, ``*`` after a modelled figure (see ``energy_note``)."""
+    if energy is None or energy.joules_per_sample is None:
+        return ["-", "-"]
+    mark = "" if energy.measured else "*"
+    return [f"{energy.joules_per_sample:.3g}{mark}", f"{energy.watts:.3g}{mark}" if energy.watts else "-"]
+
+
+def energy_note(per_device: list[DeviceSummary]) -> str:
+    """Where each device's energy came from: a sensor (measured) or its profile's power model (modelled, ``*``)."""
+    sources = {}
+    for d in per_device:
+        sources.setdefault(d.energy.source if d.energy else "none (no sensor, no power model in the profile)",
+                           []).append(str(d.rank))
+    return "energy over the training steps: " + "; ".join(
+        f"device{'s' if len(ranks) > 1 else ''} {','.join(ranks)}: {source}" for source, ranks in sources.items()) + \
+        (" (* modelled, not measured)" if any(d.energy and not d.energy.measured for d in per_device) else "")

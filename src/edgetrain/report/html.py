@@ -39,8 +39,9 @@ from typing import Any
 from edgetrain.errors import EdgetrainError
 from edgetrain.records import RunSummary, modelled_throughput
 from edgetrain.report import training
-from edgetrain.report.cells import (ABOVE_PEAK_NOTE, NOISY_NOTE, ROUNDS_COLUMN, ROUNDS_NOTE, efficiency_cell, flag_notes, fmt,
-                                    img, kv, percent_of_peak, round_cells, spread_cell, table)
+from edgetrain.report.cells import (ABOVE_PEAK_NOTE, NOISY_NOTE, ROUNDS_COLUMN, ROUNDS_NOTE, efficiency_cell,
+                                    energy_cells, energy_note, flag_notes, fmt, img, kv, percent_of_peak,
+                                    round_cells, spread_cell, table)
 from edgetrain.report.tables import stall_lines
 from edgetrain.results import (BatchResult, BenchResult, CountersResult, PeakResult, PlanResult, PowerResult,
                                ScalingResult, StallsResult, VariabilityResult)
@@ -158,6 +159,10 @@ def headline(run: dict[str, Any], peak: tuple[float, str] | None = None) -> tupl
                  p.peak_rss_mb, p.data_s, p.compute_s, p.comm_s, _mb(p.bytes_sent), _mb(p.bytes_recv)]
                 for p in per_device]
         notes = [f"throughput {d.throughput_samples_per_s:.1f} samples/s; {_headline(d)}"]
+        if any(p.energy is not None for p in per_device):  # joules per sample, measured or modelled (the note)
+            cols += ["J/sample", "avg W"]
+            rows = [row + energy_cells(p.energy) for row, p in zip(rows, per_device)]
+            notes.append(energy_note(per_device))
         rounds = round_cells(d.details)
         if rounds:
             cols.append(ROUNDS_COLUMN)

@@ -6,7 +6,8 @@ from rich.console import Console
 from rich.table import Table
 
 from edgetrain.records import RunSummary, modelled_throughput, stall_what_ifs
-from edgetrain.report.cells import ABOVE_PEAK_NOTE, ROUNDS_COLUMN, ROUNDS_NOTE, fmt, percent_of_peak, round_cells
+from edgetrain.report.cells import (ABOVE_PEAK_NOTE, ROUNDS_COLUMN, ROUNDS_NOTE, energy_cells, energy_note, fmt,
+                                    percent_of_peak, round_cells)
 
 
 def _mb(n: float) -> str:
@@ -16,7 +17,7 @@ def _mb(n: float) -> str:
 def _console() -> Console:
     console = Console()
     # Logs and pipes are not terminals: rich would assume 80 columns and squeeze the table.
-    return console if console.is_terminal else Console(width=120)
+    return console if console.is_terminal else Console(width=140)
 
 
 def print_train_summary(summary: dict | RunSummary, console: Console | None = None) -> None:
@@ -25,8 +26,9 @@ def print_train_summary(summary: dict | RunSummary, console: Console | None = No
     table = Table(title="per device, measured (means per step after the first)", title_justify="left",
                   box=box.SIMPLE_HEAD, pad_edge=False)
     rounds = round_cells(s.details)
+    energy = any(d.energy is not None for d in s.per_device)
     for col in ("rank", "profile", "batch", "samples/s", "step ms", "GFLOPS", "% rated", "data%", "comp%", "comm%",
-                "RSS MiB", "MB sent", *([ROUNDS_COLUMN] if rounds else [])):
+                "RSS MiB", "MB sent", *(["J/smp", "W"] if energy else []), *([ROUNDS_COLUMN] if rounds else [])):
         table.add_column(col, justify="left" if col == "profile" else "right", no_wrap=True)
     for d in s.per_device:
         step = d.step_s or float("nan")
@@ -35,10 +37,12 @@ def print_train_summary(summary: dict | RunSummary, console: Console | None = No
                       percent_of_peak(d.details.get("fraction_of_peak")),
                       f"{100 * d.data_s / step:.0f}", f"{100 * d.compute_s / step:.0f}",
                       f"{100 * d.comm_s / step:.0f}", f"{d.peak_rss_mb:,.0f}", _mb(d.bytes_sent),
-                      *([rounds[d.rank]] if rounds else []))
+                      *(energy_cells(d.energy) if energy else []), *([rounds[d.rank]] if rounds else []))
     console.print(table)
     if rounds:
         console.print(ROUNDS_NOTE, highlight=False)
+    if energy:
+        console.print(energy_note(s.per_device), highlight=False)
     # "% rated" is against each device's profile rating (modelled, not measured): say which, and flag > 100%.
     for source in sorted({f"{d.profile}: {d.details['peak_source']}" for d in s.per_device
                           if d.details.get("peak_source")}):

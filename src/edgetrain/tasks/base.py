@@ -23,10 +23,11 @@ import torch
 from torch.utils.data import default_collate
 
 from edgetrain.errors import EdgetrainError
+from edgetrain.records import MetricText
 
 
 @dataclass(frozen=True)
-class Metric:
+class Metric(MetricText):
     """One figure an evaluation reports. ``unit`` is what the report's axis says: ``""`` for a fraction of 1
     (accuracy, mAP: shown as such), else the target's unit (``"MPa"``) or a free word; ``label`` is the name a
     plot or table prints (``"mAP@0.5"``), ``name`` the key in records and summary.json (``"map50"``)."""
@@ -36,14 +37,6 @@ class Metric:
     higher_is_better: bool = True
     label: str = ""
     fmt: str = ".4g"        # how a value is printed (accuracy: ".1%")
-
-    @property
-    def title(self) -> str:
-        text = self.label or self.name
-        return f"{text} ({self.unit})" if self.unit else text
-
-    def format(self, value: float) -> str:
-        return f"{format(value, self.fmt)}{' ' + self.unit if self.unit else ''}"
 
 
 class Evaluator(abc.ABC):

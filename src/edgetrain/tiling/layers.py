@@ -2,7 +2,7 @@
 
 A model is seen as a plain sequence of named layers whose composition is the
 model's forward (``model_layers``). The first layers, the *tiled section*,
-must each be one of the types listed in ``edgetrain.tiling``'s docstring;
+must each be one of the types listed in docs/design/tiling.md;
 ``describe`` turns each into a ``Layer`` (one sliding window per axis, see
 ``regions.Window``) or a ``Block`` (a residual block: main path, shortcut,
 sum, activation), and rejects anything else with an error naming the layer.

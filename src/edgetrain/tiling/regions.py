@@ -1,35 +1,7 @@
-"""Receptive-field arithmetic for spatial tiling, one axis at a time (pure Python).
+"""Receptive-field arithmetic for spatial tiling, one axis at a time (pure Python): map sizes, who
+owns which rows, and what each tile must compute.
 
-Every layer the tiler accepts slides a window along each spatial axis
-independently, so a 2-D tile is the product of a row interval and a column
-interval and all the geometry is 1-D. Intervals are half-open ``(start, stop)``.
-
-Three questions are answered here, for one axis:
-
-* **How big is each feature map?** ``path_sizes`` applies the usual output-size
-  formula layer by layer.
-* **Who owns what?** Every feature map of the tiled section is *partitioned*
-  among the tiles of the axis (``path_bounds``). The last map is split evenly;
-  earlier maps get the split points mapped backwards through each layer (a
-  split before output ``b`` lands where output ``b``'s window starts, or in the
-  middle of what it shares with the window of output ``b - 1``). Owning matters for two things: the owner of a region is where that
-  region lives at a group boundary, and BatchNorm counts each element exactly
-  once, at its owner, so tiled statistics equal whole-map statistics even for
-  rows no later layer reads (a stride-2 pool dropping an odd last row).
-* **What must a tile compute?** ``plan_steps`` walks a fused group backwards
-  from the region a tile owns at the group's end: each layer needs the
-  receptive field of what comes after it (``Window.needed``), clipped to the
-  map; whatever of that lies outside the map is the layer's own zero (or -inf)
-  padding and is produced locally, not received. At every map the tile also
-  computes the region it owns (the *hull* of the two), which is what keeps
-  BatchNorm exact. Everything a tile computes beyond what it owns is the
-  overlap it recomputes instead of communicating: the fused-tile idea of
-  DeepThings (Zhao et al., 2018) and of Rama, Threadgill and Gerstlauer,
-  "Distributed CNN Training on Mobile and Edge Clusters".
-
-A residual block is one unit whose main path and shortcut are walked
-separately from the same output region; the block's input region is the hull
-of what both paths need.
+Design: docs/design/tiling.md
 """
 from __future__ import annotations
 

@@ -1,32 +1,7 @@
-"""Tiled forward and backward of the tiled section, with autograd.
+"""Tiled forward and backward of the tiled section, with autograd: halo exchange, hand-off
+all-to-all and whole-map BatchNorm, each an autograd function with its adjoint as backward.
 
-Each device runs every layer of a fused group on its own tile, cropping what
-the next layer reads and adding the layer's padding itself only where the tile
-touches the true border of the map (``regions.Step``); the layers' weights are
-used through ``torch.nn.functional``, so the model's own parameters receive
-the gradients.
-
-Communication is three autograd functions, each with its adjoint as backward:
-
-* ``Exchange`` (point-to-point ``isend``/``irecv``, gloo): a device sends the
-  parts of the region it owns that other devices need, and assembles the
-  region it needs from the pieces it receives. Its backward is the adjoint
-  that DistDL derives for the halo exchange (Hewett and Grady, "A Linear
-  Algebraic Approach to Model Parallelism in Deep Learning", 2020): the
-  gradient of every received piece travels back to the piece's owner and is
-  *summed* into the owned region. The same function does the group-boundary
-  halo exchange (only neighbours send, only the halo moves) and the hand-off
-  all-to-all (every device sends each peer that peer's share of the batch,
-  of the region it owns). Point-to-point was chosen over all-gather because a
-  halo is a few rows shared by two neighbours, not something everybody needs.
-* ``TiledBatchNorm``: per-channel sums over the region the device *owns* are
-  all-reduced in the forward (one message), so the statistics are those of the
-  whole feature map; the backward all-reduces the two per-channel gradient
-  sums over every element each device computed (overlap copies included) and
-  applies the statistics' gradient to owned elements only. This is the
-  gradient of whole-map BatchNorm, worked out for duplicated elements.
-
-Every wait is bounded by ``Comm.timeout_s`` (the run's ``--timeout``, through ``cluster.peers.wait``).
+Design: docs/design/tiling.md
 """
 from __future__ import annotations
 
@@ -181,7 +156,7 @@ def hand_off(owned: torch.Tensor, plan: SectionPlan, comm: Comm) -> torch.Tensor
 
 
 class TiledBatchNorm(torch.autograd.Function):
-    """Training-mode BatchNorm of a tile with whole-map statistics (see the module docstring)."""
+    """Training-mode BatchNorm of a tile with whole-map statistics (docs/design/tiling.md)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,

@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 from typing import Any
 
 from torch import nn
 
 from edgetrain.cluster.launch import launch_local, refuse_nested_launch, under_torchrun
 from edgetrain.cluster.membership import ElasticLaunch
-from edgetrain.cluster.peers import TOKEN_ENV, check_rank_environment
+from edgetrain.bench.power import read_watts_file
+from edgetrain.cluster.peers import check_rank_environment, cluster_token, peer_failure
 from edgetrain.cluster.profiles import device_speed, plan_devices, split_batch
 from edgetrain.config import TrainConfig, load_config, resolve, with_device_count
 from edgetrain.errors import EdgetrainError, Terminated
@@ -97,13 +99,15 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     # the options parsed once, with how this process was started (its environment); the devices build from these
     launch = launch_spec(os.environ)
     spec = resolve(cfg, launch)
+    if cfg.power_file:  # unreadable: one line now, not one per device after the run directory is made
+        read_watts_file(cfg.power_file)
     checked = check_before_launch(cfg, spec, model, task)  # before the run directory and the devices: bad input
     # leaves nothing
     accelerator_device(cfg.accelerator)
     if model is not None:
         cfg = dataclasses.replace(cfg, model=model_reference(model))
     # The token goes to the devices beside the config, never in it: the config is written to the run directory.
-    cluster_token = cfg.cluster_token or os.environ.get(TOKEN_ENV, "")
+    token = cluster_token(cfg.cluster_token, cfg.cluster_token_file, os.environ)
     cfg = dataclasses.replace(cfg, cluster_token=None)
     devices = plan_devices(cfg, world)
     # the checks that need the count: a cluster file's is known now
@@ -131,12 +135,21 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
         run_dir = cfg.resume if rank == 0 else None  # the same directory, its config.yaml as it was
     elif rank == 0:
         run_dir = new_run_dir(cfg.output, elastic_dir.name if elastic_dir else cfg.run_name)
-        write_yaml(run_dir / "config.yaml", cfg.to_dict())
+        # under torchrun or the plain recipe the run has WORLD_SIZE devices, whatever --devices says
+        write_yaml(run_dir / "config.yaml", {**cfg.to_dict(), **({"devices": world} if torchrun else {})})
 
     args = (cfg, spec, devices, local_batches, speeds, str(run_dir) if run_dir else None, model, user_models(),
-            cluster_token, strategy, user_datasets(), data, task)
+            token, strategy, user_datasets(), data, task)
     if torchrun:
-        return run_worker(*args)
+        try:
+            return run_worker(*args)
+        except Exception as e:
+            if run_dir and not cfg.resume and [p.name for p in run_dir.iterdir()] == ["config.yaml"]:
+                shutil.rmtree(run_dir, ignore_errors=True)  # refused before training (admission): nothing to keep
+            line = peer_failure(e, rank, cfg.timeout)
+            if line:
+                raise EdgetrainError(line) from None
+            raise
     phase(cfg, rank, f"starting {len(devices)} emulated device(s) on this host")
     elastic = None
     if spec.min_devices is not None and spec.min_devices < len(devices):  # survivors go on (train/elastic.py)

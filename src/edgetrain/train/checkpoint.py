@@ -1,151 +1,10 @@
 """Checkpoints during a run, resuming from one, and stopping on SIGTERM with one.
 
-What a checkpoint holds (``--checkpoint-every N`` steps and/or
-``--checkpoint-every-s S`` seconds): at the start of every N-th step (or of
-the first step after S seconds of rank 0's clock), before the batch is
-taken, each device's
+Every device's state is gathered to rank 0 into one atomically written file; pooled strategies
+(pipeline, fsdp) write each device's own part with torch.distributed.checkpoint instead.
+``load_checkpoint`` reads either back whole in one process.
 
-- ``Strategy.state_dict()``: the model and what the strategy keeps beside it
-  (for data parallelism the sync mode's state: error-feedback residuals per
-  parameter, compressor counters, local SGD's reference model and outer
-  momentum, the device clock and byte counters; comm/sync.py);
-- optimizer and learning-rate scheduler state;
-- RNG states: torch (and the GPU's where the device has one), numpy, Python;
-- the throttle's calibration (a resumed device does not measure again);
-- its step records so far and the epoch's running totals;
-
-and, once for the run, the step, the epoch and the batch within it (the
-sampler's position: ``GlobalBatchSampler.resume_at``), the evaluations, the
-wall time so far and the config.
-
-Protocol. Every device serialises its state with ``torch.save`` into bytes;
-rank 0 gathers them (a gloo all-gather of the lengths, then a gather of the
-bytes padded to the longest) and writes one file,
-``RUN_DIR/checkpoints/step-<step>.pt``, through ``report.files.save_torch``:
-temporary file beside it, fsync, rename. A write killed half-way leaves the
-previous checkpoints and at most a hidden temporary, never a partial
-checkpoint. Then all but the newest ``--keep-checkpoints`` are removed.
-Resuming, rank 0 reads the newest file and broadcasts its bytes; each device
-takes its own entry (``torch.load(weights_only=True)``: tensors, numbers and
-strings only), after removing the temporaries of writes a kill interrupted.
-Rank 0 alone decides whether the run resumes: while checkpoints are on,
-every device takes part in that broadcast, which carries no bytes for a new
-run. With ``--resume`` under torchrun every node reads the run's
-``config.yaml`` (so every node needs the run directory, e.g. on a shared file
-system), and rank 0 alone reads the checkpoint.
-
-Pooled strategies (``Strategy.pooled``: pipeline, fsdp) hold a model no
-device could hold whole, so nothing is gathered: every device writes its own
-part, with PyTorch's ``torch.distributed.checkpoint`` (DCP), into a directory
-(``write_parts``):
-
-- ``checkpoints/step-<step>/`` during the run, ``checkpoint/`` for the final
-  model (written by every device after ``finish``, before the summary, so
-  ``run_peak_rss_mb`` counts it);
-- ``__<rank>_0.distcp``: device ``rank``'s tensors, ``Strategy.sharded_state``:
-  its stage's layers (pipeline) or its ``DTensor`` shard of every parameter
-  (fsdp), and its optimizer's state, all keyed by the whole model's names
-  (the optimizer's flattened per parameter, ``flatten_optimizer_state_dict``,
-  as torchtitan does for pipelines: no two devices write one key with
-  different values, which DCP would de-duplicate); ``.metadata``: DCP's index
-  of where each key's pieces are, written by rank 0 once every device's data
-  is written and synced;
-- ``device-<rank>.pt``: the device's own small state (``torch.save``, read
-  with ``weights_only``): what the list above names but the model and the
-  optimizer's tensors (RNG, records, scheduler, its optimizer's
-  hyper-parameters by parameter name; fsdp: its own BatchNorm statistics, as
-  each device keeps its own during the run);
-- ``run.pt``: the run's state (rank 0's), written last.
-
-Atomicity: rank 0 makes the hidden ``.step-<step>.tmp/`` (or
-``.checkpoint.tmp/``), a barrier, every device writes its files there, a
-second barrier (both bounded by ``--timeout``, as are DCP's own gathers over
-the run's gloo group), then rank 0 writes ``run.pt`` and renames the
-directory into place (one ``rename``) and prunes. A write killed at any
-point leaves the previous checkpoints whole and at most the hidden
-directory, which rank 0 removes when the run resumes (``remove_stale_parts``)
-or writes that name again. Resuming, rank 0 picks the newest checkpoint and
-broadcasts its ``run.pt`` and path; each device reads its own
-``device-<rank>.pt``, then, once its strategy and optimizer are built, its
-part of the model and optimizer (``load_sharded``: DCP reads into this
-device's tensors as they are laid out, a collective), so a resumed pooled
-run ends bit for bit as the uninterrupted one (tested,
-tests/train/test_sharded_checkpoint.py). What each device holds meanwhile is
-its part and the small state above, never another device's part; DCP's
-planning gathers one entry per tensor to rank 0 (bounded metadata).
-Limits: every device reads and writes the run directory, so under torchrun
-it must be on a file system every node shares at the same path (one line
-otherwise); another device count is refused (``check_resume_devices``; DCP
-could reshard the tensors, but the per-device state is not mapped yet);
-``.metadata`` is DCP's pickle, so a checkpoint directory is trusted input,
-like any file ``torch.load`` reads without ``weights_only``.
-``load_checkpoint`` reads either format back whole in one process (DCP with
-``no_dist``): the run's final model for users and tests.
-
-Another number of devices. A checkpoint written by N devices resumes on M
-(``--resume RUN_DIR --devices M``, or a torchrun restart with another node
-count): every device takes device 0's model, strategy state, optimizer,
-scheduler and step; the global batch stays what it was and is split again
-over the M devices (``split_batch``), so the learning rate is unchanged and
-the sampler's position, global samples seen / global batch, is the same
-batch index of the same epoch's order. What belongs to one device and cannot
-be mapped is dropped, in one line on rank 0: error-feedback residuals (each
-is one device's unsent gradient; PowerSGD's too) and the RNG state of a
-device that is gone (an added device keeps its fresh seeded one). The
-epoch's running loss totals of all N go to rank 0, the step records of the
-devices that are gone stay in ``metrics.jsonl`` (the checkpoint carries them
-on as ``departed_records``), an added device takes device 0's throttle
-calibration. At every resume rank 0 appends a line to ``membership.jsonl``
-(step, wall time, devices before and after, torchrun's restart count). Refused before
-any device starts: another count with ``--partition`` (each device's data is
-its own). Exact where the devices computed the same as one would (with
-``--batchnorm sync`` and no compression a run of 2 devices resumed on 1 ends
-with the uninterrupted run's parameters, tested); otherwise a resumed run
-differs from an uninterrupted one by what was dropped and by local
-BatchNorm statistics over another split.
-
-torchrun restarts. torchrun's elastic agent (``--max-restarts``, ``--nnodes
-MIN:MAX``) stops and restarts every worker when a worker fails or a node
-joins or leaves. Under torchrun with a rendezvous id (``TORCHELASTIC_RUN_ID``,
-torchrun's ``--rdzv-id``; not its default ``none``) the run directory is
-``OUTPUT/train-<run id>`` (or ``--run-name``), the same for every restart of
-that job, and rank 0 continues it from its newest checkpoint whenever that
-directory holds one (``elastic_run_dir``). A checkpoint present is the test,
-not ``TORCHELASTIC_RESTART_COUNT > 0``: a node that joins later starts with
-count 0, and the agent restarts workers for a membership change without
-counting it. Only rank 0's node needs the directory (its ``resume`` is a
-node-local key of the config check, cluster/peers.py); nodes that may become
-rank 0 after a restart need the same ``--output`` on a shared file system,
-else the new rank 0 starts a new run there. A run id names one run: the same
-id later continues that run. Without checkpoints, or before the first, a
-restart starts a new run in ``train-<run id>-2`` and so on, as before.
-
-Exactness. Restoring all of the above at the same point of the loop makes a
-resumed run compute what the uninterrupted one would have, step for step, in
-a deterministic setting (CPU; augmentation is keyed by seed, epoch and
-sample, data/datasets.py, so loader workers change nothing): the tests compare final
-parameters for sync with top-k and error feedback and for local SGD.
-An asynchronous round in flight at the checkpoint is completed and kept
-(comm/asynchronous.py; tested with ``async:1``). PowerSGD's state (PyTorch's
-``PowerSGDState``: P, Q, residuals, iteration, RNG) is kept by parameter, not
-by DDP bucket, since the resumed run's first step runs on another bucket
-layout (comm/compress/powersgd.py); tested. Not exact, by design or not yet: DDP lays its gradient buckets out anew after the first step (in the
-order gradients became ready) and a resumed run's first step runs with the
-initial layout, so with 3 or more devices gloo's ring all-reduce sums some
-entries in another order in that step (float rounding; measured, 4 devices,
-resumed at step 10 of 20: parameters within 6e-8 on digits and 1.3e-6 on
-CIFAR-10 of the uninterrupted run's; with 2 devices the sum of two is
-exact), and a compressor that selects across a whole bucket may pick
-differently in that step.
-
-SIGTERM. While checkpoints are on, SIGTERM no longer unwinds a device at
-once: it sets a flag, and at the start of every step the devices all-reduce
-their flags (8 bytes with rank 0's "S seconds have passed", outside the
-counted traffic). At the first step where
-any device has one, every device stops there together, a checkpoint is
-written, then the summary, and the run ends with one line saying how to
-resume (``resume_hint``). The all-reduce is what makes the devices agree on
-the step; it keeps asynchronous devices within a step of each other.
+Design: docs/design/checkpoint.md
 """
 from __future__ import annotations
 
@@ -274,7 +133,7 @@ def _from_bytes(data: torch.Tensor) -> Any:
 
 
 class Checkpointer:
-    """One device's part in checkpoints, resuming and stopping on SIGTERM (see the module docstring)."""
+    """One device's part in checkpoints, resuming and stopping on SIGTERM (docs/design/checkpoint.md)."""
 
     def __init__(self, spec: CheckpointSpec, run_dir: str | None, rank: int, world: int, timeout_s: float):
         self.spec, self.rank, self.world, self.timeout_s = spec, rank, world, timeout_s
@@ -350,7 +209,7 @@ class Checkpointer:
             _remove(old)
 
     def _save_parts(self, step: int, run_state: dict, device_state: dict, sharded: dict) -> None:
-        """A pooled strategy's checkpoint: ``checkpoints/step-<step>/``, every device's part (module docstring)."""
+        """A pooled strategy's checkpoint: ``checkpoints/step-<step>/``, every device's part (docs/design/checkpoint.md)."""
         if self._shared is None:
             self._shared = shared_run_dir(self.run_dir, self.world)
         if self._shared is None:  # rank 0 has no run directory (a test's Checkpointer): nothing is written
@@ -369,6 +228,7 @@ class Checkpointer:
 
         template = strategy.sharded_state(optimizer)  # this device's tensors, as they are laid out now
         tensors, _ = split_sharded(template)
+        _check_dcp()
         with _one_process():
             dcp.load(tensors, storage_reader=dcp.FileSystemReader(mine["parts_dir"]),
                      no_dist=not _distributed(self.world))
@@ -384,7 +244,9 @@ class Checkpointer:
             return None, None
         loading = time.perf_counter()
         data = torch.empty(0, dtype=torch.uint8)
+        stood_since = None
         if self.rank == 0 and self.spec.resume_dir:
+            stood_since = last_activity(self.spec.resume_dir)  # before this life writes anything there
             folder = Path(self.spec.resume_dir) / CHECKPOINT_DIR
             remove_stale_temps(folder)  # a write the kill interrupted
             remove_stale_parts(folder)
@@ -418,7 +280,8 @@ class Checkpointer:
                       f"scheduler, the global batch is re-split over {self.world} (learning rate unchanged){kept}",
                       file=sys.stderr, flush=True)
         if self.rank == 0 and self.run_dir is not None:
-            record_membership(self.run_dir, state, self.world, time.perf_counter() - loading)
+            record_membership(self.run_dir, state, self.world, time.perf_counter() - loading,
+                              None if stood_since is None else time.time() - stood_since)
         return state, mine
 
     def _own_part(self, state: dict) -> dict:
@@ -550,6 +413,7 @@ def write_parts(target: Path, tensors: dict, own: dict, run: dict, rank: int, wo
         raise EdgetrainError(f"device {rank} cannot see the checkpoint directory {temporary} that device 0 made: "
                              f"every device of a pipeline or fsdp run writes its own part there; put the run "
                              f"directory (--output) on a file system every node shares, at the same path")
+    _check_dcp()
     with _one_process():
         dcp.save(tensors, storage_writer=dcp.FileSystemWriter(temporary), no_dist=not _distributed(world))
     save_torch(temporary / device_file(rank), own)
@@ -628,6 +492,7 @@ def _read_parts(folder: Path) -> dict:
     metadata = reader.read_metadata()
     flat = {key: torch.empty(entry.size, dtype=entry.properties.dtype)
             for key, entry in metadata.state_dict_metadata.items() if isinstance(entry, TensorStorageMetadata)}
+    _check_dcp()
     with _one_process():
         dcp.load(flat, storage_reader=reader, no_dist=True)  # DCP joins the shards of every device
     parts: dict = {"model": {}, "optimizer": {}}
@@ -658,14 +523,30 @@ def _read_parts(folder: Path) -> dict:
 MEMBERSHIP_FILE = "membership.jsonl"
 
 
-def record_membership(run_dir: Path, state: dict, world: int, took_s: float) -> None:
+def last_activity(run_dir: str | Path) -> float | None:
+    """Wall-clock time (``time.time``) of the last thing a run wrote before it stopped: the newest of its live
+    step files (``metrics-<rank>.jsonl``, flushed every step) and its checkpoints; None if it wrote neither."""
+    folder = Path(run_dir)
+    files = [*folder.glob("metrics-*.jsonl"), *(folder / CHECKPOINT_DIR).glob("*")]
+    times = []
+    for f in files:
+        try:
+            times.append(f.stat().st_mtime)
+        except OSError:  # a temporary removed meanwhile
+            continue
+    return max(times, default=None)
+
+
+def record_membership(run_dir: Path, state: dict, world: int, took_s: float, outage_s: float | None = None) -> None:
     """A ``MembershipRecord`` in ``membership.jsonl`` per resume (``--resume`` or a torchrun restart): the step
-    the run goes on from, its wall time, which devices left or joined (by rank), how long the load took."""
+    the run goes on from, its wall time, which devices left or joined (by rank), how long the load took
+    (``took_s``) and how long training stood still (``outage_s``: from ``last_activity`` to now)."""
     before = state["world"]
     kind = "leave" if world < before else "join" if world > before else "restart"
     record = MembershipRecord(wall_s=state["wall_s"], step=state["step"], kind=kind,
                               devices=list(range(min(world, before), max(world, before))), world=world,
                               state_from="checkpoint", took_s=round(took_s, 3),
+                              outage_s=None if outage_s is None else round(outage_s, 3),
                               cause="torchrun restart" if os.environ.get("TORCHELASTIC_RUN_ID") else "resume")
     append_membership(run_dir, record)
 
@@ -681,3 +562,16 @@ def _load(source, **options):
     loader must know: imported here (0.6 s), not at every device's start (train/strategy.py imports fsdp lazily)."""
     import torch.distributed.tensor  # noqa: F401
     return torch.load(source, weights_only=True, **options)
+
+
+def _check_dcp() -> None:
+    """One line where this torch's distributed checkpoint cannot write or read a pooled run's parts in one
+    process (``no_dist``: torch 2.4 has no such argument)."""
+    import inspect
+
+    import torch.distributed.checkpoint as dcp
+
+    if "no_dist" not in inspect.signature(dcp.save).parameters:
+        raise EdgetrainError(f"the pipeline and fsdp strategies write their model in parts with "
+                             f"torch.distributed.checkpoint, whose save in this torch {torch.__version__} has no "
+                             f"no_dist; use --strategy ddp, or install a newer torch (2.13 is tested)")

@@ -1,82 +1,9 @@
 """Elastic membership of emulated devices, the devices' side (``--min-devices K``).
 
-Default (``--min-devices`` unset or equal to the device count): fail-stop,
-one lost device ends the run (cluster/launch.py). Below it, the devices
-that remain go on without a restart, and a device that comes back joins
-them; the launcher decides who is in each *generation*
-(cluster/membership.py: keys, quorum, limits). torchft's Manager is the
-model: a quorum from outside, the process group re-formed under a new store
-prefix, the state healed from a live peer.
+At each step boundary the members agree on the launcher's membership counter; on a change they
+re-form the gloo group, rebuild the strategy and load the start-of-step state from a live peer.
 
-Protocol, per step (``boundary``, before the batch is taken): every member
-reads the store's change counter and the members agree on it (a MAX
-all-reduce of 8 bytes), so that all of them switch at the same step; then
-each keeps a snapshot of its state at the start of the step (model, sync
-mode state with error-feedback memory, optimizer, scheduler, step, epoch,
-evaluations; ``torch.save`` bytes in memory).
-
-A change (``reform``) starts from an agreed counter change or from a
-collective that failed because a peer died. Gloo raises at once only on the
-peers that had a connection in use with the dead one; the others would wait
-in the collective for ``--timeout`` (measured: 4 devices, the two not next
-to the dead one in gloo's ring waited 30 s of a 30 s timeout). So each
-member runs a *watcher* thread that reads the launcher's ``elastic/lost``
-counter every 0.2 s and, when it moves past the count of the member's
-generation, cuts the member's gloo connections (``cluster.peers.
-cut_connections``): every collective in flight fails at once and every
-member starts the change within a poll of the death. torchft aborts its
-process groups on a quorum change for the same reason; torch 2.13's gloo
-has no abort that wakes a pending collective. The watcher holds the same
-lock as ``reform``, so it never cuts a generation being formed. Each
-member then:
-
-1. destroys its process group (all of it: DDP's, the sync mode's groups);
-2. asks the launcher for the next generation and waits (bounded) for its
-   member list; new ranks follow first ranks;
-3. forms the new gloo group over the same loopback store
-   (``PrefixStore("elastic/gen<n>/pg")``) and rebuilds the strategy on it
-   (``Strategy.rebuild``: DDP is wrapped again, the sync mode built anew);
-4. receives the state from the first member that is not new (its snapshot
-   of the start of the step, broadcast as bytes and read back with
-   ``torch.load(weights_only=True)``: tensors and plain values only, never
-   an arbitrary pickle); every member, the sender too, loads it, so the
-   step in which a device died is done again from its start, by everyone,
-   on the same state, and counted once. Each device keeps its own byte
-   tally and device clock;
-5. re-splits the same global batch over the new members (in proportion to
-   their first shares, so even stays even and speed-proportional stays
-   so; decided by the launcher) and continues the epoch where it was. The
-   learning rate is unchanged, as the global batch and the loss scaling
-   (the gradient of the mean loss over the global batch) are.
-
-A failure while a generation forms (another device lost) starts the next
-one. A failure that changes no membership is raised as it is (a real
-error, not a departure).
-
-A returning device (the launcher starts it again with ``EDGETRAIN_ELASTIC_JOIN``
-set, e.g. ``EDGETRAIN_FAULT=kill:rank=1:step=5:back=20``) first loads its
-data, builds its model and counts its FLOPs (train/loop.py ``run_worker``),
-then announces itself instead of the ordinary rendezvous (``join``), is
-admitted at the members' next step boundary, builds its strategy on the new
-group, and receives the state like the others (``start``). The members wait
-for it from its announcement to the state's broadcast, so it announces
-itself only once its own slow set-up is done (seen in benchmarks/chaos.py on
-a loaded host: joins took 35-62 s when it announced itself before loading
-its data). It does not repeat the fault that took
-it down, nor do faults of its rank it missed while away.
-
-Records: the state's sender appends one ``MembershipRecord`` (records.py)
-per kind of change to ``membership.jsonl`` and prints one line on stderr;
-the summary holds them all.
-
-Limits: failures are caught in the training steps and at step boundaries;
-a device lost during an evaluation or the final exchange ends the run. A
-departed device's error-feedback residuals are lost (they lived only in its
-memory), and the samples it had counted in the epoch's training accuracy
-with it. Data-parallel strategies with ``--sync sync`` (any compressor) or
-``local:H`` only; ``config.resolve`` refuses the rest, checkpoints and
-partitions. Each step pays a state snapshot (one copy of model and
-optimizer state) and a tiny all-reduce.
+Design: docs/design/elastic.md
 """
 from __future__ import annotations
 
@@ -110,7 +37,7 @@ class MembershipChanged(Exception):
 
 
 class Elastic:
-    """One device's part in an elastic run; see the module docstring for the protocol."""
+    """One device's part in an elastic run; the protocol is in docs/design/elastic.md."""
 
     failures = (RuntimeError, EdgetrainError, MembershipChanged)
     reports_anywhere = True  # rank 0 may leave: every device counts the FLOPs the summary needs
@@ -244,7 +171,7 @@ class Elastic:
 
     def _watch(self) -> None:
         """The watcher thread: cut this device's gloo connections when the launcher reports a member lost
-        after this generation was decided (see the module docstring). Ends with the run's store."""
+        after this generation was decided (docs/design/elastic.md). Ends with the run's store."""
         port = int(os.environ["MASTER_PORT"])
         store = dist.TCPStore(os.environ["MASTER_ADDR"], port, is_master=False,
                               timeout=timedelta(seconds=self.spec.timeout_s))  # its own client: not thread-safe

@@ -6,8 +6,10 @@ each device accumulates its shard in the task's ``Evaluator``, every device gath
 merges them the same way (``gathered_metrics``)."""
 from __future__ import annotations
 
+import io
 import math
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -47,20 +49,58 @@ def evaluate_task(model: nn.Module, dataset, rank: int, world: int, task: Task, 
     for _ in range(passes - len(loader)):  # a shorter shard joins the others' last pass with an empty batch
         model(dataset[0][0][None][:0].to(device or "cpu"))
     model.train(was_training)
-    return gathered_metrics(evaluator, world)
+    return gathered_metrics(evaluator, world, type(evaluator).merge)
 
 
-def gathered_metrics(evaluator: Evaluator | None, world: int, group=None) -> dict[str, float]:
+def gathered_metrics(evaluator: Evaluator | None, world: int, merge, group=None) -> dict[str, float]:
     """Every device's evaluator state (None: a device that scored nothing, e.g. a pipeline's inner stage),
-    gathered on every device and merged by the evaluator's class: the same figures everywhere."""
-    states = [evaluator.state() if evaluator is not None else None]
-    if world > 1:
-        states = [None] * dist.get_world_size(group)
-        dist.all_gather_object(states, (type(evaluator), evaluator.state()) if evaluator is not None else None,
-                               group=group)
-        scored = [s for s in states if s is not None]
-        return scored[0][0].merge([s for _, s in scored])
-    return type(evaluator).merge(states)
+    gathered on every device and merged by ``merge`` (the task's ``Evaluator.merge``): the same figures
+    everywhere."""
+    if world == 1:
+        return merge([evaluator.state()])
+    states = [s for s in gather_states(evaluator.state() if evaluator is not None else None, group)
+              if s is not None]
+    return merge(states)
+
+
+def gather_states(state, group=None) -> list:
+    """``state`` from every device of ``group``, in rank order. It travels as ``torch.save`` bytes read back
+    with ``weights_only=True`` (tensors, numbers, strings and containers of them; numpy arrays travel as
+    tensors and come back as arrays; tensors stay tensors): unlike ``all_gather_object`` a peer's bytes cannot run code here."""
+    buffer = io.BytesIO()
+    torch.save(_numpy_to_tensors(state), buffer)
+    mine = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+    world = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64), group=group)
+    longest = max(int(n) for n in sizes)
+    received = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(received, torch.cat([mine, mine.new_zeros(longest - mine.numel())]), group=group)
+    return [_tensors_to_numpy(torch.load(io.BytesIO(r[:int(n)].numpy().tobytes()), weights_only=True))
+            for r, n in zip(received, sizes)]
+
+
+_NDARRAY = "edgetrain.ndarray"  # marks a numpy array sent as a tensor
+
+
+def _numpy_to_tensors(value):
+    if isinstance(value, np.ndarray):
+        return {_NDARRAY: torch.from_numpy(value)}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_numpy_to_tensors(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _numpy_to_tensors(v) for k, v in value.items()}
+    return value
+
+
+def _tensors_to_numpy(value):
+    if isinstance(value, dict) and value.keys() == {_NDARRAY}:
+        return value[_NDARRAY].numpy()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_tensors_to_numpy(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _tensors_to_numpy(v) for k, v in value.items()}
+    return value
 
 
 def score(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -1,91 +1,9 @@
 """``--strategy fsdp``: parameters, gradients and optimizer state sharded over the devices (FSDP2).
 
-PyTorch's own engine does the work: ``torch.distributed.fsdp.fully_shard``
-(FSDP2, ZeRO-3 style) over gloo, on CPU as on a GPU. Each device keeps
-``1/world`` of every parameter (a ``DTensor`` shard), the gradient of that
-shard and the optimizer state built over it. Per unit (see
-``sharding_units``), a step runs:
+PyTorch's ``fully_shard`` over gloo, with its collectives wrapped to count bytes and charge links;
+each device materialises and checkpoints its own shards only.
 
-- forward: all-gather the unit's parameters, compute, free the gathered copy;
-- backward: all-gather them again, compute the gradients, reduce-scatter the
-  gradients so that each device keeps the average over devices of its shard;
-- the optimizer updates each device's shard only.
-
-The root module's parameters stay gathered between forward and backward
-(FSDP2's default for the root), so they are gathered once per step.
-
-Loss scaling is ``DataParallel``'s: device ``r`` back-propagates
-``sum(losses_r) * world / B`` and the reduce-scatter averages over devices,
-so each shard receives the gradient of the mean loss over the global batch,
-and fsdp gives DDP's parameters step for step (tests/train/test_fsdp.py).
-
-Units: every direct child of the model, and in place of a container
-(``nn.Sequential``, ``nn.ModuleList``) each of its children; then the root
-(whatever parameters are left). A unit's parameters are gathered together,
-so the largest unit bounds the memory of the gathered copy.
-
-Bytes: FSDP2's collectives are replaced (``set_custom_all_gather``,
-``set_custom_reduce_scatter``, its public API) by ones that call the same
-``torch.distributed`` functions and count what each device sends into
-``CommStats``: a ring all-gather of ``n`` bytes per device sends ``(p-1) n``,
-a ring reduce-scatter of ``N`` bytes sends ``(p-1)/p N`` (half a ring
-all-reduce). They run blocking, so ``comm_s`` of a step is the time spent in
-them; FSDP's prefetch of the next unit's all-gather behind compute is given
-up for that honest accounting (on a GPU it would overlap on a side stream).
-
-Links (``--link``, or each device's link in the cluster file): every
-collective is charged to the device's clock (``comm.device_clock``, the
-``LinkEmulator`` data parallelism uses) as ``p-1`` ring rounds over the
-slowest link taking part, each ``latency + bytes per round / bandwidth``
-(``cluster/links.py``), the reduce-scatter too. The model has no overlap,
-because the run has none: each collective blocks compute, so in virtual
-mode a step costs ``max over devices (clock + measured compute)`` plus the
-sum of its collectives' modelled times, exactly as ``edgetrain plan
---strategy fsdp`` predicts it (``plan/strategies.py``); a runtime that
-prefetched the next unit's all-gather behind compute would hide up to the
-compute time of the unit. Enforced mode sleeps each collective's modelled
-time after it. The step's ``virtual_*`` fields and the summary's clock
-totals are data parallelism's (``comm/sync.py``).
-
-BatchNorm: ``--batchnorm local`` normalises with each device's statistics
-(as DDP) and broadcasts rank 0's running statistics once, at ``finish``;
-``sync`` converts to ``CrossDeviceBatchNorm2d`` as data parallelism does.
-
-Building: the model arrives on the meta device (models/init.py, no
-storage); ``fully_shard`` shards it there, ``to_empty`` gives each device
-storage for its shards only, and then each layer in turn is materialised
-whole, initialised from its per-layer seed, copied into this device's shard
-(``distribute_tensor`` with ``src_data_rank=None``: every device computed
-the same full tensor, so no communication) and freed. A device therefore
-never holds more than its shards plus one whole layer, and starts from the
-same weights as one device or DDP. A model passed built
-(``train(config, model=...)``) is sharded from device 0's weights instead.
-The throttle's reference pass is skipped (``calibration_batch`` None): it
-would need the whole model.
-
-Checkpoints (train/checkpoint.py, "Pooled strategies"): every device writes
-its own shards with ``torch.distributed.checkpoint`` (DCP), nothing is
-gathered. ``sharded_state`` is ``get_state_dict`` of the sharded model and
-optimizer (``DTensor`` shards, the optimizer's state flattened per parameter
-name), into ``checkpoints/step-<N>/`` during the run, where each device's
-BatchNorm statistics (plain tensors, its own with ``--batchnorm local``) go
-to its own small file instead (``state_dict``: DCP would keep one device's);
-and at the end, after ``finish`` broadcast rank 0's statistics, with them
-into ``RUN_DIR/checkpoint/``, which ``edgetrain.load_checkpoint`` reads
-back whole (DCP joins the shards) in one process. Resuming, each device
-reads its own shards back into place with the same number of devices (the
-checkpoint says how many wrote it; another count is refused), and the
-resumed run ends as the uninterrupted one
-(tests/train/test_sharded_checkpoint.py).
-
-Limits:
-
-- steps hold a shard plus the largest gathered unit (and its gradient); the
-  final checkpoint adds, per device, at most one tensor's copy at a time (DCP
-  copies a shard that is a view of a larger buffer before writing it);
-- ``--compress`` and ``--sync`` other than ``sync`` are refused
-  (``config.resolve``): FSDP's all-gathers and reduce-scatters do not go
-  through edgetrain's compressors.
+Design: docs/design/fsdp.md
 """
 from __future__ import annotations
 

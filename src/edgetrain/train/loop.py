@@ -83,7 +83,8 @@ from edgetrain.bench.flops import achieved, device_peak, training_flops_per_samp
 from edgetrain.cluster.faults import inject_fault
 from edgetrain.cluster.launch import loader_worker_init
 from edgetrain.cluster.limits import DeviceLimits, device_limits
-from edgetrain.cluster.peers import admit_peers, check_rank_environment, gather_json
+from edgetrain.cluster.network import choose_gloo_interface, deadline, describe_gloo_interface
+from edgetrain.cluster.peers import admit_peers, check_rank_environment, gather_json, local_placement
 from edgetrain.cluster.profiles import DeviceSpec
 from edgetrain.cluster.throttle import Throttle, assign_cores, keep_freed_memory, page_faults, peak_rss_mb, pin
 from edgetrain.comm.accounting import CommStats
@@ -97,7 +98,7 @@ from edgetrain.data.storage import LoadTimes, TrainingLoader
 from edgetrain.errors import EdgetrainError, Terminated
 from edgetrain.models import build_model, count_parameters, register_model
 from edgetrain.models.init import build_on_meta
-from edgetrain.records import DeviceSummary, EvalRecord, MembershipRecord, RunSummary, StepRecord
+from edgetrain.records import DeviceSummary, EnergyRecord, EvalRecord, MembershipRecord, RunSummary, StepRecord
 from edgetrain.report.files import atomic_write, save_torch, write_json
 from edgetrain.spec import RunSpec
 from edgetrain.task_kinds import run_task
@@ -105,10 +106,14 @@ from edgetrain.tasks import Task, build_task, task_record
 from edgetrain.tasks.base import sum_totals
 from edgetrain.train.checkpoint import FINAL_DIR, FINAL_FILE, Checkpointer, resume_hint, save_final_parts
 from edgetrain.train.elastic import Elastic, FailStop
+from edgetrain.train.energy import EnergyMeter
 from edgetrain.train.evaluation import evaluate  # noqa: F401  (imported from here: fleet/app.py, tests)
 from edgetrain.train.resume import LoopCheckpoints, LoopState
 from edgetrain.train.strategy import StepResult, Strategy, StrategyContext, registered_strategy
 from edgetrain.train.tensorboard_log import TensorBoardLog, write_missing_devices
+
+
+_DEADLINE_MARGIN_S = 5.0  # past --timeout, before the rendezvous is ended from outside gloo
 
 
 def init_distributed(cfg: TrainConfig, cluster_token: str = "") -> tuple[int, int]:
@@ -116,14 +121,20 @@ def init_distributed(cfg: TrainConfig, cluster_token: str = "") -> tuple[int, in
     rank, world = check_rank_environment()
     if not dist.is_initialized():
         addr = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-        phase(cfg, rank, f"rendezvous: {world} device(s) at {addr} (waiting up to {cfg.timeout:g} s)")
+        chosen = choose_gloo_interface(os.environ.get("MASTER_ADDR"))  # cluster/network.py
+        via = f", gloo on {chosen}" if chosen else ""
+        phase(cfg, rank, f"rendezvous: {world} device(s) at {addr}{via} (waiting up to {cfg.timeout:g} s)")
+        failed = (f"rendezvous at {addr} failed for rank {rank} of {world} within {cfg.timeout:g} s ({{}}); start "
+                  f"every device, check MASTER_ADDR/MASTER_PORT, the firewall and the interface gloo uses "
+                  f"({describe_gloo_interface()}; set GLOO_SOCKET_IFNAME to the cluster network's), or raise "
+                  f"--timeout")
         try:
-            dist.init_process_group("gloo", rank=rank, world_size=world,
-                                    timeout=dt.timedelta(seconds=cfg.timeout))
+            # gloo retries a peer's connection with the full timeout each time: bound the whole wait here
+            with deadline(cfg.timeout + _DEADLINE_MARGIN_S, failed.format("no answer from every peer")):
+                dist.init_process_group("gloo", rank=rank, world_size=world,
+                                        timeout=dt.timedelta(seconds=cfg.timeout))
         except (RuntimeError, TimeoutError, ValueError) as e:
-            raise EdgetrainError(f"rendezvous at {addr} failed for rank {rank} of {world} within {cfg.timeout:g} s "
-                                 f"({str(e).splitlines()[0]}); start every device, check MASTER_ADDR/MASTER_PORT "
-                                 f"and the firewall, or raise --timeout") from None
+            raise EdgetrainError(failed.format(str(e).splitlines()[0])) from None
         phase(cfg, rank, "admitting peers: cluster token and config hash of every device")
         try:
             admit_peers(cfg.to_dict(), cluster_token, rank, world)
@@ -187,7 +198,7 @@ def set_up_device(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], sp
     # from its join on. Until then it has no rank (-1: it prints no phase) and no group.
     rank, world = (-1, len(devices)) if returning else init_distributed(cfg, cluster_token)
     me = devices[device_id]
-    local_rank, local_world = int(os.environ.get("LOCAL_RANK", rank)), int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    local_rank, local_world = local_placement(rank, world)  # without torchrun: counted per host (cluster/peers)
     speed = speeds[device_id] if cfg.throttle else None
     cores = assign_cores(local_rank, local_world)
     if speed is not None:
@@ -487,6 +498,11 @@ def train_device(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], loc
                                                             state.step, state.epoch, state.evals)
     checkpoints.resumed_step = state.step
     checkpoints.files.catch_sigterm()
+    # joules of the training steps (train/energy.py): a sensor's, shared by CPU time where devices share a host
+    energy = EnergyMeter(at.me.profile, at.me.profile.cores or at.threads, at.local_world > 1,
+                         power_file=cfg.power_file)
+    energy.start()
+    first_record = len(state.records)
     for epoch in range(state.epoch, epochs):
         state.epoch = epoch
         sampler.set_epoch(epoch)
@@ -542,6 +558,7 @@ def train_device(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], loc
         if state.step >= total_steps:
             break
     checkpoints.files.release_sigterm()
+    energy_record = energy.stop(sum(r.samples for r in state.records[first_record:]))
     if bar:
         bar.close()
     strategy.finish()  # no-op if the last epoch already called it
@@ -551,7 +568,8 @@ def train_device(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], loc
                          world, spec.timeout_s, planned_steps=state.planned_steps)
     task_name = cfg.task if user_task is not None else run_task(cfg.task, cfg.dataset)
     summary = _end_of_run(cfg, state, at, strategy, optimizer, writer, membership, checkpoints, throttle, devices,
-                          rank, world, local_batches, params, data, flops_per_sample, partition, task_name, limits)
+                          rank, world, local_batches, params, data, flops_per_sample, partition, task_name,
+                          energy_record, limits)
     dist.barrier()
     dist.destroy_process_group()
     if checkpoints.stopped:
@@ -563,12 +581,13 @@ def _end_of_run(cfg: TrainConfig, state: LoopState, at: DeviceSetup, strategy: S
                 membership, checkpoints: LoopCheckpoints, throttle: Throttle | None, devices: list[DeviceSpec],
                 rank: int, world: int, local_batches: list[int], params: int, data: DataSplit, flops_per_sample,
                 partition: PartitionReport | None, task_name: str | None,
-                limits: DeviceLimits | None = None) -> dict | None:
+                energy: EnergyRecord | None = None, limits: DeviceLimits | None = None) -> dict | None:
     """Every device: its summary and records to rank 0, which writes metrics.jsonl, checkpoint.pt and
     summary.json; rank 0 returns the summary, the others None."""
     limit_mb = None if limits is not None and limits.memory_bound else at.me.profile.memory_mb
     train_totals = tuple(state.totals)
-    mine = _device_summary(state.records, at, local_batches[rank], throttle, cfg.workers)
+    mine = dataclasses.replace(_device_summary(state.records, at, local_batches[rank], throttle, cfg.workers),
+                               energy=energy)
     if limits is not None:
         mine.details["limits"] = limits.describe()
     if limit_mb is not None and mine.run_peak_rss_mb > limit_mb:

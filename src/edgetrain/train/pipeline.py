@@ -1,158 +1,10 @@
-"""``--strategy pipeline``: the model's layers split into stages, one stage per device, micro-batched; with
-``--pipeline-replicas D``, D such pipelines side by side whose stages all-reduce their gradients (hybrid).
+"""``--strategy pipeline``: the model's layers split into stages, one stage per device, micro-batched;
+with ``--pipeline-replicas D``, D such pipelines whose stages all-reduce their gradients (hybrid).
 
-PyTorch's own engine runs it: ``torch.distributed.pipelining`` (a
-``PipelineStage`` per device and a ``ScheduleGPipe`` or ``Schedule1F1B``),
-whose activations and gradients travel point to point over gloo. Device ``s``
-holds the layers ``plan.stages.stage_bounds`` gives stage ``s``: from
-``--stages 4,8`` or ``even``, or, with ``--stages auto`` (default), from the
-split planner (``plan.split``: counted per-layer FLOPs and memory against
-each device's rated GFLOPS and memory limit), which rank 0 runs, prints and
-broadcasts. ``plan.stages.check_sequential`` has checked before any device
-started that the model can be cut between its layers. Every device receives the whole global batch (the first
-stage reads the images, the last the labels; with replicas, its replica's batch: below); the schedule cuts
-it into ``--microbatches`` M equal micro-batches:
+PyTorch's ``torch.distributed.pipelining`` runs the schedule; every device holds, evaluates and
+checkpoints its own stage only.
 
-- ``gpipe``: every micro-batch forward, then every backward; a stage holds
-  the activations of all M micro-batches at once;
-- ``1f1b``: after a warm-up, one forward then one backward, so a stage holds
-  at most ``stages - s`` micro-batches' activations.
-
-Exactness: the last stage's loss is ``sum(cross-entropy) / B`` over each
-micro-batch and the schedule does not rescale (``scale_grads=False``), so the
-gradients summed over micro-batches are those of the mean loss over the
-global batch ``B``: the same as one device on the same batch, for a model
-without BatchNorm (tests/train/test_pipeline.py). **With BatchNorm** they
-differ: each BatchNorm normalises each micro-batch with that micro-batch's
-own statistics (``B/M`` samples, not ``B``) and updates its running
-statistics M times per step, as data parallelism with local BatchNorm does
-per device; ``--batchnorm sync`` is refused (one stage holds each layer).
-
-Hybrid, S stages x D replicas (``--pipeline-replicas D``, devices = S x D).
-Layout: device ``rank`` is stage ``s = rank % S`` of replica ``r = rank // S``;
-replica 0 is devices 0 .. S-1, the devices of a run without replicas. Every
-device creates one gloo group per replica (the pipeline's sends, given to
-``PipelineStage``) and one per stage (its D devices), in the same order.
-Data: the global batch ``B`` is cut into D shares of ``b = B / D``
-(``data_share``: the sampler's slices of one shuffled global batch, as data
-parallelism's), replica ``r`` reads share ``r`` and cuts it into M
-micro-batches. Maths: replica ``r``'s loss is ``sum(cross-entropy) / b`` over
-its share, so its summed micro-batch gradients ``g_r`` are those of its mean
-loss; after backward each device averages its stage's gradients over its D
-replicas (``allreduce_gradients``: ``comm.exchange.average``, the one
-compressed all-reduce every sync mode uses), ``mean(g_r) = (1/D) sum_r
-(1/b) sum_{i in r} grad l_i = (1/B) sum_i grad l_i``, the gradient of the
-mean loss over the global batch: with ``--compress none`` and no BatchNorm,
-S x D devices give one device's parameters (tests/train/test_pipeline_hybrid.py).
-Any of edgetrain's compressors applies there (``--compress``; PowerSGD, a DDP
-hook, is refused), with its error feedback kept per parameter name
-(``compress/memory.py``: sent + residual == what was fed, summed over the
-replicas, tested on 4 devices). Every replica of a stage applies the same
-decoded mean (an all-reduce's sum, or every payload decoded and combined in
-rank order, the same on every device) through the same optimizer from the
-same start, so the replicas stay bit-identical, lossy compressor or not;
-``finish`` checks it (a digest of each stage's parameters, all-gathered:
-``replicas_identical`` in the summary); each replica evaluates its share of
-the test set with its own stages (Evaluation, below). BatchNorm running
-statistics are not all-reduced: each replica keeps its own, and scores its
-share of the test set with them; the final checkpoint holds whichever
-replica's copy DCP keeps of each key.
-
-Accounting: the last stage scores the batch (loss, accuracy, samples); the
-other stages report zero samples, so sums over devices give the global
-batch (with replicas, each replica's last stage scores its share). Bytes are what each stage hands to the
-schedule to send: its output
-activation per micro-batch forwards (all stages but the last) and the
-gradient of its input backwards (all but the first), each the size of the
-tensor, fp32; received bytes the converse. With replicas, add the stage's
-all-reduce as ``exchange.average`` counts it: the compressor's packed payload
-times the ring's traffic (``ring_allreduce_bytes`` for a summable one,
-``ring_allgather_bytes`` otherwise). ``comm_s`` is the step's time in
-the schedule less this stage's forward and backward compute: waiting for
-sends, receives and the pipeline's bubble (``comm_busy_s`` is not measured),
-plus the all-reduce's wall time.
-
-Building: the model arrives on the meta device (models/init.py, no
-storage); the split and the cut shapes are computed there (the planner costs
-one materialised copy of a layer at a time), then each device materialises
-and initialises its own stage's layers only, from per-layer seeds, so the
-stages together start from the weights one device or DDP would. The other
-stages' layers stay on meta: during training and evaluation a device holds
-its stage's weights, gradients and optimizer state, no more. A model passed built
-(``train(config, model=...)``) is whole on every device, from device 0's
-weights.
-
-Evaluation (``Pipeline.evaluate``, the loop's ``strategy.evaluate``) is
-pipelined as training is, nothing gathered: every device of replica ``r``
-walks the same shard of the test set (sharded by replica, not by rank) in
-batches of the replica's training batch ``B / D``; each stage, in eval mode
-(BatchNorm normalises with its running statistics), runs its layers on
-what the previous stage sent it (the first: the images) and sends the
-result on, point to point over the replica's group (plain ``dist.send`` /
-``recv`` under ``no_grad``, not the schedule: its buffers and state are
-built for the training step's micro-batches with gradients, and
-``schedule.eval`` would re-initialise them at every switch); the last stage
-scores the outputs against its own copy of the targets in the task's
-evaluator, whose states every device gathers and merges (the other stages
-have none). So every device gets the task's metrics of the whole model
-on the whole test set, as one device evaluating the final model does
-(tests/train/test_pipeline.py, with BatchNorm too; hybrid:
-test_pipeline_hybrid.py). Evaluation is not training: its sends are not
-counted in the byte tallies (``_count_bytes`` counts only with gradients
-on) nor charged to the links or the device clock.
-
-Checkpoints never gather: every device writes its own stage
-(train/checkpoint.py, "Pooled strategies"), its layers' state under their
-names in the whole model and its optimizer's state by those names
-(``sharded_state``), with ``torch.distributed.checkpoint``: during the run
-into ``checkpoints/step-<N>/``, at the end into ``RUN_DIR/checkpoint/``
-(``edgetrain.load_checkpoint`` reads it back whole, model and every stage's
-optimizer state, in one process). Resuming restores each stage on its
-device, so the resumed run ends as the uninterrupted one
-(tests/train/test_sharded_checkpoint.py). With replicas every replica of a
-stage writes the same keys with the same values, which DCP writes once.
-
-Links (``--link``, or each device's link in the cluster file; virtual mode
-only): the step's virtual time comes from a timeline of the schedule as it
-ran. Each stage records its forward and backward of each micro-batch, in
-the order it ran them, with their measured seconds (the last stage's loss
-counted in its forward); after the step the stages all-gather these (a
-small real collective, not charged) and every device replays the same
-timeline (``plan.stages.pipeline_timeline``): an action starts when its stage is free
-and its input has arrived (a forward: the previous stage's activation of
-that micro-batch; a backward: the next stage's gradient), and each transfer
-is one point-to-point round over the slower of the two devices' links,
-``latency + bytes / bandwidth`` (``cluster/links.py``), of the tensor sizes
-counted above. A stage's sends leave in the order it made them, one after
-the other on its link (which they hold for the whole transfer, latency
-included: conservative); computing does not wait for a send. Each stage
-starts from its own clock, so the pipeline's bubble (stages waiting for the
-first activations and the last gradients) and the link time on the critical
-path both land in the virtual step time; the optimizer's step is added
-after the stage's last action. ``virtual_comm_s`` is the modelled time of the
-transfers a stage sends and receives (its link busy); the rest of its step
-beyond compute is waiting (``wait_s`` in the summary). With replicas, every
-device replays every replica's timeline (the actions are all-gathered over
-all devices); the stage's all-reduce starts when the last of its D devices
-is ready (its replica's timeline end for that stage, plus its encoding and
-decoding seconds, measured), lasts the collective's modelled time on the D
-devices' links (charged by ``exchange.average`` through the emulator), then
-the optimizer steps: the all-reduce never overlaps the pipeline (backward
-is over before the gradients are averaged), as data parallelism's
-blocking hooks assume too.
-
-Limits: no device ever receives another stage's layers, neither to
-evaluate nor at the end (each writes its own, above), so
-``run_peak_rss_mb`` stays a stage's, evaluation on or off
-(tests/train/test_pipeline.py); ``--sync`` is refused, ``--compress``
-without replicas (one pipeline has no all-reduce to compress), and
-``--link-mode enforced`` (nothing sleeps: the timeline above is the model);
-an evaluation's transfers are not charged to the links (evaluation is not
-training), and its batches are not cut into micro-batches. With replicas: checkpoints during the
-run and ``--resume`` are refused (the error-feedback state is not saved
-yet); every replica gets the same split (``--stages auto`` plans stage s for
-the weakest of its D devices and each cut for the slowest of its D links,
-on a replica's batch ``B / D``); ``edgetrain plan`` does not model replicas.
+Design: docs/design/pipeline.md
 """
 from __future__ import annotations
 
@@ -491,7 +343,7 @@ class Pipeline(Strategy):
             else:
                 dist.send(out.contiguous(), dst=c.rank + 1, group=self.pipe_group)
         self.stage_module.train(was_training)
-        return gathered_metrics(evaluator, c.world)
+        return gathered_metrics(evaluator, c.world, type(c.task.evaluator()).merge)
 
     def finish(self) -> None:
         if self.finished:

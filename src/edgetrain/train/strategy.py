@@ -67,6 +67,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from edgetrain.comm import build_sync
 from edgetrain.comm.accounting import CommStats
 from edgetrain.config import TrainConfig
+from edgetrain.errors import EdgetrainError
 from edgetrain.kinds import STRATEGY_KINDS, strategy_kind
 from edgetrain.models.batchnorm import convert_batchnorm
 from edgetrain.models.init import materialise
@@ -355,4 +356,12 @@ def registered_strategy(name: str) -> type[Strategy]:
     """The Strategy that ``--strategy name`` trains with: its kind's ``runtime`` (``edgetrain.kinds``), its module
     imported on first use. FSDP2 and torch.distributed.pipelining pull in DTensor and dynamo, 1.3 s of the 3.4 s
     a device spends importing (python -X importtime), which a ddp run never uses."""
-    return strategy_kind(name).load_runtime()
+    try:
+        strategy = strategy_kind(name).load_runtime()
+    except ImportError as e:  # FSDP2 (fully_shard and its collectives), which torch 2.4 does not export
+        raise EdgetrainError(f"strategy {name} needs a newer torch than this {torch.__version__} ({e}); "
+                             f"use --strategy ddp, or install a newer torch (2.13 is tested)") from None
+    if strategy.pooled:  # its model is written in parts: checked before training, not after it
+        from edgetrain.train.checkpoint import _check_dcp
+        _check_dcp()
+    return strategy

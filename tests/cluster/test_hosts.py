@@ -1,0 +1,288 @@
+"""Training across separate hosts: network namespaces with their own addresses and an sshd each (tests/hosts.py).
+
+What breaks between real hosts and not on 127.0.0.1: the interface gloo advertises (this machine's hostname
+resolves to 127.0.0.1, as a Raspberry Pi's does to 127.0.1.1), the cores a process alone on its host gets,
+bounded waits when a peer cannot be reached, and exits after a run. The recipes here are the ones
+docs/tutorials/raspberry-pi-cluster.md gives.
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from edgetrain_testing import REPO
+
+TRAIN = ["-m", "edgetrain", "train", "--batch-size", "16", "--no-progress", "--no-eval", "--no-throttle"]
+TOKEN = "test-hosts-token"
+TUTORIAL = REPO / "docs" / "tutorials" / "raspberry-pi-cluster.md"
+# The tutorial's training flags, which the tests replace by a short run's
+DOC_FLAGS = ("--model resnet18 --dataset cifar10 --data-dir ~/cifar-10-batches-py --batch-size 128 --epochs 10 "
+             "--timeout 120")
+
+
+def recipe(name: str, flags: str = "") -> str:
+    """The tutorial's bash block marked ``<!-- recipe: name -->``, continuation lines joined, its training
+    flags (``DOC_FLAGS``) replaced by ``flags``."""
+    text = TUTORIAL.read_text()
+    marker = f"<!-- recipe: {name} -->\n```bash\n"
+    assert marker in text, f"{TUTORIAL.name} has no recipe {name!r}"
+    block = text.split(marker, 1)[1].split("```", 1)[0].replace("\\\n", " ")
+    if flags:
+        joined = re.sub(r" +", " ", block)
+        assert DOC_FLAGS in joined, f"recipe {name!r} does not train with the tutorial's flags"
+        block = joined.replace(DOC_FLAGS, flags)
+    return block
+
+
+def recipe_env(hosts, tmp_path, i: int) -> dict:
+    """Host ``i``'s shell for a recipe: FIRST, ME, RANK; HOME with the cluster token; ``edgetrain`` and
+    ``torchrun`` on PATH as this interpreter's; no GLOO_SOCKET_IFNAME (a fresh Pi has none)."""
+    home, bin_dir = tmp_path / "home", tmp_path / "bin"
+    if not bin_dir.exists():
+        home.mkdir()
+        (home / ".edgetrain-token").write_text(TOKEN + "\n")
+        bin_dir.mkdir()
+        for name, module in (("edgetrain", "edgetrain"), ("torchrun", "torch.distributed.run")):
+            (bin_dir / name).write_text(f"#!/bin/sh\nexec {sys.executable} -m {module} \"$@\"\n")
+            (bin_dir / name).chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("GLOO_SOCKET_IFNAME", "EDGETRAIN_CLUSTER_TOKEN")}
+    env.update(FIRST=hosts.addresses[0], ME=hosts.addresses[i], RANK=str(i), HOME=str(home),
+               PATH=os.pathsep.join([str(bin_dir), str(Path(sys.executable).parent), env["PATH"]]))
+    return env
+
+
+def run_recipe(hosts, tmp_path, name, flags="", only=None, **popen):
+    """The recipe on every host (or ``only`` those), in bash, started at once; the processes."""
+    script = recipe(name, flags)
+    return [hosts.popen(i, ["bash", "-euc", script], env=recipe_env(hosts, tmp_path, i), cwd=tmp_path,
+                        **({"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True} | popen))
+            for i in (only if only is not None else range(len(hosts.names)))]
+
+
+def short_run(out, steps=3, timeout=30):
+    return (f"--batch-size 16 --no-progress --no-eval --no-throttle --steps {steps} --timeout {timeout} "
+            f"--output {out}")
+
+
+def plain_recipe(hosts, out, steps=3, timeout=30, env=None, per_host_env=None, extra=()):
+    """The plain recipe on every host: ``RANK=i WORLD_SIZE=N MASTER_ADDR=<host 0> edgetrain train``."""
+    procs = []
+    for i in range(len(hosts.names)):
+        e = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}  # as on a fresh host
+        e.update(RANK=str(i), WORLD_SIZE=str(len(hosts.names)), MASTER_ADDR=hosts.addresses[0], MASTER_PORT="29500",
+                 EDGETRAIN_CLUSTER_TOKEN=TOKEN, **(env or {}), **(per_host_env or {}).get(i, {}))
+        procs.append(hosts.popen(i, [sys.executable, *TRAIN, "--steps", str(steps), "--timeout", str(timeout),
+                                     "--output", str(out), *extra],
+                                 env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def finish(procs, timeout):
+    results = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, err = p.communicate()
+            err += "\n<killed by the test after its timeout>"
+        results.append((p.returncode, out, err))
+    return results
+
+
+def summary(out):
+    (path,) = out.glob("*/summary.json")
+    return json.loads(path.read_text())
+
+
+@pytest.mark.slow
+def test_plain_recipe_uses_every_core_and_finds_the_interface(test_hosts, tmp_path):
+    """The tutorial's plain recipe on three hosts, no GLOO_SOCKET_IFNAME (the hostname resolves to loopback
+    here, as a Pi's does): gloo is put on the interface that reaches MASTER_ADDR, and each process, alone on
+    its host, uses all the host's cores."""
+    hosts = test_hosts(3, ssh=False)
+    results = finish(run_recipe(hosts, tmp_path, "plain", short_run(tmp_path / "runs")), 180)
+    for code, out, err in results:
+        assert code == 0, err[-3000:]
+    devices = summary(tmp_path / "runs")["per_device"]
+    cores = sorted(os.sched_getaffinity(0))
+    assert [d["cores"] for d in devices] == [cores] * 3
+    assert [d["threads"] for d in devices] == [len(cores)] * 3
+
+
+@pytest.mark.slow
+def test_torchrun_elastic_recipe_trains_across_hosts(test_hosts, tmp_path):
+    """The tutorial's hand-started torchrun c10d recipe (is_host, --local-addr, no shared store) on three
+    hosts: every torchrun exits 0 and rank 0's host wrote the run."""
+    hosts = test_hosts(3, ssh=False)
+    results = finish(run_recipe(hosts, tmp_path, "torchrun", short_run(tmp_path / "runs")), 240)
+    for code, out, err in results:
+        assert code == 0, (out + err)[-3000:]
+    assert len(summary(tmp_path / "runs")["per_device"]) == 3
+
+
+@pytest.mark.slow
+def test_timeout_bounds_every_rank_and_names_the_interface(test_hosts, tmp_path):
+    """gloo on loopback (GLOO_SOCKET_IFNAME=lo, what a hostname mapped to 127.0.1.1 gives): the peers cannot
+    reach each other. Every rank ends within
+    --timeout plus a bound (gloo alone retries four times as long) with one line naming GLOO_SOCKET_IFNAME."""
+    hosts = test_hosts(2, ssh=False)
+    timeout = 20
+    started = time.monotonic()
+    procs = plain_recipe(hosts, tmp_path / "runs", timeout=timeout, env={"GLOO_SOCKET_IFNAME": "lo"})
+    results = finish(procs, 150)
+    took = time.monotonic() - started
+    for code, out, err in results:
+        assert code == 2, err[-3000:]
+        lines = [line for line in err.splitlines() if line.startswith("edgetrain: error:")]
+        assert lines and "GLOO_SOCKET_IFNAME" in lines[-1], err[-3000:]
+        assert "Traceback" not in err
+    assert took < timeout + 35, f"took {took:.0f} s for --timeout {timeout}"
+
+
+def launch(hosts, tmp_path, *flags, train=(), launcher_host=0, **popen):
+    """``edgetrain launch --hosts hosts.yaml ...`` started on ``launcher_host`` (the hosts' first, as from a Pi)."""
+    yaml_path = hosts.hosts_yaml(tmp_path / "hosts.yaml", tmp_path)
+    argv = [sys.executable, "-m", "edgetrain", "launch", "--hosts", str(yaml_path), *flags, "--",
+            *TRAIN[2:], *train, "--output", str(tmp_path / "runs")]
+    return hosts.popen(launcher_host, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+
+
+class Lines:
+    """A process's stdout and stderr read as they come, each line with the time it arrived."""
+
+    def __init__(self, proc):
+        import threading
+
+        self.lines: list[tuple[float, str, str]] = []
+        self.readers = [threading.Thread(target=self._read, args=(stream, name), daemon=True)
+                        for stream, name in ((proc.stdout, "out"), (proc.stderr, "err"))]
+        for r in self.readers:
+            r.start()
+
+    def _read(self, stream, name):
+        for line in stream:
+            self.lines.append((time.monotonic(), name, line.rstrip("\n")))
+
+    def text(self, name=None):
+        return "\n".join(line for _, n, line in self.lines if name in (None, n))
+
+    def first(self, needle):
+        return next((t for t, _, line in self.lines if needle in line), None)
+
+    def join(self):
+        for r in self.readers:
+            r.join(timeout=10)
+
+
+def metric_lines(runs):
+    return max((len(p.read_text().splitlines()) for p in runs.glob("*/metrics-*.jsonl")), default=0)
+
+
+@pytest.mark.slow
+def test_launch_ends_after_a_partition(test_hosts, tmp_path):
+    """Three hosts, --min-hosts 2; host 2's link goes down mid-run (no FIN, no RST). The other two re-form
+    and finish; the launcher notices the dead SSH connection by its keepalives, leaves host 2 out and
+    ends with the run (before: it waited on TCP's two-hour keepalive)."""
+    hosts = test_hosts(3)
+    proc = launch(hosts, tmp_path, "--min-hosts", "2", "--max-restarts", "1", "--connect-timeout", "5",
+                  train=["--steps", "16", "--timeout", "10"])
+    lines = Lines(proc)
+    deadline = time.monotonic() + 120
+    while metric_lines(tmp_path / "runs") < 4 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert proc.poll() is None, lines.text()
+    hosts.cut(2)
+    try:
+        proc.wait(timeout=200)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    ended = time.monotonic()
+    lines.join()
+    assert proc.returncode == 0, lines.text()[-4000:]
+    assert "host h2 dropped (its SSH connection was lost)" in lines.text("err")
+    finished = lines.first("samples/s") and max(t for t, _, line in lines.lines if "samples/s" in line)
+    assert finished and ended - finished < 30, lines.text()[-4000:]
+
+
+@pytest.mark.slow
+def test_a_peers_death_is_one_line(test_hosts, tmp_path):
+    """Plain recipe, host 1's process killed mid-run (SIGKILL: it says nothing): host 0 says one line, not
+    gloo's traceback, and leaves no half-run behind (exit 2)."""
+    hosts = test_hosts(2, ssh=False)
+    procs = plain_recipe(hosts, tmp_path / "runs", steps=400, timeout=15)
+    deadline = time.monotonic() + 120
+    while metric_lines(tmp_path / "runs") < 3 and time.monotonic() < deadline and procs[0].poll() is None:
+        time.sleep(0.2)
+    procs[1].kill()
+    (code, out, err), _ = finish(procs, 90)
+    assert code == 2, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith("edgetrain: error:")]
+    assert len(errors) == 1 and "a peer device stopped answering" in errors[0], err[-3000:]
+
+
+@pytest.mark.slow
+def test_ctrl_c_under_launch_is_one_line(test_hosts, tmp_path):
+    """Ctrl-C (SIGINT) to the launcher mid-run: it stops every host and says one line; the hosts' shutdown
+    tracebacks (torchrun's SignalException, the workers') are not printed."""
+    import signal
+
+    hosts = test_hosts(2)
+    proc = launch(hosts, tmp_path, "--connect-timeout", "5", train=["--steps", "400", "--timeout", "15"])
+    lines = Lines(proc)
+    deadline = time.monotonic() + 120
+    while metric_lines(tmp_path / "runs") < 3 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert proc.poll() is None, lines.text()
+    signalled = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=60)
+    lines.join()
+    after = [line for t, _, line in lines.lines if t >= signalled and line.strip()]
+    assert proc.returncode == 130, lines.text()[-3000:]
+    assert after == ["edgetrain: interrupted"], "\n".join(after)[-3000:]
+    assert hosts.wait_idle(1, 20), f"left running on host 1: {hosts.leftovers(1)}"
+
+
+@pytest.mark.slow
+def test_flower_recipe_across_hosts_bounds_a_dead_node(test_hosts, tmp_path):
+    """The tutorial's Flower fleet: a SuperLink on host 0 (--host its address), a SuperNode on each host,
+    `flwr run` from host 0. Host 2's link goes down after its SuperNode registered: the round ends within
+    round-timeout (60 s here, the tutorial's 120: the first round includes the app's start on a loaded
+    2-core machine) with the other two hosts' results, and the run finishes."""
+    pytest.importorskip("flwr", reason="the fleet extra is not installed (pip install edgetrain[fleet])")
+    hosts = test_hosts(3, ssh=False)
+    flwr_home = tmp_path / "flwr"
+    flwr_home.mkdir()
+    (flwr_home / "config.toml").write_text(f'[superlink]\ndefault = "fleet"\n\n[superlink.fleet]\n'
+                                           f'address = "{hosts.addresses[0]}:9091"\ninsecure = true\n')
+    link_log = tmp_path / "superlink.log"
+    hosts.popen(0, ["bash", "-euc", recipe("superlink")], env=recipe_env(hosts, tmp_path, 0),
+                stdout=link_log.open("w"), stderr=subprocess.STDOUT)
+    hosts._wait_port(0, 9091, 60)
+    for i in range(3):
+        hosts.popen(i, ["bash", "-euc", recipe("supernode")], env=recipe_env(hosts, tmp_path, i),
+                    stdout=(tmp_path / f"node{i}.log").open("w"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 90
+    while link_log.read_text().count("Activated node_id") < 3 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert link_log.read_text().count("Activated node_id") == 3, link_log.read_text()[-2000:]
+    hosts.cut(2)
+    script = recipe("flwr-run")
+    assert "num-rounds=2" in script and "round-timeout=120.0" in script
+    script = script.replace("num-rounds=2", "num-rounds=1").replace("round-timeout=120.0",
+                                                                    "round-timeout=60.0 fraction-evaluate=0.0")
+    started = time.monotonic()
+    run = hosts.run(0, ["bash", "-euc", script], timeout=200, env=dict(recipe_env(hosts, tmp_path, 0),
+                                                                      FLWR_HOME=str(flwr_home)), cwd=REPO)
+    took = time.monotonic() - started
+    log = run.stdout + run.stderr
+    assert "Strategy execution finished" in log, log[-3000:]
+    assert "aggregate_train: Received 2 results" in log, log[-3000:]
+    assert took < 150, f"flwr run took {took:.0f} s"
