@@ -50,13 +50,8 @@ def darknet_stack(in_channels: int, widths: tuple[int, ...]) -> tuple[nn.Sequent
     return nn.Sequential(*layers), ends
 
 
-class YoloTiny(nn.Module):
-    def __init__(self, num_classes: int = 10, in_channels: int = 3,
-                 widths: tuple[int, ...] = DARKNET_WIDTHS, tiled_blocks: int = 5):
-        super().__init__()
-        self.features, ends = darknet_stack(in_channels, widths)
-        self.head = nn.Sequential(nn.Conv2d(widths[-1], num_classes, 1), nn.AdaptiveAvgPool2d(1), nn.Flatten())
-        self.tiled_section_default = ends[tiled_blocks - 1] if tiled_blocks > 0 else None
+class _DarknetWithHead(nn.Module):
+    """``features`` (the Darknet stack) then ``head``: the forward and the layer sequence both models share."""
 
     def forward(self, x):
         return self.head(self.features(x))
@@ -67,13 +62,23 @@ class YoloTiny(nn.Module):
                [(f"head.{n}", m) for n, m in self.head.named_children()]
 
 
+class YoloTiny(_DarknetWithHead):
+    def __init__(self, num_classes: int = 10, in_channels: int = 3,
+                 widths: tuple[int, ...] = DARKNET_WIDTHS, tiled_blocks: int = 5):
+        super().__init__()
+        self.features, ends = darknet_stack(in_channels, widths)
+        self.head = nn.Sequential(nn.Conv2d(widths[-1], num_classes, 1), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.tiled_section_default = ends[tiled_blocks - 1] if tiled_blocks > 0 else None
+
+
+
 def yolo_tiny(num_classes: int = 10, in_channels: int = 3, width_mult: float = 1.0, tiled_blocks: int = 5,
               **_: object) -> YoloTiny:
     """Builder for a model registry: ``width_mult`` scales all widths (min 4 channels)."""
     return YoloTiny(num_classes, in_channels, _widths(width_mult), tiled_blocks)
 
 
-class YoloV2Tiny(nn.Module):
+class YoloV2Tiny(_DarknetWithHead):
     """The YOLOv2-tiny detector: output ``(N, anchors * (5 + classes), S, S)``, raw (no activation)."""
 
     stride = 32
@@ -87,12 +92,6 @@ class YoloV2Tiny(nn.Module):
         self.head = nn.Sequential(nn.Conv2d(widths[-1], len(self.anchors) * (5 + num_classes), 1))
         self.tiled_section_default = ends[tiled_blocks - 1] if tiled_blocks > 0 else None
 
-    def forward(self, x):
-        return self.head(self.features(x))
-
-    def tiling_layers(self) -> list[tuple[str, nn.Module]]:
-        return [(f"features.{n}", m) for n, m in self.features.named_children()] + \
-               [(f"head.{n}", m) for n, m in self.head.named_children()]
 
 
 def _widths(width_mult: float) -> tuple[int, ...]:
