@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from edgetrain.data.datasets import DataSplit, TensorImages
+from edgetrain.data.images import DataSplit, TensorImages
 from edgetrain.data.storage import FileSource, ShardSource, StoredBoxes, StoredImages
 from edgetrain.errors import EdgetrainError
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
-from edgetrain.data.datasets import random_crop_flip
+from edgetrain.data.images import random_crop_flip
 from edgetrain.errors import EdgetrainError
 
 DECODE_ERRORS: tuple = (OSError, SyntaxError, ValueError, EOFError)
@@ -475,7 +475,7 @@ def image_folder_on_storage(root: str | Path, seed: int = 0, augment: bool = Fal
     """``imagefolder`` left on storage (``--from-storage``): the same classes, split and (for a set of up to
     ``STATS_SAMPLE`` training images) the same normalisation as ``formats.image_folder``; every file's header
     is read up front, its pixels when a loader asks for it."""
-    from edgetrain.data.datasets import DataSplit
+    from edgetrain.data.images import DataSplit
     from edgetrain.data.formats import _class_names, class_files, image_folder_arrays, split_80_20
 
     root = Path(root) if root is not None else Path("")
@@ -500,7 +500,7 @@ def image_folder_on_storage(root: str | Path, seed: int = 0, augment: bool = Fal
 def yolo_on_storage(root: str | Path, image_size: int = 128, seed: int = 0, augment: bool = False):
     """``yolo`` left on storage: every label file read and checked up front (``detection.yolo_parts``), every
     image's header too; pixels when a loader asks, resized to ``image_size``."""
-    from edgetrain.data.datasets import DataSplit
+    from edgetrain.data.images import DataSplit
     from edgetrain.data.detection import yolo_parts
 
     (ptr, btr), (pte, bte), count, names, root = yolo_parts(root, seed)

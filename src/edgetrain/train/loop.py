@@ -437,9 +437,12 @@ def train_device(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], loc
     task = copy.deepcopy(user_task) if user_task is not None else build_task(run_task(cfg.task, cfg.dataset), data)
     # The model actually trained at the input shape actually fed (counted on a copy, RNG untouched).
     phase(cfg, rank, f"counting FLOPs: {cfg.model} at {'x'.join(map(str, data.input_shape))}")
+    # a real batch of the test set: its targets' structure (boxes) is what the FLOPs count; the training set is
+    # left to its sampler (a dataset may log or stream what it is asked for)
+    examples = data.test if len(data.test) else data.train
     flops_per_sample = training_flops_per_sample(model, input_shape=data.input_shape,
                                                  num_classes=data.num_classes, task=task,
-                                                 example=task.collate([data.train[i] for i in range(min(2, len(data.train)))])
+                                                 example=task.collate([examples[i] for i in range(min(2, len(examples)))])
                                                  ) if rank == 0 or membership.reports_anywhere else None
     if at.returning:  # ready to train: admitted at the members' next step (train/elastic.py)
         rank, world = membership.join()
