@@ -69,9 +69,9 @@ import torch.distributed as dist
 from torch import nn
 
 from edgetrain.cluster.peers import wait
-from edgetrain.comm.accounting import ring_allgather_bytes, ring_allreduce_bytes
 from edgetrain.comm.compress.base import Compressor, Payload, unpack
 from edgetrain.comm.emulation import LinkEmulator
+from edgetrain.comm.exchange import start_exchange
 from edgetrain.comm.params import average_buffers, flatten, unflatten
 from edgetrain.comm.sync import SyncMode
 
@@ -130,15 +130,7 @@ class BoundedStaleness(SyncMode):
         clocks = torch.zeros(2 * p, dtype=torch.float64)
         clocks[self.rank] = clock_s
         clocks[p + self.rank] = 1.0 if done else 0.0
-        if self.compressor.summable:
-            buf, received = payload.tensors[0].clone(), None
-            kind, sent = "allreduce", ring_allreduce_bytes(buf.numel() * buf.element_size(), p)
-            work = dist.all_reduce(buf, group=self.group, async_op=True)
-        else:
-            buf = payload.pack()
-            received = [torch.empty_like(buf) for _ in range(p)]
-            kind, sent = "allgather", ring_allgather_bytes(buf.numel(), p)
-            work = dist.all_gather(received, buf, group=self.group, async_op=True)
+        buf, received, kind, sent, work = start_exchange(payload, self.compressor, self.group, p)
         clock_work = dist.all_reduce(clocks, group=self.group, async_op=True)
         started = self.stats.launched(sent)
         modelled = self.emulator.model_time(kind, sent)

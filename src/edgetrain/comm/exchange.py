@@ -61,6 +61,20 @@ def compress(x: torch.Tensor, compressor: Compressor, memory, key: object = 0, p
     return payload, own
 
 
+def start_exchange(payload: Payload, compressor: Compressor, group, world: int):
+    """Start ``payload``'s exchange in the background: an all-reduce of a summable compressor's one tensor, else an
+    all-gather of the packed bytes. Returns (buffer, received or None, kind, bytes sent, work) for the caller to
+    wait on and decode later (asynchronous rounds, streaming fragments)."""
+    if compressor.summable:
+        buf = payload.tensors[0].clone()
+        sent = ring_allreduce_bytes(buf.numel() * buf.element_size(), world)
+        return buf, None, "allreduce", sent, dist.all_reduce(buf, group=group, async_op=True)
+    buf = payload.pack()
+    received = [torch.empty_like(buf) for _ in range(world)]
+    sent = ring_allgather_bytes(buf.numel(), world)
+    return buf, received, "allgather", sent, dist.all_gather(received, buf, group=group, async_op=True)
+
+
 def _allreduce(payload: Payload, compressor: Compressor, emulator: LinkEmulator, group, world: int, peers):
     if len(payload.tensors) != 1:
         raise ValueError(f"summable compressor {compressor.name} must send one tensor")

@@ -51,10 +51,9 @@ import torch.distributed as dist
 from torch import nn
 
 from edgetrain.cluster.peers import wait
-from edgetrain.comm.accounting import ring_allgather_bytes, ring_allreduce_bytes
 from edgetrain.comm.compress.base import Compressor, Payload, unpack
 from edgetrain.comm.emulation import LinkEmulator
-from edgetrain.comm.exchange import average, compress
+from edgetrain.comm.exchange import average, compress, start_exchange
 from edgetrain.comm.params import average_buffers, flatten, unflatten
 from edgetrain.comm.sync import SyncMode
 
@@ -152,16 +151,7 @@ class StreamingDiLoCo(SyncMode):
     def _launch(self, p: int, clock_s: float) -> None:
         delta = self.refs[p].detach() - flatten(self._fragment(p))
         payload, _ = compress(delta, self.compressor, self.memory, f"fragment{p}", None, self._segments(p))
-        world = self.world_size
-        if self.compressor.summable:
-            buf, received = payload.tensors[0].clone(), None
-            kind, sent = "allreduce", ring_allreduce_bytes(buf.numel() * buf.element_size(), world)
-            work = dist.all_reduce(buf, group=self.group, async_op=True)
-        else:
-            buf = payload.pack()
-            received = [torch.empty_like(buf) for _ in range(world)]
-            kind, sent = "allgather", ring_allgather_bytes(buf.numel(), world)
-            work = dist.all_gather(received, buf, group=self.group, async_op=True)
+        buf, received, kind, sent, work = start_exchange(payload, self.compressor, self.group, self.world_size)
         clocks = torch.tensor([clock_s], dtype=torch.float64)
         clock_work = dist.all_reduce(clocks, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         started = self.stats.launched(sent)
