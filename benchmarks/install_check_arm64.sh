@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# Install check for Raspberry Pi OS (64-bit): an arm64 Debian bookworm userland (the base of Raspberry Pi OS
+# 64-bit, Python 3.11) made with debootstrap and run on this x86-64 host under qemu-user emulation. Inside it,
+# as a Pi user would: a venv, pip install of edgetrain's wheel built from this checkout (pip picks the newest
+# aarch64 torch of the package's range from PyPI), import, a plan, a few training steps on 2 devices, a peak
+# bench. Wall times are emulated: they say nothing about a Pi's speed.
+#
+#   sudo benchmarks/install_check_arm64.sh [ROOTFS] | tee benchmarks/results/install_check_arm64.txt
+#
+# Needs root (debootstrap, chroot, mounts), Debian's debootstrap, qemu-user-static and binfmt-support
+# (apt-get install -y debootstrap qemu-user-static binfmt-support) and PyPI/Debian mirrors. Re-runnable: the
+# rootfs (default /var/tmp/edgetrain-arm64-root, outside the repo) and its venv are kept; edgetrain is
+# reinstalled from a fresh wheel each time. TORCH_SPEC (default: none, the package's own range) pins a torch.
+set -euo pipefail
+root=${1:-/var/tmp/edgetrain-arm64-root}
+suite=bookworm
+mirror=${MIRROR:-http://deb.debian.org/debian}
+steps=${STEPS:-20}
+die() { echo "install_check_arm64: $*" >&2; exit 2; }
+
+[ "$(id -u)" = 0 ] || die "needs root (debootstrap, chroot and mounts); run it with sudo"
+command -v debootstrap >/dev/null || die "debootstrap not found; apt-get install -y debootstrap qemu-user-static binfmt-support"
+qemu=$(command -v qemu-aarch64-static || true)
+[ -n "$qemu" ] || die "qemu-aarch64-static not found; apt-get install -y qemu-user-static binfmt-support"
+# The kernel runs arm64 binaries through qemu only with a binfmt_misc entry ('F' flag: works inside the chroot).
+[ -e /proc/sys/fs/binfmt_misc/register ] || mount -t binfmt_misc binfmt_misc /proc/sys/fs/binfmt_misc 2>/dev/null \
+  || die "cannot mount binfmt_misc (a container without the privilege?); arm64 binaries cannot run here"
+[ -e /proc/sys/fs/binfmt_misc/qemu-aarch64 ] || update-binfmts --enable qemu-aarch64 >/dev/null 2>&1 \
+  || die "no binfmt entry for qemu-aarch64; apt-get install -y binfmt-support, then update-binfmts --enable qemu-aarch64"
+grep -q enabled /proc/sys/fs/binfmt_misc/qemu-aarch64 || die "binfmt entry qemu-aarch64 is disabled; update-binfmts --enable qemu-aarch64"
+
+repo=$(cd "$(dirname "$0")/.." && pwd)
+secs() { date +%s.%N; }
+took() { awk -v a="$1" -v b="$(secs)" 'BEGIN { printf "%.1f s", b - a }'; }
+
+echo "== host"; date -u +%Y-%m-%dT%H:%M:%SZ; uname -srm; echo "qemu: $("$qemu" --version | head -1)"
+echo "debootstrap: $(dpkg-query -W -f='${Version}' debootstrap 2>/dev/null || echo '?')"
+echo "edgetrain checkout: $(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo '?')$(git -C "$repo" diff --quiet 2>/dev/null || echo ' (with uncommitted changes)')"
+
+echo "== arm64 $suite userland at $root"
+if [ -f "$root/.edgetrain-debootstrap-done" ]; then
+  echo "kept from an earlier run (delete $root to make it again)"
+else
+  t=$(secs)
+  mkdir -p "$root"
+  debootstrap --arch=arm64 --variant=minbase --include=python3,python3-venv,python3-pip,ca-certificates \
+    "$suite" "$root" "$mirror" > "$root.debootstrap.log" 2>&1 || die "debootstrap failed; see $root.debootstrap.log"
+  touch "$root/.edgetrain-debootstrap-done"
+  echo "debootstrap --arch=arm64 --variant=minbase: $(took "$t")"
+fi
+
+# proc, sys, dev and the host's DNS inside the chroot; unmounted on any exit.
+mounted=()
+cleanup() { for ((i=${#mounted[@]}-1; i>=0; i--)); do umount -l "${mounted[i]}" 2>/dev/null || true; done; }
+trap cleanup EXIT
+for m in proc sys dev dev/pts dev/shm; do
+  mountpoint -q "$root/$m" && continue
+  mkdir -p "$root/$m"
+  case $m in proc) mount -t proc proc "$root/proc" ;; sys) mount -t sysfs sys "$root/sys" ;;
+             dev/shm) mount -t tmpfs shm "$root/dev/shm" ;; *) mount --bind "/$m" "$root/$m" ;; esac
+  mounted+=("$root/$m")
+done
+cp -L /etc/resolv.conf "$root/etc/resolv.conf"
+in_arm() { chroot "$root" /usr/bin/env -i HOME=/root PATH=/opt/et/bin:/usr/bin:/bin LANG=C.UTF-8 PYTHONUNBUFFERED=1 "$@"; }
+echo "uname -m inside: $(in_arm uname -m); $(in_arm /usr/bin/python3 --version); $(grep PRETTY "$root/etc/os-release")"
+
+echo "== edgetrain wheel built on the host from $repo"
+dist="$root/opt/dist"; rm -rf "$dist"; mkdir -p "$dist"
+t=$(secs)
+py=$(command -v python3)
+# A copy without build outputs, so that the wheel holds only the checkout's sources.
+src=$(mktemp -d); trap 'cleanup; rm -rf "$src"' EXIT
+(cd "$repo" && tar --exclude=.venv --exclude=build --exclude='*.egg-info' --exclude=runs --exclude=.git -cf - .) | tar -C "$src" -xf -
+"$py" -m pip wheel -q --no-deps -w "$dist" "$src" > /dev/null || die "pip wheel of the checkout failed"
+whl=$(basename "$(ls "$dist"/edgetrain-*.whl)")
+echo "$whl ($(took "$t"))"
+
+echo "== venv and pip install inside (arm64, emulated)"
+t=$(secs)
+[ -x "$root/opt/et/bin/python" ] || in_arm /usr/bin/python3 -m venv /opt/et
+echo "venv: $(took "$t")"
+t=$(secs)
+# As a Pi user: pip resolves torch from the package's own range (or TORCH_SPEC), the other dependencies too.
+in_arm pip install -q --disable-pip-version-check ${TORCH_SPEC:+"$TORCH_SPEC"} "/opt/dist/$whl" 2>&1 | grep -v '^$' || true
+in_arm pip install -q --disable-pip-version-check --force-reinstall --no-deps "/opt/dist/$whl"
+in_arm python -c 'import edgetrain' || die "edgetrain does not import in the arm64 venv (see above)"
+echo "pip install (torch, numpy, scikit-learn, matplotlib, ... and edgetrain): $(took "$t")"
+in_arm pip list --disable-pip-version-check 2>/dev/null | grep -iE '^(torch|numpy|scikit-learn|scipy|matplotlib|PyYAML|psutil|rich|edgetrain|nvidia|triton)[- ]' || true
+echo "site-packages: $(du -sh "$root"/opt/et/lib/python3*/site-packages | cut -f1)"
+
+echo "== import"
+t=$(secs)
+in_arm python -c 'import platform, sys, torch, edgetrain, edgetrain.cli
+print("python", sys.version.split()[0], platform.machine(), "| torch", torch.__version__, "| cuda", torch.version.cuda,
+      "| threads", torch.get_num_threads(), "| gloo", torch.distributed.is_gloo_available())'
+echo "import torch, edgetrain: $(took "$t")"
+
+run() {  # a timed edgetrain command inside; its last lines
+  local t; t=$(secs); echo "\$ edgetrain $*"
+  local rc=0; in_arm timeout 1800 edgetrain "$@" > "$root/tmp/out.txt" 2>&1 || rc=$?
+  tail -n "${TAIL:-8}" "$root/tmp/out.txt"; echo "exit $rc, wall $(took "$t") (emulated)"
+}
+rm -rf "$root/tmp/runs"
+echo "== plan (modelled, no training)"
+TAIL=14 run plan --devices 2 --profile rpi4 --output /tmp/runs
+echo "== train: digits, small_cnn, 2 devices, $steps steps"
+TAIL=12 run train --devices 2 --steps "$steps" --no-progress --output /tmp/runs --run-name train
+ls "$root/tmp/runs/train" 2>/dev/null | tr '\n' ' '; echo
+echo "== bench peak (GEMM/LINPACK GFLOPS of the emulated CPU)"
+TAIL=10 run bench peak --gemm-sizes 256 --linpack-sizes 256 --min-time 0.5 --output /tmp/runs
+echo "== done $(date -u +%H:%M:%SZ)"
