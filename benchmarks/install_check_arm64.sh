@@ -39,13 +39,14 @@ echo "edgetrain checkout: $(git -C "$repo" rev-parse --short HEAD 2>/dev/null ||
 
 echo "== arm64 $suite userland at $root"
 if [ -f "$root/.edgetrain-debootstrap-done" ]; then
-  echo "kept from an earlier run (delete $root to make it again)"
+  echo "kept from an earlier run (delete $root to make it again); its debootstrap: $(grep -E '^real|installed' "$root.debootstrap.log" 2>/dev/null | tr '\n\t' '  ')"
 else
   t=$(secs)
   mkdir -p "$root"
   debootstrap --arch=arm64 --variant=minbase --include=python3,python3-venv,python3-pip,ca-certificates \
     "$suite" "$root" "$mirror" > "$root.debootstrap.log" 2>&1 || die "debootstrap failed; see $root.debootstrap.log"
   touch "$root/.edgetrain-debootstrap-done"
+  echo "real $(took "$t")" >> "$root.debootstrap.log"
   echo "debootstrap --arch=arm64 --variant=minbase: $(took "$t")"
 fi
 
@@ -61,7 +62,11 @@ for m in proc sys dev dev/pts dev/shm; do
   mounted+=("$root/$m")
 done
 cp -L /etc/resolv.conf "$root/etc/resolv.conf"
-in_arm() { chroot "$root" /usr/bin/env -i HOME=/root PATH=/opt/et/bin:/usr/bin:/bin LANG=C.UTF-8 PYTHONUNBUFFERED=1 "$@"; }
+# pip inside trusts the host's CA bundle too (a host behind a TLS-inspecting proxy: its CA is only there).
+cp -L "${HOST_CA:-/etc/ssl/certs/ca-certificates.crt}" "$root/opt/host-ca.crt" 2>/dev/null \
+  || cp "$root/etc/ssl/certs/ca-certificates.crt" "$root/opt/host-ca.crt"
+in_arm() { chroot "$root" /usr/bin/env -i HOME=/root PATH=/opt/et/bin:/usr/bin:/bin LANG=C.UTF-8 PYTHONUNBUFFERED=1 \
+             PIP_CERT=/opt/host-ca.crt PIP_DISABLE_PIP_VERSION_CHECK=1 "$@"; }
 echo "uname -m inside: $(in_arm uname -m); $(in_arm /usr/bin/python3 --version); $(grep PRETTY "$root/etc/os-release")"
 
 echo "== edgetrain wheel built on the host from $repo"
@@ -81,18 +86,18 @@ t=$(secs)
 echo "venv: $(took "$t")"
 t=$(secs)
 # As a Pi user: pip resolves torch from the package's own range (or TORCH_SPEC), the other dependencies too.
-in_arm pip install -q --disable-pip-version-check ${TORCH_SPEC:+"$TORCH_SPEC"} "/opt/dist/$whl" 2>&1 | grep -v '^$' || true
-in_arm pip install -q --disable-pip-version-check --force-reinstall --no-deps "/opt/dist/$whl"
-in_arm python -c 'import edgetrain' || die "edgetrain does not import in the arm64 venv (see above)"
+in_arm pip install -q ${TORCH_SPEC:+"$TORCH_SPEC"} "/opt/dist/$whl" || die "pip install in the arm64 venv failed (above)"
+in_arm pip install -q --force-reinstall --no-deps "/opt/dist/$whl"
 echo "pip install (torch, numpy, scikit-learn, matplotlib, ... and edgetrain): $(took "$t")"
-in_arm pip list --disable-pip-version-check 2>/dev/null | grep -iE '^(torch|numpy|scikit-learn|scipy|matplotlib|PyYAML|psutil|rich|edgetrain|nvidia|triton)[- ]' || true
+in_arm pip list 2>/dev/null | grep -iE '^(torch|numpy|scikit-learn|scipy|matplotlib|PyYAML|psutil|rich|edgetrain|nvidia|triton)[- ]' || true
 echo "site-packages: $(du -sh "$root"/opt/et/lib/python3*/site-packages | cut -f1)"
 
 echo "== import"
 t=$(secs)
 in_arm python -c 'import platform, sys, torch, edgetrain, edgetrain.cli
 print("python", sys.version.split()[0], platform.machine(), "| torch", torch.__version__, "| cuda", torch.version.cuda,
-      "| threads", torch.get_num_threads(), "| gloo", torch.distributed.is_gloo_available())'
+      "| threads", torch.get_num_threads(), "| gloo", torch.distributed.is_gloo_available())' \
+  || die "torch or edgetrain does not import in the arm64 venv (above)"
 echo "import torch, edgetrain: $(took "$t")"
 
 run() {  # a timed edgetrain command inside; its last lines

@@ -6,6 +6,7 @@ torch work or device); a few run the real CLI in a subprocess end to end.
 import json
 import os
 import pickle
+import sys
 
 import numpy as np
 import pytest
@@ -105,6 +106,22 @@ def test_train_bad_input_is_one_line_before_any_device(argv, expected, paths, ca
     code, err = run_main(["train", *QUICK_TRAIN, "--output", str(paths["out"]), *_argv(argv, paths)], capsys)
     assert_one_line_error(code, err, expected)
     assert not paths["out"].exists(), "a run directory was made for bad input"
+
+
+@pytest.mark.parametrize("strategy, older", [("fsdp", "no FSDP2"), ("pipeline", "no no_dist in DCP's save")])
+def test_a_strategy_this_torch_lacks_is_one_line_before_any_device(strategy, older, paths, capsys, monkeypatch):
+    # A torch as old as 2.4 (the lowest of the range, a Jetson's): simulated here, run for real on 2.4.1
+    # (docs/how-to/install-on-devices.md). Refused by the launcher, not by each device after the run directory.
+    if strategy == "fsdp":
+        monkeypatch.setitem(sys.modules, "edgetrain.train.fsdp", None)  # its import fails as on torch 2.4
+    else:
+        import torch.distributed.checkpoint as dcp
+
+        monkeypatch.setattr(dcp, "save", lambda state_dict, *, checkpoint_id=None: None)
+    code, err = run_main(["train", *QUICK_TRAIN, "--devices", "2", "--strategy", strategy,
+                          "--output", str(paths["out"])], capsys)
+    assert_one_line_error(code, err, "use --strategy ddp, or install a newer torch (2.13 is tested)")
+    assert "device 0" not in err and not paths["out"].exists(), err
 
 
 OTHERS = [

@@ -5,7 +5,8 @@ registered, the CIFAR-10 files are there, an image folder or ``.npz`` reads
 (every file), a tiling grid fits the feature maps
 (``tiling.strategy.plan_section`` on the model, built here once), a pipeline
 can cut the model where ``--stages`` says (``plan.stages``), the run's task
-can run under its strategy (``task_kinds``) and, for a task whose descriptor
+can run under its strategy (``task_kinds``), this torch has what the strategy needs (FSDP2 for fsdp and
+pipeline: refused in one line on an older torch) and, for a task whose descriptor
 asks it (or one passed from Python), fits the data and the model's output on
 one batch (``Task.check_data``, ``Task.check``). ``train``
 calls ``check_before_launch`` before it makes the run directory and before any
@@ -46,6 +47,9 @@ def check_before_launch(cfg: TrainConfig, spec: RunSpec, model: Any = None, task
         check_resumable(spec.checkpoint.resume_dir)
     if model is None:
         check_model(cfg.model)
+    from edgetrain.train.strategy import registered_strategy  # here: edgetrain.train imports this module
+
+    registered_strategy(spec.strategy)  # a torch without what it needs: one line now, not from every device
     check_dataset(cfg.dataset)
     check_data(cfg)
     name = run_task(cfg.task, cfg.dataset)
