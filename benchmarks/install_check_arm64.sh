@@ -10,7 +10,10 @@
 # Needs root (debootstrap, chroot, mounts), Debian's debootstrap, qemu-user-static and binfmt-support
 # (apt-get install -y debootstrap qemu-user-static binfmt-support) and PyPI/Debian mirrors. Re-runnable: the
 # rootfs (default /var/tmp/edgetrain-arm64-root, outside the repo) and its venv are kept; edgetrain is
-# reinstalled from a fresh wheel each time. TORCH_SPEC (default: none, the package's own range) pins a torch.
+# reinstalled from a fresh wheel each time. QEMU_CPU: the core emulated, cortex-a72 (Raspberry Pi 4, ARMv8.0, the
+# default) or cortex-a76 (Pi 5, ARMv8.2); the chroot's /proc/cpuinfo is a Pi's for it (under qemu-user it would be
+# the x86 host's, on which torch's cpuinfo library crashes at import). TORCH_SPEC (e.g. 'torch<2.11'; default: none, the package's own
+# range) constrains torch; each TORCH_SPEC gets its own venv in the rootfs.
 set -euo pipefail
 root=${1:-/var/tmp/edgetrain-arm64-root}
 suite=bookworm
@@ -30,10 +33,17 @@ qemu=$(command -v qemu-aarch64-static || true)
 grep -q enabled /proc/sys/fs/binfmt_misc/qemu-aarch64 || die "binfmt entry qemu-aarch64 is disabled; update-binfmts --enable qemu-aarch64"
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
+export QEMU_CPU=${QEMU_CPU:-cortex-a72}
+case $QEMU_CPU in  # what a Pi's /proc/cpuinfo says of each core: Pi 4 (BCM2711), Pi 5 (BCM2712)
+  cortex-a72) part=0xd08 variant=0x0 rev=3 feat="fp asimd evtstrm crc32 cpuid" model="Raspberry Pi 4 Model B" ;;
+  cortex-a76) part=0xd0b variant=0x4 rev=1 model="Raspberry Pi 5 Model B"
+              feat="fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm lrcpc dcpop asimddp" ;;
+  *) die "QEMU_CPU=$QEMU_CPU: use cortex-a72 (Raspberry Pi 4) or cortex-a76 (Raspberry Pi 5)" ;;
+esac
 secs() { date +%s.%N; }
 took() { awk -v a="$1" -v b="$(secs)" 'BEGIN { printf "%.1f s", b - a }'; }
 
-echo "== host"; date -u +%Y-%m-%dT%H:%M:%SZ; uname -srm; echo "qemu: $("$qemu" --version | head -1)"
+echo "== host"; date -u +%Y-%m-%dT%H:%M:%SZ; uname -srm; echo "qemu: $("$qemu" --version | head -1), QEMU_CPU=$QEMU_CPU ($model)"
 echo "debootstrap: $(dpkg-query -W -f='${Version}' debootstrap 2>/dev/null || echo '?')"
 echo "edgetrain checkout: $(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo '?')$(git -C "$repo" diff --quiet 2>/dev/null || echo ' (with uncommitted changes)')"
 
@@ -62,11 +72,17 @@ for m in proc sys dev dev/pts dev/shm; do
   mounted+=("$root/$m")
 done
 cp -L /etc/resolv.conf "$root/etc/resolv.conf"
+for ((c=0; c<$(nproc); c++)); do  # a Pi's /proc/cpuinfo, one entry per core this host lends
+  printf 'processor\t: %d\nBogoMIPS\t: 108.00\nFeatures\t: %s\nCPU implementer\t: 0x41\nCPU architecture: 8\n' "$c" "$feat"
+  printf 'CPU variant\t: %s\nCPU part\t: %s\nCPU revision\t: %s\n\n' "$variant" "$part" "$rev"
+done > "$root/opt/cpuinfo"; printf 'Model\t\t: %s (emulated)\n' "$model" >> "$root/opt/cpuinfo"
+mount --bind "$root/opt/cpuinfo" "$root/proc/cpuinfo"; mounted+=("$root/proc/cpuinfo")
 # pip inside trusts the host's CA bundle too (a host behind a TLS-inspecting proxy: its CA is only there).
 cp -L "${HOST_CA:-/etc/ssl/certs/ca-certificates.crt}" "$root/opt/host-ca.crt" 2>/dev/null \
   || cp "$root/etc/ssl/certs/ca-certificates.crt" "$root/opt/host-ca.crt"
-in_arm() { chroot "$root" /usr/bin/env -i HOME=/root PATH=/opt/et/bin:/usr/bin:/bin LANG=C.UTF-8 PYTHONUNBUFFERED=1 \
-             PIP_CERT=/opt/host-ca.crt PIP_DISABLE_PIP_VERSION_CHECK=1 "$@"; }
+venv=/opt/et${TORCH_SPEC:+-$(printf %s "$TORCH_SPEC" | tr -c 'A-Za-z0-9.' _)}
+in_arm() { chroot "$root" /usr/bin/env -i HOME=/root PATH=$venv/bin:/usr/bin:/bin LANG=C.UTF-8 PYTHONUNBUFFERED=1 \
+             PIP_CERT=/opt/host-ca.crt PIP_DISABLE_PIP_VERSION_CHECK=1 QEMU_CPU="$QEMU_CPU" "$@"; }
 echo "uname -m inside: $(in_arm uname -m); $(in_arm /usr/bin/python3 --version); $(grep PRETTY "$root/etc/os-release")"
 
 echo "== edgetrain wheel built on the host from $repo"
@@ -80,9 +96,9 @@ src=$(mktemp -d); trap 'cleanup; rm -rf "$src"' EXIT
 whl=$(basename "$(ls "$dist"/edgetrain-*.whl)")
 echo "$whl ($(took "$t"))"
 
-echo "== venv and pip install inside (arm64, emulated)"
+echo "== venv $venv and pip install ${TORCH_SPEC:+'$TORCH_SPEC' }edgetrain inside (arm64, emulated)"
 t=$(secs)
-[ -x "$root/opt/et/bin/python" ] || in_arm /usr/bin/python3 -m venv /opt/et
+[ -x "$root$venv/bin/python" ] || in_arm /usr/bin/python3 -m venv "$venv"
 echo "venv: $(took "$t")"
 t=$(secs)
 # As a Pi user: pip resolves torch from the package's own range (or TORCH_SPEC), the other dependencies too.
@@ -90,7 +106,12 @@ in_arm pip install -q ${TORCH_SPEC:+"$TORCH_SPEC"} "/opt/dist/$whl" || die "pip 
 in_arm pip install -q --force-reinstall --no-deps "/opt/dist/$whl"
 echo "pip install (torch, numpy, scikit-learn, matplotlib, ... and edgetrain): $(took "$t")"
 in_arm pip list 2>/dev/null | grep -iE '^(torch|numpy|scikit-learn|scipy|matplotlib|PyYAML|psutil|rich|edgetrain|nvidia|triton)[- ]' || true
-echo "site-packages: $(du -sh "$root"/opt/et/lib/python3*/site-packages | cut -f1)"
+sp=$(echo "$root$venv"/lib/python3*/site-packages)
+echo "site-packages: $(du -sh "$sp" | cut -f1), of which CUDA (nvidia, triton, cuda-*): $(du -shc "$sp"/nvidia \
+  "$sp"/triton "$sp"/cuda* 2>/dev/null | tail -1 | cut -f1)"
+in_arm python -c 'from importlib.metadata import requires
+cuda = [r for r in requires("torch") or [] if any(k in r.lower() for k in ("cuda", "nvidia", "triton"))]
+print("torch requires on every Linux machine:", [r for r in cuda if "x86_64" not in r] or "no CUDA package")' || true
 
 echo "== import"
 t=$(secs)
