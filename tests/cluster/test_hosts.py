@@ -132,7 +132,7 @@ def test_timeout_bounds_every_rank_and_names_the_interface(test_hosts, tmp_path)
     reach each other. Every rank ends within
     --timeout plus a bound (gloo alone retries four times as long) with one line naming GLOO_SOCKET_IFNAME."""
     hosts = test_hosts(2, ssh=False)
-    timeout = 20
+    timeout = 10
     started = time.monotonic()
     procs = plain_recipe(hosts, tmp_path / "runs", timeout=timeout, env={"GLOO_SOCKET_IFNAME": "lo"})
     results = finish(procs, 150)
