@@ -83,9 +83,12 @@ class FileSource:
     def size(self, index: int) -> int:
         return os.stat(self.paths[index]).st_size
 
-    def read(self, index: int) -> bytes:
+    def read(self, index: int, drop: bool = False) -> bytes:
         with open(self.paths[index], "rb") as f:
-            return f.read()
+            raw = f.read()
+            if drop:  # its pages leave the page cache (``StoredItems.fetch`` says when)
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        return raw
 
     def kind(self, index: int) -> str:
         return Path(self.paths[index]).suffix.lower().lstrip(".")
@@ -121,7 +124,7 @@ class ShardSource:
     def kind(self, index: int) -> str:
         return self.entries[index][3]
 
-    def read(self, index: int) -> bytes:
+    def read(self, index: int, drop: bool = False) -> bytes:
         shard, offset, size, _, _ = self.entries[index]
         if self._pid != os.getpid():  # a forked worker: descriptors are per process
             self._fds, self._pid = {}, os.getpid()
@@ -131,6 +134,8 @@ class ShardSource:
         raw = os.pread(fd, size, offset)
         if len(raw) != size:
             raise EOFError(f"the shard ends {size - len(raw)} bytes early")
+        if drop:  # the pages wholly inside this member (a neighbour's shared edge page stays)
+            os.posix_fadvise(fd, offset, size, os.POSIX_FADV_DONTNEED)
         return raw
 
 
@@ -155,7 +160,7 @@ class StoredItems(Dataset):
         raw = self.cache.get(index) if self.cache is not None else None
         if raw is None:
             try:
-                raw = self.source.read(index)
+                raw = self.source.read(index, drop=self.cache is not None and self.cache.drop_pages)
             except FileNotFoundError:
                 raise EdgetrainError(f"item {index}: {self.source.name(index)} is gone from storage (deleted or "
                                      "unmounted during training); restore it and run again (--resume where "
