@@ -1,6 +1,7 @@
 """Datasets left on storage (data/storage.py, data/shards.py), the timed training loader, the MinIO cache
 (data/cache.py): same items as in memory, deterministic augmentation, and every fault as one line."""
 import os
+import pickle
 import signal
 import time
 from pathlib import Path
@@ -378,3 +379,24 @@ def test_items_read_beside_a_minio_cache_leave_the_page_cache_unless_told(tmp_pa
     for k in range(len(train)):
         train[k]
     assert train.source.drops == [expected] * len(train)
+
+
+def test_a_training_split_of_shards_reads_members_without_readahead(tmp_path):
+    data = image_folder_on_storage(write_folder(tmp_path / "f", per_class=20, size=48), seed=0)
+    pack(data, tmp_path / "shards")
+    split = shards_split(tmp_path / "shards")
+    assert split.train.source.shuffled and not split.test.source.shuffled  # training reads are in a random order
+    source = pickle.loads(pickle.dumps(split.train.source))  # as a spawned loader worker gets it
+    assert source.shuffled
+    path = Path(source.entries[0][0])
+    if not _on_a_disk(path):
+        pytest.skip(f"{path} is not on a block device")
+    os.sync()
+    with open(path, "rb") as f:
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    assert _resident_pages(path) == 0
+    first = len(source) // 4
+    for k in range(first, first + 3):  # neighbours in a row: the kernel would take it for a sequential reader
+        source.read(k)
+    start, (end, size) = source.entries[first][1], source.entries[first + 2][1:3]
+    assert _resident_pages(path) <= (end + size) // 4096 - start // 4096 + 1  # the members' pages, no more

@@ -183,12 +183,14 @@ def shards_split(root: str | Path, seed: int = 0, augment: bool = False, detecti
     details = {"class_names": meta.get("class_names") or [str(c) for c in range(meta["num_classes"])],
                "storage": "shards"}
     if detection:
-        make = lambda p, aug: StoredBoxes(ShardSource(p[0]), p[1], mean, std, size, aug, seed)  # noqa: E731
+        make = lambda p, train: StoredBoxes(ShardSource(p[0], train), p[1], mean, std, size, train and augment,  # noqa: E731
+                                            seed)
     else:
         shape, mode, scale = tuple(meta["shape"]), meta["mode"], float(meta["scale"])
-        make = lambda p, aug: StoredImages(ShardSource(p[0]), torch.tensor(p[1], dtype=torch.int64), mean, std,  # noqa: E731
-                                           shape, mode, scale, aug, seed)
-    return DataSplit(make(parts["train"], augment), make(parts["test"], False), int(meta["num_classes"]),
+        make = lambda p, train: StoredImages(ShardSource(p[0], train), torch.tensor(p[1], dtype=torch.int64), mean,  # noqa: E731
+                                             std, shape, mode, scale, train and augment, seed)
+    # The training split is read shuffled (ShardSource: no readahead), the test split in order.
+    return DataSplit(make(parts["train"], True), make(parts["test"], False), int(meta["num_classes"]),
                      meta.get("name") or root.name, details)
 
 

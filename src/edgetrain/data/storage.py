@@ -96,12 +96,17 @@ class FileSource:
 
 class ShardSource:
     """Members of tar shards (``data/shards.py``): ``(shard path, offset of the data, size, extension, key)``
-    per item, read with ``os.pread`` on a file descriptor this process opens once per shard."""
+    per item, read with ``os.pread`` on a file descriptor this process opens once per shard.
+
+    ``shuffled``: the items are read in a random order (a training split), so each descriptor is opened with
+    ``POSIX_FADV_RANDOM``: the kernel's readahead would otherwise read past a member into its neighbours, which
+    a dataset larger than memory evicts unread (1.3x the dataset's bytes per epoch from the page cache alone,
+    docs/benchmarks/storage.md)."""
 
     fix = "pack the dataset again (edgetrain data pack)"
 
-    def __init__(self, entries: list[tuple[str, int, int, str, str]]):
-        self.entries = entries
+    def __init__(self, entries: list[tuple[str, int, int, str, str]], shuffled: bool = False):
+        self.entries, self.shuffled = entries, shuffled
         self._fds: dict[str, int] = {}
         self._pid = os.getpid()
 
@@ -109,10 +114,10 @@ class ShardSource:
         return len(self.entries)
 
     def __getstate__(self):
-        return {"entries": self.entries}
+        return {"entries": self.entries, "shuffled": self.shuffled}
 
     def __setstate__(self, state):
-        self.__init__(state["entries"])
+        self.__init__(state["entries"], state.get("shuffled", False))
 
     def name(self, index: int) -> str:
         shard, _, _, ext, key = self.entries[index]
@@ -131,6 +136,8 @@ class ShardSource:
         fd = self._fds.get(shard)
         if fd is None:
             fd = self._fds[shard] = os.open(shard, os.O_RDONLY)
+            if self.shuffled:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         raw = os.pread(fd, size, offset)
         if len(raw) != size:
             raise EOFError(f"the shard ends {size - len(raw)} bytes early")
