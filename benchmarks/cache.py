@@ -127,7 +127,7 @@ def proc_read_bytes(group: Path) -> int:
     return total
 
 
-class Sampler(threading.Thread):
+class MemoryWatch(threading.Thread):
     """The memory group's peak of what is not data (usage - file pages: anonymous memory, the kernel's, and the
     shared memory that carries batches from the workers) and of anonymous memory, every 20 ms."""
 
@@ -154,7 +154,7 @@ def _device(args, train, data_path: str, memory_mb: int, cache_mb: float, drop_p
         device = limits.applied[-1].split("reads of ")[1].split()[0]
         shape = train.shape
         cache = attach_cache(train, cache_mb, args.seed, "/dev/shm", drop_pages)
-        watch = Sampler(memory, cache.bytes if cache else 0)  # the cache is data: preallocated, charged here
+        watch = MemoryWatch(memory, cache.bytes if cache else 0)  # the cache is data: preallocated, charged here
         watch.start()
         # Cheap (one pass over the pixels): the storage, not the model, is under test.
         model = torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(8), torch.nn.Flatten(),
