@@ -63,14 +63,17 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from edgetrain.cluster.links import PRESETS, ROUNDS, Link, collective_time, get_link
 from edgetrain.cluster.profiles import DeviceProfile, DeviceSpec, host_core_gflops
 from edgetrain.errors import EdgetrainError
 from edgetrain.kinds import SYNC_KINDS
-from edgetrain.plan.costs import ModelCosts
-from edgetrain.plan.traffic import Traffic
 from edgetrain.results import PlanDevice
+
+if TYPE_CHECKING:  # annotations only: costs and traffic import torch, and plan's flags read DEFAULT_EFFICIENCY
+    from edgetrain.plan.costs import ModelCosts
+    from edgetrain.plan.traffic import Traffic
 
 DEFAULT_EFFICIENCY = 0.6
 TIMINGS = ("lockstep", "periodic", "bounded")  # the step rules below (a sync kind's ``timing``)
