@@ -28,6 +28,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "src"))
 os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
 
 import hosts as test_hosts  # noqa: E402
@@ -60,7 +61,7 @@ dist.init_process_group('gloo', init_method='tcp://{master}:29511', rank={rank},
 def stat(name):
     with open('/sys/class/net/eth0/statistics/' + name) as f: return int(f.read())
 out = {{}}
-for n in (1, {floats}):
+for n in (1, *{floats}):
     t = torch.ones(n)
     times = []
     dist.barrier(); tx0, pk0 = stat('tx_bytes'), stat('tx_packets')
@@ -106,7 +107,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rate", default="10mbit", help="tbf rate of each link, or none")
     p.add_argument("--burst", default="32kbit", help="tbf bucket size (tc units: 32kbit, 500kb)")
-    p.add_argument("--floats", type=int, default=94186, help="float32 values of the large all-reduce")
+    p.add_argument("--floats", default="94186", help="float32 values of the larger all-reduces, comma-separated")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--tcp-bytes", type=int, default=0, help="bytes of each bulk transfer (default: ~3 s at the rate)")
     args = p.parse_args()
@@ -117,6 +118,7 @@ def main() -> None:
     from edgetrain.comm.accounting import ring_allreduce_bytes
     from edgetrain.spec import get_link, parse_rate
 
+    sizes = tuple(int(f) for f in args.floats.split(","))
     shaped = args.rate != "none"
     nbytes = args.tcp_bytes or (int(parse_rate(args.rate) / 8 * 3) if shaped else 1 << 28)
     with tempfile.TemporaryDirectory(prefix="link_probe") as tmp:
@@ -130,7 +132,7 @@ def main() -> None:
                       f"in {packets} frames: {wire / nbytes:.4f} bytes on the wire per byte sent")
             env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0")
             procs = [hosts.popen(i, [sys.executable, "-c", GLOO.format(master=hosts.addresses[0], rank=i,
-                                                                      floats=args.floats, reps=args.reps)],
+                                                                      floats=sizes, reps=args.reps)],
                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                      for i in range(2)]
             results = []
@@ -142,7 +144,7 @@ def main() -> None:
         finally:
             hosts.close()
     link = get_link(f"{args.rate}:0ms") if shaped else None
-    for n in ("1", str(args.floats)):
+    for n in ("1", *map(str, sizes)):
         medians = [statistics.median(r[n]) for r in results]
         sent = ring_allreduce_bytes(4 * int(n), 2)
         model = collective_time([link, link], "allreduce", sent) if link else float("nan")
