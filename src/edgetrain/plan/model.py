@@ -20,7 +20,7 @@ Communication. An exchange is a list of collectives (``traffic.py``); each
 costs the link model's time (``edgetrain.cluster.links``, Hockney's
 alpha-beta model per round)::
 
-    Tc = rounds x max over devices taking part (latency + chunk / goodput)
+    Tc = rounds x max over devices taking part round_seconds(latency, chunk, goodput, kind)
 
 computed with the comm code's own ``collective_time`` over the distinct links
 (``devices`` = how many take part), so thousands of identical links cost no
