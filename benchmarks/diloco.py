@@ -105,10 +105,12 @@ METHODS: dict[str, tuple[str, str]] = {
 # label: torchft_peer.py options
 PEERS: dict[str, list[str]] = {
     "peer-diloco16": ["--sync-every", "16"],
+    # torchft's bucketised all-reduce: one flat tensor, as edgetrain's (the same sums in the same order)
+    "peer-diloco16-flat": ["--sync-every", "16", "--flat"],
     "peer-streaming16": ["--sync-every", "16", "--fragments", "4", "--overlap", "1", "--mix", "0.5"],
 }
 # peer: its edgetrain twin, compared paired by seed
-TWINS = {"peer-diloco16": "diloco16", "peer-streaming16": "streaming16"}
+TWINS = {"peer-diloco16": "diloco16", "peer-diloco16-flat": "diloco16", "peer-streaming16": "streaming16"}
 
 
 def config(label: str, args, seed: int, out: Path, link: str | None, epochs: int, steps: int | None = None) -> dict:

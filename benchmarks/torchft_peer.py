@@ -18,8 +18,9 @@ same order; ``numpy``: a numpy permutation, as the first peer rows used), SGD
 steps (``--steps`` stops early, as edgetrain's ``steps``), outer SGD lr 0.7,
 momentum 0.9, Nesterov. Not the same: the all-reduce (torchft hands gloo
 one tensor per parameter, edgetrain the flat model: other sums in another
-order; bytes counted from the tensors handed to it as a ring all-reduce sends
-them, as edgetrain counts its own).
+order; ``--flat``: torchft's bucketised all-reduce, one flat tensor in
+parameter order as edgetrain's; bytes counted from the tensors handed to it
+as a ring all-reduce sends them, as edgetrain counts its own).
 
 torchft does not import from edgetrain's virtual environment's packages
 alone (it needs opentelemetry); ``--torchft-path`` puts a ``pip install
@@ -94,7 +95,8 @@ def replica(index: int, args: argparse.Namespace, lighthouse: str, out: mp.Queue
     local = args.batch_size // args.devices
     step_s = []
     with DiLoCo(manager, fragments, inner, outers, sync_every=args.sync_every, backup_device=torch.device("cpu"),
-                pin_memory=False, fragment_sync_delay=args.overlap, fragment_update_alpha=args.mix):
+                pin_memory=False, fragment_sync_delay=args.overlap, fragment_update_alpha=args.mix,
+                use_bucketization=args.flat):
         sampler = GlobalBatchSampler(len(train), [local] * args.devices, index, seed=args.seed)
         for epoch in range(math.ceil(total / steps_per_epoch)):
             if args.data_order == "numpy":
@@ -155,6 +157,8 @@ def main() -> int:
     p.add_argument("--model", default="edgecnn", help="a name of benchmarks/diloco.py's MODELS")
     p.add_argument("--data-order", choices=("edgetrain", "numpy"), default="edgetrain",
                    help="whose shuffle: edgetrain's GlobalBatchSampler (the same batches as edgetrain) or numpy's")
+    p.add_argument("--flat", action="store_true",
+                   help="torchft's bucketised all-reduce (one flat tensor, as edgetrain sends) instead of one per parameter")
     p.add_argument("--sync-every", type=int, default=16)
     p.add_argument("--fragments", type=int, default=1)
     p.add_argument("--overlap", type=int, default=0, help="fragment_sync_delay")
