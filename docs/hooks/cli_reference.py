@@ -126,12 +126,14 @@ def render_profiles() -> str:
     def value(x, unit="", none="-"):
         return none if x is None else f"{x:,}{unit}" if isinstance(x, int) else f"{x:g}{unit}"
 
-    out = ["| profile | cores | GFLOPS | memory | memory GB/s | link | what |", "|---|---|---|---|---|---|---|"]
+    out = ["| profile | cores | GFLOPS | memory | memory GB/s | link | power model (modelled) | what |",
+           "|---|---|---|---|---|---|---|---|"]
     for name, p in BUILTIN_PROFILES.items():
         cores = value(p.cores, none="the host's share")
+        power = "-" if p.idle_w is None or p.core_w is None else f"{p.idle_w:g} W + {p.core_w:g} W/core"
         out.append(f"| `{name}` | {cores} | "
                    f"{value(p.gflops, none='unthrottled')} | {value(p.memory_mb, ' MiB', 'no limit')} | "
-                   f"{value(p.memory_gbps)} | {p.link or 'none'} | {_cell(p.description)} |")
+                   f"{value(p.memory_gbps)} | {p.link or 'none'} | {power} | {_cell(p.description)} |")
     return "\n".join(out) + "\n"
 
 

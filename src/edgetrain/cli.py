@@ -67,10 +67,10 @@ def entry() -> None:
     """The ``edgetrain`` command and ``python -m edgetrain``: ``main``, then the process's exit.
 
     A device of a real cluster (``RANK`` set: torchrun's worker or the plain recipe) leaves with ``os._exit``
-    once its output is flushed: its run's files are closed by then, and a normal interpreter exit runs
-    gloo's C++ teardown (the process group's worker and transport threads, torch's static destructors)
-    after Python's own, which now and then ended a finished run in SIGABRT ("terminate called without an
-    active exception"; docs/tutorials/raspberry-pi-cluster.md). Tests call ``main`` and keep their process.
+    once its output is flushed: its run's files are closed by then, and a thread still in native code (gloo's,
+    the store's, a library's) that meets a finalizing interpreter ends the process in SIGABRT ("terminate
+    called without an active exception", seen now and then on real hosts; docs/design/shutdown.md).
+    Tests call ``main`` and keep their process.
     """
     code = main()
     if "RANK" in os.environ:

@@ -45,7 +45,7 @@ def test_modelled_energy_is_the_profiles_watts_times_time_over_samples(tmp_path)
 
 
 def test_no_sensor_and_no_power_model_gives_no_energy(tmp_path):
-    meter = EnergyMeter(BUILTIN_PROFILES["rpi4"], 4, shared=False, **no_sensors(tmp_path))
+    meter = EnergyMeter(BUILTIN_PROFILES["jetson-nano"], 4, shared=False, **no_sensors(tmp_path))
     meter.start()
     assert meter.stop(samples=10) is None
 
@@ -127,8 +127,12 @@ def test_profile_power_model_in_a_cluster_file(tmp_path):
     cluster.write_text(yaml.safe_dump({"profiles": {"pi": {"base": "rpi4", "idle_w": 2.7, "core_w": 1.2}},
                                        "devices": ["pi"]}))
     [device] = load_cluster(cluster)
-    assert device.profile.power_w(4) == pytest.approx(7.5) and BUILTIN_PROFILES["rpi4"].power_w(4) is None
+    assert device.profile.power_w(4) == pytest.approx(7.5) and BUILTIN_PROFILES["jetson-nano"].power_w(4) is None
     cluster.write_text(yaml.safe_dump({"profiles": {"pi": {"base": "rpi4", "idle_w": 2.7}}, "devices": ["pi"]}))
+    [device] = load_cluster(cluster)  # rpi4's own core_w (published figures) with the idle watts given
+    assert device.profile.power_w(4) == pytest.approx(2.7 + 4 * 0.765)
+    cluster.write_text(yaml.safe_dump({"profiles": {"nano": {"base": "jetson-nano", "idle_w": 2.7}},
+                                       "devices": ["nano"]}))
     with pytest.raises(EdgetrainError, match="needs both idle_w and core_w"):
         load_cluster(cluster)
     cluster.write_text(yaml.safe_dump({"profiles": {"pi": {"idle_w": "lots", "core_w": 1}}, "devices": ["pi"]}))
@@ -171,3 +175,19 @@ def test_a_short_run_reports_modelled_joules_per_sample(tmp_path):
         assert not e.measured and e.source.startswith("modelled (pi: 2.7 W + 1.2 W x 4 cores")
         assert e.samples == 3 * 8 and e.watts == pytest.approx(7.5)
         assert e.joules_per_sample == pytest.approx(7.5 * e.seconds / 24)
+
+
+def test_builtin_rpi4_gives_modelled_joules_from_its_published_figures(tmp_path):
+    """rpi4 carries the Raspberry Pi documentation's Pi 4 B figures (idle 0.6 A, stress 1.2 A at 5.1 V): a short
+    run on it reports modelled joules per sample with no cluster file; a profile with no published figures none."""
+    rpi4 = BUILTIN_PROFILES["rpi4"]
+    assert (rpi4.idle_w, rpi4.power_w(4)) == (pytest.approx(0.6 * 5.1), pytest.approx(1.2 * 5.1))
+    assert all(BUILTIN_PROFILES[name].power_w(4) is None
+               for name in ("host", "jetson-nano", "rpi5", "rpi-zero-2w", "jetson-orin-nano", "smart-speaker-2g"))
+    summary = RunSummary.from_dict(train(dict(FAST, steps=3, batch_size=16, output=str(tmp_path), profile="rpi4",
+                                              devices=1)))
+    (device,) = summary.per_device
+    e = device.energy
+    assert not e.measured and e.source == "modelled (rpi4: 3.06 W + 0.765 W x 4 cores = 6.12 W)"
+    assert e.samples == 3 * 16 and e.watts == pytest.approx(6.12)
+    assert e.joules_per_sample == pytest.approx(6.12 * e.seconds / 48)

@@ -18,8 +18,9 @@ A cluster file lists the devices of a run::
 
 A profile may carry a power model, ``idle_w`` + ``core_w`` x busy cores
 (watts), from which training reports modelled energy where no sensor can be
-read (docs/how-to/energy.md); the built-in profiles carry none, as no figure
-of theirs was measured here.
+read (docs/how-to/energy.md). Of the built-in profiles only ``rpi4`` carries
+one, from its maker's published measurements (see ``BUILTIN_PROFILES``); for
+the others no published idle and loaded figures were found.
 
 A device entry may give ``data``: the path of that device's own training
 data, an image folder or a ``.npz`` (``data/device_data.py``; a relative
@@ -97,10 +98,18 @@ STORAGES: dict[str, Storage] = {s.name: s for s in (
 # Compute rates: rpi4 from LINPACK on one Raspberry Pi 4 (15.5 GFLOPS, the Pi study cited in
 # docs/reference/profiles.md); jetson-nano is its quad Cortex-A57 CPU (4 cores x 1.43 GHz x 8 fp32 FLOP/cycle
 # = 45.8 GFLOPS peak, at the same ~30% LINPACK efficiency as the Pi's A72): about 13.7 GFLOPS.
+# Power (modelled from published figures, not measured here): rpi4 from the Raspberry Pi documentation's
+# "Typical power requirements" table (https://www.raspberrypi.com/documentation/computers/raspberry-pi.html,
+# source documentation/asciidoc/computers/raspberry-pi/power-supplies.adoc), which measured a Pi 4 B on the
+# June 2019 Raspberry Pi OS with an HDMI monitor, USB keyboard and mouse and Ethernet attached: idle 0.6 A, the
+# stress test (taken as its 4 cores busy) 1.2 A, at the 5.1 V its supply gives: 3.06 W idle and 6.12 W loaded,
+# so 0.765 W per busy core. The same table gives the Zero 2 W only one "typical active" current (350 mA), and
+# NVIDIA gives the Jetson Nano and Orin Nano power-mode budgets (caps, not idle or loaded draws): no model.
 BUILTIN_PROFILES: dict[str, DeviceProfile] = {
     "host": DeviceProfile("host", description="this machine, unthrottled"),
     "rpi4": DeviceProfile("rpi4", cores=4, gflops=15.5, memory_mb=4096, memory_gbps=12.8, link="lan-1g",
-                          description="Raspberry Pi 4 Model B, 4x Cortex-A72 1.5 GHz, 4 GB", storage="sd-card"),
+                          description="Raspberry Pi 4 Model B, 4x Cortex-A72 1.5 GHz, 4 GB", storage="sd-card",
+                          idle_w=3.06, core_w=0.765),
     "jetson-nano": DeviceProfile("jetson-nano", cores=4, gflops=13.7, memory_mb=4096, memory_gbps=25.6, link="lan-1g",
                                  description="Jetson Nano CPU, 4x Cortex-A57 1.43 GHz, 4 GB (GPU not emulated)",
                                  storage="emmc"),
