@@ -202,7 +202,7 @@ def versus_peers(rows: list[dict], labels: list[str], seeds: list[int]) -> list[
             continue
         diffs = [100 * (by[(twin, s)]["accuracy"] - by[(peer, s)]["accuracy"]) for s in both]
         lines.append(f"{twin} - {peer}, paired over seeds {both}: {np.mean(diffs):+.2f} points (one-sided 95% "
-                     f"bounds {lower_bound(diffs):+.2f} / {-lower_bound([-d for d in diffs]):+.2f}; each seed "
+                     f"bounds {lower_bound(diffs):+.2f} / {0.0 - lower_bound([-d for d in diffs]):+.2f}; each seed "
                      f"{', '.join(f'{d:+.2f}' for d in diffs)})")
     return lines
 
