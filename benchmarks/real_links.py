@@ -2,7 +2,10 @@
 
 Two test hosts (tests/hosts.py: network namespaces on a bridge, root needed), each link shaped to RATE both
 ways with ``tc tbf`` (rate only: this kernel has no netem, so no added delay or loss). The tutorial's plain
-recipe trains on them; the summary's per-device means (steps after the first) are printed, then
+recipe trains on them; the summary's per-device means (steps after the first) are printed, and the device
+clock per step (the wall time of the training steps, from each step's first forward: no link is emulated).
+Then the same run on loopback with the link emulated in virtual mode (``--link RATE:0ms``: this host's
+measured compute + the link model's time), its clock per step (the virtual clock's prediction), and
 ``edgetrain plan`` for the same run (modelled). docs/benchmarks/real-links.md has the results.
 
     python benchmarks/real_links.py --rate 10mbit --steps 30 --batch-size 64 --threads 1
@@ -35,6 +38,8 @@ def main() -> None:
     p.add_argument("--no-slow-start-after-idle", action="store_true",
                    help="sysctl net.ipv4.tcp_slow_start_after_idle=0 on the hosts (Linux's default is 1: a connection "
                         "idle for a retransmission timeout starts again from a small congestion window)")
+    p.add_argument("--burst", default="32kbit",
+                   help="tbf bucket (tc units); at least rate / HZ (tc-tbf(8)): 500kb for 1gbit at HZ=250")
     args = p.parse_args()
     why = test_hosts.unavailable()
     if why:
@@ -43,7 +48,7 @@ def main() -> None:
              "--no-progress", "--no-eval", "--no-throttle", "--timeout", "60", "--threads", str(args.threads)]
     with tempfile.TemporaryDirectory(prefix="real_links") as tmp:
         tmp = Path(tmp)
-        hosts = test_hosts.Hosts(2, tmp / "hosts", rate=args.rate, ssh=False)
+        hosts = test_hosts.Hosts(2, tmp / "hosts", rate=args.rate, ssh=False, burst=args.burst)
         try:
             if args.no_slow_start_after_idle:
                 for i in range(2):
@@ -61,16 +66,42 @@ def main() -> None:
                     sys.exit(f"real_links: a host failed: {err[-2000:]}")
         finally:
             hosts.close()
-        (summary_path,) = (tmp / "runs").glob("*/summary.json")
-        summary = json.loads(summary_path.read_text())
+        (run,) = (tmp / "runs").glob("*/summary.json")
+        summary = json.loads(run.read_text())
+        measured = clock_per_step(run.parent)
         for d in summary["per_device"]:
             print(f"measured  rank {d['rank']}: step {d['step_s']:.3f} s  comm {d['comm_s']:.3f} s  "
-                  f"compute {d['compute_s']:.3f} s  sent {d['bytes_sent'] / 1e6 / args.steps:.3f} MB/step")
+                  f"compute {d['compute_s']:.3f} s  sent {d['bytes_sent'] / 1e6 / args.steps:.3f} MB/step  "
+                  f"clock {measured[d['rank']]:.3f} s/step")
+        virtual = subprocess.run([sys.executable, "-m", "edgetrain", "train", *flags, "--devices", "2", "--link",
+                                  f"{args.rate}:0ms", "--output", str(tmp / "virtual")],
+                                 capture_output=True, text=True, timeout=600)
+        if virtual.returncode:
+            sys.exit(f"real_links: the virtual-clock run failed: {virtual.stderr[-2000:]}")
+        (vrun,) = (tmp / "virtual").glob("*/summary.json")
+        predicted = clock_per_step(vrun.parent)
+        vsum = {d["rank"]: d for d in json.loads(vrun.read_text())["per_device"]}
+        for rank in sorted(predicted):
+            print(f"virtual   rank {rank}: clock {predicted[rank]:.3f} s/step (compute {vsum[rank]['compute_s']:.3f} s "
+                  f"measured on loopback + the link model); measured / virtual {measured[rank] / predicted[rank]:.3f}")
         plan = subprocess.run([sys.executable, "-m", "edgetrain", "plan", "--model", args.model, "--devices", "2",
                                "--link", f"{args.rate}:0ms", "--batch-size", str(args.batch_size),
                                "--output", str(tmp / "plan")], capture_output=True, text=True, timeout=300)
-        line = next((ln for ln in plan.stdout.splitlines() if ln.startswith("modelled: step")), plan.stdout[-500:])
-        print(f"planner   {line}")
+        pj = json.loads(next((tmp / "plan").glob("*/plan.json")).read_text())["prediction"]
+        step = sum(measured.values()) / len(measured)
+        print(f"planner   step {pj['step_s']:.3f} s (compute {pj['compute_s_max']:.4f} s + exchange {pj['exchange_s']:.3f} s)"
+              f"; measured clock / planner {step / pj['step_s']:.3f}")
+
+
+def clock_per_step(run_dir: Path) -> dict[int, float]:
+    """Each rank's device clock per step over the steps after the first (metrics.jsonl's ``virtual_s``: with no
+    link emulated the wall time of the training steps, in virtual mode the virtual clock)."""
+    clocks: dict[int, list[float]] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if "virtual_s" in row and "step" in row:
+            clocks.setdefault(row["rank"], []).append(row["virtual_s"])
+    return {rank: (c[-1] - c[0]) / (len(c) - 1) for rank, c in clocks.items() if len(c) > 1}
 
 
 if __name__ == "__main__":

@@ -1,25 +1,21 @@
-"""Training from storage: the three targets of docs/benchmarks/storage.md, side by side in one run.
+"""Training from storage: two of the three targets of docs/benchmarks/storage.md (the third, the MinIO cache
+against the page cache, is ``benchmarks/cache.py``).
 
     PYTHONPATH=src python benchmarks/storage.py [--out benchmarks/results/storage.json]
 
 1. memory: a dataset twice a device's memory (``--device-limits cgroup``: the profile's memory_mb as a
    cgroup v1 limit, page cache included) trains from storage to the same test accuracy as the same data
    read whole into memory (no limit), ``edgetrain train`` both.
-2. cache: epoch time of a device whose memory leaves room for half the dataset, reading from a throttled
-   SD card (blkio), with the MinIO cache (``--cache-mb``) and with the page cache alone; items read from
-   storage per epoch for both. Each configuration runs in a forked process inside its own cgroups, after
-   the host's page cache is dropped.
-3. overhead: step time of a dataset served from storage (packed shards, 2 loader workers, warm page cache)
+2. overhead: step time of a dataset served from storage (packed shards, 2 loader workers, warm page cache)
    against the same dataset in memory (0 workers), ``edgetrain train`` both, measured alternately.
 
-Needs root and cgroup v1 (memory, blkio) for 1 and 2; says so and skips them otherwise.
+Needs root and cgroup v1 (memory, blkio) for 1; says so and skips it otherwise.
 """
 from __future__ import annotations
 
 import argparse
 import datetime as dt
 import json
-import multiprocessing as mp
 import os
 import platform
 import shutil
@@ -35,12 +31,8 @@ import yaml
 from PIL import Image
 
 import edgetrain
-from edgetrain.cluster.limits import DeviceLimits
-from edgetrain.cluster.profiles import STORAGES
-from edgetrain.data.cache import attach_cache
-from edgetrain.data.sampler import GlobalBatchSampler
 from edgetrain.data.formats import image_folder
-from edgetrain.data.storage import TrainingLoader, image_folder_on_storage
+from edgetrain.data.storage import image_folder_on_storage
 
 QUIET = dict(progress=False, throttle=False, timeout=120)
 
@@ -130,92 +122,6 @@ def memory_target(work: Path, folder: Path, dataset_mb: float, size: int) -> dic
                              "stall_share": device["data_s"] / device["step_s"]}}
 
 
-# -- 2: the MinIO cache against the page cache ----------------------------------------------------------
-
-def _epochs(folder: str, memory_mb: int, cache_mb: float, epochs: int, batch: int, workers: int, storage: str,
-            queue) -> None:
-    limits = DeviceLimits("bench device", memory_mb, STORAGES[storage], folder).apply()
-    try:
-        data = image_folder_on_storage(folder, seed=0)
-        train = data.train
-        attach_cache(train, cache_mb, 0, "/dev/shm")
-        model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(int(np.prod(train.shape)), data.num_classes))
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        sampler = GlobalBatchSampler(len(train), [batch], 0, seed=0)
-        loader = TrainingLoader(train, sampler, torch.utils.data.default_collate, workers, 2, 300, "bench device")
-        rows = []
-        for epoch in range(epochs):
-            sampler.set_epoch(epoch)
-            t0, read, cached, stall = time.perf_counter(), 0, 0, 0.0
-            it = iter(loader)
-            while True:
-                w0 = time.perf_counter()
-                try:
-                    x, y = next(it)
-                except StopIteration:
-                    break
-                stall += time.perf_counter() - w0
-                read, cached = read + it.last.storage_items, cached + it.last.cache_items
-                opt.zero_grad()
-                torch.nn.functional.cross_entropy(model(x), y).backward()
-                opt.step()
-            rows.append({"epoch": epoch, "epoch_s": time.perf_counter() - t0, "storage_items": read,
-                         "cache_items": cached, "stall_s": stall})
-        usage = Path(f"/sys/fs/cgroup/memory/edgetrain-{os.getpid()}-memory/memory.max_usage_in_bytes")
-        del it, loader  # its workers end here, before the limits are removed
-        queue.put({"rows": rows, "limits": limits.describe(), "items": len(train),
-                   "cgroup_max_usage_mb": int(usage.read_text()) / 2 ** 20 if usage.is_file() else None})
-    except BaseException as e:  # noqa: BLE001 (reported by the parent)
-        queue.put({"error": f"{type(e).__name__}: {e}"})
-    finally:
-        limits.close()
-
-
-def _in_cgroup(folder: Path, memory_mb: int, cache_mb: float, epochs: int, storage: str) -> dict:
-    drop_caches()
-    queue = mp.get_context("fork").Queue()
-    # No loader workers: each would copy the pages of the process it touches, more than the half of the data
-    # this memory limit leaves room for (a worker was killed by the cgroup's OOM killer with 2).
-    child = mp.get_context("fork").Process(target=_epochs, args=(str(folder), memory_mb, cache_mb, epochs, 64, 0,
-                                                                 storage, queue))
-    child.start()
-    result = None
-    deadline = time.monotonic() + 900
-    while result is None:
-        if time.monotonic() > deadline:
-            child.kill()
-            result = {"error": "the bench process gave no result within 900 s; it was stopped"}
-            break
-        try:
-            result = queue.get(timeout=2)
-        except Exception:  # noqa: BLE001 (queue.Empty)
-            if not child.is_alive():
-                result = {"error": f"the bench process died (exit {child.exitcode}: -9 is the cgroup's OOM killer)"}
-    child.join(60)
-    result["cache_mb"] = cache_mb
-    return result
-
-
-def cache_target(folder: Path, dataset_mb: float, storage: str, epochs: int = 3) -> dict:
-    """Memory limit = the bench process's own peak (its loader workers' included: each Python process copies
-    the pages it touches), measured first with room to spare, + half the (training) dataset."""
-    train_mb = 0.8 * dataset_mb  # the 80/20 split's training part, what the epochs read
-    probe = _in_cgroup(folder, 4096, 0.0, 1, storage)
-    overhead_mb = probe["cgroup_max_usage_mb"] - train_mb if "rows" in probe else 400.0
-    half = train_mb / 2
-    memory_mb = int(overhead_mb + half)
-    out = {"train_mb": train_mb, "room_for_data_mb": half, "memory_limit_mb": memory_mb,
-           "overhead_mb": overhead_mb, "storage": STORAGES[storage].source, "probe": probe}
-    for name, cache_mb in (("page cache alone", 0.0), ("MinIO cache", 0.9 * half)):
-        result = _in_cgroup(folder, memory_mb, cache_mb, epochs, storage)
-        out[name] = result
-        print(name, json.dumps(result), flush=True)
-    steady = lambda r: statistics.mean(row["epoch_s"] for row in r["rows"][1:])  # noqa: E731
-    if "rows" in out["page cache alone"] and "rows" in out["MinIO cache"]:
-        out["speedup_epochs_2_on"] = steady(out["page cache alone"]) / steady(out["MinIO cache"])
-    return out
-
-
 # -- 3: loading overhead with enough workers ----------------------------------------------------------
 
 def overhead_target(work: Path, repeats: int = 2) -> dict:
@@ -243,10 +149,7 @@ def main() -> None:
     p.add_argument("--out", default="benchmarks/results/storage.json")
     p.add_argument("--images", type=int, default=1000, help="images in the memory part's generated folder")
     p.add_argument("--memory-size", type=int, default=512, help="their side in pixels")
-    p.add_argument("--cache-images", type=int, default=600, help="images in the cache part's generated folder")
-    p.add_argument("--size", type=int, default=256, help="the cache part's images' side in pixels")
-    p.add_argument("--cache-storage", default="hdd", help="the storage the cache part reads from (a STORAGES name)")
-    p.add_argument("--parts", default="memory,cache,overhead")
+    p.add_argument("--parts", default="memory,overhead")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="edgetrain-storage-bench-", dir="/work" if Path("/work").is_dir() else None))
     result = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "host": platform.node(),
@@ -255,14 +158,8 @@ def main() -> None:
     try:
         parts = args.parts.split(",")
         if not cgroups_here():
-            result["note"] = "no root or no cgroup v1 here: the memory and cache parts were skipped"
+            result["note"] = "no root or no cgroup v1 here: the memory part was skipped"
             parts = [p for p in parts if p == "overhead"]
-        if "cache" in parts:
-            folder = work / "cache-folder"
-            dataset_mb = write_folder(folder, 10, args.cache_images // 10, args.size, seed=1) / 1e6
-            result["cache_dataset"] = {"images": args.cache_images, "size": args.size, "mb": dataset_mb}
-            result["cache"] = cache_target(folder, dataset_mb, args.cache_storage)
-            Path(args.out).write_text(json.dumps(result, indent=1))
         if "memory" in parts:
             folder = work / "memory-folder"
             dataset_mb = write_folder(folder, 10, args.images // 10, args.memory_size) / 1e6

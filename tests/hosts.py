@@ -101,7 +101,7 @@ def _free_subnet() -> int:
 class Hosts:
     """``n`` hosts: ``names[i]`` (namespace), ``addresses[i]``; ``run``/``popen`` a command on one; ``ssh``."""
 
-    def __init__(self, n: int, tmp: Path, rate: str | None = None, ssh: bool = True):
+    def __init__(self, n: int, tmp: Path, rate: str | None = None, ssh: bool = True, burst: str = "32kbit"):
         self.tag = f"{PREFIX}{os.getpid()}"
         self.tmp = Path(tmp)
         self.tmp.mkdir(parents=True, exist_ok=True)
@@ -109,6 +109,7 @@ class Hosts:
         self.bridge = f"{self.tag}b"
         self.procs: list[subprocess.Popen] = []
         self.sshd: list[subprocess.Popen] = []
+        self.burst = burst
         remove_stale()
         self.subnet = _free_subnet()
         try:
@@ -144,8 +145,11 @@ class Hosts:
             self.shape(i, rate)
 
     def shape(self, i: int, rate: str) -> None:
-        """Host ``i``'s link at ``rate`` (e.g. ``10mbit``) both ways: tc tbf on each end of its veth."""
-        tbf = ["tbf", "rate", rate, "burst", "32kbit", "latency", "50ms"]
+        """Host ``i``'s link at ``rate`` (e.g. ``10mbit``) both ways: tc tbf on each end of its veth, with the
+        bucket ``burst`` given to ``Hosts`` (tc's units: ``32kbit``, ``500kb``). A bucket smaller than what the
+        rate earns between two of the shaper's timer wake-ups holds the link below its rate (tc-tbf(8): at
+        least rate / HZ): 32 kbit is right for 10 Mbit/s, not for 1 Gbit/s (docs/benchmarks/real-links.md)."""
+        tbf = ["tbf", "rate", rate, "burst", self.burst, "latency", "50ms"]
         for cmd in (["tc", "qdisc", "replace", "dev", self.veth(i), "root", *tbf],
                     ["ip", "netns", "exec", self.names[i], "tc", "qdisc", "replace", "dev", "eth0", "root", *tbf]):
             subprocess.run(cmd, check=True, capture_output=True, timeout=30)

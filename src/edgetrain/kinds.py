@@ -80,10 +80,14 @@ class Kind:
     def load_runtime(self) -> Any:
         return _load(self.runtime)
 
-    def load_planner(self) -> Any:
-        """The planner model; a kind without one is refused here, in its own line, never planned as another."""
+    def check_planned(self) -> None:
+        """A kind without a planner model is refused here, in its own line, never planned as another."""
         if self.planner is None:
             raise EdgetrainError(self.unplanned)
+
+    def load_planner(self) -> Any:
+        """The planner model (imports it: torch, for most); refused as ``check_planned`` says."""
+        self.check_planned()
         return _load(self.planner)
 
     def check(self, draft: Draft) -> None:

@@ -320,7 +320,8 @@ class Link:
 
     @property
     def goodput_Bps(self) -> float:
-        """Bytes per second that arrive, after expected retransmissions."""
+        """The link's rate in bytes per second after expected retransmissions. Frames, headers included: the
+        payload a collective moves is less by its TCP/IP/Ethernet framing (``edgetrain.cluster.links``)."""
         return self.bandwidth_bps / 8 * (1 - self.loss)
 
     def describe(self) -> str:

@@ -16,8 +16,9 @@ What it does, in order (asyncssh, imported only here: ``pip install edgetrain[ss
    backend: the store is served by the first host's torchrun at ``ADDRESS:--rdzv-port`` (``is_host=1``
    there, ``0`` elsewhere, so that two hosts on one machine do not both try to serve it),
    ``--nnodes N`` (or ``K:N`` with ``--min-hosts K``: elastic), ``--nproc-per-node`` from the host's
-   ``devices``, ``--rdzv-id`` a fresh run id, ``join_timeout`` ``--rdzv-timeout``, ``--local-addr`` the
-   host's address, ``--max-restarts``. The cluster token (``--cluster-token`` of the train command, else
+   ``devices``, ``--rdzv-id`` a fresh run id, ``join_timeout`` ``--rdzv-timeout``, ``last_call_timeout``
+   ``--rdzv-last-call``, ``keep_alive_interval`` ``--rdzv-keepalive``, ``--local-addr`` the host's address,
+   ``--max-restarts``. The cluster token (``--cluster-token`` of the train command, else
    ``EDGETRAIN_CLUSTER_TOKEN`` here, else a fresh random one for this launch, so only the processes this
    launch started are admitted) and the host's ``env:`` travel on stdin (never on a command line, never
    written), and edgetrain's admission (cluster/peers.py) checks them as under a hand-started torchrun.
@@ -205,6 +206,8 @@ class LaunchSpec:
     rdzv_timeout: float
     connect_timeout: float
     run_id: str
+    rdzv_last_call: float = 30.0  # torchrun's own default for last_call_timeout
+    rdzv_keepalive: float = 5.0  # torchrun's own default for keep_alive_interval
 
 
 def train_flags(cfg) -> list[str]:
@@ -246,7 +249,8 @@ def plan_launch(args: argparse.Namespace) -> LaunchSpec:
         raise EdgetrainError(f"--rdzv-port must be 1..65535, not {args.rdzv_port}")
     token = cluster_token(cfg.cluster_token, cfg.cluster_token_file, os.environ) or secrets.token_hex(16)
     return LaunchSpec(tuple(hosts), tuple(train_flags(cfg)), token, min_hosts, args.max_restarts, args.rdzv_port,
-                      args.rdzv_timeout, args.connect_timeout, args.run_id or f"edgetrain-{secrets.token_hex(4)}")
+                      args.rdzv_timeout, args.connect_timeout, args.run_id or f"edgetrain-{secrets.token_hex(4)}",
+                      args.rdzv_last_call, args.rdzv_keepalive)
 
 
 def _endpoint(address: str, port: int) -> str:
@@ -259,7 +263,9 @@ def node_command(spec: LaunchSpec, index: int) -> str:
     nnodes = str(len(spec.hosts)) if spec.min_hosts == len(spec.hosts) else f"{spec.min_hosts}:{len(spec.hosts)}"
     torchrun = ["--nnodes", nnodes, "--nproc-per-node", str(host.devices), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", _endpoint(first.address, spec.rdzv_port), "--rdzv-id", spec.run_id,
-                "--rdzv-conf", f"is_host={int(index == 0)},join_timeout={math.ceil(spec.rdzv_timeout)}",
+                "--rdzv-conf", f"is_host={int(index == 0)},join_timeout={math.ceil(spec.rdzv_timeout)},"
+                                f"last_call_timeout={math.ceil(spec.rdzv_last_call)},"
+                                f"keep_alive_interval={math.ceil(spec.rdzv_keepalive)}",
                 "--max-restarts", str(spec.max_restarts), "--local-addr", host.address,
                 "-m", "edgetrain", "train", *spec.train_flags]
     workdir = ["--workdir", host.workdir] if host.workdir else []
@@ -511,6 +517,13 @@ def register(sub) -> None:
                    help="port of the c10d rendezvous store on the first host")
     p.add_argument("--rdzv-timeout", type=positive_float, default=120.0,
                    help="seconds torchrun waits for the hosts to meet (join_timeout)")
+    p.add_argument("--rdzv-last-call", type=positive_float, default=30.0,
+                   help="with --min-hosts: seconds torchrun waits for the other hosts once the minimum has met, "
+                        "before it trains without them (last_call_timeout); each regrouping after a lost host waits "
+                        "this long")
+    p.add_argument("--rdzv-keepalive", type=positive_float, default=5.0,
+                   help="seconds between torchrun's rendezvous heartbeats (keep_alive_interval): a host whose torchrun "
+                        "died is dropped from the rendezvous after 3 missed ones, and the others regroup only then")
     p.add_argument("--connect-timeout", type=positive_float, default=10.0, help="seconds to wait for each SSH connection")
     p.add_argument("--run-id", help="rendezvous id of the run (default: a fresh random one)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- train [train flags]: what every host runs")

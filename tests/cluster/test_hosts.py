@@ -132,7 +132,7 @@ def test_timeout_bounds_every_rank_and_names_the_interface(test_hosts, tmp_path)
     reach each other. Every rank ends within
     --timeout plus a bound (gloo alone retries four times as long) with one line naming GLOO_SOCKET_IFNAME."""
     hosts = test_hosts(2, ssh=False)
-    timeout = 20
+    timeout = 10
     started = time.monotonic()
     procs = plain_recipe(hosts, tmp_path / "runs", timeout=timeout, env={"GLOO_SOCKET_IFNAME": "lo"})
     results = finish(procs, 150)
@@ -188,10 +188,11 @@ def metric_lines(runs):
 def test_launch_ends_after_a_partition(test_hosts, tmp_path):
     """Three hosts, --min-hosts 2; host 2's link goes down mid-run (no FIN, no RST). The other two re-form
     and finish; the launcher notices the dead SSH connection by its keepalives, leaves host 2 out and
-    ends with the run (before: it waited on TCP's two-hour keepalive)."""
+    ends with the run (before: it waited on TCP's two-hour keepalive). The two regroup after torchrun's
+    last call, 10 s here (--rdzv-last-call; 30 s by default), as all three met at the start well within it."""
     hosts = test_hosts(3)
     proc = launch(hosts, tmp_path, "--min-hosts", "2", "--max-restarts", "1", "--connect-timeout", "5",
-                  train=["--steps", "16", "--timeout", "10"])
+                  "--rdzv-last-call", "10", train=["--steps", "16", "--timeout", "10"])
     lines = Lines(proc)
     deadline = time.monotonic() + 120
     while metric_lines(tmp_path / "runs") < 4 and proc.poll() is None and time.monotonic() < deadline:

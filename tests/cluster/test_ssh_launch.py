@@ -21,7 +21,7 @@ import yaml
 
 from edgetrain.cli import build_parser, main
 from edgetrain.cluster.launch import _loopback_interface, free_port, is_fork_server
-from edgetrain.ssh_launch import LaunchSpec, after_exit, load_hosts, train_flags
+from edgetrain.ssh_launch import HostSpec, LaunchSpec, after_exit, load_hosts, node_command, train_flags
 from edgetrain.config import FIELDS, load_config
 from edgetrain.errors import EdgetrainError
 from edgetrain_testing import run_cli
@@ -216,7 +216,8 @@ def test_host_that_drops_stops_every_host_and_is_named(tmp_path, ssh_hosts):
 
 @pytest.mark.slow
 def test_host_that_drops_is_started_again_and_training_goes_on(tmp_path, ssh_hosts):
-    launcher = start_long_launch(tmp_path, ssh_hosts, "--max-restarts", "1")
+    # host a regroups once the rendezvous has dropped b's dead torchrun: 3 missed heartbeats, 1 s apart here
+    launcher = start_long_launch(tmp_path, ssh_hosts, "--max-restarts", "1", "--rdzv-keepalive", "1")
     try:
         kill_torchrun_of_host_b()
         # torchrun restarts training in a new run directory once both hosts have met again: wait for its steps
@@ -266,6 +267,20 @@ def test_a_host_dropped_after_the_run_finished_is_no_error(code, signal_name, ac
     spec = LaunchSpec(hosts=(), train_flags=(), cluster_token="", min_hosts=3, max_restarts=0, rdzv_port=1,
                       rdzv_timeout=1, connect_timeout=1, run_id="x")
     assert after_exit(spec, 1, 0, code, signal_name, 0, finished=True) == action
+
+
+@pytest.mark.parametrize("flags, last_call, keepalive", [
+    ([], 30, 5), (["--rdzv-last-call", "7.5", "--rdzv-keepalive", "1"], 8, 1)])
+def test_torchrun_rendezvous_waits_are_the_launchs(flags, last_call, keepalive):
+    """--rdzv-last-call and --rdzv-keepalive are torchrun's last_call_timeout and keep_alive_interval (whole
+    seconds, rounded up; torchrun's own 30 s and 5 s by default)."""
+    args = build_parser().parse_args(["launch", "--hosts", "h.yaml", *flags, "--", "train"])
+    spec = LaunchSpec(hosts=(HostSpec("a", "10.0.0.1"), HostSpec("b", "10.0.0.2")), train_flags=(),
+                      cluster_token="", min_hosts=1, max_restarts=0, rdzv_port=29400, rdzv_timeout=60,
+                      connect_timeout=1, run_id="x", rdzv_last_call=args.rdzv_last_call,
+                      rdzv_keepalive=args.rdzv_keepalive)
+    conf = node_command(spec, 1).split("--rdzv-conf ", 1)[1].split()[0]
+    assert conf == f"is_host=0,join_timeout=60,last_call_timeout={last_call},keep_alive_interval={keepalive}"
 
 
 def test_train_command_reaches_the_hosts_as_flags_that_give_the_same_config(tmp_path):

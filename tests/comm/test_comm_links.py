@@ -42,17 +42,36 @@ def test_bad_links(spec, message):
 def test_time_model_rounds_and_bottleneck():
     lte = Link(10e6, 0.05)
     n = 1_000_000
-    # Tc = latency x rounds + bytes / bandwidth, rounds per algorithm
-    assert collective_time([lte] * 4, "allreduce", n) == pytest.approx(0.05 * 6 + n * 8 / 10e6)
-    assert collective_time([lte] * 4, "allgather", n) == pytest.approx(0.05 * 3 + n * 8 / 10e6)
-    assert collective_time([lte] * 3, "p2p", n) == pytest.approx(0.05 + n * 8 / 10e6)
+    # by hand, at 10 Mbit/s = 1.25e6 bytes/s: a round costs the latency, gloo's 80 us and one 1514-byte frame's
+    # store-and-forward; the payload goes at 1448 bytes a 1514-byte frame, and in a ring (every device sends
+    # while it receives) with half a 66-byte ACK a segment more: 1547 bytes on the wire per 1448 of payload
+    per_round = 0.05 + 80e-6 + 1514 / 1.25e6
+    ring_payload = n * 1547 / 1448 / 1.25e6
+    assert collective_time([lte] * 4, "allreduce", n) == pytest.approx(6 * per_round + ring_payload, rel=1e-12)
+    assert collective_time([lte] * 4, "allgather", n) == pytest.approx(3 * per_round + ring_payload, rel=1e-12)
+    assert collective_time([lte] * 3, "p2p", n) == pytest.approx(per_round + n * 1514 / 1448 / 1.25e6, rel=1e-12)
+    # the figures written out: 6 x 0.0513 + 0.8546 (the payload of a 1 MB all-reduce at 10 Mbit/s: 0.8 s bare)
+    assert collective_time([lte] * 4, "allreduce", n) == pytest.approx(1.16244, abs=1e-5)
     # the slowest link taking part sets the pace
     fast = Link(1e9, 0.001)
     assert collective_time([fast, fast, lte, fast], "allreduce", n) == pytest.approx(
         collective_time([lte] * 4, "allreduce", n))
-    # loss: expected retransmissions lower the goodput
+    # the planner's form: distinct links and a device count
+    assert collective_time([lte], "allreduce", n, devices=4) == collective_time([lte] * 4, "allreduce", n)
+    # loss: expected retransmissions lower the goodput (frames and payload alike)
     lossy = Link(10e6, 0.05, loss=0.2)
-    assert collective_time([lossy] * 2, "p2p", n) == pytest.approx(0.05 + n * 8 / (10e6 * 0.8))
+    assert collective_time([lossy] * 2, "p2p", n) == pytest.approx(
+        0.05 + 80e-6 + (1514 + n * 1514 / 1448) / (1.25e6 * 0.8), rel=1e-12)
+
+
+def test_wire_framing_constants():
+    from edgetrain.cluster import links
+
+    # MTU 1500 less IPv4 (20), TCP (20) and timestamps (12) headers; 14 bytes of Ethernet header on top
+    assert (links.MSS, links.FRAME_BYTES, links.ACK_BYTES) == (1448, 1514, 66)
+    assert links.wire_bytes_per_byte("p2p") == pytest.approx(1.045580, abs=1e-6)
+    assert links.wire_bytes_per_byte("allreduce") == links.wire_bytes_per_byte("allgather") == pytest.approx(
+        1.068370, abs=1e-6)
 
 
 def test_jitter_is_seeded():
@@ -71,9 +90,12 @@ def test_virtual_clock_adds_compute_and_modelled_comm():
     emu.run("allreduce", 500_000, lambda: time.sleep(0.05))  # real collective on the host: not compute
     emu.arrive()
     step = emu.finish_step(ready_s=None)
-    assert step["comm_model_s"] == pytest.approx(0.1 * 2 + 0.5)
+    # the link model (test_time_model_rounds_and_bottleneck): 2 rounds of latency, gloo's 80 us and a frame;
+    # 500 kB with framing and ACKs at 1 MB/s
+    modelled = 2 * (0.1 + 80e-6 + 1514 / 1e6) + 500_000 * 1547 / 1448 / 1e6
+    assert step["comm_model_s"] == pytest.approx(modelled, rel=1e-12)
     assert 0.015 < step["compute_s"] < 0.045
-    assert emu.virtual_s == pytest.approx(step["compute_s"] + 0.7)
+    assert emu.virtual_s == pytest.approx(step["compute_s"] + modelled)
     assert emu.stats.bytes_sent == 500_000
     # a later device: the next step starts when the slowest one arrived
     emu.start_step()

@@ -1,6 +1,7 @@
 """Datasets left on storage (data/storage.py, data/shards.py), the timed training loader, the MinIO cache
 (data/cache.py): same items as in memory, deterministic augmentation, and every fault as one line."""
 import os
+import pickle
 import signal
 import time
 from pathlib import Path
@@ -306,3 +307,96 @@ def test_the_summary_prints_each_devices_stall_and_what_ifs():
     assert "modelled (DS-Analyzer what-ifs): cached in memory 150.0 ms/step, 4 worker(s) 150.0 ms/step" in line
     in_memory = dict(device, workers=0, storage_items_per_epoch=None, cache_items_per_epoch=None)
     assert stall_lines(RunSummary.from_dict({"per_device": [in_memory], "throughput_samples_per_s": 1.0}, "t")) == []
+
+
+
+def _resident_pages(path: Path) -> int:
+    """Pages of ``path`` in the page cache: mincore(2) over a mapping of it (mapping does not read it)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    size = path.stat().st_size
+    vec = (ctypes.c_ubyte * ((size + mmap.PAGESIZE - 1) // mmap.PAGESIZE))()
+    with open(path, "rb") as f:
+        base = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, f.fileno(), 0)
+    assert base not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+    try:
+        assert libc.mincore(base, size, vec) == 0, ctypes.get_errno()
+    finally:
+        libc.munmap(base, size)
+    return sum(v & 1 for v in vec)
+
+
+def _on_a_disk(path: Path) -> bool:
+    return os.major(os.stat(path).st_dev) != 0  # tmpfs and overlays have no pages to drop
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_read_with_drop_leaves_no_pages_in_the_page_cache(tmp_path, packed):
+    folder = write_folder(tmp_path / "f", per_class=4, size=64)
+    data = image_folder_on_storage(folder, seed=0)
+    if packed:
+        pack(data, tmp_path / "shards")
+        data = shards_split(tmp_path / "shards")
+    source = data.train.source
+    path = Path(source.entries[0][0] if packed else source.paths[0])
+    if not _on_a_disk(path):
+        pytest.skip(f"{path} is not on a block device")
+    os.sync()
+    kept = source.read(0)
+    assert _resident_pages(path) > 0  # read through the page cache, as any read
+    assert source.read(0, drop=True) == kept
+    if packed:  # the member's whole pages are gone; the shard's other members' stay
+        offset, size = source.entries[0][1:3]
+        first, last = -(-offset // 4096), (offset + size) // 4096
+        assert _resident_pages(path) <= (os.path.getsize(path) + 4095) // 4096 - (last - first)
+    else:
+        assert _resident_pages(path) == 0
+
+
+class _Recording(FileSource):
+    def __init__(self, paths):
+        super().__init__(paths)
+        self.drops: list[bool] = []
+
+    def read(self, index, drop=False):
+        self.drops.append(drop)
+        return super().read(index, drop)
+
+
+@pytest.mark.parametrize("cache_mb, drop_pages, expected", [(0.0, True, False), (1.0, True, True),
+                                                             (1.0, False, False)])
+def test_items_read_beside_a_minio_cache_leave_the_page_cache_unless_told(tmp_path, cache_mb, drop_pages, expected):
+    data = image_folder_on_storage(write_folder(tmp_path / "f", per_class=4), seed=0)
+    train = data.train
+    train.source = _Recording(train.source.paths)
+    attach_cache(train, cache_mb, 0, str(tmp_path), drop_pages)
+    for k in range(len(train)):
+        train[k]
+    assert train.source.drops == [expected] * len(train)
+
+
+def test_a_training_split_of_shards_reads_members_without_readahead(tmp_path):
+    data = image_folder_on_storage(write_folder(tmp_path / "f", per_class=20, size=48), seed=0)
+    pack(data, tmp_path / "shards")
+    split = shards_split(tmp_path / "shards")
+    assert split.train.source.shuffled and not split.test.source.shuffled  # training reads are in a random order
+    source = pickle.loads(pickle.dumps(split.train.source))  # as a spawned loader worker gets it
+    assert source.shuffled
+    path = Path(source.entries[0][0])
+    if not _on_a_disk(path):
+        pytest.skip(f"{path} is not on a block device")
+    os.sync()
+    with open(path, "rb") as f:
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    assert _resident_pages(path) == 0
+    first = len(source) // 4
+    for k in range(first, first + 3):  # neighbours in a row: the kernel would take it for a sequential reader
+        source.read(k)
+    start, (end, size) = source.entries[first][1], source.entries[first + 2][1:3]
+    assert _resident_pages(path) <= (end + size) // 4096 - start // 4096 + 1  # the members' pages, no more

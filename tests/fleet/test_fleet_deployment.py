@@ -61,8 +61,11 @@ def test_a_fleet_on_flowers_own_processes_trains_and_drops_a_failing_node(tmp_pa
             processes.append(start(["flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{link}",
                                     "--port", str(free_port()), "--node-config", node_config],
                                    tmp_path / f"supernode{i}.log", env))
+        # No federated evaluation: each evaluate phase starts another ClientApp process on every node, and
+        # what it computes is checked in-process (test_fleet_app.py, the evaluation and the saved model).
         run = subprocess.run([str(BIN / "flwr"), "run", str(APP), "fleet", "--stream", "--run-config",
-                              "num-rounds=2 local-steps=5 lr=0.1 min-nodes=3 round-timeout=60.0"],
+                              "num-rounds=2 local-steps=5 lr=0.1 min-nodes=3 round-timeout=60.0 "
+                              "fraction-evaluate=0.0"],
                              capture_output=True, text=True, env=env, timeout=240)
     finally:
         stop(processes)

@@ -53,14 +53,18 @@ def test_ring_allreduce_time_matches_the_formula_and_the_comm_link_model():
     p, latency, bandwidth = 4, 0.050, 10e6
     pred = plan(p)
     sent = 2 * (p - 1) / p * 4 * N
-    assert pred.exchange_s == pytest.approx(2 * (p - 1) * latency + sent * 8 / bandwidth)
+    # per round: latency, gloo's 80 us, one 1514-byte frame; the payload at 1547 wire bytes per 1448 (framing,
+    # ACKs of a ring) (edgetrain.cluster.links)
+    def ring(bandwidth):
+        return 2 * (p - 1) * (latency + 80e-6 + 1514 * 8 / bandwidth) + sent * 8 / bandwidth * 1547 / 1448
+    assert pred.exchange_s == pytest.approx(ring(bandwidth))
     links = [Link(bandwidth, latency)] * p
     assert pred.exchange_s == pytest.approx(collective_time(links, "allreduce", ring_allreduce_bytes(4 * N, p)))
     assert pred.step_s == pytest.approx(pred.devices[0].compute_s + pred.exchange_s)
     # the slowest link taking part bottlenecks every round
     slow = cluster(p)
     slow[2] = dataclasses.replace(slow[2], link="1mbit:50ms")
-    assert plan(p, devices=slow).exchange_s == pytest.approx(2 * (p - 1) * latency + sent * 8 / 1e6)
+    assert plan(p, devices=slow).exchange_s == pytest.approx(ring(1e6))
 
 
 def test_local_sgd_divides_communication_per_step_by_h():
@@ -72,7 +76,8 @@ def test_local_sgd_divides_communication_per_step_by_h():
 
 def test_gossip_talks_to_two_neighbours_whatever_the_cluster_size():
     small, large = plan(8, sync="gossip"), plan(4096, sync="gossip")
-    assert small.exchange_s == pytest.approx(large.exchange_s) == pytest.approx(0.050 + 2 * 4 * N * 8 / 10e6)
+    assert small.exchange_s == pytest.approx(large.exchange_s) == pytest.approx(
+        0.050 + 80e-6 + (1514 + 2 * 4 * N * 1514 / 1448) * 8 / 10e6)  # one p2p round, framing, no ACK share
     assert plan(4096).exchange_s > 50 * small.exchange_s  # the all-reduce's 2(p-1) latencies grow with p
 
 
@@ -124,3 +129,23 @@ def test_efficiency_and_overlap_are_checked():
         plan(2, efficiency=0.0)
     with pytest.raises(EdgetrainError, match="overlap"):
         plan(2, overlap=-0.1)
+
+
+def test_host_profile_devices_share_this_machines_cores_and_plan_says_what_it_leaves_out(monkeypatch):
+    from edgetrain.cluster.profiles import BUILTIN_PROFILES, host_core_gflops
+    from edgetrain.plan import model as plan_model
+
+    host = BUILTIN_PROFILES["host"]
+    core = host_core_gflops()
+    monkeypatch.setattr(plan_model.os, "cpu_count", lambda: 4)
+    # as the training loop pins them (cluster.throttle.assign_cores): 4 cores // n each, a time share beyond 4
+    assert plan_model.device_gflops(host, 1)[0] == pytest.approx(4 * core)
+    assert plan_model.device_gflops(host, 2)[0] == pytest.approx(2 * core)
+    assert plan_model.device_gflops(host, 3)[0] == pytest.approx(1 * core)
+    assert plan_model.device_gflops(host, 8)[0] == pytest.approx(0.5 * core)
+    # a profile with its own rate is not shared
+    assert plan_model.device_gflops(PI, 8)[0] == pytest.approx(plan_model.device_gflops(PI)[0])
+    pred = plan(2, devices=[DeviceSpec(r, host, None, LTE) for r in range(2)])
+    assert pred.devices[0].gflops == pytest.approx(2 * core)
+    assert plan_model.HOST_PROFILE_ERROR in pred.assumptions
+    assert plan_model.HOST_PROFILE_ERROR not in plan(2).assumptions

@@ -1,7 +1,9 @@
 """The planner at scale: a small cluster plans exactly as before the vectorisation, a large one in bounded time.
 
 ``small_cluster_before.json`` holds ``small_cluster_outputs`` as computed by the
-planner before it was vectorised (commit 6b931f5, per-device Python loops):
+planner before it was vectorised (commit 6b931f5, per-device Python loops), its
+time figures recomputed once when the link model gained TCP/IP framing, ACKs and
+gloo's per-round cost (only times changed: splits, memory and groups' members did not):
 regenerate it only on purpose, with ``python tests/plan/test_plan_scale.py OUT.json``.
 """
 import json

@@ -103,7 +103,9 @@ def test_pipeline_uses_the_planners_split_and_respects_memory_limits(wide):
 
 
 def test_compare_on_a_slow_link_with_a_model_that_fits_recommends_the_fastest_and_says_why():
-    _, comparison = _plan(model="small_cnn", devices=2, profile="smart-speaker-2g", link="lte-10m", batch_size=32)
+    # batch 64: at 32 the two were within 0.2% once the link model counted framing and ACKs (DDP's ring pays
+    # the ACKs, the pipeline's one-way sends do not); at 64 the pipeline's activations double, DDP's gradients do not
+    _, comparison = _plan(model="small_cnn", devices=2, profile="smart-speaker-2g", link="lte-10m", batch_size=64)
     rows = _by_name(comparison)
     assert all(s.fits for s in rows.values())
     fastest = min(rows.values(), key=lambda s: s.step_s).strategy

@@ -11,6 +11,7 @@ from edgetrain_testing import NEEDS_POOLED, FAST, DigitsMlp, keys_written_by_ran
 
 pytestmark = NEEDS_POOLED
 from edgetrain import load_checkpoint, train
+from edgetrain.cluster.links import round_seconds
 from edgetrain.config import TrainConfig, resolve
 from edgetrain.errors import EdgetrainError
 from edgetrain.models import register_model
@@ -96,7 +97,8 @@ FORWARD_S, BACKWARD_S, TRANSFER_S = 1.0, 2.0, 0.5
 def _check_gpipe_timeline(summary, microbatches, activation_bytes):
     """Two stages, GPipe, a link whose latency dwarfs compute: each stage's link carries 2 M transfers a step,
     queued on the sender's link, so stage 0's step lasts 2 M transfers plus at most both stages' compute."""
-    transfer = LATENCY + activation_bytes / BANDWIDTH
+    # one p2p round of the link model (edgetrain.cluster.links; its formula: tests/comm/test_comm_links.py)
+    transfer = round_seconds(LATENCY, activation_bytes, BANDWIDTH, "p2p")
     records = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     clock = {0: 0.0, 1: 0.0}
     for step in range(summary["steps"]):

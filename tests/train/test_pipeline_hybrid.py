@@ -14,6 +14,7 @@ from edgetrain_testing import NEEDS_POOLED, FAST, DigitsMlp, on_devices
 
 pytestmark = NEEDS_POOLED
 from edgetrain import load_checkpoint, train
+from edgetrain.cluster.links import round_seconds
 from edgetrain.config import TrainConfig, resolve
 from edgetrain.data import build_data
 from edgetrain.errors import EdgetrainError
@@ -77,14 +78,17 @@ def test_topk_with_error_feedback_keeps_replicas_identical_and_counts_its_payloa
     # (summed over the steps so far: a stage may start a step waiting for another's end of the last one).
     assert summary["link_mode"] == "virtual"
     microbatches, link = 2, get_link("20mbit:5ms")
-    transfer = link.latency_s + (BATCH // 2 // microbatches) * HIDDEN * 4 / link.goodput_Bps
+    # one round each of the link model (its formula: tests/comm/test_comm_links.py): a one-way cut transfer, and
+    # the all-gather of the top-k pairs between the two replicas
+    transfer = round_seconds(link.latency_s, (BATCH // 2 // microbatches) * HIDDEN * 4, link.goodput_Bps, "p2p")
     records = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     clock, bound = dict.fromkeys(range(4), 0.0), 0.0
     for step in range(STEPS):
         mine = {r["rank"]: r for r in records if r["step"] == step}
         bound += max(m["virtual_comm_s"] for m in mine.values()) + sum(m["virtual_compute_s"] for m in mine.values())
         for rank, r in mine.items():
-            gather = link.latency_s + 8 * math.ceil(ratio * STAGE_PARAMS[rank % 2]) / link.goodput_Bps
+            gather = round_seconds(link.latency_s, 8 * math.ceil(ratio * STAGE_PARAMS[rank % 2]), link.goodput_Bps,
+                                   "allgather")
             assert r["virtual_comm_s"] == pytest.approx(2 * microbatches * transfer + gather)
             assert r["virtual_s"] - clock[rank] >= (r["virtual_comm_s"] if rank % 2 == 0 else gather) - 1e-9
             assert r["virtual_s"] <= bound + 1e-9

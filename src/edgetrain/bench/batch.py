@@ -29,7 +29,7 @@ import math
 import os
 from typing import Any
 
-from edgetrain.bench import flops, workload
+from edgetrain.bench import workload
 from edgetrain.arguments import non_negative_int, positive_float, positive_int
 from edgetrain.bench.common import (ABOVE_PEAK_NOTE, NOISY_NOTE, percent_of_peak, print_table, save_result, say,
                                     spread_cell, start_run)
@@ -81,6 +81,8 @@ def run(model: str = "resnet18", dataset: str = "cifar10", profile: str = "host"
     if speed is None and prof.gflops is not None:
         notes.append(f"--no-throttle: throughput is this host's at {threads} thread(s), with profile "
                      f"{prof.name}'s memory limit")
+    from edgetrain.bench import flops  # torch: after the checks, and bench's flags and --help answer without it
+
     counted = flops.training_flops_per_sample(workload.build_model(model, dataset), dataset)
 
     rows: list[dict[str, Any]] = []

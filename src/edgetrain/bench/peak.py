@@ -27,13 +27,15 @@ import os
 import statistics
 import time
 from datetime import timedelta
-from typing import Any, Callable
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable
 
 from edgetrain.arguments import non_negative_float, positive_int
 from edgetrain.errors import EdgetrainError
 from edgetrain.results import PeakResult
+
+# torch is imported in the functions that measure, so that ``edgetrain bench``'s flags and --help answer without it
+if TYPE_CHECKING:
+    import torch
 
 RESIDUAL_THRESHOLD = 16.0  # HPL's acceptance bound on the scaled residual
 
@@ -79,6 +81,8 @@ def _rates(flops: float, times: list[float]) -> dict[str, Any]:
 
 def gemm(n: int, threads: int, min_time_s: float = 0.3, min_repeats: int = 3) -> dict[str, Any]:
     """float32 ``n x n`` matrix product GFLOPS with ``threads`` threads."""
+    import torch
+
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(n)
     a = torch.randn(n, n, generator=g)
@@ -91,6 +95,8 @@ def gemm(n: int, threads: int, min_time_s: float = 0.3, min_repeats: int = 3) ->
 
 def scaled_residual(a: torch.Tensor, x: torch.Tensor, b: torch.Tensor) -> float:
     """HPL's scaled residual of a solution ``x`` of ``a x = b``; O(1) for a correct solve."""
+    import torch
+
     eps = torch.finfo(a.dtype).eps
     r = torch.linalg.vector_norm(a @ x - b, float("inf"))
     scale = eps * (torch.linalg.matrix_norm(a, float("inf")) * torch.linalg.vector_norm(x, float("inf"))
@@ -110,9 +116,12 @@ def check_residual(a: torch.Tensor, x: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def linpack(n: int, threads: int, min_time_s: float = 0.3, min_repeats: int = 3,
-            solve: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = torch.linalg.solve
-            ) -> dict[str, Any]:
-    """float64 dense LU solve GFLOPS with ``threads`` threads; every solve is residual-checked."""
+            solve: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> dict[str, Any]:
+    """float64 dense LU solve GFLOPS with ``threads`` threads (``solve``: ``torch.linalg.solve``); every solve
+    is residual-checked."""
+    import torch
+
+    solve = solve or torch.linalg.solve
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(n)
     a = torch.rand(n, n, generator=g, dtype=torch.float64) - 0.5

@@ -25,13 +25,14 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from edgetrain.arguments import non_negative_float, non_negative_int, positive_int
 from edgetrain.bench.common import print_table, save_result, start_run
 from edgetrain.errors import EdgetrainError
 from edgetrain.results import StallsResult
-from edgetrain.tasks.classification import ClassificationTask
+
+# torch (and the task) are imported in the functions that train, so that ``edgetrain bench``'s flags and
+# --help answer without it
 
 
 def drop_page_cache(files: list[Path]) -> None:
@@ -104,8 +105,11 @@ def _drop(files: list[Path]) -> str:
 
 
 def _pass(model, dataset, batch_size: int, workers: int, steps: int, seed: int, prefetch: int = 2) -> dict:
+    import torch
+
     from edgetrain.data.sampler import GlobalBatchSampler
     from edgetrain.data.storage import TrainingLoader
+    from edgetrain.tasks.classification import ClassificationTask
 
     task = ClassificationTask()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -128,6 +132,10 @@ def _pass(model, dataset, batch_size: int, workers: int, steps: int, seed: int, 
 
 
 def _ingestion(model, shape, classes: int, batch_size: int, steps: int) -> float:
+    import torch
+
+    from edgetrain.tasks.classification import ClassificationTask
+
     task = ClassificationTask()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     x, y = torch.randn(batch_size, *shape), torch.randint(0, classes, (batch_size,))
@@ -144,6 +152,8 @@ def run(data_dir: str | None, model: str = "small_cnn", *, batch_size: int = 32,
         threads: int | None = None, threshold: float = 0.05, seed: int = 0, output: str = "runs",
         name: str | None = None) -> StallsResult:
     import tempfile
+
+    import torch
 
     from edgetrain.cluster.limits import DeviceLimits
     from edgetrain.cluster.profiles import STORAGES

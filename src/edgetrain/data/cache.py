@@ -11,6 +11,11 @@ are fixed and need no lock: the file is preallocated (``posix_fallocate``: a ful
 training, not a SIGBUS half-way), opened once, unlinked at once (nothing is left behind, whatever ends the
 run) and mapped shared; forked loader workers inherit the mapping. A slot is filled the first time its item
 is read, its flag byte set after its bytes; two workers filling one slot write the same bytes.
+
+With ``drop_pages`` (the default) an item read from storage leaves the page cache at once
+(``posix_fadvise(DONTNEED)``), as CoorDL bypasses it: a cached item is held by this cache and a page-cache
+copy would hold it twice; an uncached one will not be read again before the page cache's small remaining room
+has cycled. docs/benchmarks/storage.md measures both.
 """
 from __future__ import annotations
 
@@ -24,7 +29,9 @@ from edgetrain.errors import EdgetrainError
 
 
 class MinioCache:
-    def __init__(self, sizes: list[int], budget_mb: float, seed: int, directory: str = "/dev/shm"):
+    def __init__(self, sizes: list[int], budget_mb: float, seed: int, directory: str = "/dev/shm",
+                 drop_pages: bool = True):
+        self.drop_pages = drop_pages
         budget = int(budget_mb * 1e6)
         self.slot = np.full(len(sizes), -1, dtype=np.int64)
         offsets, used = [], 0
@@ -77,7 +84,7 @@ class MinioCache:
         raise TypeError("a MinioCache is shared with loader workers by fork, not pickled")
 
 
-def attach_cache(dataset, budget_mb: float, seed: int, directory: str) -> MinioCache | None:
+def attach_cache(dataset, budget_mb: float, seed: int, directory: str, drop_pages: bool = True) -> MinioCache | None:
     """Give a dataset on storage (``data/storage.StoredItems``) a MinIO cache of ``budget_mb``; None for any
     other dataset (in memory already)."""
     source = getattr(dataset, "source", None)
@@ -87,5 +94,5 @@ def attach_cache(dataset, budget_mb: float, seed: int, directory: str) -> MinioC
         sizes = [source.size(k) for k in range(len(source))]
     except OSError as e:
         raise EdgetrainError(f"the dataset's files cannot be sized for --cache-mb ({e}); check the storage") from None
-    dataset.cache = MinioCache(sizes, budget_mb, seed, directory)
+    dataset.cache = MinioCache(sizes, budget_mb, seed, directory, drop_pages)
     return dataset.cache

@@ -182,13 +182,19 @@ def shards_split(root: str | Path, seed: int = 0, augment: bool = False, detecti
     mean, std, size = meta["mean"], meta["std"], int(meta["image_size"])
     details = {"class_names": meta.get("class_names") or [str(c) for c in range(meta["num_classes"])],
                "storage": "shards"}
-    if detection:
-        make = lambda p, aug: StoredBoxes(ShardSource(p[0]), p[1], mean, std, size, aug, seed)  # noqa: E731
-    else:
+    if not detection:
         shape, mode, scale = tuple(meta["shape"]), meta["mode"], float(meta["scale"])
-        make = lambda p, aug: StoredImages(ShardSource(p[0]), torch.tensor(p[1], dtype=torch.int64), mean, std,  # noqa: E731
-                                           shape, mode, scale, aug, seed)
-    return DataSplit(make(parts["train"], augment), make(parts["test"], False), int(meta["num_classes"]),
+
+    def make(part, train: bool):
+        # The training split is read shuffled (ShardSource: no readahead), the test split in order.
+        entries, targets = part
+        source = ShardSource(entries, shuffled=train)
+        if detection:
+            return StoredBoxes(source, targets, mean, std, size, train and augment, seed)
+        return StoredImages(source, torch.tensor(targets, dtype=torch.int64), mean, std, shape, mode, scale,
+                            train and augment, seed)
+
+    return DataSplit(make(parts["train"], True), make(parts["test"], False), int(meta["num_classes"]),
                      meta.get("name") or root.name, details)
 
 

@@ -26,12 +26,47 @@ Python API::
     pred = predict_inputs(inputs)                  # analytic, every number modelled
     sim = simulate(pred, steps=100, compute_cv=0.05, seed=0)
     print(pred.step_s, sim.mean_step_s, sim.to_dict()["cluster_step_s"]["p99"])
-"""
-from edgetrain.plan.config import PlanInputs, plan_inputs, predict_inputs
-from edgetrain.plan.costs import ModelCosts, count_costs
-from edgetrain.plan.model import DEFAULT_EFFICIENCY, Prediction, predict
-from edgetrain.plan.simulate import SimResult, scaling, simulate
-from edgetrain.plan.traffic import Traffic, traffic
 
-__all__ = ["PlanInputs", "plan_inputs", "predict_inputs", "ModelCosts", "count_costs", "DEFAULT_EFFICIENCY",
-           "Prediction", "predict", "SimResult", "scaling", "simulate", "Traffic", "traffic"]
+The names below are loaded on first use (PEP 562 module ``__getattr__``): ``costs.py`` counts on the real model
+with torch, and ``edgetrain plan``'s flags, ``--help`` and the config's checks answer before torch is imported.
+"""
+import importlib
+import sys
+import types
+
+# name -> the module it lives in; imported on first access
+_LAZY = {
+    "PlanInputs": "edgetrain.plan.config", "plan_inputs": "edgetrain.plan.config",
+    "predict_inputs": "edgetrain.plan.config",
+    "ModelCosts": "edgetrain.plan.costs", "count_costs": "edgetrain.plan.costs",
+    "DEFAULT_EFFICIENCY": "edgetrain.plan.model", "Prediction": "edgetrain.plan.model",
+    "predict": "edgetrain.plan.model",
+    "SimResult": "edgetrain.plan.simulate", "scaling": "edgetrain.plan.simulate", "simulate": "edgetrain.plan.simulate",
+    "Traffic": "edgetrain.plan.traffic", "traffic": "edgetrain.plan.traffic",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value  # the function simulate (traffic), not the submodule that importing it bound here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+class _Package(types.ModuleType):
+    def __setattr__(self, name: str, value) -> None:
+        # Importing the submodule plan.simulate (plan.traffic) binds it here once it has run; the function of
+        # that name is what edgetrain.plan.simulate means, as when the package imported it eagerly.
+        if name in _LAZY and isinstance(value, types.ModuleType):
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -117,7 +117,14 @@ def run(args: argparse.Namespace) -> int:
                              f"pipeline replicas yet (it plans one pipeline over the devices); drop it from the "
                              f"config file to plan one pipeline")
     check_output_dir(cfg.output, "config key 'output'")
-    # imported after the config's own checks, so that they answer before torch loads
+    straggler_prob, straggler_factor = parse_stragglers(args.stragglers)
+    counts = parse_scale(args.scale) if args.scale else None
+    strategies = PLAN_STRATEGIES[args.strategy]
+    for name in strategies:
+        STRATEGY_KINDS[name].check_planned()  # one the planner has no model of: refused before anything is computed
+    # the checks edgetrain train --strategy NAME makes (link aside: here it is modelled)
+    specs = {name: resolve(dataclasses.replace(cfg, strategy=name, link=None)) for name in strategies}
+    # imported after the checks above, so that bad input is answered before torch loads (seconds on a Pi)
     from edgetrain.plan.config import plan_inputs, predict_inputs
     from edgetrain.plan.report import (console, device_groups, plot_scaling, print_prediction, print_scaling,
                                        print_simulation, print_strategies)
@@ -125,14 +132,6 @@ def run(args: argparse.Namespace) -> int:
     from edgetrain.plan.simulate import scaling, simulate
     from edgetrain.plan.strategies import compare
     from edgetrain.report.files import new_run_dir, write_json
-
-    straggler_prob, straggler_factor = parse_stragglers(args.stragglers)
-    counts = parse_scale(args.scale) if args.scale else None
-    strategies = PLAN_STRATEGIES[args.strategy]
-    for name in strategies:
-        STRATEGY_KINDS[name].load_planner()  # one the planner has no model of: refused before anything is computed
-    # the checks edgetrain train --strategy NAME makes (link aside: here it is modelled)
-    specs = {name: resolve(dataclasses.replace(cfg, strategy=name, link=None)) for name in strategies}
     sim_options = dict(compute_cv=args.compute_cv, straggler_prob=straggler_prob, straggler_factor=straggler_factor,
                        jitter=args.jitter, seed=cfg.seed)
 

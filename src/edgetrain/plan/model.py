@@ -20,11 +20,12 @@ Communication. An exchange is a list of collectives (``traffic.py``); each
 costs the link model's time (``edgetrain.cluster.links``, Hockney's
 alpha-beta model per round)::
 
-    Tc = rounds x max over devices taking part (latency + chunk / goodput)
+    Tc = rounds x max over devices taking part round_seconds(latency, chunk, goodput, kind)
 
-computed with the comm code's own ``collective_time`` and ``ROUNDS``: one
-round is ``collective_time`` of a 1-round (``p2p``) transfer of one chunk over
-the distinct links, so thousands of identical links cost no more than one.
+computed with the comm code's own ``collective_time`` over the distinct links
+(``devices`` = how many take part), so thousands of identical links cost no
+more than one; ``Tc`` includes the TCP/IP framing, the ACKs and gloo's
+per-round cost (``edgetrain.cluster.links``).
 The mean latency is used (no jitter; the simulator adds it).
 
 Step time, with ``c_max`` the slowest device's compute and ``H`` the period, by the
@@ -63,14 +64,17 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from edgetrain.cluster.links import PRESETS, ROUNDS, Link, collective_time, get_link
+from edgetrain.cluster.links import PRESETS, Link, collective_time, get_link
 from edgetrain.cluster.profiles import DeviceProfile, DeviceSpec, host_core_gflops
 from edgetrain.errors import EdgetrainError
 from edgetrain.kinds import SYNC_KINDS
-from edgetrain.plan.costs import ModelCosts
-from edgetrain.plan.traffic import Traffic
 from edgetrain.results import PlanDevice
+
+if TYPE_CHECKING:  # annotations only: costs and traffic import torch, and plan's flags read DEFAULT_EFFICIENCY
+    from edgetrain.plan.costs import ModelCosts
+    from edgetrain.plan.traffic import Traffic
 
 DEFAULT_EFFICIENCY = 0.6
 TIMINGS = ("lockstep", "periodic", "bounded")  # the step rules below (a sync kind's ``timing``)
@@ -98,13 +102,29 @@ def idle_process_mb() -> float:
                              "pass --runtime-mb to give the runtime baseline yourself") from None
 
 
-def device_gflops(profile: DeviceProfile) -> tuple[float, str]:
-    """(GFLOPS, where the number comes from) of a profile."""
+def device_gflops(profile: DeviceProfile, sharing: int = 1) -> tuple[float, str]:
+    """(GFLOPS, where the number comes from) of a profile. ``sharing``: how many devices of an unthrottled
+    profile without ``cores`` (``host``: this machine) the plan puts on this machine; they split its cores
+    as the training loop pins them (``cluster.throttle.assign_cores``: ``cores // n`` each, a time share of
+    one core when there are more devices than cores)."""
     if profile.speed is not None:
         return profile.speed * host_core_gflops(), "speed x measured host core"
     if profile.gflops is not None:
         return float(profile.gflops), "profile"
-    return host_core_gflops() * (profile.cores or os.cpu_count() or 1), "measured host cores"
+    if profile.cores:
+        return host_core_gflops() * profile.cores, "measured host cores"
+    cores = os.cpu_count() or 1
+    share = cores // sharing if sharing <= cores else cores / sharing
+    return host_core_gflops() * share, f"measured host core x {share:g} ({sharing} device(s) on {cores} cores)"
+
+
+# What the host profile's compute leaves out, said in plan's output where a device uses it.
+HOST_PROFILE_ERROR = (
+    "host profile: one host core's GEMM rate x the device's share of this machine's cores; other processes' "
+    "load and the per-step overheads of Python, autograd and the optimizer are not modelled, which dominate "
+    "small models: one-thread small_cnn steps (batch 32, digits) measured 6-10x this compute time on the "
+    "development host (docs/benchmarks/real-links.md); give a profile with the device's own measured GFLOPS "
+    "(edgetrain bench peak) or measure with edgetrain train")
 
 
 def device_links(devices: list[DeviceSpec]) -> list[Link | None]:
@@ -123,14 +143,8 @@ def device_links(devices: list[DeviceSpec]) -> list[Link | None]:
 
 def exchange_seconds(traffic: Traffic, links: list[Link]) -> float:
     """Modelled seconds of one exchange among all ``links`` (not gossip), mean latency."""
-    p = len(links)
     distinct = list(dict.fromkeys({id(link): link for link in links}.values()))  # by identity first: cheap
-    total = 0.0
-    for kind, sent in traffic.collectives:
-        rounds = ROUNDS[kind](p)
-        if rounds:
-            total += rounds * collective_time(distinct, "p2p", sent / rounds)
-    return total
+    return sum(collective_time(distinct, kind, sent, devices=len(links)) for kind, sent in traffic.collectives)
 
 
 def gossip_seconds(traffic: Traffic, links: list[Link], rank: int) -> float:
@@ -200,7 +214,8 @@ class Prediction:
 
 ASSUMPTIONS = [
     "compute = counted train FLOPs x local batch / (profile GFLOPS x efficiency)",
-    "communication = link model (alpha-beta per ring round, slowest link bottlenecks), mean latency, no jitter",
+    "communication = link model (alpha-beta per ring round, slowest link bottlenecks; TCP/IP framing, ACKs, "
+    "gloo's per-round cost), mean latency, no jitter",
     "no overlap of communication with compute unless --overlap (edgetrain's hooks do not overlap)",
     "memory = weights + gradients + optimizer + comm buffers + activations x batch + dataset + runtime baseline",
 ]
@@ -224,11 +239,12 @@ def predict(costs: ModelCosts, devices: list[DeviceSpec], batches: list[int], tr
         raise EdgetrainError(f"the {p} devices have no link to plan communication over: give --link "
                              f"(a preset: {', '.join(PRESETS)}, or a spec like 20mbit:5ms) or links in the cluster file")
 
+    on_host = sum(1 for d in devices if on_this_host(d.profile))
     gflops_cache: dict[DeviceProfile, tuple[float, str]] = {}
     compute = []
     for d, b in zip(devices, batches):
         if d.profile not in gflops_cache:
-            gflops_cache[d.profile] = device_gflops(d.profile)
+            gflops_cache[d.profile] = device_gflops(d.profile, on_host)
         compute.append(costs.train_flops_per_sample * b / (gflops_cache[d.profile][0] * 1e9 * efficiency))
     c_max = max(compute)
 
@@ -275,8 +291,14 @@ def predict(costs: ModelCosts, devices: list[DeviceSpec], batches: list[int], tr
     step_mean = sum(steps) / p
     throughput = sum(r.samples_per_s for r in rows)
     comm_fraction = sum((r.step_s - r.compute_s) / r.step_s for r in rows) / p
+    assumptions = list(ASSUMPTIONS) + ([HOST_PROFILE_ERROR] if on_host else [])
     return Prediction(costs, traffic, rows, links, efficiency, overlap, runtime_mb, exchange, step_mean, throughput,
-                      comm_fraction, optimizer, list(ASSUMPTIONS))
+                      comm_fraction, optimizer, assumptions)
+
+
+def on_this_host(profile: DeviceProfile) -> bool:
+    """Whether ``profile`` runs at this machine's own speed on its cores (``host``: no speed, GFLOPS or cores)."""
+    return profile.speed is None and profile.gflops is None and not profile.cores
 
 
 def _memory(costs: ModelCosts, traffic: Traffic, optimizer: str, momentum: float, runtime_mb: float,

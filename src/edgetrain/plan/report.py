@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from edgetrain.plan.model import DevicePrediction, Prediction, step_timing
+from edgetrain.plan.model import HOST_PROFILE_ERROR, DevicePrediction, Prediction, step_timing
 from edgetrain.report.files import atomic_write
 from edgetrain.results import PlanComparison, PlanDevice, PlanDeviceGroup, PlanScalingRow, PlanSimulation
 
@@ -82,6 +82,8 @@ def print_prediction(pred: Prediction, out: Console) -> None:
         out.print("no communication (one device)")
     out.print(f"[bold]modelled[/]: step {pred.step_s:,.3f} s, throughput {pred.throughput:,.2f} samples/s, "
               f"communication+waiting {pred.comm_fraction:.1%} of the step")
+    if HOST_PROFILE_ERROR in pred.assumptions:
+        out.print(f"[yellow]compute error[/]: {escape(HOST_PROFILE_ERROR)}")
     if pred.over_limit:
         out.print(f"[red]devices {_ranks(pred.over_limit)} need more memory than their profile has[/]")
 

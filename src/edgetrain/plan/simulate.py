@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from edgetrain.cluster.links import ROUNDS
+from edgetrain.cluster.links import ROUNDS, round_seconds
 from edgetrain.errors import EdgetrainError
 from edgetrain.plan.model import Prediction, step_timing
 from edgetrain.results import PlanScalingRow
@@ -244,7 +244,7 @@ def _exchange_times(rng: np.random.Generator, pred: Prediction, count: int, jitt
         if rounds == 0:
             continue
         chunk = sent / rounds
-        steady_s = max((lat + chunk / gp for (lat, _, gp), _ in steady), default=0.0)
+        steady_s = max((round_seconds(lat, chunk, gp, kind) for (lat, _, gp), _ in steady), default=0.0)
         if not jittered:
             out += rounds * steady_s
             continue
@@ -260,7 +260,7 @@ def _exchange_times(rng: np.random.Generator, pred: Prediction, count: int, jitt
                 for at in range(0, flat.size, ROUNDS_PER_PIECE):
                     piece = flat[at:at + ROUNDS_PER_PIECE]
                     round_lat = np.maximum(0.0, lat + sigma * _max_of_normals(rng, n, piece.shape))
-                    np.maximum(piece, round_lat + chunk / gp, out=piece)
+                    np.maximum(piece, round_seconds(round_lat, chunk, gp, kind), out=piece)
             out[start:start + rows] += slowest.sum(axis=1)
     return out
 
@@ -284,7 +284,7 @@ def _gossip_times(rng: np.random.Generator, pred: Prediction, count: int, jitter
                 round_lat = np.broadcast_to(lat, (count, p))
                 if jitter and np.any(sigma > 0):
                     round_lat = np.maximum(0.0, lat + sigma * rng.standard_normal((count, p)))
-                slowest = np.maximum(slowest, round_lat + chunk / gp)
+                slowest = np.maximum(slowest, round_seconds(round_lat, chunk, gp, kind))
             total += slowest
         out += total
     return out

@@ -94,7 +94,7 @@ from edgetrain.data.datasets import input_channels
 from edgetrain.errors import EdgetrainError
 from edgetrain.kinds import STRATEGY_KINDS, strategy_kind
 from edgetrain.plan.config import PlanInputs
-from edgetrain.plan.model import MIB, Prediction, device_gflops, exchange_seconds
+from edgetrain.plan.model import MIB, Prediction, exchange_seconds
 from edgetrain.plan.split import StageDevice, layer_costs, p2p_seconds, plan_split
 from edgetrain.plan.stages import FORWARD, check_sequential, pipeline_layers, pipeline_timeline, schedule_order
 from edgetrain.plan.traffic import Traffic
@@ -202,7 +202,7 @@ def pipeline_strategy(inputs: PlanInputs, pred: Prediction, microbatches: int, s
     check_sequential(model, torch.randn(2, *costs.input_shape, generator=torch.Generator().manual_seed(0)), what)
     layers = layer_costs(pipeline_layers(model), costs.input_shape)
     rows, links = pred.devices, pred.links
-    stage_devices = [StageDevice(f"device {d.rank} ({d.profile})", device_gflops(spec.profile)[0] * pred.efficiency,
+    stage_devices = [StageDevice(f"device {d.rank} ({d.profile})", d.gflops * pred.efficiency,
                                  spec.profile.memory_mb, spec.profile.memory_gbps)
                      for d, spec in zip(rows, inputs.devices)]
     fixed = costs.dataset_bytes / MIB + pred.runtime_mb

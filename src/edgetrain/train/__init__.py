@@ -4,20 +4,21 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
-
+# Torch-free at the top: ``edgetrain train``'s flags, ``--help`` and the config's checks answer before torch is
+# imported (seconds on a Raspberry Pi); ``train`` imports the rest once the config has resolved.
 from edgetrain.cluster.launch import launch_local, refuse_nested_launch, under_torchrun
 from edgetrain.cluster.membership import ElasticLaunch
 from edgetrain.bench.power import read_watts_file
-from edgetrain.cluster.peers import check_rank_environment, cluster_token, peer_failure
 from edgetrain.cluster.profiles import device_speed, plan_devices, split_batch
 from edgetrain.config import TrainConfig, load_config, resolve, with_device_count
 from edgetrain.errors import EdgetrainError, Terminated
-from edgetrain.preflight import check_before_launch
 from edgetrain.report.files import new_run_dir, write_yaml
 from edgetrain.spec import back_after_s, launch_spec
+
+if TYPE_CHECKING:
+    from torch import nn
 
 
 def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: nn.Module | str | None = None,
@@ -43,17 +44,7 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     ``dataset`` is the config's ``dataset`` key or a dataset factory ``(data_dir, seed) -> DataSplit or arrays``
     (module level), registered under its function's name for this run.
     """
-    from edgetrain.data import build_data, user_datasets
-    from edgetrain.data.datasets import LOADED_ONCE
-    from edgetrain.data.device_data import check_device_data, class_labels
-    from edgetrain.data.partition import split_dataset
-    from edgetrain.models import model_reference, user_models
-    from edgetrain.train.checkpoint import check_resume_devices, checkpoint_files, elastic_run_dir, resume_hint
-    from edgetrain.train.loop import accelerator_device, phase, run_worker
-
-    from edgetrain.data import register_dataset
     from edgetrain.task_kinds import task_defaults
-    from edgetrain.tasks import Task, task_reference
 
     refuse_nested_launch()
     if isinstance(model, str):
@@ -63,6 +54,8 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     if isinstance(task, str):
         overrides["task"], task = task, None
     elif task is not None:
+        from edgetrain.tasks import Task, task_reference  # an object, not a name: the run needs torch anyway
+
         if not isinstance(task, Task):
             raise EdgetrainError(f"task must be a task name or an edgetrain.tasks.Task instance, not a "
                                  f"{type(task).__name__}; subclass edgetrain.tasks.Task at module level")
@@ -70,6 +63,7 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     if isinstance(dataset, str):
         overrides["dataset"] = dataset
     elif dataset is not None:  # a factory: registered for this run only, under its own name
+        from edgetrain.data import register_dataset
         from edgetrain.data.datasets import DATASETS
 
         name = getattr(dataset, "__name__", type(dataset).__name__)
@@ -88,6 +82,10 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     if "resume" not in given:  # a resumed run is as its config.yaml says
         overrides.update(task_defaults(overrides.get("task") or _given(config).get("task"), given))
     torchrun = under_torchrun()
+    if torchrun:  # a device of a real cluster: what it was started for is training, so torch now
+        from edgetrain.cluster.peers import check_rank_environment
+        from edgetrain.train.checkpoint import checkpoint_files, elastic_run_dir
+        from edgetrain.train.loop import phase
     rank, world = check_rank_environment() if torchrun else (0, None)
     cfg = load_config(config, **overrides)
     # Under torchrun with restarts every restart of the job shares one run directory; rank 0 continues it
@@ -99,6 +97,17 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     # the options parsed once, with how this process was started (its environment); the devices build from these
     launch = launch_spec(os.environ)
     spec = resolve(cfg, launch)
+    # The config is valid: the run is going to start, and from here on it needs torch.
+    from edgetrain.cluster.peers import cluster_token, peer_failure
+    from edgetrain.data import build_data, user_datasets
+    from edgetrain.data.datasets import LOADED_ONCE
+    from edgetrain.data.device_data import check_device_data, class_labels
+    from edgetrain.data.partition import split_dataset
+    from edgetrain.models import model_reference, user_models
+    from edgetrain.preflight import check_before_launch
+    from edgetrain.train.checkpoint import check_resume_devices, resume_hint
+    from edgetrain.train.loop import accelerator_device, phase, run_worker
+
     if cfg.power_file:  # unreadable: one line now, not one per device after the run directory is made
         read_watts_file(cfg.power_file)
     checked = check_before_launch(cfg, spec, model, task)  # before the run directory and the devices: bad input
