@@ -1,6 +1,8 @@
 """The DiLoCo family against fp32 DDP and a peer (torchft), on the CIFAR-10 subset; then on a shaped 10 Mbit/s link.
 
-Part 1, the frontier. Every method trains benchmarks/compression.py's EdgeCNN
+Part 1, the frontier. Every method trains the model ``--model`` names (MODELS:
+benchmarks/compression.py's EdgeCNN, or the registry's ``mlp`` on the
+flattened images, whose parameters sit in fully connected layers)
 from the same initialisation (``torch.manual_seed(seed)``) on the same data
 order with ``edgetrain.train``: 4 emulated devices on one host, global batch
 128, lr 0.02 cosine, 8 epochs, each device's link ``10mbit:0ms`` in
@@ -10,9 +12,11 @@ from the payloads handed to gloo), their ratio to fp32 DDP's, the mean step
 time on this host (wall time of a training step, its loopback exchanges
 included; the peer's likewise) and the virtual time to the
 target accuracy (0.9 x fp32's final accuracy on that seed). ``peer-*`` rows
-are torchft's DiLoCo (benchmarks/torchft_peer.py) on the same model, data
-and 4 devices; their bytes are counted from the tensors torchft hands to its
-gloo all-reduce. The accuracy target is judged paired by seed as
+are torchft's DiLoCo (benchmarks/torchft_peer.py) on the same model, data,
+batches in the same order and 4 devices; their bytes are counted from the
+tensors torchft hands to its gloo all-reduce. Each peer row is also compared
+paired with its edgetrain twin (PEERS). ``--steps`` stops every run early (a
+whole number of periods: both libraries end on an outer step). The accuracy target is judged paired by seed as
 benchmarks/paired.py reads it: the one-sided 95% lower bound of (method -
 fp32) must be >= -1.0 point. The plot (``--plot``) is accuracy against bytes
 per device.
@@ -51,9 +55,12 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path[:0] = [str(HERE), str(ROOT / "src")]
 
+from functools import partial  # noqa: E402
+
 from compression import EdgeCNN  # noqa: E402
 from paired import lower_bound  # noqa: E402
 
+from edgetrain.models import build_model  # noqa: E402
 from edgetrain.report.files import atomic_write, write_json  # noqa: E402
 from edgetrain.train import train  # noqa: E402
 
@@ -61,6 +68,12 @@ DATA = Path("/work/shared/data/cifar10-subset/cifar-10-batches-py")
 if not DATA.is_dir():
     DATA = ROOT.parent / "shared/data/cifar10-subset/cifar-10-batches-py"
 LINK = "10mbit:0ms"
+
+# --model: EdgeCNN (288,554 parameters, ~3.1 M multiply-adds an image: compute-heavy for its size) or the
+# registry's two-hidden-layer MLP on the flattened 3x32x32 image (411,146 parameters, ~0.41 M multiply-adds an
+# image: all of them in fully connected layers, so a step costs little compute for the bytes it sends).
+MODELS = {"edgecnn": EdgeCNN,
+          "mlp": partial(build_model, "mlp", in_channels=3 * 32 * 32, num_classes=10, hidden=128)}
 
 # label: (--compress, --sync). fp32 ring all-reduce sends 6 bytes per parameter and step per device (4
 # devices); an H-step period divides that by H, and an all-gathered payload of b bytes per parameter costs
@@ -92,16 +105,20 @@ METHODS: dict[str, tuple[str, str]] = {
 # label: torchft_peer.py options
 PEERS: dict[str, list[str]] = {
     "peer-diloco16": ["--sync-every", "16"],
+    # torchft's bucketised all-reduce: one flat tensor, as edgetrain's (the same sums in the same order)
+    "peer-diloco16-flat": ["--sync-every", "16", "--flat"],
     "peer-streaming16": ["--sync-every", "16", "--fragments", "4", "--overlap", "1", "--mix", "0.5"],
 }
+# peer: its edgetrain twin, compared paired by seed
+TWINS = {"peer-diloco16": "diloco16", "peer-diloco16-flat": "diloco16", "peer-streaming16": "streaming16"}
 
 
-def config(label: str, args, seed: int, out: Path, link: str | None, epochs: int) -> dict:
+def config(label: str, args, seed: int, out: Path, link: str | None, epochs: int, steps: int | None = None) -> dict:
     compress, sync = METHODS[label]
     return dict(dataset="cifar10", data_dir=str(args.data_dir), augment=False, devices=args.devices, epochs=epochs,
                 batch_size=args.batch_size, lr=args.lr, schedule="cosine", seed=seed, compress=compress, sync=sync,
                 link=link, link_mode="virtual", output=str(out), run_name=f"{label}-seed{seed}", progress=False,
-                timeout=600, threads=1, throttle=False)  # one thread a device, in namespaces as on loopback
+                timeout=600, threads=1, throttle=False, steps=steps)  # one thread a device, as on loopback
 
 
 def curve(run_dir: Path, summary: dict) -> list[tuple[float, float]]:
@@ -123,14 +140,16 @@ def row(label: str, seed: int, summary: dict, run_dir: Path, wall: float) -> dic
 def run_edgetrain(label: str, args, seed: int, out: Path) -> dict:
     started = time.perf_counter()
     torch.manual_seed(seed)
-    summary = train(config(label, args, seed, out, LINK, args.epochs), model=EdgeCNN())
+    summary = train(config(label, args, seed, out, LINK, args.epochs, args.steps), model=MODELS[args.model]())
     return row(label, seed, summary, Path(summary["run_dir"]), time.perf_counter() - started)
 
 
 def run_peer(label: str, args, seed: int) -> dict:
     cmd = [sys.executable, str(HERE / "torchft_peer.py"), "--devices", str(args.devices), "--epochs", str(args.epochs),
            "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--seed", str(seed),
-           "--data-dir", str(args.data_dir), *PEERS[label]]
+           "--data-dir", str(args.data_dir), "--model", args.model, *PEERS[label]]
+    if args.steps:
+        cmd += ["--steps", str(args.steps)]
     for path in args.torchft_path:
         cmd += ["--torchft-path", path]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
@@ -173,6 +192,21 @@ def table(rows: list[dict], labels: list[str], seeds: list[int]) -> tuple[str, d
     return "\n".join(lines), stats
 
 
+def versus_peers(rows: list[dict], labels: list[str], seeds: list[int]) -> list[str]:
+    """Each edgetrain twin against its peer, paired by seed: mean difference in points and its 95% lower bound."""
+    by = {(r["label"], r["seed"]): r for r in rows}
+    lines = []
+    for peer, twin in TWINS.items():
+        both = [s for s in seeds if (peer, s) in by and (twin, s) in by]
+        if peer not in labels or twin not in labels or not both:
+            continue
+        diffs = [100 * (by[(twin, s)]["accuracy"] - by[(peer, s)]["accuracy"]) for s in both]
+        lines.append(f"{twin} - {peer}, paired over seeds {both}: {np.mean(diffs):+.2f} points (one-sided 95% "
+                     f"bounds {lower_bound(diffs):+.2f} / {0.0 - lower_bound([-d for d in diffs]):+.2f}; each seed "
+                     f"{', '.join(f'{d:+.2f}' for d in diffs)})")
+    return lines
+
+
 def plot(stats: dict, path: Path, title: str) -> None:
     import matplotlib
 
@@ -212,7 +246,7 @@ def shaped_run(label: str, args, seed: int, out: Path, hosts) -> dict:
                TORCHELASTIC_RUN_ID=cfg["run_name"], PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
     started = time.perf_counter()
     procs = [subprocess.Popen(hosts.command(i, [sys.executable, str(Path(__file__).resolve()), "--rank-worker",
-                                                str(cfg_path)]),
+                                                str(cfg_path), args.model]),
                               env=dict(env, RANK=str(i)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(args.devices)]
     outputs = []
@@ -250,10 +284,10 @@ def collect(paths: list[Path], labels: list[str]) -> tuple[list[dict], list[str]
     return list(rows.values()), []
 
 
-def rank_worker(cfg_path: str) -> int:
+def rank_worker(cfg_path: str, model: str = "edgecnn") -> int:
     cfg = json.loads(Path(cfg_path).read_text())
     torch.manual_seed(cfg["seed"])
-    train(cfg, model=EdgeCNN())
+    train(cfg, model=MODELS[model]())
     return 0
 
 
@@ -274,13 +308,14 @@ def link_part(args, out: Path, lines: list[str]) -> dict:
             torch.manual_seed(seed)
             cfg = config(label, args, seed, out, LINK, args.link_epochs)
             cfg["run_name"] += "-predicted"
-            summary = train(cfg, model=EdgeCNN())
+            summary = train(cfg, model=MODELS[args.model]())
             r = row(label, seed, summary, Path(summary["run_dir"]), time.perf_counter() - started)
             results["predicted"].append(r)
             print(f"  virtual  {label:22} seed {seed}  acc {100 * r['accuracy']:.2f}%  clock {r['curve'][-1][0]:.1f} s",
                   flush=True)
     lines.append(f"\nshaped link: 4 namespaces, tc tbf 10mbit each way on every veth (no netem: no delay, no loss), "
-                 f"{args.link_epochs} epochs; target = 0.9 x fp32's final accuracy on the shaped link, same seed")
+                 f"model {args.model}, {args.link_epochs} epochs; target = 0.9 x fp32's final accuracy on the shaped "
+                 f"link, same seed")
     lines.append(f"{'method':22} {'seed':>4} {'acc shaped':>10} {'acc virt':>9} {'t->target measured':>19} "
                  f"{'predicted':>10} {'ratio':>6} {'end measured':>13} {'predicted':>10} {'ratio':>6}")
     measured = {(r["label"], r["seed"]): r for r in results["measured"]}
@@ -309,14 +344,17 @@ def link_part(args, out: Path, lines: list[str]) -> dict:
 
 
 def main() -> int:
-    if len(sys.argv) == 3 and sys.argv[1] == "--rank-worker":
-        return rank_worker(sys.argv[2])
+    if len(sys.argv) in (3, 4) and sys.argv[1] == "--rank-worker":
+        return rank_worker(*sys.argv[2:])
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     every = list(METHODS) + list(PEERS)
     choices = ", ".join(every).replace("%", "%%")  # argparse formats help with %: "sparseloco32-8%" must be escaped
     p.add_argument("--methods", default=",".join(every), help=f"comma-separated, from: {choices}")
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--epochs", type=int, default=8)
+    p.add_argument("--steps", type=int, default=None,
+                   help="stop every frontier run (and the peer's) after this many steps: the cosine schedule's length")
+    p.add_argument("--model", choices=sorted(MODELS), default="edgecnn")
     p.add_argument("--devices", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=128, help="global batch")
     p.add_argument("--lr", type=float, default=0.02)
@@ -344,7 +382,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     rows, failures = collect(args.collect, labels) if args.collect else ([], [])
     have = {(r["label"], r["seed"]) for r in rows}
-    print(f"4 devices, {args.epochs} epochs, batch {args.batch_size}, lr {args.lr} cosine, link {LINK} (virtual), "
+    print(f"model {args.model}, 4 devices, {args.epochs} epochs (steps {args.steps or 'all'}), batch {args.batch_size}, "
+          f"lr {args.lr} cosine, link {LINK} (virtual), "
           f"seeds {args.seeds}, data {args.data_dir}; runs in {out}", flush=True)
     for seed in args.seeds:
         for label in labels:
@@ -363,6 +402,7 @@ def main() -> int:
     lines = [text, f"\nseeds {args.seeds} ({len(args.seeds)}; the target asks for >= 5); vs fp32: mean paired "
                    f"difference in points and its one-sided 95% lower bound (LCB; -inf with one seed)"]
     lines += [f"failed: {f}" for f in failures]
+    lines += versus_peers(rows, labels, args.seeds)
     meeting = {k: v for k, v in stats.items() if k != "fp32" and v["diff_lcb"] >= -1.0}
     by_mean = {k: v for k, v in stats.items() if k != "fp32" and v["diff_mean"] is not None and v["diff_mean"] >= -1.0}
     for name, pool in (("LCB >= -1 point", meeting), ("mean >= -1 point", by_mean)):

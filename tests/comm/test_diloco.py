@@ -117,3 +117,31 @@ def test_diloco_benchmark_help_lists_its_methods():
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "sparseloco32-8%" in done.stdout and "peer-diloco16" in done.stdout
+
+
+def test_diloco_benchmark_models_and_its_twin_against_peer_line():
+    """benchmarks/diloco.py's --model choices build what its comment says, and each edgetrain twin is compared with
+    its torchft peer paired by seed (the mean difference and both one-sided bounds), only where both ran."""
+    import importlib.util
+    import sys
+
+    from edgetrain_testing import REPO
+
+    spec = importlib.util.spec_from_file_location("diloco_bench", REPO / "benchmarks" / "diloco.py")
+    bench = importlib.util.module_from_spec(spec)
+    argv, sys.argv = sys.argv, ["diloco.py"]
+    try:
+        spec.loader.exec_module(bench)
+    finally:
+        sys.argv = argv
+    sizes = {name: sum(p.numel() for p in factory().parameters()) for name, factory in bench.MODELS.items()}
+    assert sizes == {"edgecnn": 288_554, "mlp": 411_146}
+    assert bench.MODELS["mlp"]()(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
+    rows = [{"label": label, "seed": seed, "accuracy": acc} for label, seed, acc in [
+        ("diloco16", 0, 0.50), ("peer-diloco16", 0, 0.49), ("diloco16", 1, 0.47), ("peer-diloco16", 1, 0.47),
+        ("diloco16", 2, 0.52), ("peer-diloco16", 2, 0.50), ("streaming16", 0, 0.4)]]
+    lines = bench.versus_peers(rows, ["fp32", "diloco16", "peer-diloco16", "streaming16", "peer-streaming16"],
+                               [0, 1, 2])
+    assert len(lines) == 1 and lines[0].startswith("diloco16 - peer-diloco16, paired over seeds [0, 1, 2]: +1.00")
+    low = 1.0 - 2.919986 * 1.0 / 3 ** 0.5  # t(0.95, 2 df) x sd 1 point / sqrt(3)
+    assert f"bounds {low:+.2f} / {2 - low:+.2f}" in lines[0]
