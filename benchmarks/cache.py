@@ -1,6 +1,6 @@
 """The MinIO cache (``--cache-mb``) against the page cache alone, at one memory budget: docs/benchmarks/storage.md.
 
-    flock /work/wt/bench.lock env PYTHONPATH=src python benchmarks/cache.py [--out benchmarks/results/cache.json]
+    env PYTHONPATH=src python benchmarks/cache.py [--out benchmarks/results/cache.json]
 
 Set-up (root, cgroup v1): a folder of PNG images on this host's disk, read by a device process (forked, with its
 loader workers) inside a memory cgroup and a blkio cgroup of its own (``cluster/limits.DeviceLimits``: the
@@ -80,7 +80,7 @@ def load(root: Path, kind: str, size: int):
 
 
 def drop_caches() -> None:
-    if os.environ.get("EDGETRAIN_BENCH_NO_DROP"):  # a quick check outside the bench lock: others' caches stay
+    if os.environ.get("EDGETRAIN_BENCH_NO_DROP"):  # a quick check beside other jobs: their caches stay
         return
     os.sync()
     Path("/proc/sys/vm/drop_caches").write_text("3")

@@ -64,9 +64,7 @@ from edgetrain.models import build_model  # noqa: E402
 from edgetrain.report.files import atomic_write, write_json  # noqa: E402
 from edgetrain.train import train  # noqa: E402
 
-DATA = Path("/work/shared/data/cifar10-subset/cifar-10-batches-py")
-if not DATA.is_dir():
-    DATA = ROOT.parent / "shared/data/cifar10-subset/cifar-10-batches-py"
+DATA = ROOT.parent / "shared/data/cifar10-subset/cifar-10-batches-py"
 LINK = "10mbit:0ms"
 
 # --model: EdgeCNN (288,554 parameters, ~3.1 M multiply-adds an image: compute-heavy for its size) or the

@@ -41,9 +41,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-DATA = Path("/work/shared/data/cifar10-subset/cifar-10-batches-py")  # benchmarks/diloco.py's
-if not DATA.is_dir():
-    DATA = ROOT.parent / "shared/data/cifar10-subset/cifar-10-batches-py"
+DATA = ROOT.parent / "shared/data/cifar10-subset/cifar-10-batches-py"
 
 
 def replica(index: int, args: argparse.Namespace, lighthouse: str, out: mp.Queue) -> None:
