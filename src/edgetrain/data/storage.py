@@ -9,6 +9,7 @@ training process as one line naming the item; a worker that dies is named with i
 """
 from __future__ import annotations
 
+import ctypes
 import io
 import os
 import signal
@@ -341,8 +342,26 @@ class TimedItems(Dataset):
         return sample, (read_s, total - read_s, storage, cached, nbytes)
 
 
+def _malloc_trim() -> Callable[[], None]:
+    """glibc's ``malloc_trim(0)``, or nothing where the C library has none (musl, macOS)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return lambda: None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return lambda: trim(0)
+
+
+release_freed_heap = _malloc_trim()
+
+
 class TimedCollate:
-    """The task's collate over the samples, the batch's ``LoadTimes`` beside it (collate counted as decode)."""
+    """The task's collate over the samples, the batch's ``LoadTimes`` beside it (collate counted as decode).
+
+    In a loader worker, the heap the batch's items freed goes back to the kernel after each batch: glibc keeps
+    freed chunks below live ones (an item's bytes and tensors, where its mmap threshold is above their size),
+    and a worker's heap grew by tens of MB over the first epochs, charged to the device's memory cgroup until
+    the OOM killer ended the run (docs/benchmarks/storage.md)."""
 
     def __init__(self, collate: Callable):
         self.collate = collate
@@ -354,6 +373,8 @@ class TimedCollate:
         t0 = time.perf_counter()
         batch = self.collate([s for s, _ in items])
         costs = [c for _, c in items]
+        if torch.utils.data.get_worker_info() is not None:
+            release_freed_heap()  # what the items freed while decoding (the batch itself lives in shared memory)
         return batch, LoadTimes(read_s=sum(c[0] for c in costs),
                                 decode_s=sum(c[1] for c in costs) + time.perf_counter() - t0, items=len(costs),
                                 storage_items=sum(c[2] for c in costs), cache_items=sum(c[3] for c in costs),
