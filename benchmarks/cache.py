@@ -286,8 +286,8 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--prefetch", type=int, default=1, help="batches in flight per worker (each is memory not data)")
-    p.add_argument("--workers", type=int, default=0, help="loader workers (with 2, their memory grew by tens of MB "
-                   "an epoch, past the probe's peak: the MinIO runs were killed by the OOM killer)")
+    p.add_argument("--workers", type=int, default=0, help="loader workers (the tables ran with 0; with 2 the memory that "
+                   "is not data varies 10-15 MiB between runs: give --margin-mb room for it)")
     p.add_argument("--margin-mb", type=float, default=32.0, help="of the data's room left out of the MinIO cache "
                    "(the memory not data varies about the probe's peak; the cache's memory cannot be reclaimed)")
     p.add_argument("--configs", default="page,minio,minio-keep", help="page: page cache alone; minio: --cache-mb "
