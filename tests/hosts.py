@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
+
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 PREFIX = "et"
 
@@ -51,26 +53,16 @@ def unavailable() -> str | None:
     return None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_stale() -> None:
     """Namespaces and links of earlier runs whose process is gone (a killed pytest cannot clean up)."""
     for line in _ip("netns", "list", check=False).stdout.splitlines():
         m = re.match(rf"({PREFIX}(\d+)h\d+)\b", line)
-        if m and not _alive(int(m.group(2))):
+        if m and not psutil.pid_exists(int(m.group(2))):
             _kill_namespace(m.group(1))
             _ip("netns", "del", m.group(1), check=False)
     for line in _ip("-o", "link", "show", check=False).stdout.splitlines():
         m = re.match(rf"\d+: ({PREFIX}(\d+)[bv]\w*)[@:]", line)
-        if m and not _alive(int(m.group(2))):
+        if m and not psutil.pid_exists(int(m.group(2))):
             _ip("link", "del", m.group(1), check=False)
 
 
@@ -205,8 +197,6 @@ class Hosts:
 
     def leftovers(self, i: int) -> list[str]:
         """Command lines of the processes on host ``i`` other than its sshd listener."""
-        import psutil
-
         listener = self.sshd[i].pid if self.sshd else None
         out = []
         for pid in _ip("netns", "pids", self.names[i], check=False).stdout.split():

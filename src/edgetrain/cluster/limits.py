@@ -17,6 +17,8 @@ import signal
 import time
 from pathlib import Path
 
+import psutil
+
 from edgetrain.cluster.profiles import STORAGES, Storage
 from edgetrain.errors import EdgetrainError
 
@@ -59,20 +61,10 @@ def sweep() -> None:
             except ValueError:
                 continue
             try:
-                if not _alive(pid) and not (group / "cgroup.procs").read_text().split():
+                if not psutil.pid_exists(pid) and not (group / "cgroup.procs").read_text().split():
                     group.rmdir()
             except OSError:
                 pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class DeviceLimits:
