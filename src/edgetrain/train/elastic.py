@@ -250,9 +250,17 @@ class FailStop:
 
     def __init__(self, spec: RunSpec, local_batches: list[int]):
         self.faults, self.local_batches = spec.faults, list(local_batches)
+        self.timeout_s = spec.timeout_s
 
     def start(self, strategy, optimizer, scheduler, sampler, loader, step: int, epoch: int,
               evals: list[EvalRecord]) -> tuple[int, int, list[EvalRecord]]:
+        """Every device starts its first step at the same moment. Each is ready at its own time (on a slow link
+        the initial model reaches the devices one after another, seconds apart), and without a link to emulate
+        a device's clock is its own steps' wall time: the first device ready would count its wait for the last
+        at their first exchange as training time, which the virtual clock (every device from 0) does not.
+        (``Elastic`` needs no barrier: its check before every step is a collective.)"""
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            wait(dist.barrier(async_op=True), self.timeout_s, "start of training")
         return step, epoch, evals
 
     def boundary(self, step: int, epoch: int, evals: list[EvalRecord]) -> None:
