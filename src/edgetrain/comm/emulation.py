@@ -23,7 +23,9 @@ Both modes assume communication does not overlap computation: the hooks
 complete their collectives before they return. On edge links the wire time
 dominates, and the assumption makes the two modes comparable (a test checks
 they agree within 10%). With no link at all, collectives cost their real
-loopback time and the clock is the wall clock of the training steps.
+time (loopback, or a real network between hosts) and the clock is the wall clock
+of the training steps, from a first step every device starts together
+(``FailStop.start``, train/elastic.py), as every virtual clock starts at 0.
 
 Compute time is measured on the emulation host, where several emulated
 devices share the CPU cores; it is not the compute time of a real edge device.
