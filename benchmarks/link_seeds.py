@@ -74,10 +74,11 @@ def summarise(measured: dict, predicted: dict, method: str) -> None:
                 ratios[(label, "t->target")].append(math.log(t))
             ratios[(label, "end")].append(math.log(end))
             cells.append(f"{'-' if t is None else f'{t:.2f}'}, {end:.2f}")
-        print(f"{seed:4} {tb or float('nan'):16.1f} {tm or float('nan'):22.1f} "
+        print(f"{seed:4} {'never' if tb is None else f'{tb:.1f}':>16} {'never' if tm is None else f'{tm:.1f}':>22} "
               f"{'-' if speedup is None else f'{speedup:.1f}x':>9}   {cells[0]}; {cells[1]}")
     if len(speedups) < len(seeds):
-        print(f"{len(seeds) - len(speedups)} seed(s) of {len(seeds)} never reached fp32's target: no speed-up")
+        print(f"{len(seeds) - len(speedups)} seed(s) of {len(seeds)} never reached fp32's target: no speed-up, and "
+              f"the bounds below leave them out")
     if len(speedups) >= 2:
         mean, low, _ = bounds(speedups)
         print(f"speed-up over {len(speedups)} seeds: geometric mean {mean:.1f}x, one-sided 95% lower bound {low:.1f}x "
