@@ -89,7 +89,7 @@ class TinyNet(torch.nn.Module):
         return self.head(torch.relu(self.conv(x)).flatten(1))
 
 
-def memory_target(work: Path, folder: Path, dataset_mb: float, size: int, workers: int = 0) -> dict:
+def memory_target(work: Path, folder: Path, dataset_mb: float, size: int, workers: int = 0, prefetch: int = 2) -> dict:
     memory_mb = int(dataset_mb / 2)
     cluster = work / "cluster.yaml"
     cluster.write_text(yaml.safe_dump({"profiles": {"small": {"base": "rpi4", "memory_mb": memory_mb}},
@@ -105,7 +105,8 @@ def memory_target(work: Path, folder: Path, dataset_mb: float, size: int, worker
     drop_caches()
     torch.manual_seed(0)
     # Loader workers (``--memory-workers``) are processes whose memory the device's limit counts too.
-    stored = edgetrain.train(dict(output=str(work / "runs"), run_name="from-storage", from_storage=True, workers=workers,
+    stored = edgetrain.train(dict(output=str(work / "runs"), run_name="from-storage", from_storage=True,
+                                  workers=workers, prefetch=prefetch,
                                   cluster=str(cluster), device_limits="cgroup", storage="sd-card", **common),
                              model=TinyNet(size))
     t2 = time.perf_counter()
@@ -116,7 +117,8 @@ def memory_target(work: Path, folder: Path, dataset_mb: float, size: int, worker
             "in_memory": {"test_accuracy": memory["test_accuracy"], "train_loss": memory["train_loss"],
                           "wall_s": t1 - t0, "peak_rss_mb": memory["per_device"][0]["peak_rss_mb"]},
             "from_storage": {"test_accuracy": stored["test_accuracy"], "train_loss": stored["train_loss"],
-                             "wall_s": t2 - t1, "workers": workers, "limits": device.get("limits", device.get("details", {}).get("limits")),
+                             "wall_s": t2 - t1, "workers": workers, "prefetch": prefetch,
+                             "limits": device.get("limits", device.get("details", {}).get("limits")),
                              "storage_items_per_epoch": device.get("storage_items_per_epoch"),
                              "stall_share": device["data_s"] / device["step_s"]}}
 
@@ -154,6 +156,7 @@ def main() -> None:
     p.add_argument("--memory-size", type=int, default=512, help="their side in pixels")
     p.add_argument("--parts", default="memory,overhead")
     p.add_argument("--memory-workers", type=int, default=0, help="loader workers of the memory part's run from storage")
+    p.add_argument("--memory-prefetch", type=int, default=2, help="batches each of those workers prepares ahead")
     p.add_argument("--repeats", type=int, default=2, help="alternated pairs of the overhead part")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="edgetrain-storage-bench-", dir="/work" if Path("/work").is_dir() else None))
@@ -170,7 +173,8 @@ def main() -> None:
             dataset_mb = write_folder(folder, 10, args.images // 10, args.memory_size) / 1e6
             result["memory_dataset"] = {"images": args.images, "size": args.memory_size, "mb": dataset_mb}
             try:
-                result["memory"] = memory_target(work, folder, dataset_mb, args.memory_size, args.memory_workers)
+                result["memory"] = memory_target(work, folder, dataset_mb, args.memory_size, args.memory_workers,
+                                                 args.memory_prefetch)
             except edgetrain.EdgetrainError as e:  # a device killed at its limit is a result too
                 result["memory"] = {"error": str(e), "workers": args.memory_workers}
             print(json.dumps(result["memory"]), flush=True)
