@@ -286,10 +286,11 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--prefetch", type=int, default=1, help="batches in flight per worker (each is memory not data)")
-    p.add_argument("--workers", type=int, default=0, help="loader workers (the tables ran with 0; with 2 the memory that "
-                   "is not data varies 10-15 MiB between runs: give --margin-mb room for it)")
+    p.add_argument("--workers", type=int, default=0, help="loader workers (docs/benchmarks/storage.md ran 0 and 2; the "
+                   "default --margin-mb held with both)")
     p.add_argument("--margin-mb", type=float, default=32.0, help="of the data's room left out of the MinIO cache "
-                   "(the memory not data varies about the probe's peak; the cache's memory cannot be reclaimed)")
+                   "(the memory not data rose up to 16 MiB past the probe's peak in a run; the cache's memory cannot "
+                   "be reclaimed)")
     p.add_argument("--configs", default="page,minio,minio-keep", help="page: page cache alone; minio: --cache-mb "
                    "(pages dropped after each read); minio-keep: the same, pages kept")
     p.add_argument("--seed", type=int, default=0)

@@ -89,7 +89,7 @@ class TinyNet(torch.nn.Module):
         return self.head(torch.relu(self.conv(x)).flatten(1))
 
 
-def memory_target(work: Path, folder: Path, dataset_mb: float, size: int) -> dict:
+def memory_target(work: Path, folder: Path, dataset_mb: float, size: int, workers: int = 0, prefetch: int = 2) -> dict:
     memory_mb = int(dataset_mb / 2)
     cluster = work / "cluster.yaml"
     cluster.write_text(yaml.safe_dump({"profiles": {"small": {"base": "rpi4", "memory_mb": memory_mb}},
@@ -104,9 +104,9 @@ def memory_target(work: Path, folder: Path, dataset_mb: float, size: int) -> dic
     t1 = time.perf_counter()
     drop_caches()
     torch.manual_seed(0)
-    # No loader workers: each would hold its own copy of the pages of the process it touches, which a device
-    # of a few hundred MB cannot spare.
-    stored = edgetrain.train(dict(output=str(work / "runs"), run_name="from-storage", from_storage=True, workers=0,
+    # Loader workers (``--memory-workers``) are processes whose memory the device's limit counts too.
+    stored = edgetrain.train(dict(output=str(work / "runs"), run_name="from-storage", from_storage=True,
+                                  workers=workers, prefetch=prefetch,
                                   cluster=str(cluster), device_limits="cgroup", storage="sd-card", **common),
                              model=TinyNet(size))
     t2 = time.perf_counter()
@@ -117,7 +117,8 @@ def memory_target(work: Path, folder: Path, dataset_mb: float, size: int) -> dic
             "in_memory": {"test_accuracy": memory["test_accuracy"], "train_loss": memory["train_loss"],
                           "wall_s": t1 - t0, "peak_rss_mb": memory["per_device"][0]["peak_rss_mb"]},
             "from_storage": {"test_accuracy": stored["test_accuracy"], "train_loss": stored["train_loss"],
-                             "wall_s": t2 - t1, "limits": device.get("limits", device.get("details", {}).get("limits")),
+                             "wall_s": t2 - t1, "workers": workers, "prefetch": prefetch,
+                             "limits": device.get("limits", device.get("details", {}).get("limits")),
                              "storage_items_per_epoch": device.get("storage_items_per_epoch"),
                              "stall_share": device["data_s"] / device["step_s"]}}
 
@@ -140,8 +141,12 @@ def overhead_target(work: Path, repeats: int = 2) -> dict:
             d = summary["per_device"][0]
             runs[name].append({"step_s": d["step_s"], "data_s": d["data_s"], "train_loss": summary["train_loss"]})
     median = {k: statistics.median(r["step_s"] for r in v) for k, v in runs.items()}
+    # Each storage run over the in-memory run just before it: the spread of the ratio, pair by pair.
+    pairs = [s["step_s"] / m["step_s"] for m, s in zip(runs["in memory, 0 workers"],
+                                                        runs["shards on storage, 2 workers"])]
     return {"runs": runs, "median_step_s": median,
-            "ratio": median["shards on storage, 2 workers"] / median["in memory, 0 workers"]}
+            "ratio": median["shards on storage, 2 workers"] / median["in memory, 0 workers"],
+            "pair_ratios": pairs, "pair_ratio_median": statistics.median(pairs)}
 
 
 def main() -> None:
@@ -150,11 +155,14 @@ def main() -> None:
     p.add_argument("--images", type=int, default=1000, help="images in the memory part's generated folder")
     p.add_argument("--memory-size", type=int, default=512, help="their side in pixels")
     p.add_argument("--parts", default="memory,overhead")
+    p.add_argument("--memory-workers", type=int, default=0, help="loader workers of the memory part's run from storage")
+    p.add_argument("--memory-prefetch", type=int, default=2, help="batches each of those workers prepares ahead")
+    p.add_argument("--repeats", type=int, default=2, help="alternated pairs of the overhead part")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="edgetrain-storage-bench-", dir="/work" if Path("/work").is_dir() else None))
     result = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "host": platform.node(),
               "cpus": os.cpu_count(), "python": sys.version.split()[0], "torch": torch.__version__,
-              "command": " ".join(sys.argv)}
+              "command": " ".join(sys.argv), "load_avg_start": os.getloadavg()}
     try:
         parts = args.parts.split(",")
         if not cgroups_here():
@@ -164,14 +172,19 @@ def main() -> None:
             folder = work / "memory-folder"
             dataset_mb = write_folder(folder, 10, args.images // 10, args.memory_size) / 1e6
             result["memory_dataset"] = {"images": args.images, "size": args.memory_size, "mb": dataset_mb}
-            result["memory"] = memory_target(work, folder, dataset_mb, args.memory_size)
+            try:
+                result["memory"] = memory_target(work, folder, dataset_mb, args.memory_size, args.memory_workers,
+                                                 args.memory_prefetch)
+            except edgetrain.EdgetrainError as e:  # a device killed at its limit is a result too
+                result["memory"] = {"error": str(e), "workers": args.memory_workers}
             print(json.dumps(result["memory"]), flush=True)
             Path(args.out).write_text(json.dumps(result, indent=1))  # so far, should a later part fail
         if "overhead" in parts:
-            result["overhead"] = overhead_target(work)
+            result["overhead"] = overhead_target(work, args.repeats)
             print(json.dumps(result["overhead"]), flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        result["load_avg_end"] = os.getloadavg()
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
 

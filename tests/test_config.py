@@ -60,3 +60,16 @@ def test_cli_rejects_bad_input_in_one_line(tmp_path):
         assert proc.returncode != 0
         assert needle in proc.stderr
         assert "Traceback" not in proc.stderr
+
+
+def test_a_pipeline_too_deep_for_the_model_is_refused_before_launch_unless_torchrun_counts_the_devices(tmp_path):
+    """Under torchrun the devices count themselves, so the stage check waits for them (their own preflight)."""
+    from edgetrain.config import TrainConfig, resolve
+    from edgetrain.errors import EdgetrainError
+    from edgetrain.preflight import check_before_launch
+    from edgetrain.spec import LaunchSpec
+
+    cfg = TrainConfig(strategy="pipeline", devices=64, model="small_cnn", dataset="digits", output=str(tmp_path))
+    with pytest.raises(EdgetrainError, match="too few for 64 pipeline stages"):
+        check_before_launch(cfg, resolve(cfg, LaunchSpec(torchrun=False)))
+    check_before_launch(cfg, resolve(cfg, LaunchSpec(torchrun=True)))

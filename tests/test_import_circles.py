@@ -22,9 +22,11 @@ def test_no_module_imports_one_that_imports_it():
     assert circles == []  # once data.datasets <-> data.formats and report.html <-> report.plan_page
 
 
-def test_every_bench_result_type_has_its_table_in_the_report():
-    from edgetrain.report.html import BENCH_HEADLINES
-    from edgetrain.results import BENCH_RESULTS
+def test_every_bench_result_type_has_its_table_and_its_radar_rows_in_the_report():
+    from edgetrain.records import RunSummary
+    from edgetrain.report.html import BENCH_HEADLINES, RADAR_CONFIGURATIONS
+    from edgetrain.results import BENCH_RESULTS, PlanResult
 
     assert set(BENCH_HEADLINES) == set(BENCH_RESULTS.values())
+    assert set(RADAR_CONFIGURATIONS) == set(BENCH_RESULTS.values()) | {RunSummary, PlanResult}
     assert Path(SRC / "report" / "plan_page.py").read_text().count("edgetrain.report.html") == 0

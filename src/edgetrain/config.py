@@ -366,7 +366,7 @@ def resolve(cfg: TrainConfig, launch: LaunchSpec | None = None) -> RunSpec:
                    server_opt=server_opt, participation=cfg.participation, round_deadline=round_deadline,
                    checkpoint=CheckpointSpec(cfg.checkpoint_every, cfg.keep_checkpoints, cfg.resume,
                                              cfg.checkpoint_every_s),
-                   faults=launch.faults, tensorboard=cfg.tensorboard,
+                   faults=launch.faults, torchrun=launch.torchrun, tensorboard=cfg.tensorboard,
                    dedup=parse_dedup(cfg.dedup), min_devices=cfg.min_devices, task=cfg.task)
     # A cluster file's device count (or torchrun's) is only known once the devices are planned: train applies
     # with_device_count then, with the count the run will have.

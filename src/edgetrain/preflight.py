@@ -15,7 +15,6 @@ data and the tiler (so torch): it sits above ``config``, which stays free of the
 """
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -74,7 +73,7 @@ def check_before_launch(cfg: TrainConfig, spec: RunSpec, model: Any = None, task
         plan_section(model, spec.tiling, shape)
     if spec.pipeline is not None:
         check_sequential(model, torch.randn(2, *shape), f"model {cfg.model}")
-        if not cfg.cluster and "WORLD_SIZE" not in os.environ:  # else the devices check it, knowing their number
+        if not cfg.cluster and not spec.torchrun:  # else the devices check it, knowing their number
             stage_bounds(spec.pipeline, pipeline_layers(model), cfg.devices // spec.pipeline.replicas)
     return data
 

@@ -726,6 +726,7 @@ class RunSpec:
     round_deadline: DeadlineSpec | None = None  # local / fedavg rounds: leave late devices out (None: off)
     checkpoint: CheckpointSpec = CheckpointSpec()
     faults: tuple[FaultSpec, ...] = ()  # from EDGETRAIN_FAULT, for tests and chaos runs
+    torchrun: bool = False       # started by torchrun (LaunchSpec): it, not the config, counts the devices
     min_devices: int | None = None  # elastic membership (train/elastic.py) below all devices; None: fail-stop
     tensorboard: bool = False    # rank 0 also writes TensorBoard event files (train.tensorboard_log)
     dedup: DedupSpec | None = None  # drop near-duplicate training images first (data/dedup.py)

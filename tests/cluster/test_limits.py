@@ -73,3 +73,18 @@ def test_a_host_without_cgroup_v1_falls_back_labelled(monkeypatch, tmp_path):
 def test_tmpfs_has_no_block_device_to_throttle():
     device, why = block_device("/proc")
     assert device is None and "without a block device" in why
+
+
+@pytest.mark.skipif(not HAS_V1, reason="needs root and cgroup v1 memory")
+def test_a_device_the_oom_killer_ends_is_named_as_such_with_the_fix(tmp_path):
+    from edgetrain_testing import run_cli
+
+    cluster = tmp_path / "cluster.yaml"  # 96 MiB: the device's first batches of ResNet-18 activations do not fit
+    cluster.write_text("profiles:\n  tiny: {base: host, memory_mb: 96}\ndevices:\n  - tiny\n")
+    proc = run_cli("train", "--cluster", str(cluster), "--device-limits", "cgroup", "--model", "resnet18",
+                   "--dataset", "synthetic", "--image-size", "64", "--batch-size", "64", "--steps", "3",
+                   "--no-progress", "--no-eval", "--output", str(tmp_path / "runs"), timeout=180)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "killed (SIGKILL) by the kernel's out-of-memory killer at its memory limit of 96 MiB" in lines[-1]
+    assert "give its profile more memory_mb" in lines[-1]

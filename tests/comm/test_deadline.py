@@ -136,7 +136,7 @@ def test_a_trained_run_records_who_sat_out(tmp_path):
     closing = [r for r in records if r.round_status is not None]
     assert sorted(r.round_status for r in closing) == ["joined", "joined", "not_sampled", "not_sampled"]
     assert sum(c["joined"] for c in summary["round_participation"]) == 2
-    cols, rows, _ = headline({"kind": "train", "data": RunSummary.from_dict(summary)})
+    cols, rows, _ = headline(RunSummary.from_dict(summary))
     assert cols[-1] == "rounds" and {row[-1] for row in rows} <= {"2/0/0", "1/0/1", "0/0/2"}
 
 

@@ -150,7 +150,7 @@ def test_plan_compare_writes_the_comparison_and_the_report_renders_it(tmp_path):
     plan = PlanResult.from_dict(json.loads((tmp_path / "p" / "plan.json").read_text()))
     assert [s.strategy for s in plan.strategies.strategies] == ["ddp", "fsdp", "pipeline"]
     assert plan.strategies.strategies[2].bubble_fraction == pytest.approx(1 / 3)  # S=2, M=2
-    page = plan_section({"data": plan, "dir": tmp_path / "p", "pngs": []})
+    page = plan_section(plan, tmp_path / "p")
     assert "Strategies, modelled (link lte-10m" in page and "recommended: pipeline: it fits" in page
     assert "stage 1: layers" in page and "bubble" in page
 

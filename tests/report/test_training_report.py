@@ -52,26 +52,26 @@ def test_curves_are_the_devices_mean_loss_against_steps_host_time_and_modelled_t
     run = _write_run(tmp_path, "lte", link="lte-10m")
     summary = RunSummary.from_dict(json.loads((run / "summary.json").read_text()))
     loaded = training.load_training(run, summary)
-    curves = training.curves("lte", summary, loaded["steps"], loaded["evals"])
+    curves = training.curves("lte", summary, loaded.steps, loaded.evals)
     assert curves.steps == [1, 2, 3]
     assert curves.train_loss == pytest.approx([2.05, 1.55, 1.05])  # the two devices' losses, weighted by samples
     assert curves.host_s == pytest.approx([0.03, 0.06, 0.09])  # the slower device's step times, summed
     assert curves.modelled_s == [2, 4, 6]  # the later device clock at each step
     assert (curves.eval_steps, curves.eval_accuracy) == ([2, 3], [0.5, 0.75])
     assert curves.at(curves.host_s, curves.eval_steps) == pytest.approx([0.06, 0.09])
-    labels, split, sent = training.device_split(summary, loaded["steps"])  # the device chart's numbers
+    labels, split, sent = training.device_split(summary, loaded.steps)  # the device chart's numbers
     assert labels == ["0: host", "1: host"] and split["compute"] == pytest.approx([15.0, 15.0])  # ms per step
     assert sent["1: host"] == ([1, 2, 3], [1000, 1000, 1000])
     # without an emulated link the device clocks are this host's: no modelled axis
     plain = RunSummary.from_dict(json.loads((_write_run(tmp_path, "plain", link=None) / "summary.json").read_text()))
-    assert training.curves("plain", plain, loaded["steps"], loaded["evals"]).modelled_s is None
+    assert training.curves("plain", plain, loaded.steps, loaded.evals).modelled_s is None
 
 
 def test_several_runs_share_the_curves_with_a_legend_entry_each(tmp_path):
     runs = [_write_run(tmp_path, "plain", link=None), _write_run(tmp_path, "lte", link="lte-10m")]
     summaries = [RunSummary.from_dict(json.loads((r / "summary.json").read_text())) for r in runs]
-    curves = [training.curves(r.name, s, **{k: v for k, v in training.load_training(r, s).items() if k != "config"})
-              for r, s in zip(runs, summaries)]
+    loaded = [training.load_training(r, s) for r, s in zip(runs, summaries)]
+    curves = [training.curves(r.name, s, f.steps, f.evals) for r, s, f in zip(runs, summaries, loaded)]
     fig = plots.plot_training_curves(curves)
     axes = fig.get_axes()
     assert len(axes) == 6  # loss and accuracy against step, host time and (the lte run only) modelled time

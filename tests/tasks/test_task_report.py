@@ -31,7 +31,7 @@ def _run(root: Path, name: str, task: TaskRecord | None, metrics: list[dict]) ->
 def _curves(run: Path):
     summary = RunSummary.from_dict(json.loads((run / "summary.json").read_text()))
     loaded = training.load_training(run, summary)
-    return training.curves(run.name, summary, loaded["steps"], loaded["evals"])
+    return training.curves(run.name, summary, loaded.steps, loaded.evals)
 
 
 def test_a_regression_run_plots_its_own_metrics_with_their_names_and_units(tmp_path):

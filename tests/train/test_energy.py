@@ -155,12 +155,12 @@ def test_energy_in_summary_json_the_terminal_table_and_the_report():
     text = out.getvalue()
     assert "J/smp" in text and "0.25*" in text and "7.5*" in text
     assert "device 0: modelled (pi: 2.7 W" in text and "modelled, not measured" in text
-    cols, rows, notes = headline({"kind": "train", "data": _summary(modelled), "dir": Path("run")})
+    cols, rows, notes = headline(_summary(modelled))
     assert rows[0][cols.index("J/sample")] == "0.25*" and any("device 0: modelled" in n for n in notes)
     measured = EnergyRecord.of("measured (RAPL)", True, 30.0, 10.0, 300)
-    cols, rows, notes = headline({"kind": "train", "data": _summary(measured), "dir": Path("run")})
+    cols, rows, notes = headline(_summary(measured))
     assert rows[0][cols.index("J/sample")] == "0.1" and "modelled, not measured" not in " ".join(notes)
-    cols, _, _ = headline({"kind": "train", "data": _summary(None), "dir": Path("run")})  # older runs: no column
+    cols, _, _ = headline(_summary(None))  # older runs: no column
     assert "J/sample" not in cols
 
 

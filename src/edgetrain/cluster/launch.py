@@ -96,6 +96,7 @@ from typing import Any, Callable
 
 import psutil
 
+from edgetrain.cluster.limits import oom_killed
 from edgetrain.cluster.membership import JOIN_ENV, ElasticLaunch, Lighthouse
 from edgetrain.errors import EdgetrainError, Terminated, raise_on_sigterm
 
@@ -129,6 +130,17 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _killed(p: mp.process.BaseProcess) -> str:
+    """How a device process that a signal ended died: the out-of-memory killer at its memory limit, named with
+    the fix, where its memory group says so (``--device-limits cgroup``), else the signal."""
+    limit = oom_killed(p.pid) if p.exitcode == -signal.SIGKILL else None
+    if limit is None:
+        return f"its process was killed by signal {signal.Signals(-p.exitcode).name}"
+    return (f"its process was killed (SIGKILL) by the kernel's out-of-memory killer at its memory limit of {limit} "
+            f"MiB, page cache included; lower --batch-size, --workers, --prefetch or --cache-mb, or give its "
+            f"profile more memory_mb")
 
 
 def _set_parent_death_signal(sig: signal.Signals) -> None:
@@ -469,8 +481,7 @@ def launch_local(world: int, target: Callable, args: tuple, labels: list[str], l
                     continue
                 # Give a dying process a moment to deliver its message.
                 if first_failure is None or time.monotonic() - first_failure > 0.3:
-                    how = (f"its process was killed by signal {signal.Signals(-p.exitcode).name}" if p.exitcode < 0
-                           else _UNGUARDED_MAIN_FIX if p.exitcode == _UNGUARDED_MAIN_EXIT
+                    how = (_killed(p) if p.exitcode < 0 else _UNGUARDED_MAIN_FIX if p.exitcode == _UNGUARDED_MAIN_EXIT
                            else f"its process exited with code {p.exitcode}")
                     failures.append((rank, how, True))
             if lighthouse and not elastic_end:

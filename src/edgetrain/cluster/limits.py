@@ -158,6 +158,18 @@ class DeviceLimits:
         self.made = []
 
 
+def oom_killed(pid: int) -> int | None:
+    """The memory limit (MiB) of device process ``pid``'s group if the kernel's out-of-memory killer killed a
+    process in it (cgroup v1 ``memory.oom_control``'s ``oom_kill``), else None: what a device's SIGKILL meant."""
+    group = ROOT / "memory" / f"{PREFIX}{pid}-memory"
+    try:
+        control = dict(line.split() for line in (group / "memory.oom_control").read_text().splitlines())
+        limit = int((group / "memory.limit_in_bytes").read_text())
+    except (OSError, ValueError):
+        return None  # no group of ours (limits off, another host, a kernel before 4.13 counts no kills)
+    return limit // 2 ** 20 if int(control.get("oom_kill", 0)) > 0 else None
+
+
 def device_limits(mode: str, label: str, memory_mb: int | None, storage_name: str | None,
                   data_path: str | None) -> DeviceLimits | None:
     """The limits ``--device-limits`` asks for, applied to this process; None for ``off``."""

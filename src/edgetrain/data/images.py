@@ -39,10 +39,22 @@ class TensorImages(Dataset):
 
     def __getitem__(self, key):
         index, epoch = key if isinstance(key, tuple) else (key, 0)
-        x = self.images[index].float() / self.scale  # not in place: index gives a view of the data
-        if self.augment:
-            x = random_crop_flip(x, np.random.default_rng((self.seed, epoch, index)))
-        return (x - self.mean) / self.std, self.labels[index]
+        return normalise(self.images[index], self.scale, self.mean, self.std, self.augment,
+                         (self.seed, epoch, index)), self.labels[index]
+
+
+def normalise(x: torch.Tensor, scale: float, mean: torch.Tensor, std: torch.Tensor, augment: bool,
+              key: tuple[int, int, int]) -> torch.Tensor:
+    """An image's ``(x / scale - mean) / std`` in float32, with the CIFAR recipe keyed by ``key`` (seed, epoch,
+    index) where ``augment``. One float copy of ``x`` (which may be a view of the data) is made and the rest is
+    done in place on it: the same values, operation by operation, as the out-of-place form, which allocated
+    (and page-faulted) a new image for each of its four operations (docs/benchmarks/storage.md)."""
+    y = x.to(torch.float32, copy=True)
+    y.div_(scale)
+    if augment:
+        y = random_crop_flip(y, np.random.default_rng(key)) - mean  # the crop is a view of the padded copy
+        return y.div_(std)
+    return y.sub_(mean).div_(std)
 
 
 def random_crop_flip(x: torch.Tensor, rng: np.random.Generator, pad: int = 4) -> torch.Tensor:

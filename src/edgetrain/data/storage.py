@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
-from edgetrain.data.images import random_crop_flip
+from edgetrain.data.images import normalise
 from edgetrain.errors import EdgetrainError
 
 DECODE_ERRORS: tuple = (OSError, SyntaxError, ValueError, EOFError)
@@ -190,11 +190,42 @@ class StoredItems(Dataset):
         raw = self.fetch(index)
         try:
             if self.source.kind(index) == "npy":
-                return np.load(io.BytesIO(raw), allow_pickle=False)
+                return load_npy(raw)
             return decode_image(raw, mode, size)
         except DECODE_ERRORS as e:
             raise EdgetrainError(f"item {index}: {self.source.name(index)} cannot be decoded ({e}); "
                                  f"{self.source.fix}") from None
+
+
+_NPY_HEADERS: dict[bytes, tuple[np.dtype, tuple[int, ...], str, int]] = {}
+
+
+def load_npy(raw: bytes) -> np.ndarray:
+    """An ``.npy`` member as a writable array, as ``np.load`` gives it, with one copy of the data: the header is
+    parsed once per distinct header (a packed set's items share one), where ``np.load(BytesIO(raw))`` parses each
+    with ``ast`` and copies the data twice (measured: docs/benchmarks/storage.md)."""
+    major = raw[6] if len(raw) > 7 and raw[:6] == b"\x93NUMPY" else 0
+    end = 10 + int.from_bytes(raw[8:10], "little") if major == 1 else \
+        12 + int.from_bytes(raw[8:12], "little") if major in (2, 3) else 0
+    header = raw[:end]
+    known = _NPY_HEADERS.get(header) if end else None
+    if known is None:
+        if major not in (1, 2):  # not an .npy file, or a version numpy's public parser leaves to np.load
+            return np.load(io.BytesIO(raw), allow_pickle=False)
+        with io.BytesIO(raw) as f:  # numpy's own parser and checks (a bad header: ValueError)
+            np.lib.format.read_magic(f)
+            read = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+            shape, fortran, dtype = read(f)
+            if dtype.hasobject:
+                raise ValueError("Object arrays cannot be loaded when allow_pickle=False")
+            known = (dtype, tuple(shape), "F" if fortran else "C", f.tell())
+        if len(_NPY_HEADERS) < 64:  # a handful in any one dataset
+            _NPY_HEADERS[header] = known
+    dtype, shape, order, offset = known
+    count = int(np.prod(shape, dtype=np.int64))
+    if len(raw) - offset < count * dtype.itemsize:
+        raise EOFError(f"the array ends {count * dtype.itemsize - (len(raw) - offset)} bytes early")
+    return np.frombuffer(raw, dtype, count, offset).reshape(shape, order=order).copy(order="K")
 
 
 def decode_image(raw: bytes, mode: str, size: int | None = None) -> np.ndarray:
@@ -230,10 +261,8 @@ class StoredImages(StoredItems):
             raise EdgetrainError(f"item {index}: {self.source.name(index)} is {'x'.join(map(str, a.shape))} (CxHxW) "
                                  f"but the dataset's images are {'x'.join(map(str, self._shape))}; resize it to the "
                                  "others' size")
-        x = torch.from_numpy(np.ascontiguousarray(a)).float() / self.scale
-        if self.augment:
-            x = random_crop_flip(x, np.random.default_rng((self.seed, epoch, index)))
-        return (x - self.mean) / self.std, self.labels[index]
+        return normalise(torch.from_numpy(np.ascontiguousarray(a)), self.scale, self.mean, self.std, self.augment,
+                         (self.seed, epoch, index)), self.labels[index]
 
 
 class StoredBoxes(StoredItems):

@@ -19,7 +19,7 @@ against the best configuration shown, so 1 is the best and outward is better;
 a configuration with no value on an axis sits at 0 and reads "n/a" in the
 table beside it.
 
-``load_run`` reads each file through its typed schema before anything is
+``load_run`` reads each file through its typed schema into a ``Run`` before anything is
 drawn (``RUN_FILES``): ``summary.json`` as a ``records.RunSummary``,
 ``result.json`` as the ``results.BenchResult`` its ``"bench"`` key names,
 ``plan.json`` as a ``results.PlanResult``. Each checks every key it knows
@@ -33,6 +33,7 @@ from __future__ import annotations
 import datetime as _dt
 import html
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,7 @@ from edgetrain.errors import EdgetrainError
 from edgetrain.records import RunSummary, modelled_throughput
 from edgetrain.report import training
 from edgetrain.report.cells import (ABOVE_PEAK_NOTE, NOISY_NOTE, ROUNDS_COLUMN, ROUNDS_NOTE, efficiency_cell,
-                                    energy_cells, energy_note, flag_notes, fmt, img, kv, percent_of_peak,
+                                    energy_cells, energy_note, flag_notes, img, kv, percent_of_peak,
                                     round_cells, spread_cell, table)
 from edgetrain.report.tables import stall_lines
 from edgetrain.results import (BatchResult, BenchResult, CountersResult, PeakResult, PlanResult, PowerResult,
@@ -80,23 +81,32 @@ document.body.setAttribute('data-broken-images',String(bad));});
 """
 
 
-RUN_FILES = (("result.json", "bench", BenchResult), ("summary.json", "train", RunSummary),
-             ("plan.json", "plan", PlanResult))  # what each kind of run directory holds, and its schema
+RUN_FILES = (("result.json", BenchResult), ("summary.json", RunSummary),
+             ("plan.json", PlanResult))  # what each kind of run directory holds, and its schema
 
 
-def load_run(run_dir: str | Path) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Run:
+    """One run directory, read: its typed result (a bench's, a training run's or a plan) and its images;
+    a training run also its step records, evaluations and config."""
+    dir: Path
+    data: BenchResult | RunSummary | PlanResult
+    pngs: tuple[Path, ...] = ()
+    training: training.TrainingFiles | None = None
+
+
+def load_run(run_dir: str | Path) -> Run:
     d = Path(run_dir)
-    for name, kind, schema in RUN_FILES:
+    for name, schema in RUN_FILES:
         path = d / name
         if path.is_file():
             try:
                 data = json.loads(path.read_text(encoding="utf-8"))
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise EdgetrainError(f"{path} is not valid JSON ({e}); was the run interrupted?") from None
-            run = {"dir": d, "kind": kind, "data": schema.from_dict(data, str(path)), "pngs": sorted(d.glob("*.png"))}
-            if kind == "train":
-                run.update(training.load_training(d, run["data"]))  # steps, evals, config: checked here too
-            return run
+            result = schema.from_dict(data, str(path))
+            files = training.load_training(d, result) if isinstance(result, RunSummary) else None  # checked here too
+            return Run(d, result, tuple(sorted(d.glob("*.png"))), files)
     if (d / "config.yaml").is_file():
         from edgetrain.report.files import remove_stale_temps
 
@@ -109,20 +119,20 @@ def load_run(run_dir: str | Path) -> dict[str, Any]:
 
 # ---- what each kind of run shows ----
 
-def peak_reference(runs: list[dict[str, Any]]) -> tuple[float, str] | None:
+def peak_reference(runs: list[Run]) -> tuple[float, str] | None:
     """The best GEMM GFLOPS among the ``bench peak`` runs shown (all devices at once where measured)."""
     best: tuple[float, str] | None = None
     for run in runs:
-        d = run["data"]
+        d = run.data
         if not isinstance(d, PeakResult):
             continue
         for a in d.aggregate:
             if a["kind"] == "gemm" and (best is None or a["gflops_median_sum"] > best[0]):
-                best = (a["gflops_median_sum"], f"GEMM n={a['n']}, {a['devices']} devices at once ({run['dir'].name})")
+                best = (a["gflops_median_sum"], f"GEMM n={a['n']}, {a['devices']} devices at once ({run.dir.name})")
         if not d.aggregate:
             for r in d.rows:
                 if r["kind"] == "gemm" and (best is None or r["gflops_best"] > best[0]):
-                    best = (r["gflops_best"], f"GEMM n={r['n']}, {r['threads']} thread(s) ({run['dir'].name})")
+                    best = (r["gflops_best"], f"GEMM n={r['n']}, {r['threads']} thread(s) ({run.dir.name})")
     return best
 
 
@@ -146,10 +156,10 @@ def achieved_note(d: RunSummary, peak: tuple[float, str] | None) -> str | None:
     return text
 
 
-def headline(run: dict[str, Any], peak: tuple[float, str] | None = None) -> tuple[list[str], list[list[Any]], list[str]]:
-    """(columns, rows, notes) summarising a run; ``peak`` is what training runs' GFLOPS are set against."""
-    d = run["data"]
-    if run["kind"] == "train":
+def headline(d: RunSummary | BenchResult, peak: tuple[float, str] | None = None
+             ) -> tuple[list[str], list[list[Any]], list[str]]:
+    """(columns, rows, notes) summarising a run's result; ``peak`` is what training runs' GFLOPS are set against."""
+    if isinstance(d, RunSummary):
         cols = ["rank", "profile", "local batch", "samples/s", "GFLOPS", "rated GFLOPS", "% of rated", "peak RSS MB",
                 "data s", "compute s", "comm s", "MB sent", "MB recv"]
         per_device = d.per_device
@@ -282,33 +292,52 @@ def _headline(d) -> str:
     return f"test {headline.label or headline.name} " + (headline.format(value) if value is not None else "n/a")
 
 
-def configurations(run: dict[str, Any]) -> list[tuple[str, dict[str, float | None]]]:
+Configurations = list[tuple[str, dict[str, float | None]]]
+
+
+def configurations(run: Run) -> Configurations:
     """The configurations a run measured, each with whichever radar metrics it has."""
-    d, name = run["data"], run["dir"].name
-    if run["kind"] == "train":
-        per = d.per_device
-        comm = [p.comm_s / t for p in per
-                if (t := (p.data_s or 0) + (p.compute_s or 0) + (p.comm_s or 0)) and p.comm_s is not None]
-        return [(name, {"throughput": d.throughput_samples_per_s,
-                        "memory": max((p.peak_rss_mb for p in per if p.peak_rss_mb), default=None),
-                        "energy": d.energy_j_per_epoch,
-                        "communication": 100 * sum(comm) / len(comm) if comm else None,
-                        "accuracy": None if d.test_accuracy is None else 100 * d.test_accuracy})]
-    if run["kind"] == "plan":
-        return []  # modelled, not measured: the radar compares what runs measured
-    bench = d.name
-    if bench == "batch":
-        return [(f"{name} b={r['batch_size']}", {"throughput": r["samples_per_s"], "memory": r["peak_rss_mb"]})
-                for r in d.rows if r["status"] == "ok"]
-    if bench == "power":
-        return [(f"{name} {r['setting']}", {"throughput": r["samples_per_s"], "energy": r["energy_j_per_epoch"]})
-                for r in d.rows]
-    if bench == "scaling":
-        return [(f"{name} N={r['devices']}", {
-            "throughput": r["throughput_samples_per_s"],
-            "communication": 100 * r["split_s_per_step"]["comm"] / r["split_s_per_step"]["step"]
-            if r["split_s_per_step"].get("step") else None}) for r in d.rows]
-    return []
+    return RADAR_CONFIGURATIONS[type(run.data)](run.data, run.dir.name)
+
+
+def _train_configurations(d: RunSummary, name: str) -> Configurations:
+    per = d.per_device
+    comm = [p.comm_s / t for p in per
+            if (t := (p.data_s or 0) + (p.compute_s or 0) + (p.comm_s or 0)) and p.comm_s is not None]
+    return [(name, {"throughput": d.throughput_samples_per_s,
+                    "memory": max((p.peak_rss_mb for p in per if p.peak_rss_mb), default=None),
+                    "energy": d.energy_j_per_epoch,
+                    "communication": 100 * sum(comm) / len(comm) if comm else None,
+                    "accuracy": None if d.test_accuracy is None else 100 * d.test_accuracy})]
+
+
+def _batch_configurations(d: BatchResult, name: str) -> Configurations:
+    return [(f"{name} b={r['batch_size']}", {"throughput": r["samples_per_s"], "memory": r["peak_rss_mb"]})
+            for r in d.rows if r["status"] == "ok"]
+
+
+def _power_configurations(d: PowerResult, name: str) -> Configurations:
+    return [(f"{name} {r['setting']}", {"throughput": r["samples_per_s"], "energy": r["energy_j_per_epoch"]})
+            for r in d.rows]
+
+
+def _scaling_configurations(d: ScalingResult, name: str) -> Configurations:
+    return [(f"{name} N={r['devices']}", {
+        "throughput": r["throughput_samples_per_s"],
+        "communication": 100 * r["split_s_per_step"]["comm"] / r["split_s_per_step"]["step"]
+        if r["split_s_per_step"].get("step") else None}) for r in d.rows]
+
+
+def _not_compared(d: Any, name: str) -> Configurations:
+    return []  # a plan is modelled, not measured; these benches measure no radar axis as a configuration
+
+
+# What each kind of result puts on the radar, by its type; one missing here is a KeyError, which
+# tests/report/test_html.py checks for every registered bench result.
+RADAR_CONFIGURATIONS = {RunSummary: _train_configurations, PlanResult: _not_compared,
+                        BatchResult: _batch_configurations, PowerResult: _power_configurations,
+                        ScalingResult: _scaling_configurations, PeakResult: _not_compared,
+                        StallsResult: _not_compared, CountersResult: _not_compared, VariabilityResult: _not_compared}
 
 
 def best_configuration(configs: list[tuple[str, dict]]) -> tuple[str, dict]:
@@ -331,7 +360,7 @@ def radar_scores(configs: list[tuple[str, dict]], axes=AXES) -> list[tuple[str, 
     return out
 
 
-def comparison(runs: list[dict[str, Any]], max_configs: int = 8) -> str:
+def comparison(runs: list[Run], max_configs: int = 8) -> str:
     if len(runs) == 1:
         configs = configurations(runs[0])
     else:
@@ -365,10 +394,10 @@ def shared_axes(configs: list[tuple[str, dict]]) -> list[str]:
     return [key for key, _, _, _ in AXES if all((m.get(key) or 0) > 0 for _, m in configs)]
 
 
-def training_curves(runs: list[dict[str, Any]]) -> str:
+def training_curves(runs: list[Run]) -> str:
     """Loss and the task's metrics of every training run shown (a classifier's: accuracy), one figure per task
     with that task's runs overlaid on shared axes (``report.training``)."""
-    curves = [training.curves(r["dir"].name, r["data"], r["steps"], r["evals"]) for r in runs if r["kind"] == "train"]
+    curves = [training.curves(r.dir.name, r.data, r.training.steps, r.training.evals) for r in runs if r.training]
     curves = [c for c in curves if c.steps or c.eval_steps]
     if not curves:
         return ""
@@ -392,18 +421,20 @@ def training_curves(runs: list[dict[str, Any]]) -> str:
             f'{"".join(images)}</div></section>')
 
 
-def run_section(run: dict[str, Any], peak: tuple[float, str] | None = None) -> str:
-    if run["kind"] == "plan":
+def run_section(run: Run, peak: tuple[float, str] | None = None) -> str:
+    d = run.data
+    if isinstance(d, PlanResult):
         from edgetrain.report.plan_page import plan_section
 
-        return plan_section(run)
-    d = run["data"]
-    title = f"bench {d.name}" if run["kind"] == "bench" else "training run"
-    env = d.environment if run["kind"] == "bench" else {}
-    meta = " · ".join(str(v) for v in (run["dir"], env.get("cpu"), env.get("logical_cpus") and
+        return plan_section(d, run.dir, run.pngs)
+    if isinstance(d, RunSummary):
+        title, env = "training run", {}
+        params = training.parameters(d, run.training.config if run.training else {})
+    else:
+        title, env, params = f"bench {d.name}", d.environment, d.params
+    meta = " · ".join(str(v) for v in (run.dir, env.get("cpu"), env.get("logical_cpus") and
                                          f"{env['logical_cpus']} CPUs", env.get("torch"), env.get("created")) if v)
-    cols, rows, notes = headline(run, peak)
-    params = d.params if run["kind"] == "bench" else training.parameters(d, run["config"])
+    cols, rows, notes = headline(d, peak)
     parts = [f"<section><h2>{html.escape(title)}</h2><div class='meta'>{html.escape(meta)}</div>"]
     for n in notes:
         cls = " modelled" if "modelled" in n.lower() else ""
@@ -412,9 +443,9 @@ def run_section(run: dict[str, Any], peak: tuple[float, str] | None = None) -> s
     if rows:
         parts.append("<h3>Results</h3>" + table(cols, rows))
     parts.append("</div><div><h3>Parameters</h3>" + kv(params or {}) + "</div></div>")
-    if run["pngs"]:
-        parts.append('<div class="imgs">' + "".join(img(p.read_bytes(), p.name) for p in run["pngs"]) + "</div>")
-    split = training.device_split(d, run["steps"]) if run["kind"] == "train" else None
+    if run.pngs:
+        parts.append('<div class="imgs">' + "".join(img(p.read_bytes(), p.name) for p in run.pngs) + "</div>")
+    split = training.device_split(d, run.training.steps) if run.training else None
     if split:
         from edgetrain.report import plots
 

@@ -24,16 +24,16 @@ place on the radar chart, which compares measured runs (``html.configurations``)
 from __future__ import annotations
 
 import html
-from typing import Any
+from collections.abc import Sequence
+from pathlib import Path
 
 from edgetrain.report.cells import fmt, img, kv, table
 from edgetrain.results import PlanComparison, PlanResult
 
 
-def plan_section(run: dict[str, Any]) -> str:
-    plan: PlanResult = run["data"]
+def plan_section(plan: PlanResult, run_dir: Path, pngs: Sequence[Path] = ()) -> str:
     pred, sim = plan.prediction, plan.simulation
-    meta = " · ".join([str(run["dir"]), "edgetrain " + " ".join(plan.argv)] if plan.argv else [str(run["dir"])])
+    meta = " · ".join([str(run_dir), "edgetrain " + " ".join(plan.argv)] if plan.argv else [str(run_dir)])
     parts = [f"<section><h2>plan (modelled)</h2><div class='meta'>{html.escape(meta)}</div>"]
     parts += [f'<div class="note modelled">{html.escape(n)}</div>' for n in notes(plan)]
     parts.append("<h3>Per device, modelled (devices with the same prediction are one row)</h3>")
@@ -60,8 +60,8 @@ def plan_section(run: dict[str, Any]) -> str:
              "sim_steps": sim.steps, "compute_cv": sim.compute_cv, "stragglers": sim.straggler_prob or None,
              "link_jitter": sim.link_jitter}
     parts.append("<h3>Planned</h3>" + kv({**plan.config, **knobs}))
-    if run["pngs"]:
-        parts.append('<div class="imgs">' + "".join(img(p.read_bytes(), p.name) for p in run["pngs"]) + "</div>")
+    if pngs:
+        parts.append('<div class="imgs">' + "".join(img(p.read_bytes(), p.name) for p in pngs) + "</div>")
     parts.append("</section>")
     return "".join(parts)
 

@@ -356,11 +356,11 @@ def plot_training_curves(runs: Sequence[RunCurves]):
                        "modelled_s"))
     width = 5.5 * (1 + len(metrics))
     fig, axes = plt.subplots(len(axes_x), 1 + len(metrics), figsize=(width, 3.4 * len(axes_x)), squeeze=False)
-    for row, (kind, xlabel, field) in zip(axes, axes_x):
+    for row, (kind, xlabel, time_field) in zip(axes, axes_x):
         loss_ax, metric_axes = row[0], row[1:]
         for i, run in enumerate(runs):
             color = COLORS[i % 10]
-            xs = run.steps if field is None else getattr(run, field)
+            xs = run.steps if time_field is None else getattr(run, time_field)
             if xs is None:
                 continue
             window = max(1, len(run.steps) // 20)
@@ -370,10 +370,10 @@ def plot_training_curves(runs: Sequence[RunCurves]):
                          label=f"{run.name}: train loss{mean}")
             # membership changes of an elastic run: a dashed line where a device left, dotted where one joined
             for step, kind in run.changes:
-                x = step if field is None else run.at(xs, [step])[0]
+                x = step if time_field is None else run.at(xs, [step])[0]
                 for ax in row:
                     ax.axvline(x, color=color, lw=0.8, ls="--" if kind == "leave" else ":")
-            eval_x = run.eval_steps if field is None else run.at(xs, run.eval_steps)
+            eval_x = run.eval_steps if time_field is None else run.at(xs, run.eval_steps)
             if run.eval_steps:
                 loss_ax.plot(eval_x, run.eval_loss, "o--", color=color, ms=4, label=f"{run.name}: test loss")
                 for metric, ax in zip(metrics, metric_axes):
@@ -387,11 +387,11 @@ def plot_training_curves(runs: Sequence[RunCurves]):
             ax.set_xlabel(xlabel)
             ax.set_xlim(left=0)
         loss_ax.set_ylim(bottom=0)
-        loss_ax.set_title(f"Loss vs {kind}" + (" time" if field else ""))
+        loss_ax.set_title(f"Loss vs {kind}" + (" time" if time_field else ""))
         for metric, ax in zip(metrics, metric_axes):
             axis, _, word = _metric_axis(metric)
             ax.set_ylabel(axis)
-            ax.set_title(f"Test {word} vs {kind}" + (" time" if field else ""))
+            ax.set_title(f"Test {word} vs {kind}" + (" time" if time_field else ""))
             if not any(r.eval_steps for r in runs):
                 ax.text(0.5, 0.5, "no evaluation (the run had --no-eval)", ha="center", va="center",
                         transform=ax.transAxes)

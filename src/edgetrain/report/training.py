@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import math
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,14 +60,21 @@ def read_records(path: Path, record: type) -> list:
     return out
 
 
-def load_training(run_dir: Path, summary: RunSummary) -> dict[str, Any]:
-    """The step records, evaluations and config of a finished training run (each may be empty: older runs)."""
+@dataclass(frozen=True)
+class TrainingFiles:
+    """A finished training run's step records, evaluations and config (each may be empty: older runs)."""
+    steps: list[StepRecord]
+    evals: list[EvalRecord]
+    config: dict[str, Any]
+
+
+def load_training(run_dir: Path, summary: RunSummary) -> TrainingFiles:
     metrics, evals, config = run_dir / "metrics.jsonl", run_dir / "evals.jsonl", run_dir / "config.yaml"
-    return {
-        "steps": read_records(metrics, StepRecord) if metrics.is_file() else [],
-        "evals": summary.evals or (read_records(evals, EvalRecord) if evals.is_file() else []),
-        "config": read_yaml_mapping(config, "run config") if config.is_file() else {},
-    }
+    return TrainingFiles(
+        steps=read_records(metrics, StepRecord) if metrics.is_file() else [],
+        evals=summary.evals or (read_records(evals, EvalRecord) if evals.is_file() else []),
+        config=read_yaml_mapping(config, "run config") if config.is_file() else {},
+    )
 
 
 def curves(name: str, summary: RunSummary, steps: list[StepRecord], evals: list[EvalRecord]):
