@@ -147,6 +147,10 @@ class TrainConfig:
     pipeline_replicas: int = _opt(1, "--strategy pipeline: D pipelines side by side (devices = stages x D), each on "
                                   "1/D of the global batch, each stage's gradients all-reduced among its D devices "
                                   "through --compress", minimum=1)
+    fsdp_replicas: int = _opt(1, "--strategy fsdp: R sharded replicas side by side (devices = shards x R), each "
+                              "on 1/R of the global batch, exchanging between them as --sync says (sync: gradients "
+                              "every step; diloco:H: DiLoCo's pseudo-gradient every H steps) through --compress",
+                              minimum=1)
 
     # run control and output
     eval: bool = _opt(True, "evaluate on the test set after every epoch")
@@ -362,8 +366,9 @@ def resolve(cfg: TrainConfig, launch: LaunchSpec | None = None) -> RunSpec:
         raise EdgetrainError("config key 'tensorboard' needs the tensorboard package, which is not installed; "
                              "pip install tensorboard (or edgetrain[tensorboard]), or drop --tensorboard")
     spec = RunSpec(compress, sync, link, cfg.link_mode, cfg.strategy, own.get("tiling"), cfg.timeout, cfg.seed,
-                   cfg.accelerator, cfg.batchnorm, pipeline=own.get("pipeline"), partition=partition,
-                   server_opt=server_opt, participation=cfg.participation, round_deadline=round_deadline,
+                   cfg.accelerator, cfg.batchnorm, pipeline=own.get("pipeline"),
+                   fsdp_replicas=own.get("fsdp_replicas", 1), partition=partition, server_opt=server_opt,
+                   participation=cfg.participation, round_deadline=round_deadline,
                    checkpoint=CheckpointSpec(cfg.checkpoint_every, cfg.keep_checkpoints, cfg.resume,
                                              cfg.checkpoint_every_s),
                    faults=launch.faults, torchrun=launch.torchrun, tensorboard=cfg.tensorboard,

@@ -475,12 +475,14 @@ class StrategyKind(Kind):
     spec: Callable[[Draft], dict] = lambda draft: {}   # the RunSpec fields it parses from its options
 
 
-def _exchanges_of_its_own(d: Draft, compress_applies: bool = False, compress_fix: str = "") -> None:
-    """Options that would change exchanges this strategy does not make are refused, not silently ignored."""
-    for key, text, ignored in (("compress", d.compress.text, not d.compress.kind.plain and not compress_applies),
-                               ("sync", d.sync.text, not d.sync.kind.lockstep)):
+def _exchanges_of_its_own(d: Draft, between_replicas: bool = False, compress_fix: str = "",
+                          sync_fix: str = "") -> None:
+    """Options that would change exchanges this strategy does not make are refused, not silently ignored
+    (``between_replicas``: its replicas exchange through --compress as --sync says, train/replicas.py)."""
+    for key, text, ignored in (("compress", d.compress.text, not d.compress.kind.plain and not between_replicas),
+                               ("sync", d.sync.text, not d.sync.kind.lockstep and not between_replicas)):
         if ignored:
-            fix = compress_fix if key == "compress" and compress_fix else "; drop --" + key
+            fix = {"compress": compress_fix, "sync": sync_fix}[key] or "; drop --" + key
             raise EdgetrainError(f"config key '{key}' {text} does not apply to strategy {d.cfg.strategy}, whose "
                                  f"{d.strategy.own_exchanges} are uncompressed and synchronous{fix} "
                                  f"or use --strategy ddp")
@@ -503,17 +505,53 @@ def _tiling(d: Draft) -> dict:
     return {"tiling": tiling}
 
 
+# Between the replicas of a pooled strategy (train/replicas.py): gradients every step, or DiLoCo's outer step.
+_BETWEEN_REPLICAS = ("sync", "local")
+
+
+def _between_replicas(d: Draft, key: str, what: str) -> None:
+    """With replicas (config key ``key`` > 1) the devices holding the same ``what`` in different replicas exchange
+    through --compress, every step (sync) or every H steps (local:H / diloco:H); without, nothing crosses."""
+    replicas = getattr(d.cfg, key) > 1
+    flag = "--" + key.replace("_", "-")
+    _exchanges_of_its_own(d, between_replicas=replicas,
+                          compress_fix=f" (one replica: nothing between replicas to compress); add {flag} R for R "
+                                       f"replicas, drop --compress",
+                          sync_fix=f" (one replica: nothing between replicas to synchronise); add {flag} R for R "
+                                   f"replicas exchanging as --sync says, drop --sync")
+    if not replicas:
+        return
+    if d.sync.mode not in _BETWEEN_REPLICAS:
+        raise EdgetrainError(f"config key 'sync' {d.sync.text} does not apply between the replicas of strategy "
+                             f"{d.cfg.strategy}, whose devices holding the same {what} all-reduce its gradients "
+                             f"every step (sync) or DiLoCo's pseudo-gradient every H steps; use --sync sync or "
+                             f"diloco:H")
+    if d.compress.kind.hook:
+        raise EdgetrainError(f"config key 'compress' {d.compress.method} is a DDP gradient hook, which the replicas "
+                             f"of strategy {d.cfg.strategy} do not use; with {flag} use topk, randk, sign, threshold, "
+                             f"int8, qsgd, fp16 or bf16")
+    if d.cfg.checkpoint_every or d.cfg.checkpoint_every_s or d.cfg.resume:
+        raise EdgetrainError(f"checkpoints during the run (--checkpoint-every/--resume) are not supported with "
+                             f"{flag} {getattr(d.cfg, key)} yet (each replica's error feedback, and DiLoCo's "
+                             f"reference model and outer momentum, are not saved); drop them or use {flag} 1")
+
+
+def _fsdp_checks(d: Draft) -> None:
+    _between_replicas(d, "fsdp_replicas", "shard")
+
+
+def _fsdp(d: Draft) -> dict:
+    replicas = d.cfg.fsdp_replicas
+    if d.devices_known and d.cfg.devices % replicas:  # else the devices check it, knowing their number
+        raise EdgetrainError(f"config key 'devices' {d.cfg.devices} is not a multiple of fsdp_replicas {replicas} "
+                             f"(devices = shards x replicas); set --devices to a multiple of {replicas}")
+    return {"fsdp_replicas": replicas}
+
+
 def _pipeline_checks(d: Draft) -> None:
-    # A hybrid pipeline (--pipeline-replicas D > 1) all-reduces each stage's gradients among its D replicas
-    # through edgetrain's compressors (comm/exchange.py): --compress applies there, and only there.
-    hybrid = d.cfg.pipeline_replicas > 1
-    _exchanges_of_its_own(d, compress_applies=hybrid,
-                          compress_fix=" (a single pipeline: nothing to all-reduce); add --pipeline-replicas D for D "
-                                       "pipelines whose stages all-reduce their gradients compressed, drop --compress")
-    if hybrid and d.compress.kind.hook:
-        raise EdgetrainError(f"config key 'compress' {d.compress.method} is a DDP gradient hook, which a pipeline's "
-                             "replicas do not use; with --pipeline-replicas use topk, randk, sign, threshold, int8, "
-                             "qsgd, fp16 or bf16")
+    # A hybrid pipeline (--pipeline-replicas D > 1) exchanges each stage's gradients (or DiLoCo's pseudo-gradient)
+    # among its D replicas through edgetrain's compressors (comm/exchange.py): --compress applies there, and only there.
+    _between_replicas(d, "pipeline_replicas", "stage")
     if d.cfg.link_mode == "enforced":
         raise EdgetrainError("link mode enforced does not apply to strategy pipeline, whose sends are charged on a "
                              "timeline of micro-batches (train/pipeline.py); use --link-mode virtual")
@@ -544,10 +582,6 @@ def _pipeline(d: Draft) -> dict:
                else f"; with {replicas} replicas that is {pipeline.stages * replicas}")
         raise EdgetrainError(f"config key 'devices' is {cfg.devices} but stages {cfg.stages} make {pipeline.stages} "
                              f"stages{per}; set --devices {pipeline.stages * replicas}")
-    if replicas > 1 and (cfg.checkpoint_every or cfg.checkpoint_every_s or cfg.resume):
-        raise EdgetrainError(f"checkpoints during the run (--checkpoint-every/--resume) are not supported with "
-                             f"--pipeline-replicas {replicas} yet (each replica's error-feedback state is not saved); "
-                             f"drop them or use --pipeline-replicas 1")
     return {"pipeline": pipeline}
 
 
@@ -564,9 +598,11 @@ StrategyKind(name="tiled", usage="tiled",
              unplanned="edgetrain plan has no model of strategy tiled (its halo and feature-map exchanges are not "
                        "modelled); measure it with edgetrain train --strategy tiled, or plan ddp, fsdp or pipeline")
 StrategyKind(name="fsdp", usage="fsdp", summary="parameters, gradients and optimizer state sharded over the devices "
-                                                "(FSDP2)",
+                                                "(FSDP2); --fsdp-replicas R: R sharded replicas, --sync sync or "
+                                                "diloco:H between them",
              runtime="edgetrain.train.fsdp:FullyShardedDataParallel", planner=_S + "fsdp_strategy", pooled=True,
-             own_exchanges="parameter all-gathers and gradient reduce-scatters", checks=(_exchanges_of_its_own,))
+             own_exchanges="parameter all-gathers and gradient reduce-scatters", options=("fsdp_replicas",),
+             checks=(_fsdp_checks,), spec=_fsdp)
 StrategyKind(name="pipeline", usage="pipeline",
              summary="the model's layers split into stages, one per device (--stages, --microbatches, "
                      "--pipeline-schedule, --pipeline-replicas); every device reads the whole batch",

@@ -203,10 +203,11 @@ class StepRecord(Record):
     decode_s: float | None = None       # ... decoding, augmenting, normalising and collating them
     storage_items: int | None = None    # items of the batch read from storage
     cache_items: int | None = None      # items of the batch served by the --cache-mb cache
+    replica_bytes_sent: int | None = None  # pooled strategies with replicas: of bytes_sent, those to other replicas
 
     omit_when_none: ClassVar[tuple[str, ...]] = ("page_faults", "virtual_s", "virtual_compute_s", "virtual_comm_s",
                                                  "staleness", "local_steps", "round_status", "read_s", "decode_s",
-                                                 "storage_items", "cache_items")
+                                                 "storage_items", "cache_items", "replica_bytes_sent")
 
 
 class MetricText:

@@ -700,6 +700,9 @@ class RunSpec:
     ``pipeline``, a ``partition`` with ``pipeline``; ``pipeline_replicas`` D > 1 (hybrid) takes a
     ``compress`` (PowerSGD excepted) and refuses checkpoints and ``resume``, devices that are not
     a multiple of D, a D that does not divide the batch and micro-batches that do not divide B / D;
+``fsdp_replicas`` R > 1 takes ``sync`` (gradients every step) or ``local:H`` / ``diloco:H`` between the
+replicas and a ``compress`` (PowerSGD excepted), and refuses checkpoints during the run, ``resume`` and
+devices that are not a multiple of R;
     ``grid`` or ``groups`` without ``strategy: tiled``;
     ``partition`` with ``strategy: tiled`` (every device reads the whole
     batch); ``sync: fedavg`` without a ``partition`` (federated devices train on
@@ -720,6 +723,7 @@ class RunSpec:
     accelerator: str             # auto, cpu or cuda; passed through to the training loop
     batchnorm: str = "local"     # local or sync (DDP's broadcast of buffers is off with sync)
     pipeline: PipelineSpec | None = None  # set exactly when strategy is pipeline
+    fsdp_replicas: int = 1       # --fsdp-replicas R: R sharded replicas (devices = shards x R), exchanging as --sync
     partition: PartitionSpec = PartitionSpec()     # each device's own data, or one shared dataset
     server_opt: ServerOptSpec = ServerOptSpec()    # fedavg rounds: the server's step
     participation: float = 1.0   # fedavg rounds: fraction of devices sampled per round

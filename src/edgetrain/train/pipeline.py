@@ -1,5 +1,6 @@
 """``--strategy pipeline``: the model's layers split into stages, one stage per device, micro-batched;
-with ``--pipeline-replicas D``, D such pipelines whose stages all-reduce their gradients (hybrid).
+with ``--pipeline-replicas D``, D such pipelines whose stages all-reduce their gradients, or with
+``--sync diloco:H`` DiLoCo's pseudo-gradient every H steps (hybrid).
 
 PyTorch's ``torch.distributed.pipelining`` runs the schedule; every device holds, evaluates and
 checkpoints its own stage only.
@@ -37,6 +38,7 @@ from edgetrain.plan.stages import (BACKWARD, FORWARD, describe_stages, pipeline_
 from edgetrain.spec import get_link
 from edgetrain.train.evaluation import gathered_metrics
 from edgetrain.train.fsdp import clock_summary
+from edgetrain.train.replicas import ReplicaExchange
 from edgetrain.train.strategy import FLAT_OPTIMIZER, StepResult, Strategy
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -142,6 +144,12 @@ class Pipeline(Strategy):
             link = get_link(c.link) if c.link is not None else c.spec.link
             self.compressor, self.memory = build_compressor(c.spec.compress, link, c.spec.seed, c.rank)
             self.param_names = tuple(name for name, _ in self.stage_module.named_parameters())
+            self.between = (None if c.spec.sync.kind.lockstep else  # DiLoCo between the replicas of each stage
+                            ReplicaExchange(list(self.stage_module.parameters()), lambda t: t, self.param_names,
+                                            c.spec.sync, self.compressor, self.memory, self.clock.emulator,
+                                            self.stage_group, self.stage_ranks))
+        else:
+            self.between = None
         self.exchange = (0.0, 0.0)  # this step's all-reduce: (seconds computing: encode, decode; modelled link s)
         self.replicas_identical: bool | None = None
         # each replica's loss is its own batch's sum / its batch; the all-reduce averages over the D replicas,
@@ -255,11 +263,20 @@ class Pipeline(Strategy):
         ended = time.perf_counter()
         comm_s = max(0.0, ended - started - (self.stage.compute_s - compute))
         c.stats.record(self.sent - sent, self.received - received, 0, comm_s)
-        if self.replicas > 1:
+        replica_bytes = c.stats.snapshot()["bytes_sent"]
+        if self.replicas > 1 and self.between is None:
             comm_s += self._allreduce_gradients()
         optimizer_started = time.perf_counter()
         optimizer.step()
-        metrics = {"comm_busy_s": None, **self._close_step(time.perf_counter() - optimizer_started)}
+        optimizer_s = time.perf_counter() - optimizer_started
+        if self.between is not None:  # every H steps, the outer step (after the optimizer's: DiLoCo's order)
+            started = time.perf_counter()
+            _, compute_s, model_s = self.between.timed(self.between.after_step)
+            self.exchange = (compute_s, model_s)
+            comm_s += time.perf_counter() - started
+        metrics = {"comm_busy_s": None, **self._close_step(optimizer_s)}
+        if self.replicas > 1:
+            metrics["replica_bytes_sent"] = c.stats.snapshot()["bytes_sent"] - replica_bytes
         if not self.is_last:
             return StepResult(0.0, {}, 0, comm_s, metrics)
         loss_sum = float(sum(loss.item() for loss in losses)) * self.replica_batch
@@ -349,6 +366,10 @@ class Pipeline(Strategy):
         if self.finished:
             return
         self.finished = True
+        if self.between is not None:
+            self.clock.emulator.start_step()
+            self.between.finish()  # the steps since the last outer step: the replicas end with the same model
+            self.clock.emulator.finish_step(count=False)
         if self.replicas > 1 and self.replicas_identical is None:
             self.replicas_identical = self._replicas_agree()
         self.clock.finish()  # nothing is gathered: every device writes its own stage (sharded_state)
@@ -392,7 +413,8 @@ class Pipeline(Strategy):
         p = self.context.spec.pipeline
         hybrid = {} if self.replicas == 1 else {
             "compress": self.context.spec.compress.text, "replica_batch": self.replica_batch,
-            "layout": "device rank = replica x stages + stage", "replicas_identical": self.replicas_identical}
+            "layout": "device rank = replica x stages + stage", "replicas_identical": self.replicas_identical,
+            "sync": self.context.spec.sync.text, **(self.between.summary() if self.between else {})}
         return {**clock_summary(self.clock), "sync": "pipeline",
                 "pipeline": {"schedule": p.schedule, "microbatches": p.microbatches, "replicas": self.replicas,
                              "stages": describe_stages(self.layers, self.bounds), "plan": self.plan, **hybrid}}
