@@ -509,16 +509,17 @@ def _tiling(d: Draft) -> dict:
 _BETWEEN_REPLICAS = ("sync", "local")
 
 
-def _between_replicas(d: Draft, key: str, what: str) -> None:
+def _between_replicas(d: Draft, key: str, what: str, alone: str) -> None:
     """With replicas (config key ``key`` > 1) the devices holding the same ``what`` in different replicas exchange
-    through --compress, every step (sync) or every H steps (local:H / diloco:H); without, nothing crosses."""
+    through --compress, every step (sync) or every H steps (local:H / diloco:H); without (``alone``: what the run
+    then is), nothing crosses."""
     replicas = getattr(d.cfg, key) > 1
     flag = "--" + key.replace("_", "-")
+    add = f"add {flag} D for D replicas whose devices holding the same {what} exchange"
     _exchanges_of_its_own(d, between_replicas=replicas,
-                          compress_fix=f" (one replica: nothing between replicas to compress); add {flag} R for R "
-                                       f"replicas, drop --compress",
-                          sync_fix=f" (one replica: nothing between replicas to synchronise); add {flag} R for R "
-                                   f"replicas exchanging as --sync says, drop --sync")
+                          compress_fix=f" ({alone}: nothing to all-reduce); {add} compressed, drop --compress",
+                          sync_fix=f" ({alone}: nothing between replicas to synchronise); {add} as --sync says "
+                                   f"(sync or diloco:H), drop --sync")
     if not replicas:
         return
     if d.sync.mode not in _BETWEEN_REPLICAS:
@@ -537,7 +538,7 @@ def _between_replicas(d: Draft, key: str, what: str) -> None:
 
 
 def _fsdp_checks(d: Draft) -> None:
-    _between_replicas(d, "fsdp_replicas", "shard")
+    _between_replicas(d, "fsdp_replicas", "shard", "one sharded replica")
 
 
 def _fsdp(d: Draft) -> dict:
@@ -551,7 +552,7 @@ def _fsdp(d: Draft) -> dict:
 def _pipeline_checks(d: Draft) -> None:
     # A hybrid pipeline (--pipeline-replicas D > 1) exchanges each stage's gradients (or DiLoCo's pseudo-gradient)
     # among its D replicas through edgetrain's compressors (comm/exchange.py): --compress applies there, and only there.
-    _between_replicas(d, "pipeline_replicas", "stage")
+    _between_replicas(d, "pipeline_replicas", "stage", "a single pipeline")
     if d.cfg.link_mode == "enforced":
         raise EdgetrainError("link mode enforced does not apply to strategy pipeline, whose sends are charged on a "
                              "timeline of micro-batches (train/pipeline.py); use --link-mode virtual")

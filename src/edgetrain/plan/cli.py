@@ -116,6 +116,10 @@ def run(args: argparse.Namespace) -> int:
         raise EdgetrainError(f"config key 'pipeline_replicas' {cfg.pipeline_replicas}: edgetrain plan does not model "
                              f"pipeline replicas yet (it plans one pipeline over the devices); drop it from the "
                              f"config file to plan one pipeline")
+    if cfg.fsdp_replicas != 1:
+        raise EdgetrainError(f"config key 'fsdp_replicas' {cfg.fsdp_replicas}: edgetrain plan does not model sharded "
+                             f"replicas yet (it plans fsdp over all the devices); drop it from the config file to "
+                             f"plan one sharded model")
     check_output_dir(cfg.output, "config key 'output'")
     straggler_prob, straggler_factor = parse_stragglers(args.stragglers)
     counts = parse_scale(args.scale) if args.scale else None
