@@ -531,10 +531,6 @@ def _between_replicas(d: Draft, key: str, what: str, alone: str) -> None:
         raise EdgetrainError(f"config key 'compress' {d.compress.method} is a DDP gradient hook, which the replicas "
                              f"of strategy {d.cfg.strategy} do not use; with {flag} use topk, randk, sign, threshold, "
                              f"int8, qsgd, fp16 or bf16")
-    if d.cfg.checkpoint_every or d.cfg.checkpoint_every_s or d.cfg.resume:
-        raise EdgetrainError(f"checkpoints during the run (--checkpoint-every/--resume) are not supported with "
-                             f"{flag} {getattr(d.cfg, key)} yet (each replica's error feedback, and DiLoCo's "
-                             f"reference model and outer momentum, are not saved); drop them or use {flag} 1")
 
 
 def _fsdp_checks(d: Draft) -> None:

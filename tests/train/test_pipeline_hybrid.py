@@ -140,8 +140,8 @@ def test_the_replica_all_reduce_keeps_error_feedbacks_invariant_and_gives_every_
     (dict(pipeline_replicas=2, batch_size=64, microbatches=64), r"'microbatches' 64 does not divide a replica's "
                                                                 r"batch 32"),
     (dict(pipeline_replicas=2, devices=4, stages="2,4"), "make 3 stages; with 2 replicas that is 6; set --devices 6"),
-    (dict(pipeline_replicas=2, devices=4, checkpoint_every=2), "not supported with --pipeline-replicas 2"),
-    (dict(pipeline_replicas=2, devices=4, sync="local:4"), "'sync' local:4 does not apply to strategy pipeline"),
+    (dict(pipeline_replicas=2, devices=4, sync="async:4"), "'sync' async:4 does not apply between the replicas of "
+                                                           "strategy pipeline"),
 ])
 def test_hybrid_refuses_what_it_cannot_run(options, message):
     with pytest.raises(EdgetrainError, match=message):

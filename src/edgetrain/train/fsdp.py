@@ -28,7 +28,7 @@ from edgetrain.errors import EdgetrainError
 from edgetrain.kinds import STRATEGY_KINDS
 from edgetrain.models.init import initialised_layers, is_meta, materialise
 from edgetrain.spec import get_link
-from edgetrain.train.replicas import ReplicaExchange
+from edgetrain.train.replicas import ReplicaExchange, load_replica_part, replica_part
 from edgetrain.train.strategy import FLAT_OPTIMIZER, DataParallel, StepResult, Strategy
 
 
@@ -210,11 +210,12 @@ class FullyShardedDataParallel(Strategy):
         model, optim = get_state_dict(self.model, optimizer, options=FLAT_OPTIMIZER)
         if not final:  # during the run each device's own BatchNorm statistics: in state_dict, its own file
             model = {key: value for key, value in model.items() if isinstance(value, DTensor)}
-        return {"model": model, "optimizer": optim}
+        return {"model": model, "optimizer": optim, **replica_part(self.between, optimizer, final)}
 
     def load_sharded_state(self, state: dict, optimizer) -> None:
         set_state_dict(self.model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                        options=dataclasses.replace(FLAT_OPTIMIZER, strict=False))
+        load_replica_part(self.between, state, optimizer)
 
     def state_dict(self) -> dict:
         """This device's buffers (BatchNorm statistics: each device's own, as with DDP's local BatchNorm);

@@ -25,8 +25,6 @@ from edgetrain.cluster.peers import all_gather_json
 from edgetrain.cluster.profiles import plan_devices
 from edgetrain.comm import device_clock
 from edgetrain.comm.compress.spec import build_compressor
-from edgetrain.comm.exchange import average
-from edgetrain.comm.params import flatten, unflatten
 from edgetrain.data import shard_indices
 from edgetrain.errors import EdgetrainError
 from edgetrain.kinds import STRATEGY_KINDS
@@ -38,7 +36,8 @@ from edgetrain.plan.stages import (BACKWARD, FORWARD, describe_stages, pipeline_
 from edgetrain.spec import get_link
 from edgetrain.train.evaluation import gathered_metrics
 from edgetrain.train.fsdp import clock_summary
-from edgetrain.train.replicas import ReplicaExchange
+from edgetrain.train.replicas import (  # noqa: F401 (allreduce_gradients: the hybrid's, imported from here)
+    ReplicaExchange, allreduce_gradients, load_replica_part, replica_part)
 from edgetrain.train.strategy import FLAT_OPTIMIZER, StepResult, Strategy
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -142,12 +141,12 @@ class Pipeline(Strategy):
             # error feedback keyed per parameter name (compress/memory.py); a shared seed: random-k draws the
             # same indices on every replica of the stage
             link = get_link(c.link) if c.link is not None else c.spec.link
-            self.compressor, self.memory = build_compressor(c.spec.compress, link, c.spec.seed, c.rank)
-            self.param_names = tuple(name for name, _ in self.stage_module.named_parameters())
-            self.between = (None if c.spec.sync.kind.lockstep else  # DiLoCo between the replicas of each stage
-                            ReplicaExchange(list(self.stage_module.parameters()), lambda t: t, self.param_names,
-                                            c.spec.sync, self.compressor, self.memory, self.clock.emulator,
-                                            self.stage_group, self.stage_ranks))
+            compressor, memory = build_compressor(c.spec.compress, link, c.spec.seed, c.rank)
+            names = tuple(name for name, _ in self.stage_module.named_parameters())
+            # gradients every step (--sync sync), or DiLoCo's pseudo-gradient every H steps, between the replicas
+            self.between = ReplicaExchange(list(self.stage_module.parameters()), lambda t: t, names, c.spec.sync,
+                                           compressor, memory, self.clock.emulator, self.stage_group,
+                                           self.stage_ranks)
         else:
             self.between = None
         self.exchange = (0.0, 0.0)  # this step's all-reduce: (seconds computing: encode, decode; modelled link s)
@@ -264,16 +263,13 @@ class Pipeline(Strategy):
         comm_s = max(0.0, ended - started - (self.stage.compute_s - compute))
         c.stats.record(self.sent - sent, self.received - received, 0, comm_s)
         replica_bytes = c.stats.snapshot()["bytes_sent"]
-        if self.replicas > 1 and self.between is None:
-            comm_s += self._allreduce_gradients()
+        if self.between is not None and self.between.every_step_gradients:
+            comm_s += self._exchange(self.between.after_backward)
         optimizer_started = time.perf_counter()
         optimizer.step()
         optimizer_s = time.perf_counter() - optimizer_started
-        if self.between is not None:  # every H steps, the outer step (after the optimizer's: DiLoCo's order)
-            started = time.perf_counter()
-            _, compute_s, model_s = self.between.timed(self.between.after_step)
-            self.exchange = (compute_s, model_s)
-            comm_s += time.perf_counter() - started
+        if self.between is not None and not self.between.every_step_gradients:
+            comm_s += self._exchange(self.between.after_step)  # every H steps, DiLoCo's outer step, after the inner
         metrics = {"comm_busy_s": None, **self._close_step(optimizer_s)}
         if self.replicas > 1:
             metrics["replica_bytes_sent"] = c.stats.snapshot()["bytes_sent"] - replica_bytes
@@ -282,19 +278,13 @@ class Pipeline(Strategy):
         loss_sum = float(sum(loss.item() for loss in losses)) * self.replica_batch
         return StepResult(loss_sum, c.task.train_counts(out.detach(), y), c.task.batch_size(y), comm_s, metrics)
 
-    def _allreduce_gradients(self) -> float:
-        """This stage's gradients averaged over its D replicas (``allreduce_gradients``); the exchange's compute
-        and modelled link seconds kept for the step's clock; returns the seconds it took."""
-        emulator = self.clock.emulator
-        blocked, modelled = emulator.step_charged()
+    def _exchange(self, run) -> float:
+        """The exchange between replicas ``run`` makes (``ReplicaExchange``), its compute (encode, decode) and
+        modelled link seconds kept for the step's clock; returns the seconds it took."""
         started = time.perf_counter()
-        allreduce_gradients(list(self.stage_module.parameters()), self.param_names, self.compressor, self.memory,
-                            emulator, self.stage_group, self.stage_ranks)
-        seconds = time.perf_counter() - started
-        blocked_now, modelled_now = emulator.step_charged()
-        # encoding and decoding is this device's compute; the collective itself is charged as modelled link time
-        self.exchange = (max(0.0, seconds - (blocked_now - blocked)), modelled_now - modelled)
-        return seconds
+        _, compute_s, model_s = self.between.timed(run)
+        self.exchange = (compute_s, model_s)
+        return time.perf_counter() - started
 
     def _close_step(self, optimizer_s: float) -> dict:
         """The device clock after this step: host time without links, else the timeline's (module docstring)."""
@@ -403,11 +393,13 @@ class Pipeline(Strategy):
         first, end = self.bounds[self.stage_index]
         model = {f"{name}.{key}": value for name, layer in self.layers[first:end]
                  for key, value in layer.state_dict().items()}
-        return {"model": model, "optimizer": get_optimizer_state_dict(self.whole, optimizer, options=FLAT_OPTIMIZER)}
+        return {"model": model, "optimizer": get_optimizer_state_dict(self.whole, optimizer, options=FLAT_OPTIMIZER),
+                **replica_part(self.between, optimizer, final)}
 
     def load_sharded_state(self, state: dict, optimizer) -> None:
         self.whole.load_state_dict(state["model"], strict=False)  # this stage's layers only
         set_optimizer_state_dict(self.whole, optimizer, state["optimizer"], options=FLAT_OPTIMIZER)
+        load_replica_part(self.between, state, optimizer)
 
     def summary(self) -> dict:
         p = self.context.spec.pipeline
@@ -418,20 +410,6 @@ class Pipeline(Strategy):
         return {**clock_summary(self.clock), "sync": "pipeline",
                 "pipeline": {"schedule": p.schedule, "microbatches": p.microbatches, "replicas": self.replicas,
                              "stages": describe_stages(self.layers, self.bounds), "plan": self.plan, **hybrid}}
-
-
-def allreduce_gradients(params: list[nn.Parameter], names: tuple[str, ...], compressor, memory, emulator, group,
-                        peers: list[int]) -> None:
-    """Replace each parameter's gradient by its mean over ``group`` (a stage's replicas; ``peers`` their global
-    ranks) through ``comm.exchange.average``: the run's compressor, error feedback kept per parameter name,
-    bytes counted and the collective charged to ``emulator``. Every device of the group gets the same mean."""
-    for p in params:
-        if p.grad is None:  # a parameter this step did not reach: a zero gradient, as DDP all-reduces it
-            p.grad = torch.zeros_like(p)
-    grads = [p.grad for p in params]
-    mean = average(flatten(grads), compressor, memory, emulator, key="gradients", group=group,
-                   segments=tuple(p.numel() for p in params), names=names, peers=peers)
-    unflatten(mean, grads)
 
 
 def _least(values):

@@ -57,11 +57,10 @@ class ReplicaExchange:
         """``--sync sync``: each gradient replaced by its mean over the replicas (before the optimizer steps)."""
         if not self.every_step_gradients:
             return
-        for p in self.params:
-            if p.grad is None:  # a parameter this step did not reach: a zero gradient, as DDP all-reduces it
-                p.grad = torch.zeros_like(p)
-        grads = [self.local(p.grad) for p in self.params]
-        unflatten(self._average(flatten(grads), "gradients"), grads)
+        before = self.emulator.stats.bytes_sent
+        allreduce_gradients(self.params, self.names, self.compressor, self.memory, self.emulator, self.group,
+                            self.peers, self.local)
+        self.sent += self.emulator.stats.bytes_sent - before
 
     def after_step(self) -> bool:
         """After the optimizer's step: the outer step if this is the ``H``-th since the last; True if it ran."""
@@ -93,6 +92,39 @@ class ReplicaExchange:
         if not self.every_step_gradients and self.steps % self.period:
             self.outer_step()
 
+    def state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+        """What this device alone holds, for its own checkpoint file: between two outer steps the replicas differ,
+        so its part of its replica (parameters and the optimizer's state over them) is here, besides DiLoCo's
+        reference and outer momentum, the step in the round and the error feedback."""
+        def own(value):
+            return self.local(value).detach().clone() if isinstance(value, torch.Tensor) else value
+
+        return {"params": [own(p) for p in self.params],
+                "optimizer": [{k: own(v) for k, v in optimizer.state[p].items()} for p in self.params],
+                "ref": None if self.every_step_gradients else self.ref.detach().clone(),
+                "outer": self.outer.state_dict() if self.outer else None,
+                "steps": self.steps, "averages": self.averages, "sent": self.sent,
+                "compressor": self.compressor.state_dict(), "memory": self.memory.state_dict()}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict, optimizer: torch.optim.Optimizer) -> None:
+        """``state_dict``'s, after the shared checkpoint (which holds one replica's model and optimizer) was read."""
+        for p, value, saved in zip(self.params, state["params"], state["optimizer"], strict=True):
+            self.local(p).copy_(value)
+            for key, tensor in saved.items():
+                mine = optimizer.state[p].get(key)
+                if isinstance(mine, torch.Tensor):
+                    self.local(mine).copy_(tensor)
+                else:
+                    optimizer.state[p][key] = tensor
+        if state["ref"] is not None:
+            self.ref.copy_(state["ref"])
+        if self.outer is not None:
+            self.outer.load_state_dict(state["outer"])
+        self.steps, self.averages, self.sent = state["steps"], state["averages"], state["sent"]
+        self.compressor.load_state_dict(state["compressor"])
+        self.memory.load_state_dict(state["memory"])
+
     def timed(self, run) -> tuple[bool, float, float]:
         """``run()`` (an exchange) timed: (its result, seconds computing outside the collectives, modelled
         link seconds charged), for a strategy that builds its own step clock (train/pipeline.py)."""
@@ -107,3 +139,29 @@ class ReplicaExchange:
         return {"between_replicas": "gradients every step" if self.every_step_gradients
                 else f"pseudo-gradient every {self.period} steps", "outer_steps": self.averages,
                 "replica_bytes_sent": self.sent}
+
+
+def replica_part(exchange: ReplicaExchange | None, optimizer, final: bool) -> dict:
+    """A pooled strategy's ``sharded_state`` part of what this device alone holds (during the run, with replicas):
+    no tensor at its top, so the checkpoint keeps it in the device's own file (``checkpoint.split_sharded``)."""
+    return {} if exchange is None or final else {"replica": {"state": exchange.state_dict(optimizer)}}
+
+
+def load_replica_part(exchange: ReplicaExchange | None, state: dict, optimizer) -> None:
+    if exchange is not None and state.get("replica"):
+        exchange.load_state_dict(state["replica"]["state"], optimizer)
+
+
+def allreduce_gradients(params: list, names: tuple[str, ...], compressor, memory, emulator, group,
+                        peers: list[int], local=lambda t: t) -> None:
+    """Replace each parameter's gradient (``local``: its local tensor) by its mean over ``group`` (one part's
+    replicas; ``peers`` their global ranks) through ``comm.exchange.average``: the run's compressor, error feedback
+    kept per parameter name, bytes counted and the collective charged to ``emulator``. Every device of the group
+    gets the same mean."""
+    for p in params:
+        if p.grad is None:  # a parameter this step did not reach: a zero gradient, as DDP all-reduces it
+            p.grad = torch.zeros_like(p)
+    grads = [local(p.grad) for p in params]
+    mean = average(flatten(grads), compressor, memory, emulator, key="gradients", group=group,
+                   segments=tuple(g.numel() for g in grads), names=names, peers=peers)
+    unflatten(mean, grads)
