@@ -75,15 +75,19 @@ def test_fsdp_replicas_with_diloco_4_exchange_once_per_4_steps_as_data_parallel_
     assert replica == 4 * PARAMS * steps // period
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "pipeline"])
+@pytest.mark.parametrize("strategy", ["fsdp", pytest.param("pipeline", marks=pytest.mark.slow)])
 def test_a_run_with_diloco_between_replicas_resumes_mid_round_as_the_uninterrupted_one(tmp_path, strategy):
     # a checkpoint at step 3 of rounds of 4: the replicas differ there (parameters and inner momentum), and each
     # device's error feedback (SparseLoCo's top-k), DiLoCo's reference and outer momentum are its own
     cfg = dict(dataset="digits", steps=6, batch_size=BATCH, lr=0.1, momentum=0.9, output=str(tmp_path),
                sync="diloco:4", compress="topk:0.1:bits=2", checkpoint_every=3, **FAST, **POOLED[strategy])
-    summary = train(cfg, model=_model(), devices=4, run_name="run")
+    summary = train({**cfg, "link": "20mbit:5ms"}, model=_model(), devices=4, run_name="run")
     uninterrupted = _weights(summary)
     assert summary[strategy]["outer_steps"] == 2  # at step 4, and the last 2 steps at the end
+    # on the device clock, the outer exchange is charged to the step that makes it, and to no other
+    for rank in range(4):
+        comm = [r["virtual_comm_s"] for r in _records(summary) if r["rank"] == rank]
+        assert comm[0] == comm[1] == comm[2] == comm[4] == comm[5] < comm[3], comm
     resumed = train({"resume": summary["run_dir"]}, model=_model())
     assert resumed["steps"] == 6
     for key, value in _weights(resumed).items():

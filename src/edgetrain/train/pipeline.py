@@ -250,6 +250,7 @@ class Pipeline(Strategy):
         c = self.context
         self.clock.emulator.start_step()
         self.stage.actions = []
+        self.exchange = (0.0, 0.0)  # no exchange between replicas yet this step (DiLoCo: most steps have none)
         optimizer.zero_grad(set_to_none=True)
         sent, received, compute = self.sent, self.received, self.stage.compute_s
         losses: list[torch.Tensor] = []
