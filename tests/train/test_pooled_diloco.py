@@ -51,6 +51,9 @@ def test_diloco_every_step_with_outer_lr_1_and_no_momentum_is_the_plain_pooled_r
     plain = train(cfg, model=_model(), devices=4, run_name="plain")
     diloco = train({**cfg, "sync": IDENTITY}, model=_model(), devices=4, run_name="diloco")
     _same(_weights(plain), _weights(diloco))
+    if strategy == "fsdp":  # the plain run's sharded replicas all-reduce gradients: one device's parameters
+        one = {key: value for key, value in cfg.items() if key not in POOLED[strategy]}
+        _same(_weights(train(one, model=_model(), devices=1, run_name="one")), _weights(plain))
     # both send each device's part of the model (fp32) to its one peer replica once per step
     assert ([r["replica_bytes_sent"] for r in _records(plain)] == [r["replica_bytes_sent"] for r in _records(diloco)]
             and all(r["replica_bytes_sent"] > 0 for r in _records(diloco)))
