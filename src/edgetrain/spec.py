@@ -34,6 +34,7 @@ pipeline stages 1, 2, ... start), ``--microbatches M``, ``--pipeline-schedule gp
 ``--pipeline-replicas D`` (D pipelines of S stages each, devices = S x D) make a
 ``PipelineSpec``; whether the model can be cut there is checked on the model
 (``plan.stages``).
+``--fsdp-replicas R`` (R sharded copies of S devices each, devices = S x R) is ``RunSpec.fsdp_replicas``.
 
 ``--grid ROWSxCOLS`` and ``--groups auto|E1,E2,...`` (group ends as layer
 indices) make a ``TilingSpec``; whether they fit a model is checked on the
@@ -695,14 +696,13 @@ class RunSpec:
     than ``sync``; DGC with optimizer momentum (applied twice); with
     ``strategy: tiled`` any ``compress``, ``sync`` or ``link`` (tiled training
     exchanges halos, feature maps and gradients uncompressed and unemulated,
-    step by step); with ``strategy: fsdp`` or ``pipeline`` a ``compress`` or ``sync``
+    step by step); with ``strategy: fsdp`` or ``pipeline`` without replicas a ``compress`` or ``sync``
     (PyTorch's own collectives, counted but not compressed), ``link_mode: enforced`` with
-    ``pipeline``, a ``partition`` with ``pipeline``; ``pipeline_replicas`` D > 1 (hybrid) takes a
-    ``compress`` (PowerSGD excepted) and refuses checkpoints and ``resume``, devices that are not
-    a multiple of D, a D that does not divide the batch and micro-batches that do not divide B / D;
-``fsdp_replicas`` R > 1 takes ``sync`` (gradients every step) or ``local:H`` / ``diloco:H`` between the
-replicas and a ``compress`` (PowerSGD excepted), and refuses checkpoints during the run, ``resume`` and
-devices that are not a multiple of R;
+    ``pipeline``, a ``partition`` with ``pipeline``; ``pipeline_replicas`` D > 1 (hybrid) and
+    ``fsdp_replicas`` R > 1 take ``sync`` (gradients every step) or ``local:H`` / ``diloco:H`` (DiLoCo's
+    outer step) between the replicas and a ``compress`` (PowerSGD excepted), and refuse other sync modes
+    and devices that are not a multiple of D (R); a D that does not divide the batch and micro-batches
+    that do not divide B / D;
     ``grid`` or ``groups`` without ``strategy: tiled``;
     ``partition`` with ``strategy: tiled`` (every device reads the whole
     batch); ``sync: fedavg`` without a ``partition`` (federated devices train on
