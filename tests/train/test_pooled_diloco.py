@@ -118,3 +118,14 @@ def test_replicas_take_diloco_and_sparseloco_between_them(strategy):
     options = {k: v for k, v in POOLED[strategy].items() if k != "stages"}
     spec = resolve(TrainConfig(devices=4, sync="diloco:4", compress="topk:0.03:bits=2", **options))
     assert spec.sync.period == 4 and spec.sync.nesterov and spec.compress.text == "topk:0.03:bits=2"
+
+
+def test_plan_refuses_fsdp_replicas_in_one_line(tmp_path, capsys):
+    from edgetrain.cli import main
+
+    config = tmp_path / "run.yaml"
+    config.write_text("strategy: fsdp\nfsdp_replicas: 2\ndevices: 4\n")
+    assert main(["plan", "--config", str(config), "--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "config key 'fsdp_replicas' 2: edgetrain plan does not model sharded replicas" in err
+    assert len(err.strip().splitlines()) == 1
