@@ -32,11 +32,12 @@ from pathlib import Path
 from typing import Any
 
 from edgetrain.errors import EdgetrainError
-from edgetrain.kinds import STRATEGIES, STRATEGY_KINDS, SYNC_KINDS, Draft, check_compatible, owner, strategy_kind
+from edgetrain.kinds import (STRATEGIES, STRATEGY_KINDS, SYNC_KINDS, Draft, check_compatible, is_user_task, owner,
+                             run_task, strategy_kind, task_kind)
 from edgetrain.spec import (DEDUP_DEFAULT_THRESHOLD, DEDUP_HASH_BITS, DEDUP_MAX_THRESHOLD, FAULT_ENV, LINK_MODES,
                             PIPELINE_SCHEDULES, CheckpointSpec, LaunchSpec, RunSpec, get_link, launch_spec,
-                            parse_compress, parse_dedup, parse_partition, parse_round_deadline, parse_server_opt,
-                            parse_sync, usage)
+                            parse_compress, parse_dedup, parse_local_batch, parse_partition, parse_round_deadline,
+                            parse_server_opt, parse_sync, usage)
 from edgetrain.yamlfile import read_yaml_mapping
 
 
@@ -251,17 +252,52 @@ def _unknown_key(key: str, source: str) -> EdgetrainError:
     return EdgetrainError(f"unknown config key '{key}'{where}{hint}")
 
 
-def load_config(source: TrainConfig | dict | str | os.PathLike | None = None, **overrides: Any) -> TrainConfig:
+@dataclass(frozen=True)
+class ConfigFile:
+    """A YAML config file read once (``read_config_file``): what it sets, and its path for the messages."""
+
+    path: str
+    values: dict
+
+
+def read_config_file(path: str | os.PathLike) -> ConfigFile:
+    return ConfigFile(str(path), read_yaml_mapping(path, "config file"))
+
+
+Source = TrainConfig | ConfigFile | dict | str | os.PathLike | None
+
+
+def load_config(source: Source = None, **overrides: Any) -> TrainConfig:
     """Build a validated ``TrainConfig`` from a config object, a dict or a YAML path, then ``overrides``."""
-    values: dict[str, Any] = {}
-    origin = ""
+    return load_run(source, **overrides)[0]
+
+
+def load_run(source: Source = None, launch: LaunchSpec | None = None, **overrides: Any
+             ) -> tuple[TrainConfig, RunSpec]:
+    """``load_config``'s config and its ``RunSpec``, every option resolved once (``resolve``, with ``launch``:
+    how this process was started, read by the launcher)."""
+    values, origin = source_values(source)
+    cfg = _assign(TrainConfig(), values, origin, overrides)
+    if cfg.resume:
+        cfg = _resumed(cfg.resume, {**values, **overrides})
+    return cfg, validate(cfg, launch)
+
+
+def source_values(source: Source) -> tuple[dict[str, Any], str]:
+    """The keys a config source sets (a ``TrainConfig`` sets every key) and where they come from."""
     if isinstance(source, TrainConfig):
-        values = source.to_dict()
-    elif isinstance(source, dict):
-        values, origin = dict(source), "config"
-    elif source is not None:
-        values, origin = read_yaml_mapping(source, "config file"), str(source)
-    cfg = TrainConfig()
+        return source.to_dict(), ""
+    if isinstance(source, ConfigFile):
+        return dict(source.values), source.path
+    if isinstance(source, dict):
+        return dict(source), "config"
+    if source is not None:
+        return read_yaml_mapping(source, "config file"), str(source)
+    return {}, ""
+
+
+def _assign(cfg: TrainConfig, values: dict[str, Any], origin: str, overrides: dict[str, Any]) -> TrainConfig:
+    """``cfg`` with ``values`` (from ``origin``), then ``overrides``, set on it, each key and value checked."""
     for key, value in values.items():
         if key not in FIELDS:
             raise _unknown_key(key, origin)
@@ -270,9 +306,6 @@ def load_config(source: TrainConfig | dict | str | os.PathLike | None = None, **
         if key not in FIELDS:
             raise _unknown_key(key, "overrides")
         setattr(cfg, key, _coerce(key, value, "command line"))
-    if cfg.resume:
-        return _resumed(cfg.resume, {**values, **overrides})
-    validate(cfg)
     return cfg
 
 
@@ -290,7 +323,7 @@ def _resumed(run_dir: str, given: dict[str, Any]) -> TrainConfig:
     if not saved_path.is_file():
         raise EdgetrainError(f"--resume {run_dir} is not a run directory (no config.yaml there); give the directory "
                              f"edgetrain train made, e.g. runs/train-<timestamp>")
-    cfg = load_config(read_yaml_mapping(saved_path, "config file"))
+    cfg = _assign(TrainConfig(), read_yaml_mapping(saved_path, "config file"), "config", {})
     for key, value in given.items():
         value = _coerce(key, value, "command line")
         if key not in RESUME_MAY_CHANGE and value != getattr(cfg, key):
@@ -299,24 +332,12 @@ def _resumed(run_dir: str, given: dict[str, Any]) -> TrainConfig:
                                  f"--{key.replace('_', '-')} or start a new run")
         setattr(cfg, key, value)
     cfg.resume = str(run_dir)
-    validate(cfg)
     return cfg
 
 
-def validate(cfg: TrainConfig) -> None:
-    """Checks that span several keys or need other modules; each failure names its key."""
-    if cfg.local_batch not in ("even", "balanced"):
-        try:
-            sizes = [int(s) for s in cfg.local_batch.split(",")]
-        except ValueError:
-            raise EdgetrainError(f"config key 'local_batch' must be even, balanced or a list like 16,16,32, "
-                                 f"not {cfg.local_batch!r}") from None
-        if any(s < 1 for s in sizes):
-            raise EdgetrainError(f"config key 'local_batch' needs every device's batch >= 1, not {cfg.local_batch!r}")
-        if sum(sizes) != cfg.batch_size:
-            raise EdgetrainError(f"config key 'local_batch' {cfg.local_batch} sums to {sum(sizes)}, "
-                                 f"but batch_size is {cfg.batch_size}; make them agree")
-    resolve(cfg)
+def validate(cfg: TrainConfig, launch: LaunchSpec | None = None) -> RunSpec:
+    """Checks that span several keys or need other modules, each failure naming its key: ``resolve``."""
+    return resolve(cfg, launch)
 
 
 def resolve(cfg: TrainConfig, launch: LaunchSpec | None = None) -> RunSpec:
@@ -326,6 +347,7 @@ def resolve(cfg: TrainConfig, launch: LaunchSpec | None = None) -> RunSpec:
     ``launch``: how this process was started, which the launcher reads from its environment
     (``spec.launch_spec``); left out, it is this process's own (the library's ``resolve(cfg)``)."""
     launch = launch_spec(os.environ) if launch is None else launch
+    local_batch = parse_local_batch(cfg.local_batch, cfg.batch_size)
     compress, sync = parse_compress(cfg.compress), parse_sync(cfg.sync)
     check_compatible(sync, compress)
     link = get_link(cfg.link)
@@ -335,10 +357,14 @@ def resolve(cfg: TrainConfig, launch: LaunchSpec | None = None) -> RunSpec:
         raise EdgetrainError(f"batchnorm sync all-reduces statistics at every forward, which --sync {sync.text} is "
                              "meant to avoid; use --batchnorm local")
     partition, server_opt = parse_partition(cfg.partition), parse_server_opt(cfg.server_opt)
-    draft = Draft(cfg, compress, sync, partition, link, launch)
+    task = run_task(cfg.task, cfg.dataset)
+    # a task passed from Python has no descriptor: preflight checks it with the object
+    task_of = None if is_user_task(task) else task_kind(task)
+    draft = Draft(cfg, compress, sync, partition, link, launch, task_of)
     strategy = strategy_kind(cfg.strategy)
-    for kind in (compress.kind, strategy, sync.kind):
-        kind.check(draft)
+    for kind in (compress.kind, strategy, sync.kind, task_of):
+        if kind is not None:
+            kind.check(draft)
     for family, usage in (("strategy", "needs strategy {0} (--strategy {0})"), ("sync", "{1}")):
         for key in FIELDS:
             owning = owner(key, family)
@@ -372,7 +398,7 @@ def resolve(cfg: TrainConfig, launch: LaunchSpec | None = None) -> RunSpec:
                    checkpoint=CheckpointSpec(cfg.checkpoint_every, cfg.keep_checkpoints, cfg.resume,
                                              cfg.checkpoint_every_s),
                    faults=launch.faults, torchrun=launch.torchrun, tensorboard=cfg.tensorboard,
-                   dedup=parse_dedup(cfg.dedup), min_devices=cfg.min_devices, task=cfg.task)
+                   dedup=parse_dedup(cfg.dedup), min_devices=cfg.min_devices, task=task, local_batch=local_batch)
     # A cluster file's device count (or torchrun's) is only known once the devices are planned: train applies
     # with_device_count then, with the count the run will have.
     return with_device_count(cfg, spec, cfg.devices, launch) if draft.devices_known else spec
@@ -406,8 +432,8 @@ def with_device_count(cfg: TrainConfig, spec: RunSpec, n: int, launch: LaunchSpe
         (bool(cfg.checkpoint_every or cfg.checkpoint_every_s or cfg.resume),
          "survivors restore from a peer, not from checkpoints; drop --checkpoint-every/--resume"),
         (partition.local, f"--partition {partition.text} would lose a departed device's data; drop --partition"),
-        (cfg.local_batch not in ("even", "balanced"), f"local_batch {cfg.local_batch} cannot be re-split over the "
-                                                       f"devices that remain; use even or balanced"),
+        (isinstance(spec.local_batch, tuple), f"local_batch {cfg.local_batch} cannot be re-split over the "
+                                              f"devices that remain; use even or balanced"),
     )
     for refused, why in refusals:
         if refused:

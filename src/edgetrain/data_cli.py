@@ -64,7 +64,7 @@ def run_pack(args: argparse.Namespace) -> int:
     from edgetrain.data.shards import pack
     from edgetrain.errors import EdgetrainError
     from edgetrain.preflight import check_data
-    from edgetrain.task_kinds import target_kind
+    from edgetrain.kinds import target_kind
 
     given = {k: v for k, v in vars(args).items() if k in PACK_OPTIONS}
     # Folders are packed file by file, as they are on disk: read them from storage, never whole into memory.

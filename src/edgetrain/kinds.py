@@ -13,6 +13,7 @@ kind is declared before anything is parsed.
 """
 from __future__ import annotations
 
+import difflib
 import importlib
 import math
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ class Draft:
     partition: PartitionSpec
     link: Link | None
     launch: LaunchSpec
+    task: TaskKind | None = None   # the run's task (None: one passed from Python, which has no descriptor)
 
     @property
     def strategy(self) -> StrategyKind:
@@ -94,6 +96,10 @@ class Kind:
         for check in self.checks:
             check(draft)
 
+    def runtime_attributes(self) -> dict[str, Any]:
+        """What its runtime class reads of it, set on the class by ``named_by_kind``."""
+        return {"name": self.name, "kind": self}
+
 
 def _load(where: str) -> Any:
     module, _, attribute = where.partition(":")
@@ -114,6 +120,8 @@ class CompressKind(Kind):
     plain: bool = False        # sends fp32 as plain DDP does: nothing compressed
     hook: bool = False         # a DDP gradient hook of its own, not a Compressor: synchronous steps only
     fixed_size: bool = True    # the same bytes every exchange, whatever the values
+    # what a server without the devices' own state lacks to decode its payload ("": a server decodes it)
+    server_cannot_decode: str = ""
 
 
 def _no_number(name: str) -> Callable[[float | None, dict, str], None]:
@@ -207,7 +215,7 @@ CompressKind(name="topk", usage="topk:RATIO",
              checks=(_dgc_without_optimizer_momentum,))
 CompressKind(name="randk", usage="randk:RATIO", summary="random-k (shared seed) with error feedback; noef",
              runtime=_C + "randk:build", planner=_PAYLOAD, check_arguments=_fraction("randk"),
-             options=frozenset({"noef"}))
+             options=frozenset({"noef"}), server_cannot_decode="its shared random indices")
 CompressKind(name="sign", usage="sign", summary="EF-signSGD (scaled sign, error feedback); sign:vote for signSGD "
                                                "majority vote",
              runtime=_C + "sign:build", planner=_PAYLOAD, check_arguments=_no_number("sign"),
@@ -216,7 +224,8 @@ CompressKind(name="powersgd", usage="powersgd[:RANK]",
              summary="PyTorch's PowerSGD hook (default rank 2); start=ITER vanilla all-reduce iterations first "
                      "(default 10)",
              runtime=_C + "powersgd:build_hook", planner="edgetrain.plan.traffic:powersgd_buckets",
-             check_arguments=_check_powersgd, options=frozenset({"start"}), hook=True)
+             check_arguments=_check_powersgd, options=frozenset({"start"}), hook=True,
+             server_cannot_decode="its low-rank state (a DDP hook)")
 CompressKind(name="threshold", usage="threshold[:TAU]",
              summary="Strom's two-step threshold method, Wt derived from the device's link (default tau 0.001); "
                      "entries decode to their layer's mean, strom to +-Wt",
@@ -474,6 +483,9 @@ class StrategyKind(Kind):
     options: tuple[str, ...] = ()    # config keys only this strategy takes
     spec: Callable[[Draft], dict] = lambda draft: {}   # the RunSpec fields it parses from its options
 
+    def runtime_attributes(self) -> dict[str, Any]:
+        return {**super().runtime_attributes(), "shard_data": self.shards_batch, "pooled": self.pooled}
+
 
 def _exchanges_of_its_own(d: Draft, between_replicas: bool = False, compress_fix: str = "",
                           sync_fix: str = "") -> None:
@@ -609,9 +621,159 @@ StrategyKind(name="pipeline", usage="pipeline",
 
 
 # ---------------------------------------------------------------- tasks
-# A task (what a model is trained to do: its loss and metrics) is declared here the same way: a ``Kind``
-# subclass with ``family = "task"`` and its capabilities, whose ``runtime`` names its class in
-# ``edgetrain.tasks``; ``spec.KINDS["task"]`` is its table.
+
+@dataclass(frozen=True, kw_only=True)
+class TaskKind(Kind):
+    """``--task``: what a model learns (its loss, metrics and targets). ``runtime`` is its ``tasks.base.Task``
+    subclass; ``planner`` the cost count that takes its loss (``plan/costs.py``). A task passed from Python
+    (``edgetrain.train(task=MyTask())``) has no descriptor: it is recorded as ``module:QualName`` and runs under
+    every strategy whose needs it meets (``tasks.build_task``). Design notes: docs/how-to/tasks.md."""
+
+    family: ClassVar[str] = "task"
+    default_dataset: str                # what `--task NAME` trains on when no dataset is given
+    default_model: str                  # and with which model
+    implied_by: tuple[str, ...] = ()    # built-in datasets whose runs are this task when --task is not given
+    strategies: tuple[str, ...] = ("ddp", "tiled", "fsdp", "pipeline")  # the strategies that can run it
+    why_not: str = ""                   # what a refused strategy is told (the reason, then the fix)
+    # the launcher checks the data and one batch through the model before any device starts (Task.check_data,
+    # Task.check); classification skips it: its data is today's, checked as it always was, and CIFAR-10 is
+    # not read twice
+    check_batch: bool = True
+    targets: str = "labels"             # what the built-in file formats (npz, csv) read as targets: "labels"
+                                        # (integer classes) or "values" (real numbers); "own": the task's datasets
+    # further config values `--task NAME` brings for keys the user did not give (detection: the resolution,
+    # optimiser and schedule its default model learns the default dataset with)
+    settings: tuple[tuple[str, object], ...] = ()
+
+    def check_strategy(self, strategy: str) -> None:
+        if strategy not in self.strategies:
+            raise EdgetrainError(f"task {self.name} cannot run under strategy {strategy}{self.why_not}; use "
+                                 f"--strategy {' or '.join(self.strategies)}")
+
+
+def _runs_under_the_strategy(d: Draft) -> None:
+    d.task.check_strategy(d.cfg.strategy)
+
+
+_TASK_COSTS = "edgetrain.plan.costs:count_costs"   # the planner's counts take the task's loss (Task.example_target)
+TaskKind(name="classification", usage="classification", summary="one class per sample: cross-entropy, accuracy",
+         runtime="edgetrain.tasks.classification:ClassificationTask", planner=_TASK_COSTS,
+         default_dataset="digits", default_model="small_cnn",
+         implied_by=("digits", "cifar10", "synthetic", "imagefolder", "npz"), check_batch=False,
+         checks=(_runs_under_the_strategy,))
+TaskKind(name="regression", usage="regression",
+         summary="real-valued targets (N,) or (N, K): squared error summed over samples, RMSE and MAE",
+         runtime="edgetrain.tasks.regression:RegressionTask", planner=_TASK_COSTS,
+         default_dataset="diabetes", default_model="mlp", implied_by=("diabetes",),
+         strategies=("ddp", "fsdp", "pipeline"), targets="values",
+         why_not=" (tiles are of images (C, H, W) and its inputs are feature vectors or series)",
+         checks=(_runs_under_the_strategy,))
+TaskKind(name="detection", usage="detection",
+         summary="objects in images: boxes and classes per image, YOLOv2 loss, mAP by COCOeval",
+         runtime="edgetrain.tasks.detection:DetectionTask", planner=_TASK_COSTS,
+         default_dataset="shapes", default_model="yolov2_tiny_small", implied_by=("shapes", "yolo", "coco"),
+         targets="own", settings=(("image_size", 128), ("epochs", 8), ("batch_size", 32), ("optimizer", "adam"),
+                                  ("lr", 0.001), ("weight_decay", 0.0)),
+         checks=(_runs_under_the_strategy,))
+
+DEFAULT_TASK = "classification"
+
+
+def is_user_task(name: str) -> bool:
+    """A task passed from Python, recorded as ``module:QualName``."""
+    return ":" in name
+
+
+def task_kind(name: str) -> TaskKind:
+    """The descriptor of a built-in task, or one line naming the known ones."""
+    tasks = KINDS["task"]
+    if name in tasks:
+        return tasks[name]
+    if is_user_task(name):
+        cls = name.rsplit(":", 1)[1].rsplit(".", 1)[-1]
+        raise EdgetrainError(f"task '{name}' is your own Task from an earlier run and a config cannot rebuild it; "
+                             f"pass it again with edgetrain.train(config, task={cls}(...))")
+    close = difflib.get_close_matches(name, tasks, n=1)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    raise EdgetrainError(f"unknown task '{name}'; {hint}known tasks: {', '.join(tasks)} (or pass your own "
+                         f"with edgetrain.train(task=MyTask()))")
+
+
+def implied_task(dataset: str) -> str:
+    """The task a run of ``dataset`` trains when ``--task`` is not given (a dataset you registered: classification
+    unless its factory's run names a task)."""
+    return next((k.name for k in KINDS["task"].values() if dataset in k.implied_by), DEFAULT_TASK)
+
+
+def run_task(task: str | None, dataset: str) -> str:
+    """The task a run trains: ``task`` as given, else the one ``dataset`` implies. ``config.resolve`` asks this
+    once per run and the ``RunSpec`` carries the answer (``RunSpec.task``)."""
+    return task or implied_task(dataset)
+
+
+def task_defaults(task: str | None, given: set[str] | frozenset[str]) -> dict[str, object]:
+    """The config values a given built-in ``--task`` implies for the keys the user did not give (``given``):
+    its dataset, its model and its ``settings``. ``{}`` without ``--task`` or for a task passed from Python."""
+    if not task or is_user_task(task):
+        return {}
+    kind = task_kind(task)
+    implied = {"dataset": kind.default_dataset, "model": kind.default_model, **dict(kind.settings)}
+    return {k: v for k, v in implied.items() if k not in given}
+
+
+def task_targets(task: str) -> str:
+    """What a run of the resolved ``task`` has as targets (its ``targets``); a task passed from Python: class
+    labels unless its dataset is its own (a registered factory, which gives the targets it likes)."""
+    return "labels" if is_user_task(task) else task_kind(task).targets
+
+
+def target_kind(cfg) -> str:
+    """``task_targets`` of a ``TrainConfig`` not resolved into a ``RunSpec`` (``edgetrain data``)."""
+    return task_targets(run_task(cfg.task, cfg.dataset))
+
+
+# ---------------------------------------------------------------- server optimisers
+
+@dataclass(frozen=True, kw_only=True)
+class ServerOptKind(Kind):
+    """``--server-opt`` (federated rounds): how the server steps the global model with the pseudo-gradient
+    ``global - mean(client models)``. ``runtime`` builds the ``torch.optim.Optimizer`` over the flat global model
+    from ``(global_model, ServerOptSpec)``; ``planner`` counts its state (``plan/traffic.py``)."""
+
+    family: ClassVar[str] = "server_optimizer"
+    defaults: tuple[tuple[str, float], ...] = ()   # its options (``lr=``, ...) and their values when not given
+    state_copies: int = 0                          # model-sized buffers of its state: what the planner counts
+
+
+_SERVER = "edgetrain.comm.federated:"
+_SERVER_STATE = "edgetrain.plan.traffic:server_state_copies"
+ServerOptKind(name="fedavg", usage="fedavg", summary="the mean of the client models (default)",
+              runtime=_SERVER + "sgd_server", planner=_SERVER_STATE)
+ServerOptKind(name="fedavgm", usage="fedavgm[:lr=1:momentum=0.9]",
+              summary="server momentum on the mean update (Hsu et al. 2019): SGD with momentum",
+              runtime=_SERVER + "sgd_server", planner=_SERVER_STATE,
+              defaults=(("lr", 1.0), ("momentum", 0.9)), state_copies=1)
+ServerOptKind(name="fedadam", usage="fedadam[:lr=0.01:beta1=0.9:beta2=0.99:eps=0.001]",
+              summary="Adam on the mean update (Reddi et al. 2021)",
+              runtime=_SERVER + "adam_server", planner=_SERVER_STATE,
+              defaults=(("lr", 0.01), ("beta1", 0.9), ("beta2", 0.99), ("eps", 0.001)), state_copies=2)
+
+
+# ---------------------------------------------------------------- runtime classes
+
+def named_by_kind(family: str, builder: str | None = None) -> Callable[[type], type]:
+    """Class decorator: the runtime class of a kind takes its ``name``, ``kind`` and what else it reads of its
+    descriptor (``Kind.runtime_attributes``) from the descriptor whose ``runtime`` is this class, or ``builder``,
+    the function of the class's module that builds it."""
+    def name(cls: type) -> type:
+        where = f"{cls.__module__}:{builder or cls.__qualname__}"
+        found = [kind for kind in KINDS[family].values() if kind.runtime == where]
+        if len(found) != 1:
+            raise TypeError(f"{cls.__qualname__}: {len(found)} {family} kinds have runtime {where}, not one")
+        for key, value in found[0].runtime_attributes().items():
+            setattr(cls, key, value)
+        return cls
+    return name
 
 
 # ---------------------------------------------------------------- lookups
@@ -622,6 +784,8 @@ METHODS: tuple[str, ...] = tuple(KINDS["compress"])
 STRATEGY_KINDS: dict[str, StrategyKind] = KINDS["strategy"]
 SYNC_KINDS: dict[str, SyncKind] = KINDS["sync"]
 COMPRESS_KINDS: dict[str, CompressKind] = KINDS["compress"]
+TASK_KINDS: dict[str, TaskKind] = KINDS["task"]
+SERVER_OPT_KINDS: dict[str, ServerOptKind] = KINDS["server_optimizer"]
 
 
 def strategy_kind(name: str) -> StrategyKind:

@@ -4,8 +4,7 @@ The output directory can be written, the model and the dataset are
 registered, the CIFAR-10 files are there, an image folder or ``.npz`` reads
 (every file), a tiling grid fits the feature maps
 (``tiling.strategy.plan_section`` on the model, built here once), a pipeline
-can cut the model where ``--stages`` says (``plan.stages``), the run's task
-can run under its strategy (``task_kinds``), this torch has what the strategy needs (FSDP2 for fsdp and
+can cut the model where ``--stages`` says (``plan.stages``), this torch has what the strategy needs (FSDP2 for fsdp and
 pipeline: refused in one line on an older torch) and, for a task whose descriptor
 asks it (or one passed from Python), fits the data and the model's output on
 one batch (``Task.check_data``, ``Task.check``). ``train``
@@ -28,7 +27,7 @@ from edgetrain.errors import EdgetrainError
 from edgetrain.models import build_model, check_model
 from edgetrain.plan.stages import check_sequential, pipeline_layers, stage_bounds
 from edgetrain.spec import RunSpec
-from edgetrain.task_kinds import run_task, task_kind
+from edgetrain.kinds import task_kind
 from edgetrain.tiling.strategy import plan_section
 
 
@@ -50,11 +49,10 @@ def check_before_launch(cfg: TrainConfig, spec: RunSpec, model: Any = None, task
 
     registered_strategy(spec.strategy)  # a torch without what it needs: one line now, not from every device
     check_dataset(cfg.dataset)
-    check_data(cfg)
-    name = run_task(cfg.task, cfg.dataset)
-    kind = None if task is not None else task_kind(name)  # one line for an unknown name
+    check_data(cfg, spec.task)
+    name = spec.task  # resolved, its strategy checked (kinds.TaskKind's checks)
+    kind = None if task is not None else task_kind(name)  # a task of an earlier run passed from Python: one line
     if kind is not None:
-        kind.check_strategy(cfg.strategy)
         if spec.partition.by_label and kind.targets != "labels":
             raise EdgetrainError(f"--partition {spec.partition.text} skews class labels, which task {kind.name} "
                                  f"does not have; use --partition iid")
@@ -85,7 +83,7 @@ def check_task(cfg: TrainConfig, model: Any, task: Any, name: str):
 
     from edgetrain.tasks import build_task
 
-    data = build_data(cfg)
+    data = build_data(cfg, name)
     task = task if task is not None else build_task(name, data)
     task.check_data(data)
     if len(data.train) == 0:
@@ -105,7 +103,7 @@ def check_task(cfg: TrainConfig, model: Any, task: Any, name: str):
     return data
 
 
-def check_data(cfg: TrainConfig) -> None:
+def check_data(cfg: TrainConfig, task: str | None = None) -> None:
     """The dataset's files are there and read (CIFAR-10's batches, an image folder, a ``.npz``); also used by
     ``edgetrain data``."""
     if cfg.dataset == "cifar10":
@@ -118,4 +116,4 @@ def check_data(cfg: TrainConfig) -> None:
             what = {"imagefolder": "the image folder", "npz": "the .npz file",
                     "shards": "the folder edgetrain data pack wrote"}[cfg.dataset]
             raise EdgetrainError(f"config key 'data_dir' is required with dataset {cfg.dataset}; point it at {what}")
-        build_data(cfg)  # reads every file once here, so a bad one is reported before any device starts
+        build_data(cfg, task)  # reads every file once here, so a bad one is reported before any device starts

@@ -58,10 +58,10 @@ from edgetrain.errors import EdgetrainError
 
 # ---------------------------------------------------------------- the kinds
 
-# Each strategy, sync mode and compressor (and task) is declared once, as a descriptor in ``edgetrain.kinds``,
-# which fills these tables when ``edgetrain`` is imported (the package's __init__ imports it): the parsers here
+# Each strategy, sync mode, compressor, task and server optimiser is declared once, as a descriptor in
+# ``edgetrain.kinds``, which fills these tables when ``edgetrain`` is imported (the package's __init__ imports it): the parsers here
 # look a name up in them and know no kind by name (docs/design/kinds.md).
-KINDS: dict[str, dict] = {"strategy": {}, "sync": {}, "compress": {}, "task": {}}
+KINDS: dict[str, dict] = {"strategy": {}, "sync": {}, "compress": {}, "task": {}, "server_optimizer": {}}
 
 
 def usage(family: str) -> str:
@@ -191,10 +191,6 @@ def parse_sync(text: str | None) -> SyncSpec:
     return kind.parse(rest, text)
 
 
-SERVER_OPTIMIZERS = {"fedavg": {}, "fedavgm": {"lr": 1.0, "momentum": 0.9},
-                     "fedadam": {"lr": 0.01, "beta1": 0.9, "beta2": 0.99, "eps": 0.001}}
-
-
 @dataclass(frozen=True)
 class ServerOptSpec:
     """``--server-opt``: how the server steps the global model with ``global - mean(client models)``."""
@@ -207,15 +203,21 @@ class ServerOptSpec:
     eps: float = 0.001
     text: str = "fedavg"
 
+    @property
+    def kind(self):
+        """The server optimiser's descriptor (``edgetrain.kinds``)."""
+        return KINDS["server_optimizer"][self.name]
+
 
 def parse_server_opt(text: str | None) -> ServerOptSpec:
     """Parse ``fedavg``, ``fedavgm[:lr=..][:momentum=..]`` or ``fedadam[:lr=..][:beta1=..][:beta2=..][:eps=..]``."""
     text = (text or "fedavg").strip().lower()
     name, *rest = text.split(":")
-    if name not in SERVER_OPTIMIZERS:
-        raise EdgetrainError(f"unknown server optimizer {name!r} in --server-opt {text!r}; use fedavg, "
-                             "fedavgm[:lr=1:momentum=0.9] or fedadam[:lr=0.01]")
-    values = dict(SERVER_OPTIMIZERS[name])
+    kind = _lookup("server_optimizer", name)
+    if kind is None:
+        raise EdgetrainError(f"unknown server optimizer {name!r} in --server-opt {text!r}; use "
+                             f"{usage('server_optimizer')}")
+    values = dict(kind.defaults)
     for token in rest:
         key, eq, value = token.partition("=")
         if not eq or key not in values:
@@ -670,6 +672,29 @@ def parse_dedup(text: str | int | None) -> DedupSpec | None:
     return DedupSpec(int(value))
 
 
+# ---------------------------------------------------------------- --local-batch
+
+LOCAL_BATCH_RULES = ("even", "balanced")
+
+
+def parse_local_batch(text: str, batch_size: int | None = None) -> str | tuple[int, ...]:
+    """``even`` or ``balanced`` (split by the devices' speed), else every device's batch (``16,16,32``), which
+    must sum to ``batch_size`` when it is given."""
+    if text in LOCAL_BATCH_RULES:
+        return text
+    try:
+        sizes = tuple(int(s) for s in text.split(","))
+    except ValueError:
+        raise EdgetrainError(f"config key 'local_batch' must be even, balanced or a list like 16,16,32, "
+                             f"not {text!r}") from None
+    if any(s < 1 for s in sizes):
+        raise EdgetrainError(f"config key 'local_batch' needs every device's batch >= 1, not {text!r}")
+    if batch_size is not None and sum(sizes) != batch_size:
+        raise EdgetrainError(f"config key 'local_batch' {text} sums to {sum(sizes)}, "
+                             f"but batch_size is {batch_size}; make them agree")
+    return sizes
+
+
 # ---------------------------------------------------------------- the run
 
 @dataclass(frozen=True)
@@ -734,4 +759,6 @@ class RunSpec:
     min_devices: int | None = None  # elastic membership (train/elastic.py) below all devices; None: fail-stop
     tensorboard: bool = False    # rank 0 also writes TensorBoard event files (train.tensorboard_log)
     dedup: DedupSpec | None = None  # drop near-duplicate training images first (data/dedup.py)
-    task: str | None = None      # --task as given (None: the one the dataset implies, edgetrain.task_kinds)
+    task: str | None = None      # the task trained: --task, else the one the dataset implies (edgetrain.kinds);
+                                 # a task passed from Python as ``module:QualName``. Set by ``config.resolve``
+    local_batch: str | tuple[int, ...] = "even"   # --local-batch: even, balanced or every device's batch

@@ -191,7 +191,7 @@ def test_the_task_checks_the_model_output_and_the_data():
 
 
 def test_task_detection_brings_the_defaults_it_learns_with():
-    from edgetrain.task_kinds import task_defaults
+    from edgetrain.kinds import task_defaults
 
     implied = task_defaults("detection", {"epochs"})
     assert implied == {"dataset": "shapes", "model": "yolov2_tiny_small", "image_size": 128, "batch_size": 32,

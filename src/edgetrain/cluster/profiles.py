@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from edgetrain.errors import EdgetrainError
-from edgetrain.spec import get_link
+from edgetrain.spec import get_link, parse_local_batch
 
 
 @dataclass(frozen=True)
@@ -285,14 +285,16 @@ def plan_devices(cfg: Any, world_size: int | None = None) -> list[DeviceSpec]:
     return devices
 
 
-def split_batch(cfg: Any, devices: list[DeviceSpec]) -> list[int]:
-    """Local batch of every device; they sum to the global batch and every one is at least 1.
+def split_batch(cfg: Any, devices: list[DeviceSpec], rule: str | tuple[int, ...] | None = None) -> list[int]:
+    """Local batch of every device; they sum to the global batch and every one is at least 1. ``rule``: the
+    run's ``RunSpec.local_batch`` (left out: ``cfg.local_batch`` parsed here).
 
     O(devices log devices): the planner splits batches over up to a million devices.
     """
     n, total = len(devices), cfg.batch_size
-    if cfg.local_batch not in ("even", "balanced"):
-        sizes = [int(s) for s in cfg.local_batch.split(",")]
+    rule = parse_local_batch(cfg.local_batch) if rule is None else rule
+    if isinstance(rule, tuple):
+        sizes = list(rule)
         if len(sizes) != n:
             raise EdgetrainError(f"config key 'local_batch' lists {len(sizes)} batches for {n} devices")
         return sizes
@@ -306,7 +308,7 @@ def split_batch(cfg: Any, devices: list[DeviceSpec]) -> list[int]:
         return fixed  # type: ignore[return-value]
     if total < n:
         raise EdgetrainError(f"batch_size {total} is smaller than the {n} devices: every device needs at least one sample")
-    if cfg.local_batch == "balanced":
+    if rule == "balanced":
         speeds: dict[DeviceProfile, float] = {}  # one per profile, not per device
         for d in devices:
             if d.profile not in speeds:

@@ -74,6 +74,7 @@ from edgetrain.comm.emulation import LinkEmulator
 from edgetrain.comm.exchange import start_exchange
 from edgetrain.comm.params import average_buffers, flatten, unflatten
 from edgetrain.comm.sync import SyncMode
+from edgetrain.kinds import named_by_kind
 
 if TYPE_CHECKING:
     from edgetrain.comm.setup import SyncSetup
@@ -94,8 +95,8 @@ class _Round:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
+@named_by_kind("sync", builder="build")
 class BoundedStaleness(SyncMode):
-    name = "async"
 
     def __init__(self, model: nn.Module, world_size: int, rank: int, emulator: LinkEmulator, staleness: int,
                  compressor: Compressor, memory, group=None, clock_group=None, spec: str = "async",

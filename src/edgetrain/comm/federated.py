@@ -79,6 +79,7 @@ from edgetrain.comm.emulation import LinkEmulator
 from edgetrain.comm.exchange import average
 from edgetrain.comm.local_sgd import LocalSGD
 from edgetrain.comm.params import flatten, unflatten
+from edgetrain.kinds import named_by_kind
 from edgetrain.spec import ServerOptSpec
 
 if TYPE_CHECKING:
@@ -107,10 +108,18 @@ def control_weights(samples: list[int], members: list[int]) -> dict[int, float]:
 
 
 def server_optimizer(global_model: torch.Tensor, spec: ServerOptSpec) -> torch.optim.Optimizer:
-    """The server's optimizer over the flat global model (which must require grad)."""
-    if spec.name == "fedadam":
-        return torch.optim.Adam([global_model], lr=spec.lr, betas=(spec.beta1, spec.beta2), eps=spec.eps)
+    """The server's optimizer over the flat global model (which must require grad), as its kind builds it."""
+    return spec.kind.load_runtime()(global_model, spec)
+
+
+def sgd_server(global_model: torch.Tensor, spec: ServerOptSpec) -> torch.optim.Optimizer:
+    """``fedavg`` (lr 1, no momentum: the mean of the models) and ``fedavgm``."""
     return torch.optim.SGD([global_model], lr=spec.lr, momentum=spec.momentum)
+
+
+def adam_server(global_model: torch.Tensor, spec: ServerOptSpec) -> torch.optim.Optimizer:
+    """``fedadam``."""
+    return torch.optim.Adam([global_model], lr=spec.lr, betas=(spec.beta1, spec.beta2), eps=spec.eps)
 
 
 def server_step(global_model: torch.Tensor, mean_update: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
@@ -133,8 +142,8 @@ def corrected_gradient(gradient: torch.Tensor, local: torch.Tensor, global_model
     return out
 
 
+@named_by_kind("sync", builder="build")
 class FederatedAveraging(LocalSGD):
-    name = "fedavg"
 
     def __init__(self, model: nn.Module, world_size: int, rank: int, emulator: LinkEmulator, period: int,
                  compressor: Compressor, memory, server: ServerOptSpec, participation: float = 1.0,

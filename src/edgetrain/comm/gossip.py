@@ -32,6 +32,7 @@ from edgetrain.comm.accounting import ring_allreduce_bytes
 from edgetrain.comm.emulation import LinkEmulator
 from edgetrain.comm.params import average_buffers, flatten, unflatten
 from edgetrain.comm.sync import SyncMode
+from edgetrain.kinds import named_by_kind
 
 if TYPE_CHECKING:
     from edgetrain.comm.setup import SyncSetup
@@ -42,8 +43,8 @@ def ring_neighbours(rank: int, world_size: int) -> list[int]:
     return sorted({(rank - 1) % world_size, (rank + 1) % world_size} - {rank})
 
 
+@named_by_kind("sync", builder="build")
 class Gossip(SyncMode):
-    name = "gossip"
 
     def __init__(self, model: nn.Module, world_size: int, rank: int, emulator: LinkEmulator, period: int = 1,
                  group=None, clock_group=None, spec: str = "gossip", compress: str = "none"):

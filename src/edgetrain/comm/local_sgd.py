@@ -58,6 +58,7 @@ from edgetrain.comm.emulation import LinkEmulator
 from edgetrain.comm.exchange import average
 from edgetrain.comm.params import average_buffers, flatten, unflatten
 from edgetrain.comm.sync import SyncMode
+from edgetrain.kinds import named_by_kind
 from edgetrain.spec import DeadlineSpec
 
 if TYPE_CHECKING:
@@ -66,8 +67,8 @@ if TYPE_CHECKING:
 ROUND_STATUSES = ("joined", "missed_deadline", "not_sampled")
 
 
+@named_by_kind("sync", builder="build")
 class LocalSGD(SyncMode):
-    name = "local"
 
     def __init__(self, model: nn.Module, world_size: int, emulator: LinkEmulator, period: int,
                  compressor: Compressor, memory, nesterov: bool = False, outer_lr: float = 0.7,

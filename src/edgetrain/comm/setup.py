@@ -50,7 +50,7 @@ class SyncSetup:
     @property
     def common(self) -> dict:
         """The keyword arguments every ``SyncMode`` takes."""
-        return dict(clock_group=self.clock_group, spec=self.spec.sync.text, compress=self.spec.compress.text)
+        return dict(clock_group=self.clock_group, spec=self.spec.sync, compress=self.spec.compress.text)
 
     def averaging_group(self):
         """A group of its own for the averaging traffic, so that it never interleaves with other collectives."""

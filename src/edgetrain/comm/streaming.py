@@ -56,6 +56,7 @@ from edgetrain.comm.emulation import LinkEmulator
 from edgetrain.comm.exchange import average, compress, start_exchange
 from edgetrain.comm.params import average_buffers, flatten, unflatten
 from edgetrain.comm.sync import SyncMode
+from edgetrain.kinds import named_by_kind
 
 if TYPE_CHECKING:
     from edgetrain.comm.setup import SyncSetup
@@ -102,8 +103,8 @@ class _Exchange:
     done_at: float | None = None  # perf_counter() when the real collective completed (enforced mode)
 
 
+@named_by_kind("sync", builder="build")
 class StreamingDiLoCo(SyncMode):
-    name = "streaming"
 
     def __init__(self, model: nn.Module, world_size: int, rank: int, emulator: LinkEmulator, period: int,
                  fragments: int, overlap: int, mix: float, compressor: Compressor, memory, outer_lr: float = 0.7,

@@ -63,9 +63,11 @@ from edgetrain.comm.compress.powersgd import PowerSGDHookState
 from edgetrain.comm.emulation import LinkEmulator
 from edgetrain.comm.hook import CompressionState
 from edgetrain.comm.params import broadcast_model
+from edgetrain.kinds import named_by_kind
 
 if TYPE_CHECKING:
     from edgetrain.comm.setup import SyncSetup
+    from edgetrain.spec import SyncSpec
 
 _CLOCK = ("virtual_s", "compute_s", "comm_model_s", "comm_blocked_s", "steps", "collectives")  # LinkEmulator's
 _TALLY = ("bytes_sent", "bytes_recv", "collectives", "comm_s")  # CommStats'
@@ -81,7 +83,6 @@ def _renamed(key: object, names: dict) -> object:
 class SyncMode:
     """What every mode shares: the clock, the byte tally against fp32 all-reduce, the report."""
 
-    name = "sync"
     averages = 0                     # rounds averaged so far (the round-based modes count them)
     reset_client_optimizer = False   # fedavg:E:reset: the strategy clears its optimizer when ``averages`` moves
 
@@ -89,7 +90,9 @@ class SyncMode:
         """This device's training samples and loss scale; only federated rounds weighted by them use it."""
 
     def __init__(self, model: nn.Module, world_size: int, emulator: LinkEmulator, clock_group=None,
-                 spec: str = "sync", compress: str = "none"):
+                 spec: SyncSpec | str = "sync", compress: str = "none"):
+        # ``spec``: the mode's SyncSpec (comm.setup), or what a strategy's own exchanges or a mode built without
+        # one are reported as
         self.world_size = world_size
         self.emulator = emulator
         self.stats: CommStats = emulator.stats
@@ -197,7 +200,7 @@ class SyncMode:
         steps = max(1, self.emulator.steps)
         sent = self.stats.bytes_sent
         out = {
-            "sync": self.spec,
+            "sync": getattr(self.spec, "text", self.spec),  # a SyncSpec, or the label of a strategy's own
             "compress": self.compress,
             "link": ", ".join(sorted({l.describe() for l in self.emulator.links})) if self.emulator.links else None,
             "sync_steps": self.emulator.steps,
@@ -213,6 +216,7 @@ class SyncMode:
         return out
 
 
+@named_by_kind("sync", builder="build")
 class Synchronous(SyncMode):
     """Synchronous data parallelism with DDP; one device runs the bare model.
 

@@ -85,9 +85,9 @@ def user_datasets() -> dict[str, DatasetFactory]:
 
 def check_dataset(name: str) -> None:
     if name not in BUILTIN and name not in DATASETS:
-        from edgetrain.task_kinds import DEFAULT_TASK, TASK_KINDS
+        from edgetrain.kinds import DEFAULT_TASK, TASK_KINDS
 
-        # the default task's datasets and yours, then each other task's (edgetrain.task_kinds)
+        # the default task's datasets and yours, then each other task's (edgetrain.kinds)
         first = [d for d in TASK_KINDS[DEFAULT_TASK].implied_by if d in BUILTIN]
         others = [f"{', '.join(d for d in k.implied_by if d in BUILTIN)} ({k.name})" for k in TASK_KINDS.values()
                   if k.name != DEFAULT_TASK and any(d in BUILTIN for d in k.implied_by)]
@@ -98,12 +98,14 @@ def check_dataset(name: str) -> None:
                              f"edgetrain.register_dataset); for other tasks: {', '.join([*others, *anywhere])}")
 
 
-def build_data(cfg) -> DataSplit:
-    """The dataset a ``TrainConfig`` names."""
-    from edgetrain.task_kinds import target_kind
+def build_data(cfg, task: str | None = None) -> DataSplit:
+    """The dataset a ``TrainConfig`` names, for ``task``: the run's, resolved (``RunSpec.task``; left out, the
+    one ``cfg`` names or implies)."""
+    from edgetrain.kinds import target_kind, task_targets
 
     check_dataset(cfg.dataset)
-    values = target_kind(cfg) == "values"  # real-valued targets (regression), else class labels
+    targets = task_targets(task) if task else target_kind(cfg)
+    values = targets == "values"  # real-valued targets (regression), else class labels
     if cfg.dataset == "digits":
         return digits(cfg.seed)
     if cfg.dataset == "cifar10":
@@ -113,7 +115,7 @@ def build_data(cfg) -> DataSplit:
     if cfg.dataset == "shards":  # on storage (data/shards.py)
         from edgetrain.data.shards import shards_split
 
-        return shards_split(cfg.data_dir, cfg.seed, cfg.augment, detection=target_kind(cfg) == "own")
+        return shards_split(cfg.data_dir, cfg.seed, cfg.augment, detection=targets == "own")
     if cfg.dataset == "imagefolder":
         if cfg.from_storage:
             from edgetrain.data.storage import image_folder_on_storage

@@ -86,7 +86,7 @@ def check_device_data(cfg, spec: RunSpec, devices: list[DeviceSpec], local_batch
         if refused:
             raise EdgetrainError(f"{what}, but the cluster file gives each device its own data; drop that option "
                                  "or the devices' 'data' keys")
-    shared = build_data(cfg)
+    shared = build_data(cfg, spec.task)
     for device in devices if rank is None else [devices[rank]]:
         own_training_set(device.data, device.label, shared, local_batches[device.rank])
 

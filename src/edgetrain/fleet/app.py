@@ -93,7 +93,7 @@ from edgetrain.report.files import atomic_write
 from edgetrain.spec import CompressSpec, PartitionSpec, ServerOptSpec, parse_compress, parse_partition, \
     parse_server_opt
 from edgetrain.data.device_data import class_labels
-from edgetrain.task_kinds import run_task, task_kind
+from edgetrain.kinds import COMPRESS_KINDS, run_task, task_kind
 from edgetrain.tasks import Task, build_task
 from edgetrain.train.evaluation import evaluate_task
 
@@ -115,8 +115,6 @@ DEFAULTS: dict[str, bool | float | int | str] = {
     "prox-mu": 0.0, "scaffold": False, "fraction-evaluate": 1.0, "output-dir": "", "task": "",
 }
 TYPE_NAMES = {int: "whole number", float: "number", str: "string", bool: "true or false"}
-# compressors whose payload the server cannot decode without state the client keeps to itself
-SERVER_CANNOT_DECODE = {"randk": "its shared random indices", "powersgd": "its low-rank state (a DDP hook)"}
 STATE = "edgetrain"                   # the device's record in context.state
 CONTROL = "scaffold-control"          # the server's control c in a train message's arrays
 UPDATE, CONTROL_CHANGE = "update", "control-change"  # a reply's payloads (the rest are BatchNorm statistics)
@@ -145,7 +143,7 @@ class FleetSpec:
     scaffold: bool
     fraction_evaluate: float
     output_dir: Path | None
-    task: str | None = None  # a built-in task (edgetrain.task_kinds); None: the one the dataset implies
+    task: str | None = None  # the built-in task (edgetrain.kinds), resolved: as given, else the dataset's
 
 
 def fleet_spec(run_config: dict) -> FleetSpec:
@@ -171,22 +169,23 @@ def fleet_spec(run_config: dict) -> FleetSpec:
                              f"{cfg['round-timeout']!r}")
     check_model(cfg["model"])
     check_dataset(cfg["dataset"])
-    task_kind(run_task(cfg["task"] or None, cfg["dataset"]))  # one line for an unknown task
+    task = task_kind(run_task(cfg["task"] or None, cfg["dataset"])).name  # one line for an unknown task
     partition = parse_partition(cfg["partition"])
     if not partition.local:
         raise EdgetrainError("run-config partition none gives no device its own data; use iid, dirichlet:ALPHA "
                              "or shards:K")
     compress = parse_compress(cfg["compress"])
-    if compress.method in SERVER_CANNOT_DECODE:
+    if compress.kind.server_cannot_decode:  # the client keeps what decoding needs to itself
+        decodable = [kind.name for kind in COMPRESS_KINDS.values() if not kind.server_cannot_decode]
         raise EdgetrainError(f"run-config compress {compress.text}: the server cannot decode it without "
-                             f"{SERVER_CANNOT_DECODE[compress.method]}; use none, fp16, bf16, int8, qsgd, topk, "
-                             "sign or threshold")
+                             f"{compress.kind.server_cannot_decode}; use {', '.join(decodable[:-1])} or "
+                             f"{decodable[-1]}")
     return FleetSpec(cfg["model"], cfg["dataset"], cfg["data-dir"] or None, partition, cfg["num-rounds"],
                      cfg["local-steps"], cfg["batch-size"], cfg["lr"], compress,
                      parse_server_opt(cfg["server-opt"]), cfg["fraction-train"], cfg["min-nodes"],
                      cfg["round-timeout"], cfg["seed"], cfg["prox-mu"] or None, cfg["scaffold"],
                      cfg["fraction-evaluate"], Path(cfg["output-dir"]) if cfg["output-dir"] else None,
-                     cfg["task"] or None)
+                     task)
 
 
 def _typed(key: str, value):
@@ -206,7 +205,7 @@ def load_data(spec: FleetSpec):
 
 def fleet_task(spec: FleetSpec, data) -> Task:
     """The run's task (tasks/base.py): its loss trains each device, its evaluator scores the global model."""
-    return build_task(run_task(spec.task, spec.dataset), data)
+    return build_task(spec.task, data)
 
 
 def global_model(spec: FleetSpec, data) -> nn.Module:

@@ -36,13 +36,14 @@ class PlanInputs:
 
 def plan_inputs(cfg: TrainConfig, costs: ModelCosts | None = None) -> PlanInputs:
     """Devices, local batches and counted model costs for ``cfg`` (validated: bad input is an ``EdgetrainError``)."""
+    spec = resolve(cfg)
     devices = plan_devices(cfg)
-    batches = split_batch(cfg, devices)
+    batches = split_batch(cfg, devices, spec.local_batch)
     if costs is None:
         shape, classes, dataset_bytes = cifar10_footprint() if cfg.dataset == "cifar10" and not cfg.data_dir \
-            else data_footprint(cfg)
-        costs = count_costs(cfg.model, shape, classes, dataset_bytes=dataset_bytes, task=run_task_of(cfg))
-    return PlanInputs(cfg, resolve(cfg), costs, devices, batches)
+            else data_footprint(cfg, spec.task)
+        costs = count_costs(cfg.model, shape, classes, dataset_bytes=dataset_bytes, task=run_task_of(spec.task))
+    return PlanInputs(cfg, spec, costs, devices, batches)
 
 
 CIFAR10_TRAIN_IMAGES = 50_000

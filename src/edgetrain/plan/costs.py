@@ -146,8 +146,8 @@ def _batch(input_shape: tuple[int, ...], num_classes: int, batch: int) -> tuple[
     return torch.randn(batch, *input_shape, generator=g), torch.randint(0, num_classes, (batch,), generator=g)
 
 
-def data_footprint(cfg) -> tuple[tuple[int, int, int], int, int]:
-    """(input shape, classes, bytes the dataset holds in memory) for a ``TrainConfig``.
+def data_footprint(cfg, task: str | None = None) -> tuple[tuple[int, int, int], int, int]:
+    """(input shape, classes, bytes the dataset holds in memory) for a ``TrainConfig`` (``task``: its resolved one).
 
     Synthetic images (float32, ``synthetic_samples`` train + a quarter test, int64
     labels; see ``edgetrain.data.datasets.synthetic``) are sized without being
@@ -159,7 +159,7 @@ def data_footprint(cfg) -> tuple[tuple[int, int, int], int, int]:
         return shape, 10, n * (_numel(shape) * 4 + 8)
     from edgetrain.data import build_data
 
-    data = build_data(cfg)
+    data = build_data(cfg, task)
     return data.input_shape, data.num_classes, held_bytes(data.train) + held_bytes(data.test)
 
 
@@ -169,9 +169,8 @@ def held_bytes(dataset) -> int:
                if isinstance(v, torch.Tensor) and k not in ("mean", "std"))
 
 
-def run_task_of(cfg, data=None) -> Task:
-    """The task a ``TrainConfig`` trains (``--task``, else the one its dataset implies), for the cost counts."""
-    from edgetrain.task_kinds import run_task
+def run_task_of(task: str, data=None) -> Task:
+    """The resolved task of a run (``RunSpec.task``), for the cost counts."""
     from edgetrain.tasks import build_task
 
-    return build_task(run_task(cfg.task, cfg.dataset), data)
+    return build_task(task, data)

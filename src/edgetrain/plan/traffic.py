@@ -137,8 +137,10 @@ def bounded_staleness(costs: ModelCosts, p: int, sync: SyncSpec, compress: Compr
                    **_common(costs, sync, compress))
 
 
-# Model-sized buffers of each server optimizer's state: SGD without momentum none, with it one, Adam two.
-SERVER_STATE_COPIES = {"fedavg": 0, "fedavgm": 1, "fedadam": 2}
+def server_state_copies(server_opt: ServerOptSpec) -> int:
+    """Model-sized buffers of the server optimizer's state, as its kind declares them (SGD without momentum
+    none, with it one, Adam two)."""
+    return server_opt.kind.state_copies
 
 
 def federated(costs: ModelCosts, p: int, sync: SyncSpec, compress: CompressSpec, options: TrafficOptions) -> Traffic:
@@ -155,7 +157,7 @@ def federated(costs: ModelCosts, p: int, sync: SyncSpec, compress: CompressSpec,
     collectives, payload, memory = _compressed(costs, p, compress, whole_model=True)
     exchanges = 2 if sync.scaffold else 1
     # the global model, error feedback, the server optimizer's state, SCAFFOLD's c, c_i and gradient sum
-    copies = 1 + memory + SERVER_STATE_COPIES[options.server_opt.name] + (3 if sync.scaffold else 0)
+    copies = 1 + memory + server_state_copies(options.server_opt) + (3 if sync.scaffold else 0)
     return Traffic("fedavg", period, collectives * exchanges if p > 1 else (), payload_bytes=payload * exchanges,
                    neighbours_only=False, state_copies=copies, **_common(costs, sync, compress))
 

@@ -1,14 +1,14 @@
 """Tasks: what a run learns (loss, target structure, metrics); the interface is tasks/base.py.
 
 Built in: ``classification`` (tasks/classification.py), ``regression`` (tasks/regression.py), ``detection``
-(tasks/detection.py). Their torch-free descriptors are in ``edgetrain.task_kinds``; ``build_task`` makes the
+(tasks/detection.py). Their torch-free descriptors are in ``edgetrain.kinds``; ``build_task`` makes the
 one a run names. Design notes: docs/how-to/tasks.md."""
 from __future__ import annotations
 
 import importlib
 
 from edgetrain.records import MetricRecord, TaskRecord
-from edgetrain.task_kinds import task_kind
+from edgetrain.kinds import task_kind
 from edgetrain.tasks.base import Evaluator, Metric, Task, task_reference
 
 

@@ -11,7 +11,7 @@ add up to the gradient of the mean loss over ``B``, whatever the split: that
 is what keeps N devices equal to one device step for step.
 
 What the bottom layer knows of a task (its name, which strategies can run it,
-where its class lives) is its descriptor in ``edgetrain.task_kinds`` (torch-free).
+where its class lives) is its descriptor in ``edgetrain.kinds`` (torch-free).
 """
 from __future__ import annotations
 

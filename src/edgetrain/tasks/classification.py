@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from edgetrain.kinds import named_by_kind
 from edgetrain.tasks.base import Evaluator, Metric, Task, refuse
 
 ACCURACY = Metric("accuracy", "", True, "accuracy", ".1%")
@@ -32,8 +33,8 @@ class ClassificationEvaluator(Evaluator):
         return {"loss": totals[0].item() / n, "accuracy": totals[1].item() / n}
 
 
+@named_by_kind("task")
 class ClassificationTask(Task):
-    name = "classification"
     headline = ACCURACY
     metrics = (ACCURACY,)
     loss_name = "cross-entropy"

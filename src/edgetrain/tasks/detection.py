@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from edgetrain.kinds import named_by_kind
 from edgetrain.models.yolo_tiny import VOC_ANCHORS
 from edgetrain.tasks.base import Evaluator, Metric, Task, refuse
 
@@ -280,6 +281,7 @@ def _inside(boxes: torch.Tensor, edge: float = 1e-6) -> bool:
                 and (hi <= 1 + edge).all())
 
 
+@named_by_kind("task")
 class DetectionTask(Task):
     """YOLOv2 detection: ``yolo_loss`` to learn, ``decode`` and COCOeval to score (mAP@0.5 the headline).
 
@@ -287,7 +289,6 @@ class DetectionTask(Task):
     YOLOv2-tiny-voc's); ``image_size`` (width, height) only scales boxes for COCOeval. ``num_classes`` None:
     read from the model's output (``anchors x (5 + classes)`` channels), as for cost counts without data."""
 
-    name = "detection"
     headline = MAP50
     metrics = (MAP50, MAP50_95)
 

@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from edgetrain.kinds import named_by_kind
 from edgetrain.tasks.base import Evaluator, Metric, Task, refuse
 
 RMSE = Metric("rmse", "", False, "RMSE")
@@ -40,11 +41,11 @@ class RegressionEvaluator(Evaluator):
         return {"loss": t[0].item() / samples, "rmse": math.sqrt(t[1].item() / values), "mae": t[2].item() / values}
 
 
+@named_by_kind("task")
 class RegressionTask(Task):
     """``mean``/``std``: the training targets' per target (one number, or K), what the model's output is scaled
     by; ``unit``: what RMSE and MAE are in (the report's axis)."""
 
-    name = "regression"
     headline = RMSE
     metrics = (RMSE, MAE)
     loss_name = "squared error, standardised"

@@ -12,7 +12,7 @@ from edgetrain.cluster.launch import launch_local, refuse_nested_launch, under_t
 from edgetrain.cluster.membership import ElasticLaunch
 from edgetrain.bench.power import read_watts_file
 from edgetrain.cluster.profiles import device_speed, plan_devices, split_batch
-from edgetrain.config import TrainConfig, load_config, resolve, with_device_count
+from edgetrain.config import TrainConfig, load_config, load_run, read_config_file, source_values, with_device_count
 from edgetrain.errors import EdgetrainError, Terminated
 from edgetrain.report.files import new_run_dir, write_yaml
 from edgetrain.spec import back_after_s, launch_spec
@@ -40,11 +40,11 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     subclass (defined at module level) to train with instead of a built-in one.
     ``task`` is the config's ``task`` key (classification, regression, detection) or your own
     ``tasks.base.Task`` instance (its class defined at module level), recorded as ``module:QualName``; a
-    built-in task given without a dataset (or model) brings its own default one (``edgetrain.task_kinds``).
+    built-in task given without a dataset (or model) brings its own default one (``edgetrain.kinds``).
     ``dataset`` is the config's ``dataset`` key or a dataset factory ``(data_dir, seed) -> DataSplit or arrays``
     (module level), registered under its function's name for this run.
     """
-    from edgetrain.task_kinds import task_defaults
+    from edgetrain.kinds import task_defaults
 
     refuse_nested_launch()
     if isinstance(model, str):
@@ -77,26 +77,28 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
                 DATASETS.pop(name, None)
             else:
                 DATASETS[name] = before
-    # a built-in --task given without a dataset or model brings its own (edgetrain.task_kinds)
-    given = {*overrides, *_given(config)}
+    if isinstance(config, (str, os.PathLike)):  # read once: the task's defaults and the config both need it
+        config = read_config_file(config)
+    # a built-in --task given without a dataset or model brings its own (edgetrain.kinds)
+    in_config = source_values(config)[0]
+    given = {*overrides, *in_config}
     if "resume" not in given:  # a resumed run is as its config.yaml says
-        overrides.update(task_defaults(overrides.get("task") or _given(config).get("task"), given))
+        overrides.update(task_defaults(overrides.get("task") or in_config.get("task"), given))
     torchrun = under_torchrun()
     if torchrun:  # a device of a real cluster: what it was started for is training, so torch now
         from edgetrain.cluster.peers import check_rank_environment
         from edgetrain.train.checkpoint import checkpoint_files, elastic_run_dir
         from edgetrain.train.loop import phase
     rank, world = check_rank_environment() if torchrun else (0, None)
-    cfg = load_config(config, **overrides)
+    # every option parsed once, with how this process was started (its environment); the devices build from these
+    launch = launch_spec(os.environ)
+    cfg, spec = load_run(config, launch, **overrides)
     # Under torchrun with restarts every restart of the job shares one run directory; rank 0 continues it
     # from its newest checkpoint (train/checkpoint.py, "torchrun restarts").
     elastic_dir = elastic_run_dir(cfg.output, cfg.run_name) if torchrun and not cfg.resume else None
     if elastic_dir is not None and rank == 0 and checkpoint_files(elastic_dir):
         phase(cfg, rank, f"continuing the torchrun job's run in {elastic_dir} from its newest checkpoint")
-        cfg = load_config(config, **{**overrides, "resume": str(elastic_dir)})
-    # the options parsed once, with how this process was started (its environment); the devices build from these
-    launch = launch_spec(os.environ)
-    spec = resolve(cfg, launch)
+        cfg, spec = load_run(config, launch, **{**overrides, "resume": str(elastic_dir)})
     # The config is valid: the run is going to start, and from here on it needs torch.
     from edgetrain.cluster.peers import cluster_token, peer_failure
     from edgetrain.data import build_data, user_datasets
@@ -121,15 +123,15 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     devices = plan_devices(cfg, world)
     # the checks that need the count: a cluster file's is known now
     spec = with_device_count(cfg, spec, len(devices), launch)
-    local_batches = split_batch(cfg, devices)
+    local_batches = split_batch(cfg, devices, spec.local_batch)
     if spec.checkpoint.resume_dir and rank == 0:
         check_resume_devices(spec.checkpoint.resume_dir, len(devices), spec.partition.local)
     check_device_data(cfg, spec, devices, local_batches, rank if torchrun else None)  # the cluster file's 'data'
     # digits' loader imports scikit-learn, a second of CPU in every device process: the launcher loads it once
     # and hands it to its emulated devices with their arguments. Under torchrun each device loads its own.
-    data = (checked or build_data(cfg)) if cfg.dataset in LOADED_ONCE and not torchrun else None
+    data = (checked or build_data(cfg, spec.task)) if cfg.dataset in LOADED_ONCE and not torchrun else None
     if spec.partition.local:  # a split that leaves a device short of a batch: refused before any device starts
-        split_dataset(class_labels((data or build_data(cfg)).train), spec.partition, local_batches, spec.seed)
+        split_dataset(class_labels((data or build_data(cfg, spec.task)).train), spec.partition, local_batches, spec.seed)
     beyond = next((f.rank for f in spec.faults if f.rank >= len(devices)), None)
     if beyond is not None:
         raise EdgetrainError(f"EDGETRAIN_FAULT names device {beyond}, but the run has {len(devices)} "
@@ -172,19 +174,6 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
         if spec.checkpoint.enabled:  # the devices stopped with a checkpoint: say how to go on
             raise Terminated(resume_hint(run_dir)) from None
         raise
-
-
-def _given(config) -> dict:
-    """The keys a config source sets itself (a ``TrainConfig`` sets every key)."""
-    if isinstance(config, TrainConfig):
-        return config.to_dict()
-    if isinstance(config, dict):
-        return config
-    if config is not None:
-        from edgetrain.yamlfile import read_yaml_mapping
-
-        return read_yaml_mapping(config, "config file")
-    return {}
 
 
 __all__ = ["train", "TrainConfig", "load_config"]

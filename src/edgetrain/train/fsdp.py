@@ -25,7 +25,7 @@ from edgetrain.comm.accounting import ring_allgather_bytes, ring_allreduce_bytes
 from edgetrain.comm.compress.spec import build_compressor
 from edgetrain.comm.emulation import LinkEmulator
 from edgetrain.errors import EdgetrainError
-from edgetrain.kinds import STRATEGY_KINDS
+from edgetrain.kinds import named_by_kind
 from edgetrain.models.init import initialised_layers, is_meta, materialise
 from edgetrain.spec import get_link
 from edgetrain.train.replicas import ReplicaExchange, load_replica_part, replica_part
@@ -102,11 +102,10 @@ def _initialise_shards(model: nn.Module, whole: nn.Module, seed: int, device: to
         layer.to_empty(device="meta", recurse=False)
 
 
+@named_by_kind("strategy")
 class FullyShardedDataParallel(Strategy):
     """Data parallel over the batch, with the model's state sharded over the devices (FSDP2)."""
 
-    name = "fsdp"
-    shard_data, pooled = STRATEGY_KINDS[name].shards_batch, STRATEGY_KINDS[name].pooled
 
     adapt = DataParallel.adapt  # --batchnorm sync: CrossDeviceBatchNorm2d, as in data parallelism
 

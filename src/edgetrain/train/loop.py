@@ -101,7 +101,6 @@ from edgetrain.models.init import build_on_meta
 from edgetrain.records import DeviceSummary, EnergyRecord, EvalRecord, MembershipRecord, RunSummary, StepRecord
 from edgetrain.report.files import atomic_write, save_torch, write_json
 from edgetrain.spec import RunSpec
-from edgetrain.task_kinds import run_task
 from edgetrain.tasks import Task, build_task, task_record
 from edgetrain.tasks.base import sum_totals
 from edgetrain.train.checkpoint import FINAL_DIR, FINAL_FILE, Checkpointer, resume_hint, save_final_parts
@@ -367,7 +366,7 @@ class RunWriter:
             bytes_sent_total=bytes_sent, bytes_recv_total=sum(d.bytes_recv for d in per_device),
             bytes_sent_per_step_per_device=bytes_sent / max(steps, 1) / world,
             peak_rss_mb_max=max(d.peak_rss_mb for d in per_device),
-            wall_time_s=wall_s, batchnorm=cfg.batchnorm, per_device=per_device,
+            wall_time_s=wall_s, batchnorm=strategy.context.spec.batchnorm, per_device=per_device,
             checkpoint=FINAL_DIR if strategy.pooled else FINAL_FILE,
             details={**strategy.summary(), **data.details, **({"partition": partition.to_dict()} if partition else {})},
         ).to_dict()
@@ -424,7 +423,7 @@ def train_device(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], loc
 
     phase(cfg, rank, f"loading data: {cfg.dataset}")
     # Our own copy, as for the model: multiprocessing hands every device the launcher's tensors in shared memory.
-    data = copy.deepcopy(loaded) if loaded is not None else build_data(cfg)
+    data = copy.deepcopy(loaded) if loaded is not None else build_data(cfg, spec.task)
     if spec.dedup is not None:
         phase(cfg, rank, f"dropping near-duplicate training images (pHash within {spec.dedup.threshold} bits)")
         data, dedup = drop_near_duplicates(data, spec.dedup)
@@ -434,7 +433,7 @@ def train_device(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], loc
     model = user_model if user_model is not None else build_on_meta(build_model, cfg.model, data.in_channels,
                                                                      data.num_classes)
     params = count_parameters(model)
-    task = copy.deepcopy(user_task) if user_task is not None else build_task(run_task(cfg.task, cfg.dataset), data)
+    task = copy.deepcopy(user_task) if user_task is not None else build_task(spec.task, data)
     # The model actually trained at the input shape actually fed (counted on a copy, RNG untouched).
     phase(cfg, rank, f"counting FLOPs: {cfg.model} at {'x'.join(map(str, data.input_shape))}")
     # a real batch of the test set: its targets' structure (boxes) is what the FLOPs count; the training set is
@@ -569,7 +568,7 @@ def train_device(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], loc
     if strategy.pooled:  # every device writes its own part of the final model: RUN_DIR/checkpoint/
         save_final_parts(run_dir, strategy.sharded_state(optimizer, final=True), state.step, cfg.to_dict(), rank,
                          world, spec.timeout_s, planned_steps=state.planned_steps)
-    task_name = cfg.task if user_task is not None else run_task(cfg.task, cfg.dataset)
+    task_name = cfg.task if user_task is not None else spec.task
     summary = _end_of_run(cfg, state, at, strategy, optimizer, writer, membership, checkpoints, throttle, devices,
                           rank, world, local_batches, params, data, flops_per_sample, partition, task_name,
                           energy_record, limits)

@@ -27,7 +27,7 @@ from edgetrain.comm import device_clock
 from edgetrain.comm.compress.spec import build_compressor
 from edgetrain.data import shard_indices
 from edgetrain.errors import EdgetrainError
-from edgetrain.kinds import STRATEGY_KINDS
+from edgetrain.kinds import named_by_kind
 from edgetrain.models.init import META, is_meta, materialise
 from edgetrain.plan.model import device_gflops, device_links, idle_process_mb
 from edgetrain.plan.split import StageDevice, layer_costs, p2p_seconds, plan_split
@@ -70,12 +70,11 @@ def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
+@named_by_kind("strategy")
 class Pipeline(Strategy):
     """The model's layers in stages over the devices (``torch.distributed.pipelining``)."""
 
-    name = "pipeline"
     # every stage gets its replica's whole batch; the schedule cuts it into micro-batches
-    shard_data, pooled = STRATEGY_KINDS[name].shards_batch, STRATEGY_KINDS[name].pooled
 
     def data_share(self, local_batches: list[int]) -> tuple[list[int], int]:
         # the global batch is cut into one share per replica: every stage of replica r reads share r

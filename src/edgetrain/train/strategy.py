@@ -68,7 +68,7 @@ from edgetrain.comm import build_sync
 from edgetrain.comm.accounting import CommStats
 from edgetrain.config import TrainConfig
 from edgetrain.errors import EdgetrainError
-from edgetrain.kinds import STRATEGY_KINDS, strategy_kind
+from edgetrain.kinds import STRATEGY_KINDS, named_by_kind, strategy_kind
 from edgetrain.models.batchnorm import convert_batchnorm
 from edgetrain.models.init import materialise
 from edgetrain.spec import RunSpec
@@ -202,6 +202,7 @@ class Strategy(abc.ABC):
         raise NotImplementedError(f"strategy {self.name} holds the whole model on every device")
 
 
+@named_by_kind("strategy")
 class DataParallel(Strategy):
     """Every device trains a replica on its share of the batch; ``comm.build_sync`` picks how replicas agree
     (sync, local:H, async:S, gossip, fedavg:E; see comm/sync.py for the calls made here).
@@ -221,11 +222,9 @@ class DataParallel(Strategy):
     due), and it scores 0 samples.
     """
 
-    name = "ddp"
-    shard_data, pooled = STRATEGY_KINDS[name].shards_batch, STRATEGY_KINDS[name].pooled
 
     def adapt(self, model: nn.Module) -> nn.Module:
-        if self.context.cfg.batchnorm == "sync" and self.context.world > 1:
+        if self.context.spec.batchnorm == "sync" and self.context.world > 1:
             return convert_batchnorm(model)
         return model
 
@@ -306,6 +305,7 @@ class DataParallel(Strategy):
         self.steps = state["steps"]
 
 
+@named_by_kind("strategy")
 class Tiled(Strategy):
     """Spatial tiles of the first layers, data parallel after them (``tiling.TiledTraining``).
 
@@ -316,8 +316,6 @@ class Tiled(Strategy):
     tiled section runs collectives inside forward).
     """
 
-    name = "tiled"
-    shard_data, pooled = STRATEGY_KINDS[name].shards_batch, STRATEGY_KINDS[name].pooled
 
     @property
     def calibration_batch(self) -> None:

@@ -11,7 +11,7 @@ How payloads from the devices are combined depends on the compressor:
   layout, so the payloads are summed by an all-reduce and decoded once (fp32,
   fp16, bf16, random-k with a shared seed);
 * otherwise every device's payload is gathered (gloo has no sparse
-  all-reduce), decoded one by one and summed. If ``fixed_size`` is false the
+  all-reduce), decoded one by one and summed. If ``fixed_size`` is false (its kind says so) the
   payload length varies between devices and steps, and the lengths travel
   first in a small all-gather of their own.
 
@@ -92,9 +92,14 @@ class Compressor:
     """
 
     name = "base"
+    kind = None        # its descriptor (kinds.named_by_kind sets it, with ``name``)
     summable = False
-    fixed_size = True
     error_bound = ""
+
+    @property
+    def fixed_size(self) -> bool:
+        """The same bytes every exchange, whatever the values: as its kind declares (``CompressKind``)."""
+        return self.kind.fixed_size
 
     def encode(self, x: torch.Tensor, key: object = 0, segments: tuple[int, ...] | None = None) -> Payload:
         raise NotImplementedError

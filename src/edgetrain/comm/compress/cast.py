@@ -17,6 +17,7 @@ import torch
 
 from edgetrain.comm.compress.base import Compressor, Payload
 from edgetrain.comm.compress.memory import NoMemory
+from edgetrain.spec import KINDS
 
 FP16_MAX = 65504.0
 
@@ -29,6 +30,7 @@ class HalfCast(Compressor):
             raise ValueError(f"HalfCast casts to float16 or bfloat16, not {dtype}")
         self.dtype = dtype
         self.name = "fp16" if dtype == torch.float16 else "bf16"
+        self.kind = KINDS["compress"][self.name]   # one class for two kinds: its dtype says which
         self.error_bound = ("|x-d| <= max(2^-11 |x|, 2^-25) for |x| <= 65504" if dtype == torch.float16
                             else "|x-d| <= 2^-8 |x|")
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 import torch
 
 from edgetrain.comm.compress.base import Compressor, Payload
+from edgetrain.kinds import named_by_kind
 
 
+@named_by_kind("compress", builder="build")
 class NoCompression(Compressor):
-    name = "none"
     summable = True
     error_bound = "exact: decode(encode(x)) == x"
 

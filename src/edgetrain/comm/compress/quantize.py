@@ -27,12 +27,13 @@ import torch
 from edgetrain.comm.compress import bitpack
 from edgetrain.comm.compress.base import Compressor, Payload, segment_ids, segment_sum
 from edgetrain.comm.compress.memory import NoMemory, ResidualMemory
+from edgetrain.kinds import named_by_kind
 
 TINY = torch.finfo(torch.float32).tiny
 
 
+@named_by_kind("compress", builder="build_int8")
 class Int8(Compressor):
-    name = "int8"
     error_bound = "|x-d| <= max|x| / 254 per tensor"
 
     def encode(self, x: torch.Tensor, key: object = 0, segments: tuple[int, ...] | None = None) -> Payload:
@@ -52,6 +53,7 @@ class Int8(Compressor):
         return [(torch.float32, len(segments or (numel,))), (torch.int8, numel)]
 
 
+@named_by_kind("compress", builder="build_qsgd")
 class QSGD(Compressor):
     error_bound = "E[d] = x and |x-d| <= ||x||_2 / levels per tensor"
 
@@ -89,6 +91,7 @@ class QSGD(Compressor):
         return [(torch.float32, len(segments or (numel,))), (torch.int8, numel)]
 
 
+@named_by_kind("compress", builder="build_quant")
 class LowBit(Compressor):
     error_bound = "|x-d| <= max|x| / (2 (2**(bits-1) - 1)) per tensor"
 

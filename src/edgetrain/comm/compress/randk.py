@@ -18,8 +18,10 @@ import torch
 
 from edgetrain.comm.compress.base import Compressor, Payload
 from edgetrain.comm.compress.memory import NoMemory, ResidualMemory
+from edgetrain.kinds import named_by_kind
 
 
+@named_by_kind("compress", builder="build")
 class RandomK(Compressor):
     summable = True
     error_bound = "d == x on k shared random coordinates, 0 elsewhere"

@@ -23,6 +23,7 @@ import torch
 
 from edgetrain.comm.compress.base import Compressor, Payload, segment_ids, segment_sum
 from edgetrain.comm.compress.memory import NoMemory, ResidualMemory
+from edgetrain.kinds import named_by_kind
 
 _BITS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
 
@@ -42,8 +43,8 @@ def unpack_signs(packed: torch.Tensor, numel: int) -> torch.Tensor:
     return bits.float().mul_(2).sub_(1)
 
 
+@named_by_kind("compress", builder="build")
 class ScaledSign(Compressor):
-    name = "sign"
     error_bound = "||x-d||^2 == ||x||^2 - ||x||_1^2 / n"
 
     def encode(self, x: torch.Tensor, key: object = 0, segments: tuple[int, ...] | None = None) -> Payload:
@@ -61,7 +62,7 @@ class ScaledSign(Compressor):
 
 
 class MajorityVote(ScaledSign):
-    name = "sign:vote"
+    name = ScaledSign.name + ":vote"
     error_bound = "each device: d == (||x||_1/n) sign(x); combined: sign of the vote times the mean scale"
 
     def combine(self, decoded: list[torch.Tensor]) -> torch.Tensor:

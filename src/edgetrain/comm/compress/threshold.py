@@ -42,6 +42,7 @@ import torch
 from edgetrain.cluster.links import Link
 from edgetrain.comm.compress.base import Compressor, Payload, segment_ids, segment_sum
 from edgetrain.comm.compress.memory import ResidualMemory
+from edgetrain.kinds import named_by_kind
 
 REFERENCE_BPS = 1e9
 
@@ -53,8 +54,8 @@ def link_threshold(tau: float, link: Link | None) -> float:
     return tau * math.sqrt(max(1.0, REFERENCE_BPS / link.bandwidth_bps))
 
 
+@named_by_kind("compress", builder="build")
 class Threshold(Compressor):
-    fixed_size = False
     error_bound = ("d == 0 where |x| < Wt; elsewhere d == sign(x) Wt (strom) or sign(x) times the mean |x| "
                    "sent with that sign in that tensor (mean)")
 

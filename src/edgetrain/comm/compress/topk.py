@@ -48,12 +48,14 @@ import torch
 from edgetrain.comm.compress import bitpack
 from edgetrain.comm.compress.base import Compressor, Payload
 from edgetrain.comm.compress.memory import DGCMemory, NoMemory, ResidualMemory
+from edgetrain.kinds import named_by_kind
 
 
 GAP_FILL = 65535  # the code of a filler; codes below it mean "next entry is code + 1 positions on"
 FP16_MAX = 65504.0
 
 
+@named_by_kind("compress", builder="build")
 class TopK(Compressor):
     error_bound = "d == x on the k largest |x| (per tensor if layerwise), 0 elsewhere; ||x-d||^2 <= (1-k/n)||x||^2"
 
