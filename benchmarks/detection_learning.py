@@ -4,7 +4,7 @@
         [--plot docs/images/detection-learning.png]
 
 Runs exactly that command (the task's defaults: the embedded ``shapes`` set, ``yolov2_tiny_small`` at
-128x128, see ``task_kinds.py``), timestamps each evaluation line as the trainer prints it, and reports
+128x128, see its descriptor in ``kinds.py``), timestamps each evaluation line as the trainer prints it, and reports
 the test mAP@0.5 and mAP@0.5:0.95 (pycocotools' COCOeval) after every epoch, read from the run's
 ``summary.json``, with the wall time from the command's start. Target: mAP@0.5 >= 0.5 within 600 s.
 """

@@ -8,8 +8,9 @@ a loss of nan or overflow a timeout in a device.
 
 ``resolve`` parses every string option once into a frozen ``RunSpec``
 (``edgetrain.spec``), then runs each kind's refusals (``edgetrain.kinds``)
-and those of the run as a whole; ``load_config`` calls it, and the training
-loop, ``comm``, ``tiling`` and ``plan`` take the spec, not the strings. It
+and those of the run as a whole; ``load_run`` loads a config and resolves it
+once, returning both, and the training loop, ``comm``, ``tiling`` and
+``plan`` take the spec, not the strings. It
 reads no environment: the launcher hands it a ``spec.LaunchSpec``. This module imports
 only ``edgetrain.spec``, ``edgetrain.kinds``, ``edgetrain.yamlfile`` and ``edgetrain.errors`` of edgetrain (no torch):
 checking a config is cheap, and nothing here reaches up into the packages

@@ -1,4 +1,5 @@
-"""Every strategy, sync mode and compressor, declared once: one descriptor each (docs/design/kinds.md).
+"""Every strategy, sync mode, compressor, task and server optimiser, declared once: one descriptor each
+(docs/design/kinds.md).
 
 A descriptor holds what the rest of edgetrain asks of a kind: its name and
 how it is written, its parser (into the frozen specs of ``edgetrain.spec``),
@@ -6,7 +7,8 @@ its capabilities, its own refusals of a run (``config.resolve`` runs them),
 where the code that runs it lives and where its planner model lives, or the
 one line that refuses to plan it. Those places are ``"module:attribute"``
 strings, imported on first use, so this module stays torch-free and at the
-bottom; nothing else names a kind to decide what to do with it.
+bottom; nothing else names a kind to decide what to do with it, and the runtime classes take their names
+from their descriptors (``named_by_kind``).
 Declaring a descriptor registers it in ``spec.KINDS``, where the parsers look
 names up; ``edgetrain``'s package ``__init__`` imports this module, so every
 kind is declared before anything is parsed.

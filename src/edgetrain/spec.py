@@ -13,7 +13,8 @@ and mode is declared once in ``edgetrain.kinds`` (how it is written, its
 options and checks, which compressors a mode carries, where it runs and is
 planned); ``parse_compress`` and ``parse_sync`` here look the name up there.
 
-``--server-opt`` (federated rounds only): ``fedavg`` (the mean of the models),
+``--server-opt`` (federated rounds only, each optimiser declared in
+``edgetrain.kinds``): ``fedavg`` (the mean of the models),
 ``fedavgm[:lr=1.0][:momentum=0.9]`` (Hsu et al. 2019) or
 ``fedadam[:lr=0.01][:beta1=0.9][:beta2=0.99][:eps=0.001]`` (Reddi et al.
 2021), applied to the pseudo-gradient ``global - mean(client models)``.

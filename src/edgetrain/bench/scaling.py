@@ -125,7 +125,7 @@ def add_parser(sub) -> None:
 
 
 def _config(a) -> dict[str, Any]:
-    from edgetrain.config import load_config, resolve
+    from edgetrain.config import load_run
     from edgetrain.preflight import check_before_launch
     from edgetrain.yamlfile import read_yaml_mapping
 
@@ -138,6 +138,6 @@ def _config(a) -> dict[str, Any]:
         if value is not None:
             config[key] = value
     # Every key and value, the model and the data checked before the bench makes its run directory.
-    cfg = load_config(config, output=a.output)
-    check_before_launch(cfg, resolve(cfg))
+    cfg, spec = load_run(config, output=a.output)
+    check_before_launch(cfg, spec)
     return config

@@ -568,7 +568,7 @@ def train_device(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], loc
     if strategy.pooled:  # every device writes its own part of the final model: RUN_DIR/checkpoint/
         save_final_parts(run_dir, strategy.sharded_state(optimizer, final=True), state.step, cfg.to_dict(), rank,
                          world, spec.timeout_s, planned_steps=state.planned_steps)
-    task_name = cfg.task if user_task is not None else spec.task
+    task_name = spec.task
     summary = _end_of_run(cfg, state, at, strategy, optimizer, writer, membership, checkpoints, throttle, devices,
                           rank, world, local_batches, params, data, flops_per_sample, partition, task_name,
                           energy_record, limits)
