@@ -10,7 +10,7 @@ import pytest
 from edgetrain.config import load_config, resolve
 from edgetrain.errors import EdgetrainError
 from edgetrain.kinds import (COMPRESS_KINDS, SERVER_OPT_KINDS, STRATEGY_KINDS, SYNC_KINDS, TASK_KINDS, CompressKind,
-                             ServerOptKind, StrategyKind, SyncKind, TaskKind, all_kinds, strategy_kind, task_kind)
+                             ServerOptKind, StrategyKind, TaskKind, all_kinds, strategy_kind, task_kind)
 from edgetrain.spec import KINDS, LaunchSpec, parse_compress, parse_server_opt, parse_sync
 
 from edgetrain_testing import FAST, _pooled_unsupported, run_cli

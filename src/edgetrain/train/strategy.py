@@ -68,7 +68,7 @@ from edgetrain.comm import build_sync
 from edgetrain.comm.accounting import CommStats
 from edgetrain.config import TrainConfig
 from edgetrain.errors import EdgetrainError
-from edgetrain.kinds import STRATEGY_KINDS, named_by_kind, strategy_kind
+from edgetrain.kinds import named_by_kind, strategy_kind
 from edgetrain.models.batchnorm import convert_batchnorm
 from edgetrain.models.init import materialise
 from edgetrain.spec import RunSpec
