@@ -565,7 +565,8 @@ def yolo_on_storage(root: str | Path, image_size: int = 128, seed: int = 0, augm
     from edgetrain.data.images import DataSplit
     from edgetrain.data.detection import yolo_parts
 
-    (ptr, btr), (pte, bte), count, names, root = yolo_parts(root, seed)
+    parts = yolo_parts(root, seed)
+    (ptr, btr), (pte, bte), count, names, root = parts.train, parts.test, parts.classes, parts.names, parts.root
     _check_headers([*ptr, *pte])
     as_boxes = lambda bs: [torch.as_tensor(b, dtype=torch.float32).reshape(-1, 5) for b in bs]  # noqa: E731
     plain = StoredBoxes(FileSource(ptr), as_boxes(btr), [0.0] * 3, [1.0] * 3, image_size)
@@ -573,7 +574,8 @@ def yolo_on_storage(root: str | Path, image_size: int = 128, seed: int = 0, augm
     train = StoredBoxes(FileSource(ptr), as_boxes(btr), mean, std, image_size, augment, seed)
     test = StoredBoxes(FileSource(pte), as_boxes(bte), mean, std, image_size)
     return DataSplit(train, test, count, root.name,
-                     {"class_names": names or [str(c) for c in range(count)], "storage": "files"})
+                     {"class_names": names or [str(c) for c in range(count)], "storage": "files",
+                      "clipped_boxes": parts.clipped})
 
 
 def _check_headers(paths: Sequence[Path]) -> None:

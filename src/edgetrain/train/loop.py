@@ -369,7 +369,9 @@ class RunWriter:
             peak_rss_mb_max=max(d.peak_rss_mb for d in per_device),
             wall_time_s=wall_s, batchnorm=cfg.batchnorm, per_device=per_device,
             checkpoint=FINAL_DIR if strategy.pooled else FINAL_FILE,
-            details={**strategy.summary(), **data.details, **({"partition": partition.to_dict()} if partition else {})},
+            clipped_boxes=data.details.get("clipped_boxes"),
+            details={**strategy.summary(), **{k: v for k, v in data.details.items() if k != "clipped_boxes"},
+                     **({"partition": partition.to_dict()} if partition else {})},
         ).to_dict()
         write_json(run_dir / "summary.json", summary)
         return summary
