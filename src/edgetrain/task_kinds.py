@@ -93,9 +93,12 @@ def run_task(task: str | None, dataset: str) -> str:
     return task or implied_task(dataset)
 
 
-def task_defaults(task: str | None, given: set[str] | frozenset[str]) -> dict[str, object]:
-    """The config values a given built-in ``--task`` implies for the keys the user did not give (``given``):
-    its dataset, its model and its ``settings``. ``{}`` without ``--task`` or for a task passed from Python."""
+def task_defaults(task: str | None, given: set[str] | frozenset[str], dataset: str | None = None) -> dict[str, object]:
+    """The config values a built-in task implies for the keys the user did not give (``given``): its dataset,
+    its model and its ``settings``. The task is ``--task``, else the one ``dataset`` implies (``implied_by``: a
+    YOLO folder brings detection's model and resolution as ``--task detection`` does); ``{}`` for a task passed
+    from Python, or with neither."""
+    task = task or (implied_task(dataset) if dataset else None)
     if not task or is_user_task(task):
         return {}
     kind = task_kind(task)

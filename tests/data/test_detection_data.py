@@ -257,3 +257,16 @@ def test_the_summary_shows_how_many_boxes_were_clipped():
     assert note in console.export_text()
     assert any(n.startswith(note) for n in headline(summary)[2])
     assert "clipped_boxes" not in RunSummary.from_dict({**summary.to_dict(), "clipped_boxes": None}, "t").to_dict()
+
+
+def test_a_yolo_dataset_alone_trains_detection_with_its_defaults_and_counts_clipped_boxes(tmp_path):
+    """``--dataset yolo`` without ``--task``: detection's model and settings, as ``--task detection`` brings."""
+    import edgetrain
+    from edgetrain_testing import FAST
+
+    root = write_yolo(tmp_path / "set", dict(GOOD, img0="0 0.85938 0.20833 0.28125 0.35417\n"))
+    summary = edgetrain.train(dict(dataset="yolo", data_dir=str(root), image_size=32, steps=1, batch_size=4,
+                                   devices=1, output=str(tmp_path / "out"), **FAST))
+    assert (summary["model"], summary["task"]["name"], summary["input_shape"]) == ("yolov2_tiny_small", "detection",
+                                                                                   [3, 32, 32])
+    assert summary["clipped_boxes"] == 1

@@ -80,7 +80,8 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     # a built-in --task given without a dataset or model brings its own (edgetrain.task_kinds)
     given = {*overrides, *_given(config)}
     if "resume" not in given:  # a resumed run is as its config.yaml says
-        overrides.update(task_defaults(overrides.get("task") or _given(config).get("task"), given))
+        overrides.update(task_defaults(overrides.get("task") or _given(config).get("task"), given,
+                                       overrides.get("dataset") or _given(config).get("dataset")))
     torchrun = under_torchrun()
     if torchrun:  # a device of a real cluster: what it was started for is training, so torch now
         from edgetrain.cluster.peers import check_rank_environment
