@@ -400,3 +400,23 @@ def test_a_training_split_of_shards_reads_members_without_readahead(tmp_path):
         source.read(k)
     start, (end, size) = source.entries[first][1], source.entries[first + 2][1:3]
     assert _resident_pages(path) <= (end + size) // 4096 - start // 4096 + 1  # the members' pages, no more
+
+
+def _bytes_read_by_this_process() -> int:
+    """``rchar`` of /proc/self/io: what this process's read calls returned, whatever read them (the kernel's count)."""
+    return int(next(line for line in open("/proc/self/io") if line.startswith("rchar:")).split()[1])
+
+
+def test_setting_up_a_folder_on_storage_reads_its_headers_and_a_small_sample_only(tmp_path):
+    """Setup reads each image's header (not the whole file, as a buffered open would for a small image) and the
+    statistics' sample: a small fraction of the dataset, counted by the kernel, not by edgetrain."""
+    root = write_folder(tmp_path / "f", classes=5, per_class=250, size=32)  # 1,250 images of 3.2 KB
+    total = sum(p.stat().st_size for p in root.rglob("*.png"))
+    image_folder_on_storage(write_folder(tmp_path / "warm", per_class=3))  # imports and caches, not counted
+    before = _bytes_read_by_this_process()
+    data = image_folder_on_storage(root)
+    read = _bytes_read_by_this_process() - before
+    assert read < 0.1 * total, f"setup read {read:,} of {total:,} bytes"
+    reads = data.details["setup_read"]
+    assert (reads["headers"], reads["sample"], reads["dataset_bytes"]) == (1250, 64, total)
+    assert reads["header_bytes"] + reads["sample_bytes"] <= read

@@ -102,6 +102,7 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     from edgetrain.cluster.peers import cluster_token, peer_failure
     from edgetrain.data import build_data, user_datasets
     from edgetrain.data.datasets import LOADED_ONCE
+    from edgetrain.data.storage import SetupReads
     from edgetrain.data.device_data import check_device_data, class_labels
     from edgetrain.data.partition import split_dataset
     from edgetrain.models import model_reference, user_models
@@ -129,6 +130,10 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     # digits' loader imports scikit-learn, a second of CPU in every device process: the launcher loads it once
     # and hands it to its emulated devices with their arguments. Under torchrun each device loads its own.
     data = (checked or build_data(cfg)) if cfg.dataset in LOADED_ONCE and not torchrun else None
+    setup_read = checked.details.get("setup_read") if checked is not None else None
+    if setup_read:  # a dataset on storage: its index, described once here (a process under torchrun is its device)
+        data = checked  # and handed on: a device that described it again would read every header again
+        phase(cfg, rank, f"indexed {cfg.dataset} on storage: {SetupReads(**setup_read).describe()}")
     if spec.partition.local:  # a split that leaves a device short of a batch: refused before any device starts
         split_dataset(class_labels((data or build_data(cfg)).train), spec.partition, local_batches, spec.seed)
     beyond = next((f.rank for f in spec.faults if f.rank >= len(devices)), None)
