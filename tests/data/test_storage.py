@@ -420,3 +420,16 @@ def test_setting_up_a_folder_on_storage_reads_its_headers_and_a_small_sample_onl
     reads = data.details["setup_read"]
     assert (reads["headers"], reads["sample"], reads["dataset_bytes"]) == (1250, 64, total)
     assert reads["header_bytes"] + reads["sample_bytes"] <= read
+
+
+def test_the_cache_serves_the_items_of_a_devices_loader_workers(tmp_path):
+    """A device starts its loader workers as it was started itself (from the fork server), so the cache reaches
+    them by its file descriptor, not by fork: epoch 2 reads every item from the cache the workers filled in 1."""
+    root = write_folder(tmp_path / "f", per_class=10)  # 24 training images of 12x12
+    summary = edgetrain.train(dict(dataset="imagefolder", data_dir=str(root), from_storage=True, workers=1,
+                                   cache_mb=1, epochs=2, batch_size=8, augment=False, output=str(tmp_path / "o"),
+                                   **FAST))
+    device = summary["per_device"][0]
+    # 3 steps of 8 an epoch: 24 from storage in the first, 24 from the cache in the second
+    assert (device["workers"], device["storage_items_per_epoch"], device["cache_items_per_epoch"]) == (1, 12, 12)
+    assert summary["setup_read"]["sample"] == 24  # all of a set this small, read once by the launcher
