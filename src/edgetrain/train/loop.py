@@ -428,7 +428,8 @@ def train_device(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], loc
     # Our own copy, as for the model: multiprocessing hands every device the launcher's tensors in shared memory.
     data = copy.deepcopy(loaded) if loaded is not None else build_data(cfg)
     if spec.dedup is not None:
-        phase(cfg, rank, f"dropping near-duplicate training images (pHash within {spec.dedup.threshold} bits)")
+        phase(cfg, rank, f"dropping near-duplicate training images (pHash within {spec.dedup.threshold} bits; "
+                         "reads every training image)")
         data, dedup = drop_near_duplicates(data, spec.dedup)
         if rank == 0:
             print(dedup.describe(), flush=True)
