@@ -2,7 +2,7 @@
 
 The output directory can be written, the model and the dataset are
 registered, the CIFAR-10 files are there, an image folder or ``.npz`` reads
-(every file), a tiling grid fits the feature maps
+(every file; on storage, every header), a tiling grid fits the feature maps of the data's own shape
 (``tiling.strategy.plan_section`` on the model, built here once), a pipeline
 can cut the model where ``--stages`` says (``plan.stages``), the run's task
 can run under its strategy (``task_kinds``), this torch has what the strategy needs (FSDP2 for fsdp and

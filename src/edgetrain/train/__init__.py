@@ -102,9 +102,9 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     from edgetrain.cluster.peers import cluster_token, peer_failure
     from edgetrain.data import build_data, user_datasets
     from edgetrain.data.datasets import LOADED_ONCE
-    from edgetrain.data.storage import SetupReads
     from edgetrain.data.device_data import check_device_data, class_labels
     from edgetrain.data.partition import split_dataset
+    from edgetrain.data.storage import SetupReads
     from edgetrain.models import model_reference, user_models
     from edgetrain.preflight import check_before_launch
     from edgetrain.train.checkpoint import check_resume_devices, resume_hint
@@ -134,6 +134,7 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     if setup_read:  # a dataset on storage: its index, described once here (a process under torchrun is its device)
         data = checked  # and handed on: a device that described it again would read every header again
         phase(cfg, rank, f"indexed {cfg.dataset} on storage: {SetupReads(**setup_read).describe()}")
+    del checked  # a user's dataset in memory is the devices' to load: the launcher keeps no copy through the run
     if spec.partition.local:  # a split that leaves a device short of a batch: refused before any device starts
         split_dataset(class_labels((data or build_data(cfg)).train), spec.partition, local_batches, spec.seed)
     beyond = next((f.rank for f in spec.faults if f.rank >= len(devices)), None)
