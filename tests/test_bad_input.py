@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from edgetrain.cli import main
+from edgetrain.spec import parse_compress, parse_sync
 from edgetrain_testing import run_cli
 
 # Training flags that keep a run short if a check ever let one through.
@@ -230,3 +231,23 @@ def test_cli_end_to_end_one_line(argv, expected, paths):
     proc = run_cli(*_argv(argv, paths), "--output" if argv[0] != "report" else "-o", str(paths["out"]), timeout=60)
     assert_one_line_error(proc.returncode, proc.stderr, expected)
     assert not paths["out"].exists()
+
+
+# Every out-of-range --sync or --compress value: one line naming the option and a value it accepts.
+RANGES = [("--sync", "diloco:8:momentum=1.5"), ("--sync", "local:8:nesterov:lr=0"), ("--sync", "streaming:8:lr=-1"),
+          ("--sync", "streaming:8:fragments=9"), ("--sync", "streaming:8:overlap=8"), ("--sync", "streaming:8:mix=2"),
+          ("--sync", "gossip:0"), ("--sync", "async:0"), ("--sync", "fedavg:1:prox=-1"), ("--sync", "local:0"),
+          ("--compress", "topk:2"), ("--compress", "randk:0"), ("--compress", "topk:0.1:dgc:momentum=1"),
+          ("--compress", "topk:0.1:bits=9"), ("--compress", "topk:0.1:warmup=-1"), ("--compress", "qsgd:0"),
+          ("--compress", "quant:1"), ("--compress", "powersgd:0"), ("--compress", "powersgd:2:start=-1"),
+          ("--compress", "threshold:-1")]
+
+
+@pytest.mark.parametrize("option, value", RANGES)
+def test_an_out_of_range_sync_or_compress_value_names_the_option_and_a_valid_one(option, value, paths, capsys):
+    code, err = run_main(["train", *QUICK_TRAIN, "--output", str(paths["out"]), option, value], capsys)
+    assert_one_line_error(code, err, f"{option} '{value}'")
+    example = err.split("e.g. ", 1)[1].split(" (")[0].strip().split()
+    assert example[0] == option, err
+    parse = {"--sync": parse_sync, "--compress": parse_compress}[option]
+    parse(example[1])  # the value it suggests parses

@@ -71,12 +71,12 @@ def run_pack(args: argparse.Namespace) -> int:
     cfg = load_config(TrainConfig(), **given, from_storage=True, augment=False)
     if cfg.dataset == "shards":
         raise EdgetrainError("dataset shards is packed already; give the dataset to pack (imagefolder, yolo, ...)")
-    check_data(cfg)
+    checked = check_data(cfg)
     kind = target_kind(cfg)
     if kind == "values":
         raise EdgetrainError("edgetrain data pack packs image datasets (classification or detection); a regression "
                              "set is small enough to train from memory")
-    data = build_data(cfg)
+    data = checked or build_data(cfg)  # a folder's headers and statistics read once
     meta = pack(data, args.output, args.shard_mb, detection=kind == "own")
     for part, split in meta["splits"].items():
         print(f"{data.name} {part}: {split['items']} samples in {len(split['shards'])} shard(s)")
@@ -103,10 +103,10 @@ def run(args: argparse.Namespace) -> int:
     from edgetrain.report.files import write_json
 
     cfg = load_config(TrainConfig(), **{k: v for k, v in vars(args).items() if k in DATASET_OPTIONS})
-    check_data(cfg)
+    checked = check_data(cfg)
     if args.output is not None:
         check_output_dir(args.output, "--output")
-    data = build_data(cfg)
+    data = checked or build_data(cfg)
     report = find_near_duplicates(images_of(getattr(data, args.split)), args.threshold)
     print(f"{data.name} {args.split}: {report.describe()}")
     if args.output is not None:

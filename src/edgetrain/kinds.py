@@ -138,51 +138,57 @@ def _fraction(name: str) -> Callable[[float | None, dict, str], None]:
         if arg is None:
             raise EdgetrainError(f"{name} needs the fraction of entries to keep, e.g. --compress {name}:0.01")
         if not 0 < arg <= 1:
-            raise EdgetrainError(f"{name} ratio must be a fraction in (0, 1], got {arg:g} in {text!r}; "
-                                 f"e.g. {name}:0.01 keeps 1% of the entries")
+            raise EdgetrainError(f"{name} ratio must be a fraction in (0, 1], got {arg:g} in --compress {text!r}; "
+                                 f"e.g. --compress {name}:0.01 keeps 1% of the entries")
     return check
 
 
-def _whole_steps(key: str, options: dict) -> None:
+def _whole_steps(key: str, options: dict, text: str, example: str) -> None:
     if key in options and not (options[key] == int(options[key]) and options[key] >= 0):
-        raise EdgetrainError(f"{key}= must be a whole number of steps, got {options[key]:g}")
+        raise EdgetrainError(f"{key}= must be a whole number of steps >= 0, got {options[key]:g} in --compress "
+                             f"{text!r}; e.g. --compress {example}")
 
 
 def _check_topk(arg, options, text):
     _fraction("topk")(arg, options, text)
     if "momentum" in options and not 0 <= options["momentum"] < 1:
-        raise EdgetrainError(f"momentum must be in [0, 1), got {options['momentum']:g}")
+        raise EdgetrainError(f"momentum= must be in [0, 1), got {options['momentum']:g} in --compress {text!r}; "
+                             "e.g. --compress topk:0.001:dgc:momentum=0.9")
     if "momentum" in options and "dgc" not in options:
         raise EdgetrainError("momentum= applies to DGC momentum correction: add :dgc, e.g. topk:0.001:dgc:momentum=0.9")
     if "dgc" in options and "noef" in options:
         raise EdgetrainError("dgc keeps its own residual; it cannot be combined with noef")
     if "bits" in options and not (options["bits"] == int(options["bits"]) and 1 <= options["bits"] <= 8):
-        raise EdgetrainError(f"bits= is the bits of a kept value, a whole number from 1 to 8, got {options['bits']:g}; "
-                             "e.g. topk:0.01:bits=2")
+        raise EdgetrainError(f"bits= is the bits of a kept value, a whole number from 1 to 8, got {options['bits']:g} "
+                             f"in --compress {text!r}; e.g. --compress topk:0.01:bits=2")
     if "bits" in options and "compact" in options:
         raise EdgetrainError("bits= already sends 16-bit positions as compact does, with B-bit values: drop :compact")
-    _whole_steps("warmup", options)
+    _whole_steps("warmup", options, text, "topk:0.001:dgc:warmup=1000")
 
 
 def _check_qsgd(arg, options, text):
     if arg is not None and not (arg == int(arg) and 1 <= arg <= 127):
-        raise EdgetrainError(f"qsgd levels must be an integer in [1, 127], got {arg:g}")
+        raise EdgetrainError(f"qsgd levels must be an integer in [1, 127], got {arg:g} in --compress {text!r}; "
+                             "e.g. --compress qsgd:127")
 
 
 def _check_quant(arg, options, text):
     if arg is not None and not (arg == int(arg) and 2 <= arg <= 8):
-        raise EdgetrainError(f"quant takes a whole number of bits from 2 to 8, got {arg:g}; e.g. --compress quant:4")
+        raise EdgetrainError(f"quant takes a whole number of bits from 2 to 8, got {arg:g} in --compress {text!r}; "
+                             "e.g. --compress quant:4")
 
 
 def _check_powersgd(arg, options, text):
     if arg is not None and not (arg == int(arg) and arg >= 1):
-        raise EdgetrainError(f"powersgd rank must be an integer >= 1, got {arg:g}")
-    _whole_steps("start", options)
+        raise EdgetrainError(f"powersgd rank must be an integer >= 1, got {arg:g} in --compress {text!r}; "
+                             "e.g. --compress powersgd:2")
+    _whole_steps("start", options, text, "powersgd:2:start=10")
 
 
 def _check_threshold(arg, options, text):
     if arg is not None and not arg > 0:
-        raise EdgetrainError(f"threshold tau must be positive, got {arg:g}")
+        raise EdgetrainError(f"threshold tau must be positive, got {arg:g} in --compress {text!r}; "
+                             "e.g. --compress threshold:0.001")
 
 
 def _dgc_without_optimizer_momentum(d: Draft) -> None:
@@ -279,7 +285,7 @@ def _period(rest: list[str], mode: str, text: str) -> int:
         raise EdgetrainError(f"{name} needs the number of local steps between averages, e.g. --sync {mode}:8")
     number = _int(rest[0], mode, text)
     if number < 1:
-        raise EdgetrainError(f"{name} period H must be >= 1 step, got {number} in {text!r}; "
+        raise EdgetrainError(f"{name} period H must be >= 1 step, got {number} in --sync {text!r}; "
                              f"e.g. --sync {mode}:8 averages every 8 steps ({mode}:1 averages every step)")
     return number
 
@@ -292,10 +298,11 @@ def _outer(key: str, value: str, opt: str, text: str, values: dict) -> bool:
     return True
 
 
-def _check_outer(values: dict) -> None:
+def _check_outer(values: dict, text: str, example: str) -> None:
     lr, momentum = values["lr"], values["momentum"]
     if not (lr > 0 and math.isfinite(lr)) or not 0 <= momentum < 1:
-        raise EdgetrainError(f"outer lr must be > 0 and momentum in [0, 1), got lr={lr:g}, momentum={momentum:g}")
+        raise EdgetrainError(f"outer lr must be > 0 and momentum in [0, 1), got lr={lr:g}, momentum={momentum:g} "
+                             f"in --sync {text!r}; e.g. --sync {example}:lr=0.7:momentum=0.9 (the defaults)")
 
 
 def _parse_local(rest: list[str], text: str) -> SyncSpec:
@@ -315,7 +322,7 @@ def _parse_local(rest: list[str], text: str) -> SyncSpec:
     if (values["lr"], values["momentum"]) != (0.7, 0.9) and not nesterov:
         raise EdgetrainError("lr= and momentum= set the outer Nesterov step: add :nesterov, "
                              "e.g. --sync local:8:nesterov:lr=0.7 (or write diloco:8:lr=0.7)")
-    _check_outer(values)
+    _check_outer(values, text, f"{mode}:{number}" + (":nesterov" if mode == "local" else ""))
     return SyncSpec("local", period=number, nesterov=nesterov, outer_lr=values["lr"],
                     outer_momentum=values["momentum"], text=text)
 
@@ -331,17 +338,20 @@ def _parse_streaming(rest: list[str], text: str) -> SyncSpec:
         elif not (eq and _outer(key, value, opt, text, values)):
             raise EdgetrainError(f"unknown streaming option {opt!r} in {text!r}; options: fragments=, overlap=, "
                                  "mix=, lr=, momentum=")
-    _check_outer(values)
+    _check_outer(values, text, f"streaming:{number}")
     fragments, overlap = values["fragments"], values["overlap"]
     if fragments != int(fragments) or not 1 <= fragments <= number:
         raise EdgetrainError(f"streaming fragments=F must be a whole number from 1 to H={number} (each fragment "
-                             f"is synchronised at its own step of the H), got {fragments:g} in {text!r}")
+                             f"is synchronised at its own step of the H), got {fragments:g} in --sync {text!r}; "
+                             f"e.g. --sync streaming:{number}:fragments={min(2, number)}")
     if overlap != int(overlap) or not 0 <= overlap < number:
         raise EdgetrainError(f"streaming overlap=T must be a whole number of steps from 0 to H-1={number - 1} (a "
-                             f"fragment's exchange must land before its next one starts), got {overlap:g} in {text!r}")
+                             f"fragment's exchange must land before its next one starts), got {overlap:g} in --sync "
+                             f"{text!r}; e.g. --sync streaming:{number}:overlap={min(1, number - 1)}")
     if not 0 <= values["mix"] <= 1:
         raise EdgetrainError(f"streaming mix=A must be in [0, 1] (the share of the local fragment kept when the "
-                             f"averaged one lands), got {values['mix']:g} in {text!r}")
+                             f"averaged one lands), got {values['mix']:g} in --sync {text!r}; e.g. --sync "
+                             f"streaming:{number}:mix=0.5")
     return SyncSpec("streaming", period=number, nesterov=True, outer_lr=values["lr"],
                     outer_momentum=values["momentum"], text=text, fragments=int(fragments), overlap=int(overlap),
                     mix=values["mix"])
@@ -358,8 +368,8 @@ def _parse_async(rest: list[str], text: str) -> SyncSpec:
     if number is None:
         raise EdgetrainError("async needs a staleness bound in steps, e.g. --sync async:4")
     if number < 1:
-        raise EdgetrainError(f"async staleness bound must be >= 1 step, got {number}; "
-                             "a bound of 0 is synchronous training: use --sync sync")
+        raise EdgetrainError(f"async staleness bound must be >= 1 step, got {number} in --sync {text!r}; "
+                             "e.g. --sync async:4 (a bound of 0 is synchronous training: use --sync sync)")
     return SyncSpec("async", staleness=number, text=text)
 
 
@@ -367,7 +377,8 @@ def _parse_gossip(rest: list[str], text: str) -> SyncSpec:
     number = _one_number_at_most(rest, "gossip", text)
     period = 1 if number is None else number
     if period < 1:
-        raise EdgetrainError(f"gossip period must be >= 1 step, got {period}")
+        raise EdgetrainError(f"gossip period must be >= 1 step, got {period} in --sync {text!r}; e.g. --sync gossip:1 "
+                             "(every step)")
     return SyncSpec("gossip", period=period, text=text)
 
 
@@ -392,7 +403,8 @@ def _parse_fedavg(rest: list[str], text: str) -> SyncSpec:
     if max(epochs, period) < 1:
         raise EdgetrainError(f"fedavg needs at least one local epoch or step per round, got {text!r}; {fix}")
     if mu is not None and not (mu >= 0 and math.isfinite(mu)):
-        raise EdgetrainError(f"fedavg prox=MU must be a finite number >= 0, got {mu:g} in {text!r}; e.g. prox=0.01")
+        raise EdgetrainError(f"fedavg prox=MU must be a finite number >= 0, got {mu:g} in --sync {text!r}; "
+                             "e.g. --sync fedavg:1:prox=0.01")
     return SyncSpec("fedavg", period=period, local_epochs=epochs, prox_mu=mu, scaffold="scaffold" in flags,
                     weighted="weighted" in flags, reset="reset" in flags, text=text)
 
@@ -713,9 +725,12 @@ def run_task(task: str | None, dataset: str) -> str:
     return task or implied_task(dataset)
 
 
-def task_defaults(task: str | None, given: set[str] | frozenset[str]) -> dict[str, object]:
-    """The config values a given built-in ``--task`` implies for the keys the user did not give (``given``):
-    its dataset, its model and its ``settings``. ``{}`` without ``--task`` or for a task passed from Python."""
+def task_defaults(task: str | None, given: set[str] | frozenset[str], dataset: str | None = None) -> dict[str, object]:
+    """The config values a built-in task implies for the keys the user did not give (``given``): its dataset,
+    its model and its ``settings``. The task is ``--task``, else the one ``dataset`` implies (``implied_by``: a
+    YOLO folder brings detection's model and resolution as ``--task detection`` does); ``{}`` for a task passed
+    from Python, or with neither."""
+    task = task or (implied_task(dataset) if dataset else None)
     if not task or is_user_task(task):
         return {}
     kind = task_kind(task)

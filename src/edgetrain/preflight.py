@@ -2,7 +2,7 @@
 
 The output directory can be written, the model and the dataset are
 registered, the CIFAR-10 files are there, an image folder or ``.npz`` reads
-(every file), a tiling grid fits the feature maps
+(every file; on storage, every header), a tiling grid fits the feature maps of the data's own shape
 (``tiling.strategy.plan_section`` on the model, built here once), a pipeline
 can cut the model where ``--stages`` says (``plan.stages``), this torch has what the strategy needs (FSDP2 for fsdp and
 pipeline: refused in one line on an older torch) and, for a task whose descriptor
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from edgetrain.bench.workload import dataset_shape
+from edgetrain.bench.workload import DATASET_SHAPES, dataset_shape
 from edgetrain.config import TrainConfig, check_output_dir
 from edgetrain.data import build_data
 from edgetrain.data.cifar import check_cifar10_dir
@@ -49,19 +49,21 @@ def check_before_launch(cfg: TrainConfig, spec: RunSpec, model: Any = None, task
 
     registered_strategy(spec.strategy)  # a torch without what it needs: one line now, not from every device
     check_dataset(cfg.dataset)
-    check_data(cfg, spec.task)
+    built = check_data(cfg, spec.task)
     name = spec.task  # resolved, its strategy checked (kinds.TaskKind's checks)
     kind = None if task is not None else task_kind(name)  # a task of an earlier run passed from Python: one line
     if kind is not None:
         if spec.partition.by_label and kind.targets != "labels":
             raise EdgetrainError(f"--partition {spec.partition.text} skews class labels, which task {kind.name} "
                                  f"does not have; use --partition iid")
-    data = check_task(cfg, model, task, name) if kind is None or kind.check_batch else None
+    data = check_task(cfg, model, task, name) if kind is None or kind.check_batch else built
     if spec.tiling is None and spec.pipeline is None:
         return data
-    if data is not None:  # the task's check built the data: its own shape (a detection set's resolution)
+    if data is None and cfg.dataset not in DATASET_SHAPES:  # the user's data: its shape is its own
+        data = build_data(cfg)
+    if data is not None:  # the shape the data itself gives (a user's folder, a detection set's resolution)
         shape, channels, classes = tuple(data.input_shape), data.in_channels, data.num_classes
-    else:
+    else:  # a built-in set, whose shape is known without reading it (CIFAR-10 is read once, by the devices)
         (channels, height, width), classes = dataset_shape(cfg.dataset)
         if cfg.dataset == "synthetic":
             height = width = cfg.image_size
@@ -103,9 +105,9 @@ def check_task(cfg: TrainConfig, model: Any, task: Any, name: str):
     return data
 
 
-def check_data(cfg: TrainConfig, task: str | None = None) -> None:
+def check_data(cfg: TrainConfig, task: str | None = None):
     """The dataset's files are there and read (CIFAR-10's batches, an image folder, a ``.npz``); also used by
-    ``edgetrain data``."""
+    ``edgetrain data``. Returns the data where it was built (the user's files), else None."""
     if cfg.dataset == "cifar10":
         if not cfg.data_dir:
             raise EdgetrainError("config key 'data_dir' is required with dataset cifar10; "
@@ -116,4 +118,5 @@ def check_data(cfg: TrainConfig, task: str | None = None) -> None:
             what = {"imagefolder": "the image folder", "npz": "the .npz file",
                     "shards": "the folder edgetrain data pack wrote"}[cfg.dataset]
             raise EdgetrainError(f"config key 'data_dir' is required with dataset {cfg.dataset}; point it at {what}")
-        build_data(cfg, task)  # reads every file once here, so a bad one is reported before any device starts
+        return build_data(cfg, task)  # reads every file (on storage: every header) here: a bad one is one line now
+    return None

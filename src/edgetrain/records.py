@@ -429,9 +429,11 @@ class RunSummary(Record):
     energy_j_per_epoch: float | None = None
     details: dict = field(default_factory=dict)
     checkpoint: str | None = None
+    clipped_boxes: int | None = None    # detection labels whose box passed the image's edge, clipped to it
 
     details_field: ClassVar[str | None] = "details"
-    omit_when_none: ClassVar[tuple[str, ...]] = ("energy_j_per_epoch", "task", "train_metrics", "test_metrics")
+    omit_when_none: ClassVar[tuple[str, ...]] = ("energy_j_per_epoch", "task", "train_metrics", "test_metrics",
+                                                 "clipped_boxes")
 
 
 def modelled_throughput(s: RunSummary) -> dict | None:

@@ -110,9 +110,10 @@ def test_yolo_folder_train_and_test_layouts(tmp_path):
 
 
 @pytest.mark.parametrize("text, message", [
-    ("0 0.9 0.5 0.4 0.2\n", r"label file .*labels/img0.txt line 1: box \(cx 0.9, cy 0.5, w 0.4, h 0.2\) reaches "
-                           r"outside the image \[0, 1\]; YOLO labels are"),
-    ("0 0.5 0.5 0.2 0.2\n\n0 1.5 0.5 0.2 0.2\n", r"img0.txt line 3: box .* reaches outside the image"),
+    ("0 0.9 0.5 1.4 0.2\n", r"label file .*labels/img0.txt line 1: box \(cx 0.9, cy 0.5, w 1.4, h 0.2\) has a "
+                           r"value outside \[0, 1\]; YOLO labels are"),
+    ("0 0.5 0.5 0.2 0.2\n\n0 1.5 0.5 0.2 0.2\n", r"img0.txt line 3: box .* has a value outside \[0, 1\]"),
+    ("0 -0.01 0.5 0.2 0.2\n", r"img0.txt line 1: box .* has a value outside \[0, 1\]"),
     ("3 0.5 0.5 0.2 0.2\n", r"img0.txt line 1: class 3 but .*classes.txt names 3 classes \(0..2\); fix the class id"),
     ("-1 0.5 0.5 0.2 0.2\n", r"img0.txt line 1: class -1 is negative; number classes from 0"),
     ("0 0.5 0.5 0.2\n", r"img0.txt line 1: '0 0.5 0.5 0.2' is not 'class cx cy w h'; write an integer class"),
@@ -124,6 +125,36 @@ def test_yolo_folder_train_and_test_layouts(tmp_path):
 def test_bad_yolo_labels_name_the_file_and_line(tmp_path, text, message):
     root = write_yolo(tmp_path / "set", dict(GOOD, img0=text), classes=["a", "b", "c"])
     with pytest.raises(EdgetrainError, match=message):
+        data("yolo", root)
+
+
+def test_a_box_past_the_edge_is_clipped_to_the_image_and_counted(tmp_path):
+    # a labelling tool's export: right edge 0.85938 + 0.28125 / 2 = 1.000005; the second box passes the left edge
+    root = write_yolo(tmp_path / "set", dict(GOOD, img0="0 0.85938 0.20833 0.28125 0.35417\n1 0.05 0.5 0.2 0.2\n"))
+    split = data("yolo", root)
+    assert split.details["clipped_boxes"] == 2
+    every = [b for b in split.train.boxes + split.test.boxes if len(b)]
+    corners = torch.cat([torch.stack([b[:, 1] - b[:, 3] / 2, b[:, 1] + b[:, 3] / 2], 1) for b in every])
+    assert corners.min() >= 0 and corners.max() <= 1 + 1e-6
+    # clipped: [0.718755, 1] and [0, 0.15] wide, centred within them
+    assert any(torch.allclose(b, torch.tensor([[0.0, 0.8593775, 0.20833, 0.28125 - 0.000005, 0.35417],
+                                               [1.0, 0.075, 0.5, 0.15, 0.2]]), atol=1e-6) for b in every)
+
+
+@pytest.mark.parametrize("layout", ["train-test", "ultralytics"])
+def test_a_class_out_of_range_names_the_classes_file_that_was_read(tmp_path, layout):
+    bad = dict(GOOD, img0="5 0.5 0.5 0.2 0.2\n")
+    root = tmp_path / "set"
+    for part in ("train", "val"):
+        sub = write_yolo(root / part if layout == "train-test" else tmp_path / "parts" / part,
+                         bad if part == "train" else GOOD)
+        if layout == "ultralytics":
+            for kind in ("images", "labels"):
+                (root / kind).mkdir(parents=True, exist_ok=True)
+                (sub / kind).rename(root / kind / part)
+    (root / "classes.txt").write_text("a\nb\n")
+    with pytest.raises(EdgetrainError, match=rf"class 5 but {root}/classes.txt names 2 classes .*add the class to "
+                                             rf"{root}/classes.txt$"):
         data("yolo", root)
 
 
@@ -204,5 +235,38 @@ def test_a_bad_label_stops_the_cli_in_one_line_before_any_device_starts(tmp_path
                    "--output", str(tmp_path / "runs"), timeout=60)
     assert done.returncode == 2
     assert done.stderr.startswith("edgetrain: error: label file ") and done.stderr.count("\n") == 1, done.stderr
-    assert "img5.txt line 2: box (cx 0.5, cy 1.2, w 0.1, h 0.1) reaches outside the image [0, 1]" in done.stderr
+    assert "img5.txt line 2: box (cx 0.5, cy 1.2, w 0.1, h 0.1) has a value outside [0, 1]" in done.stderr
     assert "Traceback" not in done.stderr and not (tmp_path / "runs").exists()
+
+
+def test_the_summary_shows_how_many_boxes_were_clipped():
+    from rich.console import Console
+
+    from edgetrain.records import RunSummary
+    from edgetrain.report.html import headline
+    from edgetrain.report.tables import print_train_summary
+
+    device = dict(rank=0, profile="host", local_batch=8, samples_per_s=10.0, step_s=0.1, data_s=0.0, compute_s=0.1,
+                  comm_s=0.0, peak_rss_mb=100.0, bytes_sent=0)
+    summary = RunSummary.from_dict({"per_device": [device], "throughput_samples_per_s": 10.0, "steps": 3,
+                                    "train_loss": 1.0, "wall_time_s": 1.0, "clipped_boxes": 2}, "test")
+    assert summary.clipped_boxes == 2 and summary.to_dict()["clipped_boxes"] == 2
+    note = "labels: 2 box(es) passed the image's edge and were clipped to it"
+    console = Console(record=True, width=200)
+    print_train_summary(summary, console)
+    assert note in console.export_text()
+    assert any(n.startswith(note) for n in headline(summary)[2])
+    assert "clipped_boxes" not in RunSummary.from_dict({**summary.to_dict(), "clipped_boxes": None}, "t").to_dict()
+
+
+def test_a_yolo_dataset_alone_trains_detection_with_its_defaults_and_counts_clipped_boxes(tmp_path):
+    """``--dataset yolo`` without ``--task``: detection's model and settings, as ``--task detection`` brings."""
+    import edgetrain
+    from edgetrain_testing import FAST
+
+    root = write_yolo(tmp_path / "set", dict(GOOD, img0="0 0.85938 0.20833 0.28125 0.35417\n"))
+    summary = edgetrain.train(dict(dataset="yolo", data_dir=str(root), image_size=32, steps=1, batch_size=4,
+                                   devices=1, output=str(tmp_path / "out"), **FAST))
+    assert (summary["model"], summary["task"]["name"], summary["input_shape"]) == ("yolov2_tiny_small", "detection",
+                                                                                   [3, 32, 32])
+    assert summary["clipped_boxes"] == 1

@@ -149,3 +149,32 @@ def test_in_a_real_run_each_device_reads_only_its_partition(tmp_path, monkeypatc
         assert len(read) == 6 * [8, 24][rank]
         assert set(read) <= set(parts[rank].tolist())
     assert json.loads((Path(summary["run_dir"]) / "summary.json").read_text())["dataset"] == "recorded"
+
+
+def _users_data(tmp_path, kind: str) -> dict:
+    if kind == "imagefolder":
+        return dict(dataset="imagefolder", data_dir=str(write_folder(tmp_path / "pets", per_class=8, size=(12, 10))),
+                    from_storage=True)
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "a.npz", x=rng.integers(0, 256, (20, 2, 10, 12), dtype=np.uint8), y=np.arange(20) % 3)
+    return dict(dataset="npz", data_dir=str(tmp_path / "a.npz"))
+
+
+@pytest.mark.parametrize("kind", ["imagefolder", "npz"])
+@pytest.mark.parametrize("strategy", [dict(strategy="tiled", grid="1x2"), dict(strategy="pipeline")])
+def test_tiled_and_pipeline_take_the_input_shape_from_the_users_data(tmp_path, kind, strategy):
+    from edgetrain.config import resolve
+    from edgetrain.preflight import check_before_launch
+
+    cfg = load_config(**_users_data(tmp_path, kind), devices=2, **strategy)
+    data = check_before_launch(cfg, resolve(cfg))  # planned on the data's own shape, not a table of built-ins
+    assert tuple(data.input_shape) == ((3, 10, 12) if kind == "imagefolder" else (2, 10, 12))
+
+
+@pytest.mark.parametrize("kind, strategy", [("imagefolder", dict(strategy="tiled", grid="1x2")),
+                                            pytest.param("npz", dict(strategy="pipeline"), marks=pytest.mark.slow)])
+def test_tiled_and_pipeline_train_on_the_users_data(tmp_path, kind, strategy):
+    summary = edgetrain.train(dict(_users_data(tmp_path, kind), devices=2, steps=2, batch_size=4,
+                                   output=str(tmp_path / "out"), **strategy, **FAST))
+    assert summary["strategy"] == strategy["strategy"] and summary["steps"] == 2
+    assert summary["input_shape"] == ([3, 10, 12] if kind == "imagefolder" else [2, 10, 12])

@@ -400,3 +400,36 @@ def test_a_training_split_of_shards_reads_members_without_readahead(tmp_path):
         source.read(k)
     start, (end, size) = source.entries[first][1], source.entries[first + 2][1:3]
     assert _resident_pages(path) <= (end + size) // 4096 - start // 4096 + 1  # the members' pages, no more
+
+
+def _bytes_read_by_this_process() -> int:
+    """``rchar`` of /proc/self/io: what this process's read calls returned, whatever read them (the kernel's count)."""
+    return int(next(line for line in open("/proc/self/io") if line.startswith("rchar:")).split()[1])
+
+
+def test_setting_up_a_folder_on_storage_reads_its_headers_and_a_small_sample_only(tmp_path):
+    """Setup reads each image's header (not the whole file, as a buffered open would for a small image) and the
+    statistics' sample: a small fraction of the dataset, counted by the kernel, not by edgetrain."""
+    root = write_folder(tmp_path / "f", classes=5, per_class=250, size=32)  # 1,250 images of 3.2 KB
+    total = sum(p.stat().st_size for p in root.rglob("*.png"))
+    image_folder_on_storage(write_folder(tmp_path / "warm", per_class=3))  # imports and caches, not counted
+    before = _bytes_read_by_this_process()
+    data = image_folder_on_storage(root)
+    read = _bytes_read_by_this_process() - before
+    assert read < 0.1 * total, f"setup read {read:,} of {total:,} bytes"
+    reads = data.details["setup_read"]
+    assert (reads["headers"], reads["sample"], reads["dataset_bytes"]) == (1250, 64, total)
+    assert reads["header_bytes"] + reads["sample_bytes"] <= read
+
+
+def test_the_cache_serves_the_items_of_a_devices_loader_workers(tmp_path):
+    """A device starts its loader workers as it was started itself (from the fork server), so the cache reaches
+    them by its file descriptor, not by fork: epoch 2 reads every item from the cache the workers filled in 1."""
+    root = write_folder(tmp_path / "f", per_class=10)  # 24 training images of 12x12
+    summary = edgetrain.train(dict(dataset="imagefolder", data_dir=str(root), from_storage=True, workers=1,
+                                   cache_mb=1, epochs=2, batch_size=8, augment=False, output=str(tmp_path / "o"),
+                                   **FAST))
+    device = summary["per_device"][0]
+    # 3 steps of 8 an epoch: 24 from storage in the first, 24 from the cache in the second
+    assert (device["workers"], device["storage_items_per_epoch"], device["cache_items_per_epoch"]) == (1, 12, 12)
+    assert summary["setup_read"]["sample"] == 24  # all of a set this small, read once by the launcher

@@ -150,6 +150,11 @@ def test_task_implied_by_the_dataset_and_its_defaults():
     assert task_defaults("regression", set()) == {"dataset": "diabetes", "model": "mlp"}
     assert task_defaults("regression", {"dataset"}) == {"model": "mlp"}
     assert task_defaults(None, set()) == {} and task_defaults("tests:Mine", set()) == {}
+    # a dataset that implies a task brings that task's model and settings, as the task given by name does
+    assert task_defaults(None, {"dataset"}, "yolo") == {k: v for k, v in task_defaults("detection", set()).items()
+                                                         if k != "dataset"}
+    assert task_defaults(None, {"dataset", "model"}, "diabetes") == {}
+    assert task_defaults(None, {"dataset"}, "digits") == {"model": "small_cnn"}
 
 
 @pytest.mark.slow

@@ -9,8 +9,16 @@ storage, the most any policy can do for that access pattern.
 Here the set is chosen up front (items in a seeded order until their sizes fill the budget), so its slots
 are fixed and need no lock: the file is preallocated (``posix_fallocate``: a full disk is one line before
 training, not a SIGBUS half-way), opened once, unlinked at once (nothing is left behind, whatever ends the
-run) and mapped shared; forked loader workers inherit the mapping. A slot is filled the first time its item
-is read, its flag byte set after its bytes; two workers filling one slot write the same bytes.
+run) and mapped shared. A slot is filled the first time its item is read, its flag byte set after its bytes;
+two workers filling one slot write the same bytes.
+
+Loader workers share the device's mapping. Forked workers inherit it; workers started from a fork server or
+spawned (a device's own start method is the fork server's it was started from) receive the cache by its file
+descriptor, which multiprocessing passes over a Unix socket (SCM_RIGHTS) while it starts them, as torch passes
+shared-memory tensors, and map the same pages: every item a worker fills is there for the others and the
+device. The workers are not forked instead (``multiprocessing_context="fork"``): a device runs gloo's and
+OpenMP's threads, and a fork copies any lock one of them holds, the reason Python 3.14 stopped forking by
+default. The file has no name to reopen by, by design, so its descriptor is the one way in.
 
 With ``drop_pages`` (the default) an item read from storage leaves the page cache at once
 (``posix_fadvise(DONTNEED)``), as CoorDL bypasses it: a cached item is held by this cache and a page-cache
@@ -60,7 +68,7 @@ class MinioCache:
             os.close(fd)
             raise EdgetrainError(f"the --cache-mb cache of {total / 1e6:.1f} MB does not fit in {directory} "
                                  f"({e.strerror}); lower --cache-mb or free space there (or set --cache-dir)") from None
-        os.close(fd)
+        self.fd = fd  # kept open: the workers a device starts receive it (module docstring)
 
     def get(self, index: int) -> bytes | None:
         slot = int(self.slot[index])
@@ -80,8 +88,23 @@ class MinioCache:
     def describe(self) -> str:
         return f"{self.items} items ({self.bytes / 1e6:.1f} MB) of {len(self.sizes)}"
 
-    def __getstate__(self):
-        raise TypeError("a MinioCache is shared with loader workers by fork, not pickled")
+    def __reduce__(self):
+        from multiprocessing import context, reduction
+
+        if context.get_spawning_popen() is None:  # a copy anywhere else would be a second cache, or none
+            raise TypeError("a MinioCache travels only to the processes multiprocessing starts (loader workers), "
+                            "by its file descriptor")
+        state = {k: v for k, v in self.__dict__.items() if k not in ("map", "fd")}
+        return _attach, (reduction.DupFd(self.fd), len(self.map), state)
+
+
+def _attach(fd, length: int, state: dict) -> MinioCache:
+    """The cache in a loader worker: the device's file, by the descriptor multiprocessing passed, mapped shared."""
+    cache = MinioCache.__new__(MinioCache)
+    cache.__dict__.update(state)
+    cache.fd = fd.detach()
+    cache.map = mmap.mmap(cache.fd, length, mmap.MAP_SHARED)
+    return cache
 
 
 def attach_cache(dataset, budget_mb: float, seed: int, directory: str, drop_pages: bool = True) -> MinioCache | None:

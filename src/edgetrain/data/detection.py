@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -170,6 +171,26 @@ def check_box(box: tuple[float, float, float, float], where: str, fix_units: str
                              f"[0, 1]; {fix_units}")
 
 
+def yolo_box(box: tuple[float, float, float, float], where: str, fix_units: str
+             ) -> tuple[tuple[float, float, float, float], bool]:
+    """A YOLO ``cx, cy, w, h`` box clipped to the image, and whether it had to be. As Ultralytics' label check,
+    each value must be a fraction in [0, 1] (anything else is pixels or a broken export), but a box may pass the
+    image's edge (labelling tools round, and a box of an object cut by the frame does): it is clipped."""
+    cx, cy, w, h = box
+    if not all(math.isfinite(v) for v in box):
+        raise EdgetrainError(f"{where}: box {list(box)} is not finite; {fix_units}")
+    if w <= 0 or h <= 0:
+        raise EdgetrainError(f"{where}: box has zero or negative width or height ({w:g} x {h:g}); give the "
+                             f"object's size, or drop the line")
+    if not all(0 <= v <= 1 for v in box):
+        raise EdgetrainError(f"{where}: box (cx {cx:g}, cy {cy:g}, w {w:g}, h {h:g}) has a value outside [0, 1]; "
+                             f"{fix_units}")
+    x0, x1 = max(cx - w / 2, 0.0), min(cx + w / 2, 1.0)
+    y0, y1 = max(cy - h / 2, 0.0), min(cy + h / 2, 1.0)
+    clipped = (x0, x1, y0, y1) != (cx - w / 2, cx + w / 2, cy - h / 2, cy + h / 2)
+    return ((x0 + x1) / 2, (y0 + y1) / 2, x1 - x0, y1 - y0), clipped
+
+
 def _check_class(c: int, num_classes: int | None, where: str, names_file: str) -> None:
     if c < 0:
         raise EdgetrainError(f"{where}: class {c} is negative; number classes from 0")
@@ -178,9 +199,10 @@ def _check_class(c: int, num_classes: int | None, where: str, names_file: str) -
                              f"; fix the class id or add the class to {names_file}")
 
 
-def read_yolo_labels(path: Path, num_classes: int | None) -> np.ndarray:
-    """One label file: ``(n, 5)`` rows ``class cx cy w h``; blank lines are skipped."""
-    rows = []
+def read_yolo_labels(path: Path, num_classes: int | None, names_file: Path) -> tuple[np.ndarray, int]:
+    """One label file: ``(n, 5)`` rows ``class cx cy w h`` (blank lines skipped) and how many of its boxes were
+    clipped to the image (``yolo_box``); ``names_file`` is the ``classes.txt`` that gave ``num_classes``."""
+    rows, clipped = [], 0
     units = "YOLO labels are 'class cx cy w h' with the centre and size as fractions of the image (0..1)"
     for number, line in enumerate(path.read_text().splitlines(), start=1):
         fields = line.split()
@@ -195,14 +217,17 @@ def read_yolo_labels(path: Path, num_classes: int | None) -> np.ndarray:
             raise EdgetrainError(f"{where}: {line.strip()!r} is not 'class cx cy w h'; write an integer class and "
                                  "four numbers per line")
         c = int(values[0])
-        _check_class(c, num_classes, where, str(path.parent.parent / "classes.txt"))
-        check_box(tuple(values[1:]), where, units)
-        rows.append([c, *values[1:]])
-    return np.asarray(rows, dtype=np.float32).reshape(-1, 5)
+        _check_class(c, num_classes, where, str(names_file))
+        box, cut = yolo_box(tuple(values[1:]), where, units)
+        clipped += cut
+        rows.append([c, *box])
+    return np.asarray(rows, dtype=np.float32).reshape(-1, 5), clipped
 
 
-def yolo_listing(images_dir: Path, labels_dir: Path, num_classes: int | None) -> tuple[list[Path], list[np.ndarray]]:
-    """The images of one YOLO part (sorted) and their boxes, every label file read and checked."""
+def yolo_listing(images_dir: Path, labels_dir: Path, num_classes: int | None, names_file: Path
+                 ) -> tuple[list[Path], list[np.ndarray], int]:
+    """The images of one YOLO part (sorted), their boxes (every label file read and checked) and how many boxes
+    were clipped to their image."""
     if not images_dir.is_dir() or not labels_dir.is_dir():
         missing = images_dir if not images_dir.is_dir() else labels_dir
         raise EdgetrainError(f"YOLO folder: {missing} does not exist; put images in {images_dir} and one "
@@ -219,7 +244,8 @@ def yolo_listing(images_dir: Path, labels_dir: Path, num_classes: int | None) ->
                                  "image holds no objects)")
     if not pictures:
         raise EdgetrainError(f"YOLO folder {images_dir} holds no PNG or JPEG images; add images and their labels")
-    return list(pictures.values()), [read_yolo_labels(labels[s], num_classes) for s in pictures]
+    read = [read_yolo_labels(labels[s], num_classes, names_file) for s in pictures]
+    return list(pictures.values()), [boxes for boxes, _ in read], sum(clipped for _, clipped in read)
 
 
 def _class_names(root: Path) -> list[str] | None:
@@ -240,14 +266,24 @@ def _required(root, dataset: str, what: str) -> Path:
 
 
 def yolo_folder(root: str | Path, image_size: int = 128, seed: int = 0) -> DataSplit:
-    train, test_part, count, names, root = yolo_parts(root, seed)
+    parts = yolo_parts(root, seed)
     read = lambda part: (np.stack([_read_image(p, image_size) for p in part[0]]), part[1])  # noqa: E731
-    return detection_split(read(train), read(test_part), count, root.name, names)
+    data = detection_split(read(parts.train), read(parts.test), parts.classes, parts.root.name, parts.names)
+    data.details["clipped_boxes"] = parts.clipped
+    return data
 
 
-def yolo_parts(root: str | Path, seed: int = 0):
-    """(train (image paths, boxes), test (image paths, boxes), classes, class names or None, root) of a YOLO
-    folder, every label file read and checked; the images are not read."""
+class YoloParts(NamedTuple):
+    train: tuple[list[Path], list[np.ndarray]]   # image paths, boxes
+    test: tuple[list[Path], list[np.ndarray]]
+    classes: int
+    names: list[str] | None     # classes.txt's, if there is one
+    root: Path
+    clipped: int                # boxes clipped to their image (yolo_box)
+
+
+def yolo_parts(root: str | Path, seed: int = 0) -> YoloParts:
+    """A YOLO folder's parts, every label file read and checked; the images are not read."""
     root = _required(root, "yolo", "the folder holding images/ and labels/")
     if not root.is_dir():
         raise EdgetrainError(f"YOLO folder {root} does not exist; set data_dir to a folder holding images/ and "
@@ -262,13 +298,16 @@ def yolo_parts(root: str | Path, seed: int = 0):
             parts = [(root / "images" / p, root / "labels" / p) for p in ("train", test)]
         if parts:
             break
+    names_file = root / "classes.txt"  # the one _class_names read, whatever the layout
     if parts:
-        train, test_part = (yolo_listing(i, l, known) for i, l in parts)
+        (*train, cut_train), (*test_part, cut_test) = (yolo_listing(i, l, known, names_file) for i, l in parts)
+        clipped = cut_train + cut_test
     else:
-        paths, boxes = yolo_listing(root / "images", root / "labels", known)
+        paths, boxes, clipped = yolo_listing(root / "images", root / "labels", known, names_file)
         train, test_part = _split_80_20((np.array(paths, dtype=object), boxes), seed, root)
     count = known or 1 + int(max((b[:, 0].max() for b in list(train[1]) + list(test_part[1]) if len(b)), default=0))
-    return (list(train[0]), list(train[1])), (list(test_part[0]), list(test_part[1])), count, names, root
+    return YoloParts((list(train[0]), list(train[1])), (list(test_part[0]), list(test_part[1])), count, names, root,
+                     clipped)
 
 
 def _split_80_20(part, seed: int, source: Path):

@@ -10,6 +10,7 @@ training process as one line naming the item; a worker that dies is named with i
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import io
 import os
 import signal
@@ -27,7 +28,10 @@ from edgetrain.data.images import normalise
 from edgetrain.errors import EdgetrainError
 
 DECODE_ERRORS: tuple = (OSError, SyntaxError, ValueError, EOFError)
-STATS_SAMPLE = 2048  # images whose pixels give a lazy dataset's mean and std (all of them in a smaller set)
+# The training images whose pixels give a dataset on storage its mean and std: a seeded sample of 1/STATS_SHARE of
+# them, at least STATS_MIN (all of a smaller set), at most STATS_SAMPLE. Setup reads these and every header, no
+# more: a per-channel mean and deviation need no more than a few dozen images to be right to a percent or two.
+STATS_SAMPLE, STATS_MIN, STATS_SHARE = 2048, 64, 16
 
 
 class _Account:
@@ -328,12 +332,17 @@ def flip_scale_boxes(x: torch.Tensor, boxes: torch.Tensor, rng: np.random.Genera
     return out.contiguous(), boxes
 
 
+def statistics_sample(count: int) -> int:
+    """How many of ``count`` training images give the normalisation statistics (``STATS_SAMPLE``'s rule)."""
+    return min(count, max(STATS_MIN, min(STATS_SAMPLE, count // STATS_SHARE)))
+
+
 def pixel_statistics(read: Callable[[int], np.ndarray], count: int, seed: int, scale: float = 255.0):
     """Per-channel mean and standard deviation of images ``read(k)`` (uint8 (C, H, W)) over a seeded sample of
-    ``STATS_SAMPLE`` of the ``count`` (all of them in a smaller set), computed as ``formats.arrays_split``
-    computes an in-memory set's: the same figures where every image is read."""
-    pick = np.arange(count) if count <= STATS_SAMPLE else \
-        np.sort(np.random.default_rng(seed).permutation(count)[:STATS_SAMPLE])
+    ``statistics_sample(count)`` of the ``count``, computed as ``formats.arrays_split`` computes an in-memory
+    set's: the same figures where every image is read."""
+    size = statistics_sample(count)
+    pick = np.arange(count) if count <= size else np.sort(np.random.default_rng(seed).permutation(count)[:size])
     # Sums in float64 one image at a time: a device with little memory never holds the sample whole.
     total = squares = None
     n = 0
@@ -513,14 +522,54 @@ def loader_failure(error: RuntimeError, it, owner: TrainingLoader) -> EdgetrainE
 
 # -- datasets from folders, left on storage ---------------------------------------------------------------
 
-def _headers(paths: Sequence[Path]) -> tuple[str, tuple[int, int]]:
+@dataclass
+class SetupReads:
+    """What reading a dataset's description on storage read (headers, the statistics' sample), of its bytes."""
+
+    headers: int = 0
+    header_bytes: int = 0
+    sample: int = 0
+    sample_bytes: int = 0
+    dataset_bytes: int = 0
+
+    def describe(self) -> str:
+        return (f"read {self.headers:,} image headers ({self.header_bytes / 1e6:.2f} MB) and {self.sample:,} images "
+                f"for the normalisation statistics ({self.sample_bytes / 1e6:.2f} MB), "
+                f"{(self.header_bytes + self.sample_bytes) / max(self.dataset_bytes, 1):.1%} of its "
+                f"{self.dataset_bytes / 1e6:.2f} MB")
+
+
+class _HeaderFile(io.FileIO):
+    """An image file opened for its header: unbuffered, as Python's 8 KiB buffer would read a small image whole,
+    and without the kernel's readahead (``POSIX_FADV_RANDOM``), which would read the rest into the page cache;
+    counts the bytes Pillow asked for."""
+
+    def __init__(self, path, reads: SetupReads):
+        super().__init__(path, "rb")
+        os.posix_fadvise(self.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
+        self.reads = reads
+        reads.headers += 1
+        reads.dataset_bytes += os.fstat(self.fileno()).st_size
+
+    def read(self, size: int = -1):
+        data = super().read(size)
+        self.reads.header_bytes += len(data or b"")
+        return data
+
+    def readinto(self, buffer):
+        n = super().readinto(buffer)
+        self.reads.header_bytes += n or 0
+        return n
+
+
+def _headers(paths: Sequence[Path], reads: SetupReads) -> tuple[str, tuple[int, int]]:
     """Every image's header (not its pixels): ("L" if all are grey else "RGB", the one (width, height))."""
     from PIL import Image, UnidentifiedImageError
 
     grey, size, first = True, None, None
     for path in paths:
         try:
-            with Image.open(path) as im:
+            with _HeaderFile(path, reads) as f, Image.open(f) as im:
                 mode, this = im.mode, im.size
         except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as e:
             raise EdgetrainError(f"image {path} cannot be read ({e}); replace or remove it") from None
@@ -549,14 +598,24 @@ def image_folder_on_storage(root: str | Path, seed: int = 0, augment: bool = Fal
     else:
         paths, labels = class_files(root, _class_names(root))
         ptr, ltr, pte, lte = split_80_20(np.array(paths, dtype=object), np.asarray(labels), seed, root)
-    mode, (w, h) = _headers([*ptr, *pte])
+    reads = SetupReads()
+    mode, (w, h) = _headers([*ptr, *pte], reads)
     shape = (1 if mode == "L" else 3, h, w)
     ytr, yte = torch.as_tensor(np.asarray(ltr, dtype=np.int64)), torch.as_tensor(np.asarray(lte, dtype=np.int64))
     plain = StoredImages(FileSource(ptr), ytr, [0.0] * shape[0], [1.0] * shape[0], shape, mode)
-    mean, std = pixel_statistics(lambda k: plain.image(k, mode), len(plain), seed)
+    mean, std = _sampled_statistics(lambda k: plain.image(k, mode), len(plain), seed, reads)
     classes = int(max(ytr.max(), yte.max() if len(yte) else 0)) + 1
     make = lambda p, y, aug: StoredImages(FileSource(p), y, mean, std, shape, mode, augment=aug, seed=seed)  # noqa: E731
-    return DataSplit(make(ptr, ytr, augment), make(pte, yte, False), classes, root.name, {"storage": "files"})
+    return DataSplit(make(ptr, ytr, augment), make(pte, yte, False), classes, root.name,
+                     {"storage": "files", "setup_read": dataclasses.asdict(reads)})
+
+
+def _sampled_statistics(read: Callable[[int], np.ndarray], count: int, seed: int, reads: SetupReads):
+    """``pixel_statistics``, the sample's images and bytes counted in ``reads``."""
+    before = ACCOUNT.bytes
+    stats = pixel_statistics(read, count, seed)
+    reads.sample, reads.sample_bytes = statistics_sample(count), ACCOUNT.bytes - before
+    return stats
 
 
 def yolo_on_storage(root: str | Path, image_size: int = 128, seed: int = 0, augment: bool = False):
@@ -565,23 +624,26 @@ def yolo_on_storage(root: str | Path, image_size: int = 128, seed: int = 0, augm
     from edgetrain.data.images import DataSplit
     from edgetrain.data.detection import yolo_parts
 
-    (ptr, btr), (pte, bte), count, names, root = yolo_parts(root, seed)
-    _check_headers([*ptr, *pte])
+    parts = yolo_parts(root, seed)
+    (ptr, btr), (pte, bte), count, names, root = parts.train, parts.test, parts.classes, parts.names, parts.root
+    reads = SetupReads()
+    _check_headers([*ptr, *pte], reads)
     as_boxes = lambda bs: [torch.as_tensor(b, dtype=torch.float32).reshape(-1, 5) for b in bs]  # noqa: E731
     plain = StoredBoxes(FileSource(ptr), as_boxes(btr), [0.0] * 3, [1.0] * 3, image_size)
-    mean, std = pixel_statistics(lambda k: plain.image(k, "RGB", image_size), len(plain), seed)
+    mean, std = _sampled_statistics(lambda k: plain.image(k, "RGB", image_size), len(plain), seed, reads)
     train = StoredBoxes(FileSource(ptr), as_boxes(btr), mean, std, image_size, augment, seed)
     test = StoredBoxes(FileSource(pte), as_boxes(bte), mean, std, image_size)
     return DataSplit(train, test, count, root.name,
-                     {"class_names": names or [str(c) for c in range(count)], "storage": "files"})
+                     {"class_names": names or [str(c) for c in range(count)], "storage": "files",
+                      "clipped_boxes": parts.clipped, "setup_read": dataclasses.asdict(reads)})
 
 
-def _check_headers(paths: Sequence[Path]) -> None:
+def _check_headers(paths: Sequence[Path], reads: SetupReads) -> None:
     from PIL import Image, UnidentifiedImageError
 
     for path in paths:
         try:
-            with Image.open(path):
+            with _HeaderFile(path, reads) as f, Image.open(f):
                 pass
         except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as e:
             raise EdgetrainError(f"image {path} cannot be read ({e}); replace or remove it") from None

@@ -43,7 +43,7 @@ from edgetrain.report import training
 from edgetrain.report.cells import (ABOVE_PEAK_NOTE, NOISY_NOTE, ROUNDS_COLUMN, ROUNDS_NOTE, efficiency_cell,
                                     energy_cells, energy_note, flag_notes, img, kv, percent_of_peak,
                                     round_cells, spread_cell, table)
-from edgetrain.report.tables import stall_lines
+from edgetrain.report.tables import clipped_note, stall_lines
 from edgetrain.results import (BatchResult, BenchResult, CountersResult, PeakResult, PlanResult, PowerResult,
                                ScalingResult, StallsResult, VariabilityResult)
 
@@ -184,6 +184,7 @@ def headline(d: RunSummary | BenchResult, peak: tuple[float, str] | None = None
                          f"time): step {modelled['step_s']:,.3f} s, throughput {modelled['samples_per_s']:,.1f} "
                          f"samples/s, communication+waiting {modelled['comm_fraction']:.0%} of the step; "
                          f"the other figures are this host's")
+        notes += [clipped_note(d.clipped_boxes)] if d.clipped_boxes else []
         notes += stall_lines(d)  # each device's data stall and DS-Analyzer's what-ifs (modelled)
         achieved = achieved_note(d, peak)
         notes += [achieved] if achieved else []

@@ -57,6 +57,8 @@ def print_train_summary(summary: dict | RunSummary, console: Console | None = No
                       f"step {modelled['step_s']:,.3f} s, throughput {modelled['samples_per_s']:,.1f} samples/s, "
                       f"communication+waiting {modelled['comm_fraction']:.0%} of the step; the figures above "
                       f"are this host's", highlight=False)
+    if s.clipped_boxes:
+        console.print(clipped_note(s.clipped_boxes), highlight=False)
     headline = s.task.headline_metric if s.task else None
     if headline is not None and s.test_accuracy is None:  # not a classifier: the headline its task record names
         value = (s.test_metrics or {}).get(headline.name)
@@ -68,6 +70,10 @@ def print_train_summary(summary: dict | RunSummary, console: Console | None = No
                   f"throughput {s.throughput_samples_per_s:,.1f} samples/s  "
                   f"{s.steps} steps in {s.wall_time_s:.1f} s  ->  {s.run_dir}")
 
+
+
+def clipped_note(count: int) -> str:
+    return f"labels: {count:,} box(es) passed the image's edge and were clipped to it (as Ultralytics clips them)"
 
 
 def stall_lines(s: RunSummary) -> list[str]:

@@ -83,7 +83,8 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     in_config = source_values(config)[0]
     given = {*overrides, *in_config}
     if "resume" not in given:  # a resumed run is as its config.yaml says
-        overrides.update(task_defaults(overrides.get("task") or in_config.get("task"), given))
+        overrides.update(task_defaults(overrides.get("task") or in_config.get("task"), given,
+                                       overrides.get("dataset") or in_config.get("dataset")))
     torchrun = under_torchrun()
     if torchrun:  # a device of a real cluster: what it was started for is training, so torch now
         from edgetrain.cluster.peers import check_rank_environment
@@ -105,6 +106,7 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     from edgetrain.data.datasets import LOADED_ONCE
     from edgetrain.data.device_data import check_device_data, class_labels
     from edgetrain.data.partition import split_dataset
+    from edgetrain.data.storage import SetupReads
     from edgetrain.models import model_reference, user_models
     from edgetrain.preflight import check_before_launch
     from edgetrain.train.checkpoint import check_resume_devices, resume_hint
@@ -130,6 +132,11 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
     # digits' loader imports scikit-learn, a second of CPU in every device process: the launcher loads it once
     # and hands it to its emulated devices with their arguments. Under torchrun each device loads its own.
     data = (checked or build_data(cfg, spec.task)) if cfg.dataset in LOADED_ONCE and not torchrun else None
+    setup_read = checked.details.get("setup_read") if checked is not None else None
+    if setup_read:  # a dataset on storage: its index, described once here (a process under torchrun is its device)
+        data = checked  # and handed on: a device that described it again would read every header again
+        phase(cfg, rank, f"indexed {cfg.dataset} on storage: {SetupReads(**setup_read).describe()}")
+    del checked  # a user's dataset in memory is the devices' to load: the launcher keeps no copy through the run
     if spec.partition.local:  # a split that leaves a device short of a batch: refused before any device starts
         split_dataset(class_labels((data or build_data(cfg, spec.task)).train), spec.partition, local_batches, spec.seed)
     beyond = next((f.rank for f in spec.faults if f.rank >= len(devices)), None)

@@ -368,7 +368,9 @@ class RunWriter:
             peak_rss_mb_max=max(d.peak_rss_mb for d in per_device),
             wall_time_s=wall_s, batchnorm=strategy.context.spec.batchnorm, per_device=per_device,
             checkpoint=FINAL_DIR if strategy.pooled else FINAL_FILE,
-            details={**strategy.summary(), **data.details, **({"partition": partition.to_dict()} if partition else {})},
+            clipped_boxes=data.details.get("clipped_boxes"),
+            details={**strategy.summary(), **{k: v for k, v in data.details.items() if k != "clipped_boxes"},
+                     **({"partition": partition.to_dict()} if partition else {})},
         ).to_dict()
         write_json(run_dir / "summary.json", summary)
         return summary
@@ -425,7 +427,8 @@ def train_device(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], loc
     # Our own copy, as for the model: multiprocessing hands every device the launcher's tensors in shared memory.
     data = copy.deepcopy(loaded) if loaded is not None else build_data(cfg, spec.task)
     if spec.dedup is not None:
-        phase(cfg, rank, f"dropping near-duplicate training images (pHash within {spec.dedup.threshold} bits)")
+        phase(cfg, rank, f"dropping near-duplicate training images (pHash within {spec.dedup.threshold} bits; "
+                         "reads every training image)")
         data, dedup = drop_near_duplicates(data, spec.dedup)
         if rank == 0:
             print(dedup.describe(), flush=True)
