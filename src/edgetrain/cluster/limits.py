@@ -4,14 +4,19 @@ An emulated device process moves itself (its loader workers follow, as children)
 of its own: ``memory`` with its profile's ``memory_mb`` as ``memory.limit_in_bytes`` (the kernel charges the
 page cache of what it reads there too, so a device whose dataset exceeds its memory really re-reads from
 storage), and ``blkio`` with its storage's read MB/s and IOPS (``profiles.STORAGES``) as throttles on the
-block device that holds its data. Both go when the device ends: it moves back to the root groups, stops any
-process left in them and removes them; groups a killed run left are removed by the next run that sets limits
-(``sweep``). Where the host has no writable cgroup v1 hierarchy, or the data is on a file system without a
-block device (tmpfs, overlay), that limit falls back (said once by rank 0, and labelled in the summary's
-``details.limits``); a write the kernel refuses is one line naming the file.
+block device that holds its data. On joining, a device takes its own copy of the memory it still shares
+with the fork server it was forked from (torch and edgetrain, about 220 MiB, charged to the server's group),
+and what it held alone before joining comes off its limit: its group covers all its anonymous memory
+(docs/how-to/storage.md, "What is charged"). Both go when the device ends: it moves back to the root
+groups, stops any process left in them and removes them; groups a killed run left are removed by the next
+run that sets limits (``sweep``). Where the host has no writable cgroup v1 hierarchy, or the data is on a
+file system without a block device (tmpfs, overlay), that limit falls back (said once by rank 0, and
+labelled in the summary's ``details.limits``); a write the kernel refuses is one line naming the file.
 """
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import signal
 import time
@@ -24,6 +29,10 @@ from edgetrain.errors import EdgetrainError
 
 ROOT = Path(os.environ.get("EDGETRAIN_CGROUP_ROOT", "/sys/fs/cgroup"))
 PREFIX = "edgetrain-"
+_MADV_POPULATE_WRITE = 23  # Linux 5.14: fault pages in as if written, which gives a shared page a copy of its own
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+# /proc/self/pagemap, one 64-bit entry per page: present, a file page (or shared memory), mapped by this process only
+_PRESENT, _FILE_OR_SHARED, _EXCLUSIVE = 1 << 63, 1 << 61, 1 << 56
 
 
 def _write(path: Path, value: str) -> None:
@@ -74,6 +83,7 @@ class DeviceLimits:
         self.label, self.memory_mb, self.storage, self.data_path = label, memory_mb, storage, data_path
         self.made: list[Path] = []
         self.memory_bound = False  # the kernel holds the device to its memory (page cache included)
+        self.held_alone_bytes = 0  # anonymous memory it held alone before joining: charged elsewhere, off its limit
         self.applied: list[str] = []
         self.fallbacks: list[str] = []
 
@@ -108,10 +118,7 @@ class DeviceLimits:
         if self.memory_mb:
             group = self._group("memory")
             if group is not None:
-                _write(group / "memory.limit_in_bytes", str(self.memory_mb * 2 ** 20))
-                _write(group / "cgroup.procs", pid)
-                self.memory_bound = True
-                self.applied.append(f"memory {self.memory_mb} MiB, page cache included (cgroup v1)")
+                self._join_memory(group, pid)
         else:
             self.fallbacks.append("its profile gives no memory_mb: memory not limited")
         if self.storage is None:
@@ -127,6 +134,30 @@ class DeviceLimits:
             _write(group / "cgroup.procs", pid)
             self.applied.append(f"storage {self.storage.name}: reads of {device} at {self.storage.read_mb_s:g} MB/s, "
                                 f"{self.storage.read_iops} IOPS (blkio throttle)")
+
+    def _join_memory(self, group: Path, pid: str) -> None:
+        """Join ``group``, limited to the profile's memory, charged for every anonymous page the process maps:
+        its copy of the pages it shared with the fork server is charged to it, what it held alone before (charged
+        elsewhere) comes off the limit."""
+        shared, rest = _anonymous_pages()
+        limit = self.memory_mb * 2 ** 20
+        holds = sum(size for _, size in shared) + rest
+        if holds >= limit:
+            raise EdgetrainError(f"its profile's memory_mb of {self.memory_mb} MiB is less than the {holds >> 20} MiB "
+                                 "of memory its process holds before training (torch and edgetrain loaded); give "
+                                 "its profile more memory_mb, or use --device-limits off")
+        # The profile's figure, for the out-of-memory line (``oom_killed``): a soft limit above the hard one
+        # never acts (the kernel reclaims a group down to its soft limit only under the host's memory pressure).
+        _write(group / "memory.soft_limit_in_bytes", str(limit))
+        _write(group / "memory.limit_in_bytes", str(limit))
+        _write(group / "cgroup.procs", pid)
+        _own_inherited_pages(shared)
+        # Measured, not taken from the scan: a page the server wrote since is ours alone without a copy.
+        self.held_alone_bytes = max(0, _rss_anon() - _charged_anon(group))
+        _write(group / "memory.limit_in_bytes", str(limit - self.held_alone_bytes))
+        self.memory_bound = True
+        self.applied.append(f"memory {self.memory_mb} MiB, page cache included (cgroup v1; "
+                            f"{self.held_alone_bytes >> 20} MiB its process held before joining count against it)")
 
     def close(self) -> None:
         """Back to the root groups; stop what is left in ours (loader workers); remove them."""
@@ -158,16 +189,74 @@ class DeviceLimits:
         self.made = []
 
 
-def oom_killed(pid: int) -> int | None:
-    """The memory limit (MiB) of device process ``pid``'s group if the kernel's out-of-memory killer killed a
-    process in it (cgroup v1 ``memory.oom_control``'s ``oom_kill``), else None: what a device's SIGKILL meant."""
+def _anonymous_pages() -> tuple[list[tuple[int, int]], int]:
+    """This process's anonymous memory in its private mappings: (runs of writable pages it still shares with
+    another process, such as the fork server it was forked from, as (address, bytes); bytes of the rest: pages
+    it maps alone, and shared ones it cannot write, such as libraries' relocated data)."""
+    import numpy as np
+
+    shared: list[tuple[int, int]] = []
+    rest = 0
+    with open("/proc/self/maps") as maps, open("/proc/self/pagemap", "rb") as pagemap:
+        for line in maps:
+            span, perms = line.split()[:2]
+            if not perms.endswith("p"):
+                continue
+            low, high = (int(x, 16) for x in span.split("-"))
+            pagemap.seek(low // _PAGE * 8)
+            entries = np.frombuffer(pagemap.read((high - low) // _PAGE * 8), dtype=np.uint64)
+            anonymous = (entries & np.uint64(_PRESENT | _FILE_OR_SHARED)) == np.uint64(_PRESENT)
+            inherited = anonymous & ((entries & np.uint64(_EXCLUSIVE)) == 0) if perms[1] == "w" else anonymous & False
+            rest += int(np.count_nonzero(anonymous & ~inherited)) * _PAGE
+            edges = np.flatnonzero(np.diff(np.concatenate(([0], inherited.astype(np.int8), [0]))))  # runs' ends
+            shared += [(low + int(a) * _PAGE, int(b - a) * _PAGE) for a, b in zip(edges[::2], edges[1::2])]
+    return shared, rest
+
+
+def _own_inherited_pages(shared: list[tuple[int, int]]) -> None:
+    """Give this process its own copy of the pages in ``shared`` (as a write would, their contents unchanged),
+    charged to the memory group it is in now. Before Linux 5.14 the kernel cannot: they stay shared."""
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    for address, size in shared:
+        if madvise(address, size, _MADV_POPULATE_WRITE) != 0 and ctypes.get_errno() == errno.EINVAL:
+            return  # an unknown advice (ENOMEM: a run unmapped since the scan, nothing to own)
+
+
+def _rss_anon() -> int:
+    """Bytes of anonymous memory this process maps (``RssAnon``)."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("RssAnon:"))
+
+
+def _charged_anon(group: Path) -> int:
+    """Bytes of anonymous memory charged to memory ``group`` (its ``memory.stat`` ``rss``)."""
+    stat = dict(line.split() for line in (group / "memory.stat").read_text().splitlines())
+    return int(stat["rss"])
+
+
+def memory_group(pid: int) -> tuple[int, int] | None:
+    """Device process ``pid``'s memory group as (its profile's memory in MiB, the processes the kernel's
+    out-of-memory killer killed in it: the device or its loader workers, cgroup v1 ``memory.oom_control``'s
+    ``oom_kill``); None where it has none (limits off, another host, a kernel before 4.13 counts no kills)."""
     group = ROOT / "memory" / f"{PREFIX}{pid}-memory"
     try:
         control = dict(line.split() for line in (group / "memory.oom_control").read_text().splitlines())
-        limit = int((group / "memory.limit_in_bytes").read_text())
-    except (OSError, ValueError):
-        return None  # no group of ours (limits off, another host, a kernel before 4.13 counts no kills)
-    return limit // 2 ** 20 if int(control.get("oom_kill", 0)) > 0 else None
+        limit, profile = (int((group / name).read_text()) for name in ("memory.limit_in_bytes",
+                                                                        "memory.soft_limit_in_bytes"))
+        kills = int(control["oom_kill"])
+    except (OSError, ValueError, KeyError):
+        return None
+    if profile > 2 ** 50:  # the kernel's "unlimited": no profile figure recorded (``_join_memory``)
+        profile = limit
+    return profile // 2 ** 20, kills
+
+
+def oom_killed(pid: int) -> int | None:
+    """The profile's memory (MiB) of device process ``pid``'s group if the out-of-memory killer killed a process
+    in it, else None: what a SIGKILL there meant."""
+    group = memory_group(pid)
+    return group[0] if group and group[1] else None
 
 
 def device_limits(mode: str, label: str, memory_mb: int | None, storage_name: str | None,

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
+from edgetrain.cluster.limits import memory_group
 from edgetrain.data.images import normalise
 from edgetrain.errors import EdgetrainError
 
@@ -495,6 +496,20 @@ _SIGNAL_FIXES = {
 }
 
 
+def _worker_oom(sig: int) -> str | None:
+    """Under ``--device-limits cgroup``, what a worker's SIGKILL was, exactly: the device's memory group, which
+    its workers are in, counts the out-of-memory killer's kills. None where the device has no group."""
+    group = memory_group(os.getpid()) if sig == signal.SIGKILL else None
+    if group is None:
+        return None
+    limit, kills = group
+    if kills:
+        return (f"the kernel's out-of-memory killer, at the device's memory limit of {limit} MiB (page cache "
+                "included): lower --workers, --prefetch or --cache-mb, or give its profile more memory_mb")
+    return ("not the out-of-memory killer (the device's memory group counted no kill): another process or a person "
+            "killed it; see the system log (dmesg)")
+
+
 def loader_failure(error: RuntimeError, it, owner: TrainingLoader) -> EdgetrainError:
     """One line for a DataLoader's failure: a dead worker named with its exit signal or code, or a timeout."""
     text = str(error)
@@ -511,7 +526,7 @@ def loader_failure(error: RuntimeError, it, owner: TrainingLoader) -> EdgetrainE
             continue
         if code < 0:
             sig = -code
-            fix = _SIGNAL_FIXES.get(sig, "see the system log (dmesg) for why")
+            fix = _worker_oom(sig) or _SIGNAL_FIXES.get(sig, "see the system log (dmesg) for why")
             return EdgetrainError(f"{owner.label}: data-loader worker {k} (pid {worker.pid}) was killed by "
                                   f"{_signal_name(sig)} ({sig}); {fix}")
         return EdgetrainError(f"{owner.label}: data-loader worker {k} (pid {worker.pid}) exited with code {code}; "
