@@ -87,6 +87,11 @@ _PROBE_S = 30.0  # on top of --connect-timeout: the host's python starting and r
 # sharing, rank 0 publishes a fresh address every round and its worker serves the store. A host's env: wins.
 _TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+# The launch options a resume repeats when they are not at their default (--hosts and --run-id it always gives).
+_REPEATED_OPTIONS = ("min_hosts", "max_restarts", "rdzv_port", "rdzv_timeout", "rdzv_last_call", "rdzv_keepalive",
+                     "connect_timeout")
+# What a stopped run's rank 0 prints (train/checkpoint.py, resume_hint): the checkpoint, and its run directory.
+_CHECKPOINT_WRITTEN = re.compile(r"checkpoint of step (\d+) written; resume with: edgetrain train --resume (.+)$")
 # Checked on each host before anything starts: its versions, and whether it has the node module.
 _PROBE = ("import importlib.metadata as m, importlib.util as u, json; "
           "print(json.dumps([m.version('edgetrain'), m.version('torch'), u.find_spec('%s') is not None]))"
@@ -208,6 +213,10 @@ class LaunchSpec:
     run_id: str
     rdzv_last_call: float = 30.0  # torchrun's own default for last_call_timeout
     rdzv_keepalive: float = 5.0  # torchrun's own default for keep_alive_interval
+    # What a resume repeats: the hosts file and the train command as given, the launch options not at their default
+    hosts_file: str = "hosts.yaml"
+    command: tuple[str, ...] = ("train",)
+    options: tuple[str, ...] = ()
 
 
 def train_flags(cfg) -> list[str]:
@@ -248,9 +257,20 @@ def plan_launch(args: argparse.Namespace) -> LaunchSpec:
     if not 1 <= args.rdzv_port <= 65535:
         raise EdgetrainError(f"--rdzv-port must be 1..65535, not {args.rdzv_port}")
     token = cluster_token(cfg.cluster_token, cfg.cluster_token_file, os.environ) or secrets.token_hex(16)
+    defaults = vars(build_parser().parse_args(["launch", "--hosts", args.hosts]))
+    options = tuple(f"--{name.replace('_', '-')}={getattr(args, name)}" for name in _REPEATED_OPTIONS
+                    if getattr(args, name) != defaults[name])
     return LaunchSpec(tuple(hosts), tuple(train_flags(cfg)), token, min_hosts, args.max_restarts, args.rdzv_port,
                       args.rdzv_timeout, args.connect_timeout, args.run_id or f"edgetrain-{secrets.token_hex(4)}",
-                      args.rdzv_last_call, args.rdzv_keepalive)
+                      args.rdzv_last_call, args.rdzv_keepalive, args.hosts, tuple(command), options)
+
+
+def resume_command(spec: LaunchSpec) -> str:
+    """The launch that continues this one from its newest checkpoint: the same hosts, options and train command
+    (its --checkpoint-every and --output), and the same run id, from which each host's torchrun finds the run
+    directory (train/checkpoint.py, "torchrun restarts")."""
+    return shlex.join(["edgetrain", "launch", "--hosts", spec.hosts_file, *spec.options, "--run-id", spec.run_id,
+                       "--", *spec.command])
 
 
 def _endpoint(address: str, port: int) -> str:
@@ -313,6 +333,7 @@ class _Host:
         self.last_error = ""
         self.restarts = 0
         self.quiet = False
+        self.checkpoint: tuple[int, str] | None = None  # (step, run directory) its rank 0 said it stopped with
 
     async def connect(self) -> None:
         import asyncssh
@@ -385,9 +406,12 @@ class _Host:
 
     async def _relay(self, stream, out) -> None:
         async for line in stream:
+            line = line.rstrip("\n")
+            written = _CHECKPOINT_WRITTEN.search(line)
+            if written:
+                self.checkpoint = int(written.group(1)), written.group(2).strip()
             if self.quiet:  # stopping: torchrun's and the workers' shutdown reports are not shown
                 continue
-            line = line.rstrip("\n")
             if line.strip():
                 self.last_error = line.strip()
             print(f"[{self.host.name}] {line}", file=out, flush=True)
@@ -418,6 +442,7 @@ async def _launch(spec: LaunchSpec) -> None:
         with contextlib.suppress(ValueError, RuntimeError):  # not the main thread: the caller handles signals
             loop.add_signal_handler(sig, lambda e=exc: stop_reason.done() or stop_reason.set_result(e))
     running: dict[asyncio.Task, _Host] = {}
+    stopped_by: BaseException | None = None
     try:
         _say(f"connecting to {len(hosts)} host(s): {', '.join(h.host.where for h in hosts)}")
         await _first_of(_on_every_host([h.connect() for h in hosts]), stop_reason)
@@ -451,6 +476,9 @@ async def _launch(spec: LaunchSpec) -> None:
                 elif action == "fail":
                     last = f" (last line: {host.last_error})" if host.last_error else ""
                     raise EdgetrainError(f"host {host.host.name} failed: {why}{last}; the other hosts were stopped")
+    except (KeyboardInterrupt, Terminated, EdgetrainError) as stop:
+        stopped_by = stop
+        raise
     finally:
         # Ctrl-C, SIGTERM or a host's failure: the one line that says why is the launcher's (or the failed
         # host's last line, quoted in it); the stopped hosts' tracebacks (torchrun's SignalException, the
@@ -458,9 +486,31 @@ async def _launch(spec: LaunchSpec) -> None:
         for h in hosts:
             h.quiet = True
         await asyncio.gather(*(h.stop() for h in hosts))
+        if running:  # what the hosts said as they stopped, to its end (a checkpoint written), then no more
+            await asyncio.wait(running, timeout=_STOP_MARGIN_S)
         for task in running:
             task.cancel()
         await asyncio.gather(*running, return_exceptions=True)
+        if stopped_by is not None:
+            _with_resume_command(stopped_by, spec, hosts)
+
+
+def _with_resume_command(stop: BaseException, spec: LaunchSpec, hosts: list[_Host]) -> None:
+    """A run that stopped with a checkpoint says how to go on, as a local run does: in the error's line, after
+    "terminated", or (Ctrl-C) on the line before "interrupted". Raises the stop's exception with it."""
+    host = next((h for h in hosts if h.checkpoint), None)
+    if host is None:
+        return
+    step, run_dir = host.checkpoint
+    shared = " (any host may be rank 0 on resuming: each needs that directory, e.g. a shared --output)" \
+        if len(hosts) > 1 else ""
+    hint = (f"checkpoint of step {step} written in {run_dir} on host {host.host.name}{shared}; resume with: "
+            f"{resume_command(spec)}")
+    if isinstance(stop, Terminated):
+        raise Terminated(hint) from None
+    if isinstance(stop, EdgetrainError):
+        raise EdgetrainError(f"{stop}; {hint}") from None
+    _say(hint)
 
 
 async def _on_every_host(steps: list) -> list:

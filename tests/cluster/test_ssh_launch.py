@@ -9,6 +9,8 @@ import contextlib
 import dataclasses
 import importlib.util
 import json
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -143,9 +145,10 @@ def test_two_hosts_train_and_print_with_their_prefix(tmp_path, ssh_hosts):
     assert wait_for_no_leftovers() == []
 
 
-def start_long_launch(tmp_path, ssh_hosts, *options: str) -> subprocess.Popen:
-    """A launch (with ``options``) of a long run on hosts a and b; returned once both hosts' workers are up."""
-    args = launch_args(hosts_file(tmp_path, ssh_hosts), "--epochs", "1000", "--output", str(tmp_path / "runs"))
+def start_long_launch(tmp_path, ssh_hosts, *options: str, train: tuple[str, ...] = ()) -> subprocess.Popen:
+    """A launch (with ``options``, its train command with ``train``) of a long run on hosts a and b; returned once
+    both hosts' workers are up."""
+    args = launch_args(hosts_file(tmp_path, ssh_hosts), "--epochs", "1000", "--output", str(tmp_path / "runs"), *train)
     launcher = subprocess.Popen([sys.executable, "-m", "edgetrain", args[0], *options, *args[1:]],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
@@ -164,21 +167,69 @@ def steps_written(output, runs: int = 1) -> bool:
     return metrics is not None and metrics.is_file() and metrics.read_text().count("\n") >= 1
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("sig, code, last_line", [
-    (signal.SIGINT, 130, "edgetrain: interrupted"),  # Ctrl-C
-    (signal.SIGTERM, 143, "edgetrain: terminated (SIGTERM); the run was stopped"),
-])
-def test_ctrl_c_or_sigterm_stops_every_host(tmp_path, ssh_hosts, sig, code, last_line):
-    launcher = start_long_launch(tmp_path, ssh_hosts)
+def stop_launch(launcher: subprocess.Popen, sig: signal.Signals) -> tuple[int, list[str]]:
+    """Send ``sig`` to a running launch: (its exit code, its stderr's lines)."""
     try:
         launcher.send_signal(sig)
         _, err = launcher.communicate(timeout=60)
     finally:
         launcher.kill()
-    assert launcher.returncode == code, err[-3000:]
-    assert err.splitlines()[-1] == last_line
+    return launcher.returncode, err.splitlines()
+
+
+@pytest.mark.slow
+def test_sigterm_or_ctrl_c_stops_every_host_and_the_printed_command_resumes_the_run(tmp_path, ssh_hosts):
+    """SIGTERM stops a launch with checkpoints: every host stops, and the last line says where the checkpoint
+    is and the launch that continues the run; that launch, run as printed, goes on from the checkpoint in the
+    same run directory, and Ctrl-C stops it the same way (its line just before "interrupted")."""
+    launcher = start_long_launch(tmp_path, ssh_hosts, train=("--checkpoint-every", "2"))
+    code, lines = stop_launch(launcher, signal.SIGTERM)
+    assert code == 143, lines[-20:]
+    assert lines[-1].startswith("edgetrain: terminated (SIGTERM); the run was stopped; checkpoint of step"), lines[-5:]
+    step, run_dir, command = check_resume_command(lines[-1], lines, tmp_path / "runs")
     assert wait_for_no_leftovers() == []
+
+    resumed = subprocess.Popen([sys.executable, "-m", *command], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)  # "edgetrain launch ...", as printed
+    deadline = time.monotonic() + 120
+    while not steps_after(run_dir, step) and time.monotonic() < deadline and resumed.poll() is None:
+        time.sleep(0.5)
+    code, lines = stop_launch(resumed, signal.SIGINT)
+    assert code == 130 and lines[-1] == "edgetrain: interrupted", lines[-20:]
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == [run_dir.name]
+    membership = [json.loads(line) for line in (run_dir / "membership.jsonl").read_text().splitlines()]
+    assert [(m["cause"], m["step"]) for m in membership] == [("torchrun restart", step)], membership
+    again, _, _ = check_resume_command(lines[-2], lines, tmp_path / "runs")
+    assert again > step  # it trained on from the checkpoint, and stopped with a newer one
+    assert wait_for_no_leftovers() == []
+
+
+def steps_after(run_dir, step: int) -> bool:
+    """Whether a run resumed from ``step`` in ``run_dir`` has trained a step since."""
+    metrics = run_dir / "metrics-0.jsonl"
+    return (run_dir / "membership.jsonl").is_file() and metrics.is_file() and \
+        metrics.read_text().count("\n") > step
+
+
+def check_resume_command(said: str, lines: list[str], output) -> tuple[int, object, list[str]]:
+    """The launch a stopped run printed (``said``): the same hosts file and run id (the run directory torchrun's
+    restarts share, train/checkpoint.py), the train command with the same --checkpoint-every and --output, and
+    the checkpoint it names is there. (Its step, its run directory, the command.)"""
+    from edgetrain.train.checkpoint import checkpoint_files, checkpoint_step
+
+    step, run_dir = re.search(r"checkpoint of step (\d+) written in (\S+) on host [ab] \(any host may be rank 0 "
+                              r"on resuming: each needs that directory, e.g. a shared --output\); resume with: ",
+                              said).groups()
+    command = shlex.split(said.split("resume with: ", 1)[1])
+    assert command[:2] == ["edgetrain", "launch"]
+    resumed = build_parser().parse_args(command[1:])
+    train = build_parser().parse_args(resumed.command[1:])
+    run_id = re.search(r"run id (\S+)$", next(line for line in lines if "c10d rendezvous" in line)).group(1)
+    assert resumed.run_id == run_id and run_dir == str(output / f"train-{run_id}")
+    assert (str(train.checkpoint_every), train.output) == ("2", str(output))
+    assert resumed.hosts == str(output.parent / "hosts.yaml") and resumed.connect_timeout == 5.0
+    assert checkpoint_step(checkpoint_files(run_dir)[-1]) == int(step)
+    return int(step), output / f"train-{run_id}", command
 
 
 @pytest.mark.slow
