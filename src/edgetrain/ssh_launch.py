@@ -37,8 +37,10 @@ What it does, in order (asyncssh, imported only here: ``pip install edgetrain[ss
    ssh_node SIGTERM torchrun (which stops its workers) and SIGKILL what is left after ``_STOP_GRACE_S``;
    the launcher waits that plus ``_STOP_MARGIN_S`` for each, then closes the connections. What the hosts
    print while they stop (torchrun's and the workers' shutdown tracebacks) is not shown: the launcher's
-   one line says why the run stopped. SSH keepalives (``_KEEPALIVE_S``) notice a host cut off the network. A launcher
-   that dies without stopping them closes its connections too, which ssh_node reads as the same request.
+   one line says why the run stopped; a rank 0 that stopped with a checkpoint is heard though, and the line
+   adds where it is and the launch that resumes it (``resume_command``: the same --run-id). SSH keepalives
+   (``_KEEPALIVE_S``) notice a host cut off the network. A launcher that dies without stopping them closes
+   its connections too, which ssh_node reads as the same request.
 
 Limits: a restarted host's torchrun (the same ``--rdzv-id``) continues the run in ``train-<run id>`` from
 its newest checkpoint when the train command has ``--checkpoint-every`` (train/checkpoint.py, "torchrun

@@ -334,6 +334,20 @@ def test_torchrun_rendezvous_waits_are_the_launchs(flags, last_call, keepalive):
     assert conf == f"is_host=0,join_timeout=60,last_call_timeout={last_call},keep_alive_interval={keepalive}"
 
 
+def test_the_resume_command_repeats_the_launch_with_its_run_id(tmp_path):
+    """What a stopped launch prints to go on: its hosts file, the options it changed, the train command as given
+    (its --checkpoint-every and --output) and the run id this launch drew."""
+    from edgetrain.ssh_launch import plan_launch, resume_command
+
+    path = tmp_path / "hosts.yaml"
+    path.write_text(yaml.safe_dump({"hosts": ["pi1", "pi2"]}))
+    args = build_parser().parse_args(["launch", "--hosts", str(path), "--max-restarts", "1", "--", "train",
+                                      "--checkpoint-every", "5", "--output", "/shared/runs"])
+    spec = plan_launch(args)
+    assert resume_command(spec) == (f"edgetrain launch --hosts {path} --max-restarts=1 --run-id {spec.run_id} -- "
+                                    f"train --checkpoint-every 5 --output /shared/runs")
+
+
 def test_train_command_reaches_the_hosts_as_flags_that_give_the_same_config(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump({"lr": 0.1, "eval": False, "link": "20mbit:5ms", "cluster_token": "s3cret"}))
