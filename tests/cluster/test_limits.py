@@ -165,6 +165,28 @@ def _worker_past_the_limit() -> str:
     return "no error"
 
 
+class _Parent(torch.utils.data.Dataset):
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, key):
+        return torch.tensor(os.getppid())
+
+
+def _workers_parent() -> tuple[int, list[int]]:
+    loader = torch.utils.data.DataLoader(_Parent(), batch_size=1, num_workers=1)
+    return os.getpid(), [int(batch) for batch in loader]
+
+
+def test_a_devices_loader_workers_are_forked_by_the_device():
+    """As a torchrun worker's: in its memory group and process group, its SIGCHLD telling it at once of a dead
+    worker (not at the loader's timeout), not started by a fork server of the device's own."""
+    from edgetrain.cluster.launch import launch_local
+
+    (device, parents), = launch_local(1, _workers_parent, (), ["device 0"], deadline_s=120)
+    assert parents == [device, device]
+
+
 @pytest.mark.skipif(not HAS_V1, reason="needs root and cgroup v1 memory")
 def test_a_loader_worker_the_oom_killer_ends_is_named_as_such():
     from edgetrain.cluster.launch import launch_local

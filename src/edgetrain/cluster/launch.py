@@ -224,6 +224,9 @@ class _LauncherStdio:
 def _child(rank: int, world: int, port: int, parent_pid: int, target: Callable, args: tuple, results: Any,
            log_dir: str | None, joining: bool = False, environ: dict | None = None, stdio: Any = None) -> None:
     _die_with_parent(parent_pid)
+    # Its own processes (loader workers) forked from it, as a torchrun worker's are: multiprocessing made the
+    # fork server's method this process's default, which would start a server of its own to fork them from.
+    mp.set_start_method("fork", force=True)
     if environ is not None:  # the launcher's environment now, not the fork server's from when it started
         os.environ.clear()
         os.environ.update(environ)
