@@ -500,9 +500,10 @@ async def _launch(spec: LaunchSpec) -> None:
 def _with_resume_command(stop: BaseException, spec: LaunchSpec, hosts: list[_Host]) -> None:
     """A run that stopped with a checkpoint says how to go on, as a local run does: in the error's line, after
     "terminated", or (Ctrl-C) on the line before "interrupted". Raises the stop's exception with it."""
-    host = next((h for h in hosts if h.checkpoint), None)
-    if host is None:
+    said = [h for h in hosts if h.checkpoint]
+    if not said:
         return
+    host = max(said, key=lambda h: h.checkpoint[0])  # the newest, if a restart of the run stopped with one too
     step, run_dir = host.checkpoint
     shared = " (any host may be rank 0 on resuming: each needs that directory, e.g. a shared --output)" \
         if len(hosts) > 1 else ""

@@ -108,7 +108,7 @@ def test_a_device_under_its_profile_lives_and_its_group_covers_all_it_holds():
     # its copy of the fork server's pages (torch, about 220 MiB) is charged to it; the few MiB it held alone
     # before joining came off its limit
     assert held["rss_anon"] > 150 and held["held_alone"] < 32, held
-    assert held["charged"] + held["held_alone"] >= held["rss_anon"] - 1, held
+    assert held["charged"] + held["held_alone"] >= held["rss_anon"] - 2, held  # 2 MiB: the kernel counts in batches
 
 
 @pytest.mark.skipif(not HAS_V1, reason="needs root and cgroup v1 memory")

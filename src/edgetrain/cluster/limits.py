@@ -206,7 +206,8 @@ def _anonymous_pages() -> tuple[list[tuple[int, int]], int]:
             pagemap.seek(low // _PAGE * 8)
             entries = np.frombuffer(pagemap.read((high - low) // _PAGE * 8), dtype=np.uint64)
             anonymous = (entries & np.uint64(_PRESENT | _FILE_OR_SHARED)) == np.uint64(_PRESENT)
-            inherited = anonymous & ((entries & np.uint64(_EXCLUSIVE)) == 0) if perms[1] == "w" else anonymous & False
+            writable = perms[1] == "w"  # a page it cannot write it cannot copy either
+            inherited = anonymous & ((entries & np.uint64(_EXCLUSIVE)) == 0) & writable
             rest += int(np.count_nonzero(anonymous & ~inherited)) * _PAGE
             edges = np.flatnonzero(np.diff(np.concatenate(([0], inherited.astype(np.int8), [0]))))  # runs' ends
             shared += [(low + int(a) * _PAGE, int(b - a) * _PAGE) for a, b in zip(edges[::2], edges[1::2])]
