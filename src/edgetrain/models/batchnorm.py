@@ -14,6 +14,8 @@ batch.
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -107,3 +109,25 @@ def convert_batchnorm(module: nn.Module, group=None) -> nn.Module:
     for name, child in module.named_children():
         setattr(module, name, convert_batchnorm(child, group))
     return module
+
+
+def local_batchnorm(module: nn.Module) -> nn.Module:
+    """``module`` itself, or, where it holds ``CrossDeviceBatchNorm2d`` layers, a copy with plain ``nn.BatchNorm2d``
+    in their place and their state: the same compute on this device's batch alone, without a collective (the
+    throttle's reference pass runs on one device while the others wait)."""
+    if not any(isinstance(m, CrossDeviceBatchNorm2d) for m in module.modules()):
+        return module
+
+    def plain(layer: nn.Module) -> nn.Module:
+        if not isinstance(layer, CrossDeviceBatchNorm2d):
+            for name, child in layer.named_children():
+                setattr(layer, name, plain(child))
+            return layer
+        state = next(iter(layer.state_dict().values()), None)
+        new = nn.BatchNorm2d(layer.num_features, layer.eps, layer.momentum, layer.affine, layer.track_running_stats,
+                             device=None if state is None else state.device)
+        new.load_state_dict(layer.state_dict())
+        new.to(layer.running_mean.dtype if layer.running_mean is not None else layer.weight.dtype)
+        return new.train(layer.training)
+
+    return plain(copy.deepcopy(module))

@@ -97,6 +97,7 @@ from edgetrain.data.partition import PartitionReport, PartitionSampler
 from edgetrain.data.storage import LoadTimes, TrainingLoader
 from edgetrain.errors import EdgetrainError, Terminated
 from edgetrain.models import build_model, count_parameters, register_model
+from edgetrain.models.batchnorm import local_batchnorm
 from edgetrain.models.init import build_on_meta
 from edgetrain.records import DeviceSummary, EnergyRecord, EvalRecord, MembershipRecord, RunSummary, StepRecord
 from edgetrain.report.files import atomic_write, save_torch, write_json
@@ -228,7 +229,8 @@ def calibrate_throttle(throttle: Throttle | None, model: nn.Module, example: tor
             dist.all_reduce(turns, op=dist.ReduceOp.MAX)
         for turn in range(int(turns.item())):
             if turn == at.local_rank and throttle:
-                throttle.calibrate(model, example)
+                # the others wait at the barrier: BatchNorm statistics over the devices would wait for them
+                throttle.calibrate(local_batchnorm(model), example)
             if not alone:
                 dist.barrier()
     if throttle:
