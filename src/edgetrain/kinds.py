@@ -18,6 +18,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
@@ -73,6 +74,9 @@ class Kind:
     unplanned: str | None = None        # or the line refusing to plan it: the problem and the fix
     checks: tuple[Check, ...] = ()      # its refusals of a whole run, each one line with the fix
     aliases: tuple[str, ...] = ()
+    # a concrete use, as written after its flag, then any options it needs on 2 devices (``local:2``, ``tiled
+    # --grid 1x2``); left out: its usage, if nothing in it is to be filled in (tests/test_combinations.py)
+    example: str = ""
 
     def __post_init__(self) -> None:
         if (self.planner is None) == (self.unplanned is None):
@@ -80,6 +84,12 @@ class Kind:
         if self.name in KINDS[self.family]:
             raise TypeError(f"{self.family} {self.name} is declared twice")
         KINDS[self.family][self.name] = self
+
+    @property
+    def example_spec(self) -> str:
+        """``example``, or the usage without its optional parts when that is concrete; "" when neither is."""
+        plain = re.sub(r"\[.*?\]", "", self.usage)
+        return self.example or ("" if any(c.isupper() for c in plain) else plain)
 
     def load_runtime(self) -> Any:
         return _load(self.runtime)
@@ -214,14 +224,15 @@ CompressKind(name="quant", usage="quant[:BITS]",
              summary="linear BITS-bit quantization (2..8, default 4), packed, with error feedback; noef",
              runtime=_C + "quantize:build_quant", planner=_PAYLOAD, check_arguments=_check_quant,
              options=frozenset({"noef"}))
-CompressKind(name="topk", usage="topk:RATIO",
+CompressKind(name="topk", usage="topk:RATIO", example="topk:0.1",
              summary="top-k with error feedback; options dgc (momentum correction, momentum=0.9), warmup=STEPS "
                      "(DGC's sparsity ramp), layerwise (a budget per layer), compact (fp16 value + 16-bit index "
                      "gap), bits=B (B-bit values and 16-bit gaps: SparseLoCo's 2 bits), noef",
              runtime=_C + "topk:build", planner=_PAYLOAD, check_arguments=_check_topk,
              options=frozenset({"dgc", "momentum", "warmup", "noef", "layerwise", "compact", "bits"}),
              checks=(_dgc_without_optimizer_momentum,))
-CompressKind(name="randk", usage="randk:RATIO", summary="random-k (shared seed) with error feedback; noef",
+CompressKind(name="randk", usage="randk:RATIO", example="randk:0.1",
+             summary="random-k (shared seed) with error feedback; noef",
              runtime=_C + "randk:build", planner=_PAYLOAD, check_arguments=_fraction("randk"),
              options=frozenset({"noef"}), server_cannot_decode="its shared random indices")
 CompressKind(name="sign", usage="sign", summary="EF-signSGD (scaled sign, error feedback); sign:vote for signSGD "
@@ -452,12 +463,12 @@ _T = "edgetrain.plan.traffic:"
 SyncKind(name="sync", usage="sync", summary="synchronous DDP (default); every compressor",
          parse=_parse_sync, accepts=_any_compressor, timing="lockstep", elastic=True,
          runtime="edgetrain.comm.sync:build", planner=_T + "synchronous")
-SyncKind(name="local", usage="local:H",
+SyncKind(name="local", usage="local:H", example="local:2",
          summary="local SGD, average every H steps; local:H:nesterov[:lr=0.7][:momentum=0.9] (or diloco:H[:lr=]"
                  "[:momentum=]) with DiLoCo's outer Nesterov step; every compressor but powersgd and dgc",
          parse=_parse_local, accepts=_model_deltas, timing="periodic", rounds=True, elastic=True, aliases=("diloco",),
          runtime="edgetrain.comm.local_sgd:build", planner=_T + "local_sgd")
-SyncKind(name="streaming", usage="streaming:H",
+SyncKind(name="streaming", usage="streaming:H", example="streaming:2",
          summary="Streaming DiLoCo: the model's fragments (fragments=2) averaged at staggered steps in the "
                  "background, overlap=T steps behind (1), mix=A of the local fragment kept (0.5), lr=, momentum= of "
                  "the outer Nesterov step; async:S's compressors",
@@ -465,7 +476,7 @@ SyncKind(name="streaming", usage="streaming:H",
          runtime="edgetrain.comm.streaming:build",
          unplanned="the planner does not model --sync streaming (background exchanges of fragments); plan with "
                    "diloco:H for the bytes, or measure with edgetrain train")
-SyncKind(name="async", usage="async:S",
+SyncKind(name="async", usage="async:S", example="async:1",
          summary="bounded staleness S steps; every fixed-size compressor (not threshold, powersgd, dgc)",
          parse=_parse_async, accepts=_fixed_size_deltas, timing="bounded",
          runtime="edgetrain.comm.asynchronous:build", planner=_T + "bounded_staleness")
@@ -473,7 +484,7 @@ SyncKind(name="gossip", usage="gossip",
          summary="ring gossip every H steps (gossip[:H], default 1); --compress none only",
          parse=_parse_gossip, accepts=_uncompressed, timing="periodic",
          runtime="edgetrain.comm.gossip:build", planner=_T + "gossip")
-SyncKind(name="fedavg", usage="fedavg:E",
+SyncKind(name="fedavg", usage="fedavg:E", example="fedavg:steps=2",
          summary="federated rounds of E local epochs (fedavg:steps=H: H steps); :prox=MU (FedProx), :scaffold, "
                  ":weighted (by sample counts), :reset (client optimizer each round); local:H's compressors; needs "
                  "--partition",
@@ -612,7 +623,7 @@ _S = "edgetrain.plan.strategies:"
 StrategyKind(name="ddp", usage="ddp", summary="data parallel: every device a replica on its share of the batch, "
                                               "replicas agreeing as --sync and --compress say",
              runtime="edgetrain.train.strategy:DataParallel", planner=_S + "ddp_strategy", elastic=True)
-StrategyKind(name="tiled", usage="tiled",
+StrategyKind(name="tiled", usage="tiled", example="tiled --grid 1x2",
              summary="spatial tiles of the early layers over a device grid (--grid, --groups), data parallel after "
                      "them; every device reads the whole batch",
              runtime="edgetrain.train.strategy:Tiled", shards_batch=False,

@@ -1,0 +1,600 @@
+"""The combination matrix: pairwise rows of task x data source x strategy x sync mode x compressor x the extras,
+each factor's levels read from the kinds' registry (docs/design/combinations.md).
+
+A row is refused in one line before any device starts, as ``config.resolve`` (every kind's declared refusals)
+and the launcher's pre-flight decide, or trains 3 steps on 2 devices to a finite headline metric. The fast
+tier (default run) trains a fixed seeded subset in one process and checks every row's refusal in-process;
+``EDGETRAIN_MATRIX=full`` runs every row through the CLI (slow).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import random
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from edgetrain.config import TrainConfig, resolve
+from edgetrain.errors import EdgetrainError
+from edgetrain.spec import KINDS, LaunchSpec
+from edgetrain.task_kinds import TASK_KINDS
+
+FAMILIES = ("strategy", "sync", "compress")
+SOURCES = ("memory", "storage", "shards")
+
+# What each task trains on from each source. A source a task has no data of is not a combination (edgetrain data
+# pack refuses a regression set: "small enough to train from memory"); a task missing here fails by name.
+TASK_DATA: dict[str, dict[str, dict]] = {
+    "classification": {"memory": {"dataset": "digits"},
+                       "storage": {"dataset": "imagefolder", "from_storage": True, "data_dir": "{folder}"},
+                       "shards": {"dataset": "shards", "data_dir": "{folder_shards}"}},
+    "regression": {"memory": {"dataset": "diabetes", "model": "mlp"}},
+    "detection": {"memory": {"dataset": "shapes", "synthetic_samples": 16},
+                  "storage": {"dataset": "yolo", "from_storage": True, "data_dir": "{yolo}"},
+                  "shards": {"dataset": "shards", "data_dir": "{yolo_shards}"}},
+}
+TASK_SETTINGS = {"detection": {"image_size": 32}}
+
+# The extras: off (the first level) or on, each the config keys it sets and the words a refusal of it names.
+EXTRAS: dict[str, tuple[dict, dict, tuple[str, ...]]] = {
+    "partition": ({}, {"partition": "iid"}, ("partition",)),
+    "elastic": ({}, {"min_devices": 1}, ("min-devices", "elastic")),
+    "checkpoint": ({}, {"checkpoint_every": 1}, ("checkpoint", "resume")),   # on: the run, then a resume of it
+    "link": ({}, {"link": "wifi-20m"}, ("link",)),
+    "profile": ({}, {"profile": "rpi4", "throttle": True}, ("profile", "throttle", "rpi4")),
+    "batchnorm": ({}, {"batchnorm": "sync"}, ("batchnorm",)),
+    "workers": ({}, {"workers": 1}, ("workers",)),
+    "cache": ({}, {"cache_mb": 4.0}, ("cache",)),
+    "augment": ({"augment": False}, {"augment": True}, ("augment",)),
+    "dedup": ({}, {"dedup": "on"}, ("dedup",)),
+    "optimizer": ({"optimizer": "sgd"}, {"optimizer": "adam"}, ("optimizer", "adam", "momentum")),
+}
+
+BASE = {"devices": 2, "steps": 3, "batch_size": 16, "progress": False, "eval": True, "throttle": False,
+        "timeout": 60.0, "seed": 0}
+
+
+# ---------------------------------------------------------------- the levels, from the registry
+
+def example_config(kind) -> dict:
+    """A kind's example (``local:2``, ``tiled --grid 1x2``) as config keys; one line naming it if it has none."""
+    words = kind.example_spec.split()
+    if not words:
+        raise AssertionError(f"{kind.family} {kind.name} has no example: add example='...' (its usage with the "
+                             f"placeholders filled in) to its descriptor in edgetrain/kinds.py")
+    flags = dict(zip(words[1::2], words[2::2]))
+    return {kind.family: words[0], **{flag.removeprefix("--").replace("-", "_"): value for flag, value in flags.items()}}
+
+
+def task_names() -> list[str]:
+    """Every task: the descriptors of ``task_kinds`` and any declared in ``spec.KINDS['task']``."""
+    return list(dict.fromkeys([*TASK_KINDS, *KINDS.get("task", {})]))
+
+
+def factors() -> dict[str, list[str]]:
+    """Each factor's levels; the first is the default a refused row's other factors keep."""
+    return {"task": task_names(), "source": list(SOURCES),
+            **{family: list(KINDS[family]) for family in FAMILIES},
+            **{name: ["off", "on"] for name in EXTRAS}}
+
+
+def expressible(row: dict) -> bool:
+    """Whether a (partial) row names data that exists: a task has data from each of its sources only."""
+    task, source = row.get("task"), row.get("source")
+    return task is None or source is None or source in TASK_DATA.get(task, {})
+
+
+def row_config(row: dict, paths: dict[str, str] | None = None) -> dict:
+    """The config of a row (factors left out: their first level); ``paths``: where the generated data lies."""
+    levels = {name: row.get(name, values[0]) for name, values in factors().items()}
+    task = levels["task"]
+    if task not in TASK_DATA:
+        raise AssertionError(f"task {task} has no data in the matrix: add it to TASK_DATA in {Path(__file__).name}")
+    data = TASK_DATA[task].get(levels["source"], TASK_DATA[task]["memory"])
+    cfg = {**BASE, "task": task, **TASK_SETTINGS.get(task, {}), **data}
+    for family in FAMILIES:
+        cfg.update(example_config(KINDS[family][levels[family]]))
+    for name, (off, on, _) in EXTRAS.items():
+        cfg.update(on if levels[name] == "on" else off)
+    if paths is not None and "data_dir" in cfg:
+        cfg["data_dir"] = cfg["data_dir"].format(**paths)
+    return cfg
+
+
+_DECIDED: dict[tuple, str | None] = {}
+
+
+def refusal(row: dict) -> str | None:
+    """The line ``config.resolve`` (every kind's declared refusals) and the task's own refusal of a strategy
+    give a row's config, or None: accepted. Torch-free and cheap, what the generator asks of every candidate."""
+    key = tuple(sorted(row.items()))
+    if key not in _DECIDED:
+        cfg = row_config(row)
+        try:
+            resolve(TrainConfig(**cfg), LaunchSpec())
+            task = TASK_KINDS.get(cfg["task"])
+            if task is not None and task.name not in KINDS.get("task", {}):  # not yet among the kinds: its check
+                task.check_strategy(cfg["strategy"])
+            _DECIDED[key] = None
+        except EdgetrainError as e:
+            _DECIDED[key] = str(e)
+    return _DECIDED[key]
+
+
+# ---------------------------------------------------------------- pairwise rows
+
+Pair = tuple[tuple[str, str], tuple[str, str]]
+
+
+def pairs(row: dict, names: list[str]) -> set[Pair]:
+    present = [n for n in names if n in row]
+    return {((a, row[a]), (b, row[b])) for i, a in enumerate(present) for b in present[i + 1:]}
+
+
+@dataclass(frozen=True)
+class Row:
+    levels: tuple[tuple[str, str], ...]
+    accepted: bool
+    pair: Pair | None = None          # a refused row: the pair it was made for (its other factors at default)
+
+    @property
+    def values(self) -> dict:
+        return dict(self.levels)
+
+    @property
+    def id(self) -> str:
+        v = self.values
+        extras = "+".join(n for n in EXTRAS if v[n] == "on") or "plain"
+        return f"{v['task']}-{v['source']}-{v['strategy']}-{v['sync']}-{v['compress']}-{extras}"
+
+
+def all_pairs(levels: dict[str, list[str]], allowed: Callable[[dict], bool], refused: Callable[[dict], str | None],
+              seed: int = 0, tries: int = 6) -> list[Row]:
+    """Greedy all-pairs (AETG) aware of refusals: a pair counts as covered by a row that is accepted; a pair no
+    candidate could cover so gets a row of its own, the pair and every other factor at its first level, which
+    exercises the refusal. Rows are built factor by factor, each level chosen to keep the row accepted and cover
+    the most uncovered pairs. Deterministic for a seed."""
+    names, rng = list(levels), random.Random(seed)
+    universe = sorted(p for i, a in enumerate(names) for b in names[i + 1:] for x in levels[a] for y in levels[b]
+                      if allowed({a: x, b: y}) for p in [((a, x), (b, y))])
+    uncovered, rows = set(universe), []
+
+    def score(row: dict) -> tuple[bool, int]:
+        return allowed(row) and refused(row) is None, len(pairs(row, names) & uncovered)
+
+    while uncovered:
+        best, best_score = None, (False, 0)
+        for _ in range(tries):
+            (a, x), (b, y) = rng.choice(sorted(uncovered))
+            row = {a: x, b: y}
+            rest = [n for n in names if n not in row]
+            rng.shuffle(rest)
+            for name in rest:
+                row[name] = max(levels[name], key=lambda v: score({**row, name: v}))
+            if score(row) > best_score:
+                best, best_score = row, score(row)
+        if best is not None and best_score[0] and best_score[1]:
+            uncovered -= pairs(best, names)
+            rows.append(Row(tuple((n, best[n]) for n in names), True))
+            continue
+        pair = min(uncovered)  # nothing accepted covers it: the pair alone, the rest at their defaults
+        row = {**{n: levels[n][0] for n in names}, **dict(pair)}
+        uncovered.discard(pair)
+        if not allowed(row):
+            continue
+        accepted = refused(row) is None
+        if accepted:
+            uncovered -= pairs(row, names)
+        rows.append(Row(tuple((n, row[n]) for n in names), accepted, None if accepted else pair))
+    return rows
+
+
+def matrix(seed: int = 0) -> list[Row]:
+    return all_pairs(factors(), expressible, refusal, seed=seed)
+
+
+@functools.cache
+def rows() -> list[Row]:
+    """The matrix of this checkout's kinds (made when the tests are collected, not in the fast rows' child)."""
+    return matrix()
+
+
+# ---------------------------------------------------------------- defects known and being fixed elsewhere
+
+@dataclass(frozen=True)
+class Known:
+    applies: Callable[[dict], bool]   # of a row's config
+    reason: str
+    hangs: bool = False               # the fast tier leaves it out: a hang would stop the whole batch
+
+
+def _on_storage(cfg):
+    return cfg.get("from_storage", False) or cfg["dataset"] == "shards"
+
+
+def _pooled(cfg):
+    return cfg["strategy"] in ("fsdp", "pipeline")
+
+
+# Each entry: a predicate of a row's config and the defect. The integrator deletes an entry as its fix lands
+# (strict xfail: a row that passes fails the test until its entry goes).
+KNOWN_BROKEN: tuple[Known, ...] = (
+    Known(lambda c: c.get("cache_mb", 0) > 0 and c.get("workers", 0) > 0 and c.get("from_storage", False),
+          "cache + loader workers crash (TypeError: MinioCache pickled)"),
+    Known(lambda c: c["strategy"] in ("tiled", "pipeline") and c["dataset"] in ("imagefolder", "npz"),
+          "tiled/pipeline refuse imagefolder/npz with 'unknown dataset'"),
+    Known(lambda c: c["task"] == "detection" and re.match(r"(async|streaming):", c["sync"]) is not None,
+          "async/streaming sync with detection evaluation deadlocks on unequal devices", hangs=True),
+    Known(lambda c: c["sync"].startswith(("local", "diloco")) and _pooled(c),
+          "DiLoCo with fsdp/pipeline replicas is refused (being built)"),
+    Known(lambda c: c.get("dedup", "off") != "off" and (_on_storage(c) or c["task"] == "regression"),
+          "dedup of a dataset on storage (or of one without images, regression's) fails in the devices after they "
+          "start: 'dedup needs a dataset exposing its images as .images (N, C, H, W); StoredBoxes has none' "
+          "(data/dedup.py images_of); it should be refused before any device starts"),
+)
+
+
+def known_broken(cfg: dict) -> Known | None:
+    return next((k for k in KNOWN_BROKEN if k.applies(cfg)), None)
+
+
+# ---------------------------------------------------------------- running a row
+
+@dataclass
+class Outcome:
+    verdict: str        # trained, refused, failed
+    line: str = ""      # the refusal, the failure, or the headline
+    value: float | None = None
+
+
+def headline(summary: dict) -> tuple[str, float | None]:
+    task = summary.get("task") or {"headline": "accuracy"}
+    value = (summary.get("test_metrics") or {}).get(task["headline"], summary.get("test_accuracy"))
+    return task["headline"], value
+
+
+def judge_summary(summary: dict | None) -> Outcome:
+    if summary is None:
+        return Outcome("failed", "no summary")
+    name, value = headline(summary)
+    if value is None or not math.isfinite(value):
+        return Outcome("failed", f"headline {name} is {value!r}, not a finite number")
+    return Outcome("trained", f"{name} {value:.4g}", value)
+
+
+def run_in_process(cfg: dict, output: Path) -> Outcome:
+    """One row through ``edgetrain.train`` in this process (the fast tier's many rows share its fork server)."""
+    import traceback
+
+    import edgetrain
+
+    run_dir = output / cfg["run_name"]
+    try:
+        summary = edgetrain.train(cfg)
+        if cfg.get("checkpoint_every"):
+            summary = edgetrain.train({"resume": str(run_dir), "progress": False})
+    except EdgetrainError as e:
+        line = str(e)
+        if run_dir.exists():
+            return Outcome("failed", f"refused after the devices started: {line}")
+        return Outcome("refused", line)
+    except Exception as e:  # noqa: BLE001 - a crash is what the matrix is for
+        return Outcome("failed", "".join(traceback.format_exception_only(e)).strip().splitlines()[-1])
+    return judge_summary(summary)
+
+
+def cli_flags(cfg: dict) -> list[str]:
+    flags = []
+    for key, value in cfg.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + flag[2:])
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+def run_cli_row(cfg: dict, output: Path, timeout_s: float) -> Outcome:
+    """One row through ``edgetrain train`` in a fresh interpreter: exit 2 with one line and no run directory, or
+    exit 0 and a finite headline in summary.json; bounded by ``timeout_s``."""
+    run_dir = output / cfg["run_name"]
+    commands = [cli_flags(cfg)]
+    if cfg.get("checkpoint_every"):
+        commands.append(["--resume", str(run_dir), "--no-progress"])
+    for flags in commands:
+        try:
+            done = subprocess.run([sys.executable, "-m", "edgetrain", "train", *flags], capture_output=True,
+                                  text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return Outcome("failed", f"no answer within {timeout_s:g} s (a hang)")
+        err = done.stderr.strip().splitlines()
+        if done.returncode == 2:
+            if "Traceback" in done.stderr or len(err) != 1:
+                return Outcome("failed", f"exit 2 in {len(err)} lines: {' | '.join(err[-3:])}")
+            if run_dir.exists() and flags is commands[0]:
+                return Outcome("failed", f"refused after the devices started: {err[0]}")
+            return Outcome("refused", err[0].removeprefix("edgetrain: error: "))
+        if done.returncode != 0:
+            return Outcome("failed", f"exit {done.returncode}: {' | '.join(err[-3:]) or done.stdout[-300:]}")
+    summary = run_dir / "summary.json"
+    return judge_summary(json.loads(summary.read_text()) if summary.is_file() else None)
+
+
+def run_batch(configs: list[dict], output: Path, per_row_s: float) -> dict[str, Outcome]:
+    """Rows through ``edgetrain.train`` in one child process, which shares its fork server among them; a row
+    that gives no outcome within ``per_row_s`` is a hang: the child and its devices are killed, the rest go on
+    in a new one. Outcomes by run name."""
+    import signal
+
+    child = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_combinations; "
+             f"test_combinations.run_rows(sys.stdin.read(), sys.argv[1])")
+    outcomes: dict[str, Outcome] = {}
+    while len(outcomes) < len(configs):
+        rest = [c for c in configs if c["run_name"] not in outcomes]
+        proc = subprocess.Popen([sys.executable, "-c", child, str(output)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
+        proc.stdin.write(json.dumps(rest).encode())
+        proc.stdin.close()
+        lines = _lines(proc.stdout.fileno(), per_row_s)
+        for cfg in rest:
+            line = next(lines, None)
+            if line is None:
+                why = f"no outcome within {per_row_s:g} s (a hang)" if proc.poll() is None else "its process died"
+                outcomes[cfg["run_name"]] = Outcome("failed", why)
+                break
+            record = json.loads(line)
+            outcomes[record["run_name"]] = Outcome(record["verdict"], record["line"], record["value"])
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the child and any device it left
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        proc.stdout.close()
+    return outcomes
+
+
+def _lines(fd: int, within_s: float):
+    """The lines read from ``fd``, each within ``within_s`` of the one before; ends at a silence or the end."""
+    import selectors
+
+    buffer = b""
+    with selectors.DefaultSelector() as sel:
+        sel.register(fd, selectors.EVENT_READ)
+        while True:
+            while b"\n" not in buffer:
+                chunk = os.read(fd, 1 << 16) if sel.select(within_s) else b""
+                if not chunk:
+                    return
+                buffer += chunk
+            line, buffer = buffer.split(b"\n", 1)
+            yield line.decode()
+
+
+def wrong_blame(row: Row, line: str) -> str | None:
+    """Why a refusal blames the wrong thing, or None: a lookup that failed ('unknown ...'), or, for a row made
+    for one refused pair, a line naming neither of its two factors."""
+    if re.search(r"\bunknown\b", line, re.I):
+        return "a lookup that failed, not a refusal declared beside a kind"
+    if row.pair is None:
+        return None
+    words = []
+    for name, level in row.pair:
+        words += list(EXTRAS[name][2]) if name in EXTRAS else [level]
+        words += list(TASK_DATA.get(level, {}).get("memory", {}).values()) if name == "task" else []
+        words += [TASK_DATA[row.values["task"]].get(level, {}).get("dataset", level)] if name == "source" else []
+    if not any(w.lower() in line.lower() for w in words if isinstance(w, str)):
+        return f"names none of {', '.join(f'{n}={v}' for n, v in row.pair)}"
+    return None
+
+
+def check(row: Row, outcome: Outcome) -> None:
+    """The matrix's verdict on one row, in one assertion line."""
+    assert outcome.verdict != "failed", f"{row.id}: {outcome.line}"
+    if outcome.verdict == "refused":
+        expected = refusal(row.values)
+        blame = wrong_blame(row, outcome.line)
+        assert blame is None, f"{row.id}: refusal {blame}: {outcome.line}"
+        assert expected is not None or "\n" not in outcome.line, f"{row.id}: {outcome.line}"
+    else:
+        assert row.accepted, f"{row.id}: trained, but resolve refuses it: {refusal(row.values)}"
+
+
+# ---------------------------------------------------------------- the data rows train on
+
+def make_data(root: Path) -> dict[str, str]:
+    """A tiny image folder, YOLO folder and their shards (and digits' and the YOLO set's), under ``root``."""
+    import numpy as np
+    from PIL import Image
+
+    from edgetrain.data.datasets import digits
+    from edgetrain.data.detection import shapes_image
+    from edgetrain.data.shards import pack
+    from edgetrain.data.storage import yolo_on_storage
+
+    rng = np.random.default_rng(0)
+    folder, yolo = root / "folder", root / "yolo"
+    for c in range(3):
+        (folder / f"c{c}").mkdir(parents=True)
+        template = rng.integers(0, 255, (12, 12, 3))
+        for k in range(16):
+            a = np.clip(template * 0.6 + rng.integers(0, 255, (12, 12, 3)) * 0.4, 0, 255).astype(np.uint8)
+            Image.fromarray(a).save(folder / f"c{c}" / f"{k:03d}.png")
+    (yolo / "images").mkdir(parents=True)
+    (yolo / "labels").mkdir()
+    for k in range(24):
+        image, boxes = shapes_image(np.random.default_rng(k), 32)
+        Image.fromarray(image.transpose(1, 2, 0)).save(yolo / "images" / f"{k:03d}.png")
+        # edges kept inside the image: a label whose box ends past 1.0 is another defect (see KNOWN_BROKEN)
+        lines = [f"{int(b[0])} {b[1]:.4f} {b[2]:.4f} {min(b[3], 2 * min(b[1], 1 - b[1])):.4f} "
+                 f"{min(b[4], 2 * min(b[2], 1 - b[2])):.4f}\n" for b in boxes]
+        (yolo / "labels" / f"{k:03d}.txt").write_text("".join(lines))
+    pack(digits(0), root / "folder_shards")
+    pack(yolo_on_storage(yolo, 32, seed=0), root / "yolo_shards", detection=True)
+    return {"folder": str(folder), "yolo": str(yolo), "folder_shards": str(root / "folder_shards"),
+            "yolo_shards": str(root / "yolo_shards")}
+
+
+def named_config(row: Row, paths: dict, output: Path) -> dict:
+    return {**row_config(row.values, paths), "output": str(output), "run_name": re.sub(r"[^\w.-]", "_", row.id)}
+
+
+# ---------------------------------------------------------------- the fast tier
+
+FAST_BUDGET = 8   # the default run's rows, in the units of ``cost``
+
+
+def cost(row: Row) -> int:
+    """A row's rough cost: one unit a run, more for a detector, a throttled profile, a resume, a pooled model, a
+    hash of every image, a loader worker."""
+    v = row.values
+    return (1 + 2 * (v["task"] == "detection") + 3 * (v["profile"] == "on") + 2 * (v["checkpoint"] == "on")
+            + (v["strategy"] in ("fsdp", "pipeline")) + (v["dedup"] == "on") + (v["workers"] == "on"))
+
+
+@functools.cache
+def fast_rows() -> list[Row]:
+    """A fixed seeded subset of the accepted rows within ``FAST_BUDGET``, one of each task first, no known hang."""
+    candidates = [r for r in rows() if r.accepted and not getattr(known_broken(row_config(r.values)), "hangs", False)]
+    random.Random(1).shuffle(candidates)
+    chosen, spent = [], 0
+    for first in (True, False):
+        for row in sorted(candidates, key=cost) if first else candidates:
+            novel = all(c.values["task"] != row.values["task"] for c in chosen)
+            if row not in chosen and (novel or not first) and spent + cost(row) <= FAST_BUDGET:
+                chosen.append(row)
+                spent += cost(row)
+    return chosen
+
+
+def marked(rows: list[Row]) -> list:
+    params = []
+    for row in rows:
+        known = known_broken(row_config(row.values))
+        marks = [pytest.mark.xfail(strict=True, reason=known.reason)] if known else []
+        params.append(pytest.param(row, id=row.id, marks=marks))
+    return params
+
+
+def test_every_kind_has_an_example_that_parses_as_itself():
+    from edgetrain.kinds import strategy_kind
+    from edgetrain.spec import parse_compress, parse_sync
+
+    parse = {"strategy": strategy_kind, "sync": lambda text: parse_sync(text).kind,
+             "compress": lambda text: parse_compress(text).kind}
+    for family in FAMILIES:
+        for kind in KINDS[family].values():
+            cfg = example_config(kind)
+            assert parse[family](cfg[family]) is kind, (family, kind.name, kind.example_spec)
+            TrainConfig(**{**BASE, **cfg})  # its options are config keys
+    for task in task_names():
+        row_config({"task": task})  # a task without data in the matrix fails by name
+
+
+def test_the_rows_cover_every_pair_and_every_kind():
+    levels = factors()
+    names = list(levels)
+    covered = set().union(*(pairs(r.values, names) for r in rows() if r.accepted),
+                          {r.pair for r in rows() if not r.accepted})
+    wanted = {p for i, a in enumerate(names) for b in names[i + 1:] for x in levels[a] for y in levels[b]
+              if expressible({a: x, b: y}) for p in [((a, x), (b, y))]}
+    assert wanted <= covered, sorted(wanted - covered)[:5]
+    trained = {(n, v) for r in rows() if r.accepted for n, v in r.values.items()}
+    assert {("compress", c) for c in KINDS["compress"]} | {("sync", s) for s in KINDS["sync"]} <= trained
+
+
+def test_the_generator_is_seeded_and_keeps_refused_pairs_apart():
+    levels = {"a": ["0", "1", "2"], "b": ["0", "1"], "c": ["0", "1"]}
+    refused = lambda row: "a2 with b1" if (row.get("a"), row.get("b")) == ("2", "1") else None  # noqa: E731
+    made = all_pairs(levels, lambda row: True, refused, seed=3)
+    assert made == all_pairs(levels, lambda row: True, refused, seed=3)
+    assert [r.values for r in made if not r.accepted] == [{"a": "2", "b": "1", "c": "0"}]
+    names = list(levels)
+    wanted = {p for i, a in enumerate(names) for b in names[i + 1:] for x in levels[a] for y in levels[b]
+              for p in [((a, x), (b, y))]} - {(("a", "2"), ("b", "1"))}
+    assert wanted <= set().union(*(pairs(r.values, names) for r in made if r.accepted))
+
+
+def test_a_kind_declared_later_joins_the_matrix():
+    from edgetrain.kinds import CompressKind
+
+    try:
+        CompressKind(name="matrix_probe", usage="matrix_probe:RATIO", summary="a probe", runtime="x:y",
+                     planner="x:y", check_arguments=lambda *a: None)
+        assert "matrix_probe" in factors()["compress"]
+        with pytest.raises(AssertionError, match="compress matrix_probe has no example"):
+            row_config({"compress": "matrix_probe"})
+    finally:
+        KINDS["compress"].pop("matrix_probe", None)
+
+
+@pytest.mark.parametrize("row", [pytest.param(r, id=r.id) for r in rows() if not r.accepted])
+def test_a_refused_row_is_refused_in_one_line_naming_its_pair(row):
+    line = refusal(row.values)
+    assert line is not None and "\n" not in line
+    check(row, Outcome("refused", line))
+
+
+def test_a_refused_row_through_the_cli_is_one_line_and_no_run_directory(tmp_path):
+    row = next(r for r in rows() if not r.accepted and r.values["task"] == "classification")
+    outcome = run_cli_row(named_config(row, {}, tmp_path), tmp_path, timeout_s=120)
+    assert outcome.verdict == "refused" and outcome.line == refusal(row.values), outcome
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.fixture(scope="module")
+def fast_outcomes(tmp_path_factory):
+    """The fast rows trained in one child process (its own fork server), each bounded."""
+    root = tmp_path_factory.mktemp("matrix")
+    paths = make_data(root / "data")
+    return run_batch([named_config(r, paths, root / "runs") for r in fast_rows()], root / "runs", per_row_s=180)
+
+
+@pytest.mark.parametrize("row", marked(fast_rows()))
+def test_a_fast_row_trains_or_is_refused_before_any_device(row, fast_outcomes):
+    name = re.sub(r"[^\w.-]", "_", row.id)
+    check(row, fast_outcomes.get(name, Outcome("failed", "no outcome (the batch stopped before it)")))
+
+
+# ---------------------------------------------------------------- the whole matrix (opt-in)
+
+FULL = os.environ.get("EDGETRAIN_MATRIX") == "full"
+
+
+@pytest.fixture(scope="module")
+def full_outcomes(tmp_path_factory):
+    """Every row resolve accepts, trained in batches as the fast rows; the refused ones go through the CLI."""
+    root = tmp_path_factory.mktemp("matrix_full")
+    paths = make_data(root / "data")
+    configs = {r.id: named_config(r, paths, root / "runs") for r in rows()}
+    trained = run_batch([configs[r.id] for r in rows() if r.accepted], root / "runs", per_row_s=300)
+    return {r.id: trained[configs[r.id]["run_name"]] if r.accepted else
+            run_cli_row(configs[r.id], root / "runs", timeout_s=120) for r in rows()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("row", marked(rows()) if FULL else [
+    pytest.param(None, id="all", marks=pytest.mark.skip(reason="the whole matrix: EDGETRAIN_MATRIX=full"))])
+def test_every_row(row, full_outcomes):
+    check(row, full_outcomes[row.id])
+
+
+def run_rows(configs: str, output: str) -> None:
+    """``run_batch``'s child: each config through ``edgetrain.train``, one JSON line of its outcome on stdout,
+    where nothing else goes (what the runs print goes to stderr)."""
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    for cfg in json.loads(configs):
+        started = time.monotonic()
+        outcome = run_in_process(cfg, Path(output))
+        print(json.dumps({"run_name": cfg["run_name"], "wall_s": round(time.monotonic() - started, 1),
+                          **dataclasses.asdict(outcome)}), file=out, flush=True)
