@@ -216,28 +216,20 @@ def rows() -> list[Row]:
 class Known:
     applies: Callable[[dict], bool]   # of a row's config
     reason: str
-    hangs: bool = False               # the fast tier leaves it out: a hang would stop the whole batch
 
 
 def _on_storage(cfg):
     return cfg.get("from_storage", False) or cfg["dataset"] == "shards"
 
 
-def _pooled(cfg):
-    return cfg["strategy"] in ("fsdp", "pipeline")
-
-
 # Each entry: a predicate of a row's config and the defect. The integrator deletes an entry as its fix lands
 # (strict xfail: a row that passes fails the test until its entry goes).
 KNOWN_BROKEN: tuple[Known, ...] = (
-    Known(lambda c: c.get("cache_mb", 0) > 0 and c.get("workers", 0) > 0 and c.get("from_storage", False),
+    Known(lambda c: c.get("cache_mb", 0) > 0 and c.get("workers", 0) > 0 and _on_storage(c),
           "cache + loader workers crash (TypeError: MinioCache pickled)"),
-    Known(lambda c: c["strategy"] in ("tiled", "pipeline") and c["dataset"] in ("imagefolder", "npz"),
-          "tiled/pipeline refuse imagefolder/npz with 'unknown dataset'"),
-    Known(lambda c: c["task"] == "detection" and re.match(r"(async|streaming):", c["sync"]) is not None,
-          "async/streaming sync with detection evaluation deadlocks on unequal devices", hangs=True),
-    Known(lambda c: c["sync"].startswith(("local", "diloco")) and _pooled(c),
-          "DiLoCo with fsdp/pipeline replicas is refused (being built)"),
+    Known(lambda c: c["strategy"] in ("tiled", "pipeline") and c["task"] == "classification"
+          and c["dataset"] in ("imagefolder", "npz", "shards"),
+          "tiled/pipeline refuse imagefolder/npz (and shards) with 'unknown dataset'"),
     Known(lambda c: c.get("dedup", "off") != "off" and (_on_storage(c) or c["task"] == "regression"),
           "dedup of a dataset on storage (or of one without images, regression's) fails in the devices after they "
           "start: 'dedup needs a dataset exposing its images as .images (N, C, H, W); StoredBoxes has none' "
@@ -463,8 +455,8 @@ def cost(row: Row) -> int:
 
 @functools.cache
 def fast_rows() -> list[Row]:
-    """A fixed seeded subset of the accepted rows within ``FAST_BUDGET``, one of each task first, no known hang."""
-    candidates = [r for r in rows() if r.accepted and not getattr(known_broken(row_config(r.values)), "hangs", False)]
+    """A fixed seeded subset of the accepted rows within ``FAST_BUDGET``, one of each task first."""
+    candidates = [r for r in rows() if r.accepted]
     random.Random(1).shuffle(candidates)
     chosen, spent = [], 0
     for first in (True, False):
