@@ -229,11 +229,6 @@ def _on_storage(cfg):
 # Each entry: a predicate of a row's config and the defect. The integrator deletes an entry as its fix lands
 # (strict xfail: a row that passes fails the test until its entry goes).
 KNOWN_BROKEN: tuple[Known, ...] = (
-    Known(lambda c: c.get("cache_mb", 0) > 0 and c.get("workers", 0) > 0 and _on_storage(c),
-          "cache + loader workers crash (TypeError: MinioCache pickled)"),
-    Known(lambda c: c["strategy"] in ("tiled", "pipeline") and c["task"] == "classification"
-          and c["dataset"] in ("imagefolder", "npz", "shards"),
-          "tiled/pipeline refuse imagefolder/npz (and shards) with 'unknown dataset'"),
     Known(lambda c: c.get("dedup", "off") != "off" and (_on_storage(c) or c["task"] == "regression"),
           "dedup of a dataset on storage (or of one without images, regression's) fails in the devices after they "
           "start: 'dedup needs a dataset exposing its images as .images (N, C, H, W); StoredBoxes has none' "
