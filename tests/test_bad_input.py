@@ -98,6 +98,11 @@ TRAIN = [
     (["--dataset", "cifar10", "--data-dir", "{partial}"], "data_batch_2, data_batch_3, data_batch_4, data_batch_5, "
                                                           "test_batch are missing"),
     (["--strategy", "tiled", "--grid", "8x8", "--devices", "64"], "grid 8x8 is larger than the feature map"),
+    (["--dataset", "shards", "--data-dir", "{tmp}", "--dedup", "on"],
+     "hashes the training images held in memory, which a dataset on storage (shards) does not hold"),
+    (["--dataset", "imagefolder", "--data-dir", "{tmp}", "--from-storage", "--dedup", "on"],
+     "a dataset on storage (--from-storage) does not hold; drop --dedup"),
+    (["--task", "regression", "--dedup", "on"], "task regression's samples are feature vectors or series"),
 ]
 
 

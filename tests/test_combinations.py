@@ -228,12 +228,7 @@ def _on_storage(cfg):
 
 # Each entry: a predicate of a row's config and the defect. The integrator deletes an entry as its fix lands
 # (strict xfail: a row that passes fails the test until its entry goes).
-KNOWN_BROKEN: tuple[Known, ...] = (
-    Known(lambda c: c.get("dedup", "off") != "off" and (_on_storage(c) or c["task"] == "regression"),
-          "dedup of a dataset on storage (or of one without images, regression's) fails in the devices after they "
-          "start: 'dedup needs a dataset exposing its images as .images (N, C, H, W); StoredBoxes has none' "
-          "(data/dedup.py images_of); it should be refused before any device starts"),
-)
+KNOWN_BROKEN: tuple[Known, ...] = ()
 
 
 def known_broken(cfg: dict) -> Known | None:

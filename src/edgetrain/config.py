@@ -388,6 +388,12 @@ def resolve(cfg: TrainConfig, launch: LaunchSpec | None = None) -> RunSpec:
         raise EdgetrainError(f"config key 'round_deadline' {round_deadline.text} bounds the rounds of --sync "
                              f"{rounds}, which --sync {sync.text} with strategy {cfg.strategy} does not have; "
                              f"drop --round-deadline or use --sync {rounds.replace(' and ', ' or ')}")
+    if cfg.dedup != "off" and (cfg.from_storage or cfg.dataset == "shards"):
+        # dedup hashes the training images as a tensor in memory; a dataset on storage is read item by item
+        raise EdgetrainError(f"config key 'dedup' {cfg.dedup} hashes the training images held in memory, which a "
+                             f"dataset on storage ({'--from-storage' if cfg.from_storage else 'shards'}) does not "
+                             "hold; drop --dedup, or train from memory (`edgetrain data dedup` reports a folder's "
+                             "near duplicates)")
     if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
         # torch.utils.tensorboard writes the files but needs this package; a device would fail only after start-up
         raise EdgetrainError("config key 'tensorboard' needs the tensorboard package, which is not installed; "

@@ -680,6 +680,12 @@ def _runs_under_the_strategy(d: Draft) -> None:
     d.task.check_strategy(d.cfg.strategy)
 
 
+def _no_images_to_dedup(d: Draft) -> None:
+    if d.cfg.dedup != "off":
+        raise EdgetrainError(f"config key 'dedup' {d.cfg.dedup} drops near-duplicate images, and task {d.task.name}'s "
+                             "samples are feature vectors or series; drop --dedup")
+
+
 _TASK_COSTS = "edgetrain.plan.costs:count_costs"   # the planner's counts take the task's loss (Task.example_target)
 TaskKind(name="classification", usage="classification", summary="one class per sample: cross-entropy, accuracy",
          runtime="edgetrain.tasks.classification:ClassificationTask", planner=_TASK_COSTS,
@@ -692,7 +698,7 @@ TaskKind(name="regression", usage="regression",
          default_dataset="diabetes", default_model="mlp", implied_by=("diabetes",),
          strategies=("ddp", "fsdp", "pipeline"), targets="values",
          why_not=" (tiles are of images (C, H, W) and its inputs are feature vectors or series)",
-         checks=(_runs_under_the_strategy,))
+         checks=(_runs_under_the_strategy, _no_images_to_dedup))
 TaskKind(name="detection", usage="detection",
          summary="objects in images: boxes and classes per image, YOLOv2 loss, mAP by COCOeval",
          runtime="edgetrain.tasks.detection:DetectionTask", planner=_TASK_COSTS,
