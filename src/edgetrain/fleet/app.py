@@ -76,6 +76,7 @@ from typing import NamedTuple
 import functools
 import json
 import logging
+import time
 
 import numpy as np
 import torch
@@ -419,6 +420,7 @@ class EdgetrainStrategy(FedAvg):
         self.fleet = modelled_fleet(spec, model) if spec.population else None
         self.sampled: tuple[list[int], int] = ([], 0)  # this round's (sampled node ids, devices online)
         self.records: list[dict] = []                 # one per round with a modelled clock
+        self.round_started = 0.0
 
     def decode(self, wire) -> torch.Tensor:
         return from_wire(self.compressor, wire.numpy(), self.global_flat.numel())
@@ -429,6 +431,7 @@ class EdgetrainStrategy(FedAvg):
             arrays = ArrayRecord({**arrays.to_torch_state_dict(), CONTROL: self.control.clone()})
         if self.fleet is None:
             return super().configure_train(server_round, arrays, config, grid)
+        self.round_started = time.perf_counter()
         nodes = list(grid.get_node_ids())  # Flower's sampling, but among the devices online now
         self.sampled = self.fleet.sample(server_round, nodes, max(int(len(nodes) * self.fraction_train), 1))
         config["server-round"] = server_round
@@ -459,6 +462,7 @@ class EdgetrainStrategy(FedAvg):
         sampled, online = self.sampled
         up = {reply.metadata.src_node_id: int(reply.content["metrics"]["payload-bytes"]) for reply in valid}
         record = self.fleet.settle(server_round, sampled, online, up)
+        record["measured_train_wall_s"] = time.perf_counter() - self.round_started  # this machine's, not modelled
         kept = set(record.pop("kept"))
         self.records.append(record)
         logging.getLogger("flwr").info(

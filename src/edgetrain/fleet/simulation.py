@@ -18,6 +18,7 @@ class SimulationResources:
     cpus_per_device: float = 1.0
     num_cpus: int | None = None
     object_store_mb: int = 256
+    temp_dir: str | None = None  # Ray's session files and sockets (default /tmp/ray); keep the path short
 
     def backend_config(self) -> dict:
         if self.cpus_per_device <= 0:
@@ -27,9 +28,11 @@ class SimulationResources:
         if self.cpus_per_device > cpus:
             raise EdgetrainError(f"cpus per device {self.cpus_per_device:g} exceeds the {cpus} CPUs Ray has; "
                                  "lower it")
-        return {"client_resources": {"num_cpus": self.cpus_per_device, "num_gpus": 0.0},
-                "init_args": {"num_cpus": cpus, "num_gpus": 0, "object_store_memory": self.object_store_mb * 2**20,
-                              "include_dashboard": False, "logging_level": "warning", "log_to_driver": True}}
+        init = {"num_cpus": cpus, "num_gpus": 0, "object_store_memory": self.object_store_mb * 2**20,
+                "include_dashboard": False, "logging_level": "warning", "log_to_driver": True}
+        if self.temp_dir:
+            init["_temp_dir"] = self.temp_dir
+        return {"client_resources": {"num_cpus": self.cpus_per_device, "num_gpus": 0.0}, "init_args": init}
 
 
 def simulate(run_config: dict, devices: int, resources: SimulationResources = SimulationResources()) -> None:
