@@ -50,6 +50,8 @@ class Sampler(threading.Thread):
         while not self.stop.wait(self.interval):
             self.peak = max(self.peak, tree_rss(self.root))
             self.loads.append(os.getloadavg()[0])
+            if len(self.loads) % 60 == 0:  # a long run's progress, readable from its log
+                print(f"PROGRESS peak_rss_mb={self.peak / 2**20:.0f} load_1min={self.loads[-1]:.1f}", flush=True)
 
 
 def main() -> None:
@@ -67,6 +69,7 @@ def main() -> None:
     ap.add_argument("--json", help="write the result here")
     args = ap.parse_args()
     out = Path(tempfile.mkdtemp(prefix="fleet-sim-"))
+    print(f"records: {out / 'fleet-rounds.jsonl'}", flush=True)
     config = {"model": "small_cnn", "dataset": "synthetic", "image-size": args.image_size,
               "synthetic-samples": args.devices * args.batch_size * 2, "partition": "iid",
               "num-rounds": args.rounds, "local-steps": args.local_steps, "batch-size": args.batch_size,

@@ -465,6 +465,7 @@ class EdgetrainStrategy(FedAvg):
         record["measured_train_wall_s"] = time.perf_counter() - self.round_started  # this machine's, not modelled
         kept = set(record.pop("kept"))
         self.records.append(record)
+        self.write_records()
         logging.getLogger("flwr").info(
             "round %d (modelled): %.1f s, clock %.1f s; %d online, %d sampled, %d dropouts, %d late", server_round,
             record["modelled_round_s"], record["modelled_clock_s"], online, len(sampled), record["dropouts"],
@@ -483,6 +484,12 @@ class EdgetrainStrategy(FedAvg):
             if record["round"] == server_round:
                 record.update({f"{where}_{key}": float(value) for key, value in metrics.items()
                                if key != "num-examples"})
+                self.write_records()
+
+    def write_records(self) -> None:
+        """The rounds so far, in ``output-dir`` (rewritten whole each round: a long run can be read as it goes)."""
+        if self.spec.output_dir is not None:
+            write_rounds(self.spec.output_dir / ROUNDS_FILE, self.records)
 
 
 def modelled_fleet(spec: FleetSpec, model: nn.Module) -> ModelledFleet:
@@ -532,8 +539,6 @@ def run_server(grid: Grid, run_config: dict) -> Result:
     if spec.output_dir is not None:  # the initial model if no round had a reply
         with atomic_write(spec.output_dir / MODEL_FILE, "wb") as f:
             torch.save((result.arrays if len(result.arrays) else model_record(model)).to_torch_state_dict(), f)
-        if strategy.fleet is not None:
-            write_rounds(spec.output_dir / ROUNDS_FILE, strategy.records)
     return result
 
 

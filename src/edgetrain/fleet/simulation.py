@@ -41,15 +41,15 @@ def simulate(run_config: dict, devices: int, resources: SimulationResources = Si
     when it returns (Flower's backend ends its actors and calls ``ray.shutdown``)."""
     if devices < 1:
         raise EdgetrainError(f"a simulated fleet needs at least 1 device, got {devices}")
+    from edgetrain.fleet.app import fleet_spec, make_client_app, make_server_app
+
+    fleet_spec(run_config)  # one line for a bad config, before Ray starts
+    backend = resources.backend_config()
     try:
         import ray  # noqa: F401  (flwr[simulation])
         from flwr.simulation import run_simulation
     except ImportError:
         raise EdgetrainError("the fleet simulation needs Flower's simulation runtime (Ray); install it with: "
                              "pip install edgetrain[fleet]") from None
-    from edgetrain.fleet.app import fleet_spec, make_client_app, make_server_app
-
-    fleet_spec(run_config)  # one line for a bad config, before Ray starts
-    backend = resources.backend_config()
     run_simulation(server_app=make_server_app(run_config), client_app=make_client_app(run_config),
                    num_supernodes=devices, backend_name="ray", backend_config=backend)
