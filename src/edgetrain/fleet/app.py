@@ -58,6 +58,12 @@ parts:
   ``accept_failures``): the round steps with the others' mean. A round with no
   reply leaves the model as it was.
 
+- Devices as they are (``population``, ``availability``, ``round-deadline``; ``fleet/devices.py``): each
+  device gets a profile and a link, sampling picks among the devices online, and a modelled clock
+  drops the devices that go offline mid-round or would miss the deadline; each round's record
+  goes to ``output-dir/fleet-rounds.jsonl`` (docs/tutorials/federated-fleet.md).
+- The same apps run on Flower's simulation runtime (``fleet/simulation.py``): N virtual devices on Ray.
+
 Options are Flower's run config (``[tool.flwr.app.config]`` of the app's
 ``pyproject.toml``, overridable with ``flwr run --run-config``), parsed once
 by ``fleet_spec`` into a ``FleetSpec`` with edgetrain's own spec parsers.

@@ -19,11 +19,15 @@ class SimulationResources:
     num_cpus: int | None = None
     object_store_mb: int = 256
     temp_dir: str | None = None  # Ray's session files and sockets (default /tmp/ray); keep the path short
+    address: str | None = None   # a running Ray cluster ("auto", "HEAD:6379") instead of one of its own
 
     def backend_config(self) -> dict:
         if self.cpus_per_device <= 0:
             raise EdgetrainError(f"cpus per device must be > 0 (e.g. 0.5: two devices a core), got "
                                  f"{self.cpus_per_device!r}")
+        if self.address:  # the cluster's own resources; ray.init refuses num_cpus and the store's size then
+            return {"client_resources": {"num_cpus": self.cpus_per_device, "num_gpus": 0.0},
+                    "init_args": {"address": self.address, "logging_level": "warning", "log_to_driver": True}}
         cpus = self.num_cpus or os.cpu_count() or 1
         if self.cpus_per_device > cpus:
             raise EdgetrainError(f"cpus per device {self.cpus_per_device:g} exceeds the {cpus} CPUs Ray has; "
