@@ -59,6 +59,8 @@ def test_a_small_simulated_fleet_trains_with_availability_and_leaves_no_process(
 def test_a_bad_simulation_is_refused_before_ray_starts():
     with pytest.raises(EdgetrainError, match="population"):
         simulate({"availability": "onoff:1m:1m"}, 20)
+    with pytest.raises(EdgetrainError, match="fewer samples than its local batch"):  # digits: 1,437 training images
+        simulate({"partition": "dirichlet:0.5", "batch-size": 8}, 1000)
     with pytest.raises(EdgetrainError, match="at least 1 device"):
         simulate({}, 0)
     with pytest.raises(EdgetrainError, match="cpus per device"):

@@ -289,13 +289,12 @@ class ModelledFleet:
                 kept.append(node)
                 waited.append(duration)
         round_s = max(waited)
-        if deadline is not None and (late or len(kept) < len(sampled)):
+        if deadline is not None and len(kept) < len(sampled):
             round_s = deadline  # the server waits the deadline out for the missing replies
         if not sampled:
             round_s = deadline or IDLE_ROUND_S
-        round_s = min(round_s, deadline) if deadline is not None else round_s
         self.clock = start + round_s
-        delivered = [n for n in kept + late]
+        delivered = kept + late
         return {"round": server_round, "modelled_round_s": round_s, "modelled_clock_s": self.clock,
                 "devices": len(self.device_of), "online": online, "sampled": len(sampled), "aggregated": len(kept),
                 "dropouts": len(dropouts), "late": len(late),

@@ -45,9 +45,11 @@ def simulate(run_config: dict, devices: int, resources: SimulationResources = Si
     when it returns (Flower's backend ends its actors and calls ``ray.shutdown``)."""
     if devices < 1:
         raise EdgetrainError(f"a simulated fleet needs at least 1 device, got {devices}")
-    from edgetrain.fleet.app import fleet_spec, make_client_app, make_server_app
+    from edgetrain.fleet.app import client_partition, fleet_spec, load_data, make_client_app, make_server_app
 
-    fleet_spec(run_config)  # one line for a bad config, before Ray starts
+    spec = fleet_spec(run_config)  # one line for a bad config, before Ray starts
+    # a partition that cannot give every device a batch: one line now, not a failing ClientApp every round
+    client_partition(spec, load_data(spec), {"partition-id": 0, "num-partitions": devices})
     backend = resources.backend_config()
     try:
         import ray  # noqa: F401  (flwr[simulation])
