@@ -284,6 +284,8 @@ def test_sampling_picks_online_devices_and_a_dropouts_update_is_not_aggregated(t
                                                     deliver(messages, **kw))[1]
     final = final_parameters(fleet.run_server(grid, run))
     assert sorted(sent) == [0, 0, 1]  # round 1: the two online; round 2: device 0; device 2 never
+    # without SCAFFOLD or error feedback a device keeps nothing model-sized (a simulation holds every device's)
+    assert len(grid.contexts[0].state[fleet.STATE]) == 0
     torch.testing.assert_close(final, expected_global(run, lambda node, r: node == 0, nodes=3), rtol=0, atol=1e-6)
     records = [json.loads(line) for line in (tmp_path / fleet.ROUNDS_FILE).read_text().splitlines()]
     assert [(r["online"], r["sampled"], r["dropouts"], r["aggregated"]) for r in records] == [(2, 2, 1, 1),

@@ -31,7 +31,7 @@ def processes_mentioning(text: str) -> list[str]:
     return found
 
 
-@pytest.mark.slow  # Ray's start and 20 devices' rounds: about 40 s on a quiet 2-core machine
+@pytest.mark.slow  # Ray's start and 20 devices' rounds: 147 s measured at load ~30 on the 2-core machine
 def test_a_small_simulated_fleet_trains_with_availability_and_leaves_no_process(tmp_path):
     ray_dir = tempfile.mkdtemp(prefix="et-ray-")  # short: Ray's socket paths must fit 107 bytes
     try:

@@ -352,10 +352,11 @@ def load_client_state(state: RecordDict, memory: Memory, numel: int) -> torch.Te
     return saved.get("own-control", torch.zeros(numel))
 
 
-def save_client_state(state: RecordDict, memory: Memory, own_control: torch.Tensor) -> None:
-    """Keep the compressor memory and c_i in ``context.state`` for the device's next round."""
+def save_client_state(state: RecordDict, memory: Memory, own_control: torch.Tensor | None) -> None:
+    """Keep the compressor memory and c_i (SCAFFOLD's; None without it) in ``context.state`` for the device's
+    next round. Only what is used is kept: a simulation's driver holds every device's state."""
     kept = {f"{store}/{key}": t for store, pieces in memory.state_dict().items() for key, t in pieces.items()}
-    state[STATE] = ArrayRecord({**kept, "own-control": own_control})
+    state[STATE] = ArrayRecord({**kept, **({"own-control": own_control} if own_control is not None else {})})
 
 
 def train(msg: Message, context: Context, overrides: dict | None = None) -> Message:
@@ -376,7 +377,7 @@ def train(msg: Message, context: Context, overrides: dict | None = None) -> Mess
     if spec.scaffold:
         payloads[CONTROL_CHANGE] = to_wire(compressor, result.mean_gradient - own_control, memory, CONTROL_CHANGE)
         own_control = result.mean_gradient
-    save_client_state(context.state, memory, own_control)
+    save_client_state(context.state, memory, own_control if spec.scaffold else None)
     buffers = {name: b.detach() for name, b in model.named_buffers()}
     content = RecordDict({"arrays": ArrayRecord({**{k: torch.from_numpy(v) for k, v in payloads.items()}, **buffers}),
                           "metrics": MetricRecord({"num-examples": len(partition), "train-loss": result.loss,
