@@ -1,6 +1,6 @@
 """The fleet on Flower's simulation runtime (Ray): 20 virtual devices of a population, on/off availability,
 3 rounds, through ``edgetrain.fleet.simulation.simulate`` in a process of its own; every Ray process it
-started must be gone when it returns."""
+started must be gone soon after it returns."""
 import json
 import shutil
 import subprocess
@@ -43,7 +43,7 @@ def run_watching_descendants(cmd: list[str], timeout: float) -> tuple[subprocess
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err), [p.pid for p in alive]
 
 
-@pytest.mark.slow  # Ray's start and 20 devices' rounds: 147 s measured at load ~30 on the 2-core machine
+@pytest.mark.slow  # Ray's start and 20 devices' rounds: 47 s at load ~10, 147 s at ~30 (2-core machine)
 def test_a_small_simulated_fleet_trains_with_availability_and_leaves_no_process(tmp_path):
     ray_dir = tempfile.mkdtemp(prefix="et-ray-")  # short: Ray's socket paths must fit 107 bytes
     try:
