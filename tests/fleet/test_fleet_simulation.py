@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-pytest.importorskip("ray", reason="the fleet extra's simulation runtime is not installed (pip install edgetrain[fleet])")
+pytest.importorskip("ray", reason="the simulation runtime is not installed (pip install edgetrain[fleet])")
 
 from edgetrain.errors import EdgetrainError  # noqa: E402
 from edgetrain.fleet.simulation import SimulationResources, simulate  # noqa: E402
