@@ -2,6 +2,7 @@
 in-process Grid that hands each message to the ClientApp as a SuperNode's runtime does (an exception
 becomes an error reply, each node keeps its context.state for the run); the global model must be what a
 hand computation with edgetrain's pure functions (corrected_gradient, server_step) gives."""
+import json
 import subprocess
 import sys
 
@@ -266,3 +267,46 @@ def test_without_flower_the_import_names_the_extra():
     out = subprocess.run([sys.executable, "-c", hide_flower], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == ("EdgetrainError edgetrain.fleet needs Flower (flwr), which is not installed; "
                                   "install it with: pip install edgetrain[fleet]"), out.stderr
+
+
+def test_sampling_picks_online_devices_and_a_dropouts_update_is_not_aggregated(tmp_path):
+    # device 0 always online; device 1 online at t=0 but only for 10 ms, so in round 1 it is sampled and drops
+    # out mid-round (its round takes longer: the model down and up on lte-10m), in round 2 it is offline;
+    # device 2 is never online. Only device 0's updates may reach the model.
+    trace = tmp_path / "trace.csv"
+    trace.write_text("# device,start_s,end_s\n0,0,1e9\n1,0,0.01\n")
+    run = {**RUN, "server-opt": "fedavg", "fraction-evaluate": 0.0, "min-nodes": 3, "output-dir": str(tmp_path),
+           "population": "100% rpi4@lte-10m", "availability": f"trace:{trace}"}
+    grid = InProcessGrid([fleet.client_app] * 3, run)
+    sent = []
+    deliver = grid.send_and_receive
+    grid.send_and_receive = lambda messages, **kw: (sent.extend(m.metadata.dst_node_id for m in messages),
+                                                    deliver(messages, **kw))[1]
+    final = final_parameters(fleet.run_server(grid, run))
+    assert sorted(sent) == [0, 0, 1]  # round 1: the two online; round 2: device 0; device 2 never
+    # without SCAFFOLD or error feedback a device keeps nothing model-sized (a simulation holds every device's)
+    assert len(grid.contexts[0].state[fleet.STATE]) == 0
+    torch.testing.assert_close(final, expected_global(run, lambda node, r: node == 0, nodes=3), rtol=0, atol=1e-6)
+    records = [json.loads(line) for line in (tmp_path / fleet.ROUNDS_FILE).read_text().splitlines()]
+    assert [(r["online"], r["sampled"], r["dropouts"], r["aggregated"]) for r in records] == [(2, 2, 1, 1),
+                                                                                           (1, 1, 0, 1)]
+    # the round waits for device 0 (longer than device 1's 10 ms before it dropped); the clock adds up
+    assert records[0]["modelled_round_s"] > 0.05 and records[1]["modelled_clock_s"] == pytest.approx(
+        records[0]["modelled_round_s"] + records[1]["modelled_round_s"])
+
+
+def test_a_device_that_would_miss_the_round_deadline_is_left_out(tmp_path):
+    # jetson-orin-nano on lan-1g finishes in milliseconds, smart speakers on lte-10m take far longer: a 50 ms
+    # deadline keeps the jetsons only, and the round lasts the deadline (the server waits it out)
+    run = {**RUN, "num-rounds": 1, "server-opt": "fedavg", "fraction-evaluate": 0.0, "min-nodes": 4,
+           "output-dir": str(tmp_path), "population": "50% jetson-orin-nano@lan-1g, 50% smart-speaker-2g@lte-10m",
+           "round-deadline": 0.05}
+    spec = fleet.fleet_spec(run)
+    modelled = fleet.modelled_fleet(spec, fleet.global_model(spec, fleet.load_data(spec)))
+    modelled.online([0, 1, 2, 3])  # numbers the devices and gives them their groups, as the strategy's does
+    fast = [n for n in range(4) if modelled.device_s(n, 376_740) < 0.05]  # 376,740: small_cnn's update bytes
+    assert len(fast) == 2
+    final = final_parameters(fleet.run_server(InProcessGrid([fleet.client_app] * 4, run), run))
+    torch.testing.assert_close(final, expected_global(run, lambda node, r: node in fast, nodes=4), rtol=0, atol=1e-6)
+    (record,) = [json.loads(line) for line in (tmp_path / fleet.ROUNDS_FILE).read_text().splitlines()]
+    assert (record["late"], record["aggregated"], record["modelled_round_s"]) == (2, 2, 0.05)

@@ -58,6 +58,12 @@ parts:
   ``accept_failures``): the round steps with the others' mean. A round with no
   reply leaves the model as it was.
 
+- Devices as they are (``population``, ``availability``, ``round-deadline``; ``fleet/devices.py``): each
+  device gets a profile and a link, sampling picks among the devices online, and a modelled clock
+  drops the devices that go offline mid-round or would miss the deadline; each round's record
+  goes to ``output-dir/fleet-rounds.jsonl`` (docs/tutorials/federated-fleet.md).
+- The same apps run on Flower's simulation runtime (``fleet/simulation.py``): N virtual devices on Ray.
+
 Options are Flower's run config (``[tool.flwr.app.config]`` of the app's
 ``pyproject.toml``, overridable with ``flwr run --run-config``), parsed once
 by ``fleet_spec`` into a ``FleetSpec`` with edgetrain's own spec parsers.
@@ -72,6 +78,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
+
+import functools
+import json
+import logging
+import time
 
 import numpy as np
 import torch
@@ -88,6 +99,8 @@ from edgetrain.config import TrainConfig, check_output_dir
 from edgetrain.data.datasets import build_data, check_dataset
 from edgetrain.data.partition import split_dataset
 from edgetrain.errors import EdgetrainError
+from edgetrain.fleet.devices import DeviceGroup, ModelledFleet, RoundModel, parse_availability, parse_population
+from edgetrain.models.flops import count_training_flops
 from edgetrain.models import build_model, check_model
 from edgetrain.report.files import atomic_write
 from edgetrain.spec import CompressSpec, PartitionSpec, ServerOptSpec, parse_compress, parse_partition, \
@@ -98,7 +111,7 @@ from edgetrain.tasks import Task, build_task
 from edgetrain.train.evaluation import evaluate_task
 
 try:
-    from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+    from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
     from flwr.clientapp import ClientApp
     from flwr.serverapp import Grid, ServerApp
     from flwr.serverapp.strategy import FedAvg, Result
@@ -113,12 +126,15 @@ DEFAULTS: dict[str, bool | float | int | str] = {
     "local-steps": 5, "batch-size": 16, "lr": 0.05, "compress": "none", "server-opt": "fedavg",
     "fraction-train": 1.0, "min-nodes": 2, "round-timeout": 120.0, "seed": 0,
     "prox-mu": 0.0, "scaffold": False, "fraction-evaluate": 1.0, "output-dir": "", "task": "",
+    "population": "", "availability": "always", "round-deadline": 0.0, "server-evaluate": False,
+    "synthetic-samples": 2048, "image-size": 32,
 }
 TYPE_NAMES = {int: "whole number", float: "number", str: "string", bool: "true or false"}
 STATE = "edgetrain"                   # the device's record in context.state
 CONTROL = "scaffold-control"          # the server's control c in a train message's arrays
 UPDATE, CONTROL_CHANGE = "update", "control-change"  # a reply's payloads (the rest are BatchNorm statistics)
 MODEL_FILE = "global_model.pt"
+ROUNDS_FILE = "fleet-rounds.jsonl"    # one line per round: the modelled clock, bytes, dropouts and accuracy
 
 
 @dataclass(frozen=True)
@@ -144,6 +160,12 @@ class FleetSpec:
     fraction_evaluate: float
     output_dir: Path | None
     task: str | None = None  # the built-in task (edgetrain.kinds), resolved: as given, else the dataset's
+    population: tuple[DeviceGroup, ...] = ()  # () : no devices modelled (no modelled clock)
+    availability: str = "always"              # parse_availability's text
+    round_deadline: float | None = None       # modelled seconds; None: none
+    server_evaluate: bool = False             # the global model on the whole test set, on the server, each round
+    synthetic_samples: int = 2048             # the synthetic dataset's training images (thousands of devices)
+    image_size: int = 32                      # ... and their side
 
 
 def fleet_spec(run_config: dict) -> FleetSpec:
@@ -152,7 +174,7 @@ def fleet_spec(run_config: dict) -> FleetSpec:
     if unknown:
         raise EdgetrainError(f"unknown run-config key {unknown[0]!r}; known keys: {', '.join(DEFAULTS)}")
     cfg = {key: _typed(key, value) for key, value in {**DEFAULTS, **run_config}.items()}
-    for key in ("num-rounds", "local-steps", "batch-size", "min-nodes"):
+    for key in ("num-rounds", "local-steps", "batch-size", "min-nodes", "synthetic-samples", "image-size"):
         if cfg[key] < 1:
             raise EdgetrainError(f"run-config {key} must be a whole number >= 1, got {cfg[key]!r}")
     if not 0.0 < cfg["fraction-train"] <= 1.0:
@@ -180,12 +202,20 @@ def fleet_spec(run_config: dict) -> FleetSpec:
         raise EdgetrainError(f"run-config compress {compress.text}: the server cannot decode it without "
                              f"{compress.kind.server_cannot_decode}; use {', '.join(decodable[:-1])} or "
                              f"{decodable[-1]}")
+    population = parse_population(cfg["population"])
+    parse_availability(cfg["availability"], cfg["seed"])  # one line for a bad one, before any round
+    if cfg["round-deadline"] < 0:
+        raise EdgetrainError(f"run-config round-deadline must be >= 0 seconds (0: none), got {cfg['round-deadline']!r}")
+    if not population and (cfg["availability"].strip() != "always" or cfg["round-deadline"]):
+        raise EdgetrainError("run-config availability and round-deadline need a modelled clock; set population, "
+                             "e.g. population='60% rpi4@wifi-20m, 40% jetson-orin-nano'")
     return FleetSpec(cfg["model"], cfg["dataset"], cfg["data-dir"] or None, partition, cfg["num-rounds"],
                      cfg["local-steps"], cfg["batch-size"], cfg["lr"], compress,
                      parse_server_opt(cfg["server-opt"]), cfg["fraction-train"], cfg["min-nodes"],
                      cfg["round-timeout"], cfg["seed"], cfg["prox-mu"] or None, cfg["scaffold"],
                      cfg["fraction-evaluate"], Path(cfg["output-dir"]) if cfg["output-dir"] else None,
-                     task)
+                     task, population, cfg["availability"].strip(), cfg["round-deadline"] or None,
+                     cfg["server-evaluate"], cfg["synthetic-samples"], cfg["image-size"])
 
 
 def _typed(key: str, value):
@@ -199,8 +229,15 @@ def _typed(key: str, value):
 
 
 def load_data(spec: FleetSpec):
-    """The dataset the spec names, built as ``edgetrain train`` builds it."""
-    return build_data(TrainConfig(dataset=spec.dataset, data_dir=spec.data_dir, seed=spec.seed, task=spec.task))
+    """The dataset the spec names, built as ``edgetrain train`` builds it (once per process: a simulation's
+    actor runs many devices' rounds)."""
+    return _data(spec.dataset, spec.data_dir, spec.seed, spec.task, spec.synthetic_samples, spec.image_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _data(dataset, data_dir, seed, task, synthetic_samples, image_size):
+    return build_data(TrainConfig(dataset=dataset, data_dir=data_dir, seed=seed, task=task,
+                                  synthetic_samples=synthetic_samples, image_size=image_size))
 
 
 def fleet_task(spec: FleetSpec, data) -> Task:
@@ -273,9 +310,17 @@ def client_partition(spec: FleetSpec, data, node_config: dict, split: str = "tra
                              "--node-config 'partition-id=0 num-partitions=N'") from None
     if not 0 <= partition_id < partitions:
         raise EdgetrainError(f"partition-id {partition_id} is outside 0..{partitions - 1} (num-partitions)")
-    dataset, min_size = (data.train, spec.batch_size) if split == "train" else (data.test, 1)
-    parts = split_dataset(np.asarray(class_labels(dataset)), spec.partition, [min_size] * partitions, spec.seed)
-    return partition_id, parts[partition_id]
+    key = (spec, split, partitions)
+    if key not in _PARTS:  # once per process and fleet: a simulation's actor runs many devices' rounds
+        if len(_PARTS) > 4:
+            _PARTS.clear()
+        dataset, min_size = (data.train, spec.batch_size) if split == "train" else (data.test, 1)
+        _PARTS[key] = split_dataset(np.asarray(class_labels(dataset)), spec.partition, [min_size] * partitions,
+                                    spec.seed)
+    return partition_id, _PARTS[key][partition_id]
+
+
+_PARTS: dict[tuple, list[np.ndarray]] = {}
 
 
 def to_wire(compressor: Compressor, update: torch.Tensor, memory: Memory | None = None,
@@ -307,18 +352,16 @@ def load_client_state(state: RecordDict, memory: Memory, numel: int) -> torch.Te
     return saved.get("own-control", torch.zeros(numel))
 
 
-def save_client_state(state: RecordDict, memory: Memory, own_control: torch.Tensor) -> None:
-    """Keep the compressor memory and c_i in ``context.state`` for the device's next round."""
+def save_client_state(state: RecordDict, memory: Memory, own_control: torch.Tensor | None) -> None:
+    """Keep the compressor memory and c_i (SCAFFOLD's; None without it) in ``context.state`` for the device's
+    next round. Only what is used is kept: a simulation's driver holds every device's state."""
     kept = {f"{store}/{key}": t for store, pieces in memory.state_dict().items() for key, t in pieces.items()}
-    state[STATE] = ArrayRecord({**kept, "own-control": own_control})
+    state[STATE] = ArrayRecord({**kept, **({"own-control": own_control} if own_control is not None else {})})
 
 
-client_app = ClientApp()
-
-
-@client_app.train()
-def train(msg: Message, context: Context) -> Message:
-    spec = fleet_spec(context.run_config)
+def train(msg: Message, context: Context, overrides: dict | None = None) -> Message:
+    """The device's round: the global model, ``local-steps`` steps on its partition, its encoded update back."""
+    spec = fleet_spec({**context.run_config, **(overrides or {})})
     data = load_data(spec)
     partition_id, partition = client_partition(spec, data, context.node_config)
     model = global_model(spec, data)
@@ -334,7 +377,7 @@ def train(msg: Message, context: Context) -> Message:
     if spec.scaffold:
         payloads[CONTROL_CHANGE] = to_wire(compressor, result.mean_gradient - own_control, memory, CONTROL_CHANGE)
         own_control = result.mean_gradient
-    save_client_state(context.state, memory, own_control)
+    save_client_state(context.state, memory, own_control if spec.scaffold else None)
     buffers = {name: b.detach() for name, b in model.named_buffers()}
     content = RecordDict({"arrays": ArrayRecord({**{k: torch.from_numpy(v) for k, v in payloads.items()}, **buffers}),
                           "metrics": MetricRecord({"num-examples": len(partition), "train-loss": result.loss,
@@ -342,11 +385,10 @@ def train(msg: Message, context: Context) -> Message:
     return Message(content=content, reply_to=msg)
 
 
-@client_app.evaluate()
-def evaluate(msg: Message, context: Context) -> Message:
+def evaluate(msg: Message, context: Context, overrides: dict | None = None) -> Message:
     """The global model on the device's own test split: its loss and the task's metrics (``eval-accuracy`` for a
     classifier), weighted by its test samples."""
-    spec = fleet_spec(context.run_config)
+    spec = fleet_spec({**context.run_config, **(overrides or {})})
     data = load_data(spec)
     _, test_split = client_partition(spec, data, context.node_config, split="test")
     model = global_model(spec, data)
@@ -355,6 +397,18 @@ def evaluate(msg: Message, context: Context) -> Message:
     return Message(content=RecordDict({"metrics": MetricRecord({"num-examples": len(test_split),
                                                                 **{f"eval-{k}": v for k, v in metrics.items()}})}),
                    reply_to=msg)
+
+
+def make_client_app(overrides: dict | None = None) -> ClientApp:
+    """A ClientApp whose run config is the run's with ``overrides`` on top (the Python API's simulation, which
+    has no run config of its own, passes the whole config here)."""
+    app = ClientApp()
+    app.train()(lambda msg, context: train(msg, context, overrides))
+    app.evaluate()(lambda msg, context: evaluate(msg, context, overrides))
+    return app
+
+
+client_app = make_client_app()
 
 
 class EdgetrainStrategy(FedAvg):
@@ -370,6 +424,10 @@ class EdgetrainStrategy(FedAvg):
         self.buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
         self.control = torch.zeros(self.global_flat.numel()) if spec.scaffold else None
         self.nodes = 0
+        self.fleet = modelled_fleet(spec, model) if spec.population else None
+        self.sampled: tuple[list[int], int] = ([], 0)  # this round's (sampled node ids, devices online)
+        self.records: list[dict] = []                 # one per round with a modelled clock
+        self.round_started = 0.0
 
     def decode(self, wire) -> torch.Tensor:
         return from_wire(self.compressor, wire.numpy(), self.global_flat.numel())
@@ -378,10 +436,19 @@ class EdgetrainStrategy(FedAvg):
         self.nodes = len(list(grid.get_node_ids()))  # SCAFFOLD's N
         if self.control is not None:
             arrays = ArrayRecord({**arrays.to_torch_state_dict(), CONTROL: self.control.clone()})
-        return super().configure_train(server_round, arrays, config, grid)
+        if self.fleet is None:
+            return super().configure_train(server_round, arrays, config, grid)
+        self.round_started = time.perf_counter()
+        nodes = list(grid.get_node_ids())  # Flower's sampling, but among the devices online now
+        self.sampled = self.fleet.sample(server_round, nodes, max(int(len(nodes) * self.fraction_train), 1))
+        config["server-round"] = server_round
+        record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
+        return self._construct_messages(record, self.sampled[0], MessageType.TRAIN)
 
     def aggregate_train(self, server_round: int, replies) -> tuple[ArrayRecord | None, MetricRecord | None]:
         valid, _failed = self._check_and_log_replies(list(replies), is_train=True)
+        if self.fleet is not None:
+            valid = self.settle(server_round, valid)
         if not valid:
             return None, None
         arrays = [reply.content["arrays"] for reply in valid]
@@ -396,25 +463,97 @@ class EdgetrainStrategy(FedAvg):
         metrics = self.train_metrics_aggr_fn([reply.content for reply in valid], self.weighted_by_key)
         return ArrayRecord({**dict(zip(self.names, self.global_tensors)), **self.buffers}), metrics
 
+    def settle(self, server_round: int, valid: list[Message]) -> list[Message]:
+        """The replies of the devices that finished within their online window and the deadline; the round's
+        record (modelled clock, bytes, dropouts) kept."""
+        sampled, online = self.sampled
+        up = {reply.metadata.src_node_id: int(reply.content["metrics"]["payload-bytes"]) for reply in valid}
+        record = self.fleet.settle(server_round, sampled, online, up)
+        record["measured_train_wall_s"] = time.perf_counter() - self.round_started  # this machine's, not modelled
+        kept = set(record.pop("kept"))
+        self.records.append(record)
+        self.write_records()
+        logging.getLogger("flwr").info(
+            "round %d (modelled): %.1f s, clock %.1f s; %d online, %d sampled, %d dropouts, %d late", server_round,
+            record["modelled_round_s"], record["modelled_clock_s"], online, len(sampled), record["dropouts"],
+            record["late"])
+        return [reply for reply in valid if reply.metadata.src_node_id in kept]
+
+    def aggregate_evaluate(self, server_round: int, replies):
+        metrics = super().aggregate_evaluate(server_round, replies)
+        if metrics is not None:
+            self.note_accuracy(server_round, "federated", metrics)
+        return metrics
+
+    def note_accuracy(self, server_round: int, where: str, metrics) -> None:
+        """Put an evaluation's figures beside the round's modelled clock."""
+        for record in self.records:
+            if record["round"] == server_round:
+                record.update({f"{where}_{key}": float(value) for key, value in metrics.items()
+                               if key != "num-examples"})
+                self.write_records()
+
+    def write_records(self) -> None:
+        """The rounds so far, in ``output-dir`` (rewritten whole each round: a long run can be read as it goes)."""
+        if self.spec.output_dir is not None:
+            write_rounds(self.spec.output_dir / ROUNDS_FILE, self.records)
+
+
+def modelled_fleet(spec: FleetSpec, model: nn.Module) -> ModelledFleet:
+    """The modelled clock of the run: its population, availability, deadline; one device's local-steps FLOPs
+    (the trainer's own counter) and the bytes of what goes down (the model, SCAFFOLD's control)."""
+    data = load_data(spec)
+    sample = data.train[0][0]
+    per_sample = count_training_flops(model, tuple(sample.shape), data.num_classes,
+                                      task=fleet_task(spec, data))["total_flops"]
+    down = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    if spec.scaffold:
+        down += sum(p.numel() * p.element_size() for p in model.parameters())
+    return ModelledFleet(RoundModel(spec.population, parse_availability(spec.availability, spec.seed),
+                                    spec.round_deadline, per_sample * spec.batch_size * spec.local_steps, down),
+                         spec.seed)
+
+
+def server_evaluation(spec: FleetSpec, strategy: EdgetrainStrategy, model: nn.Module, data):
+    """Flower's ``evaluate_fn``: the global model on the whole test set, on the server."""
+    task = fleet_task(spec, data)
+
+    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        load_global(model, arrays)
+        metrics = evaluate_task(model, data.test, 0, 1, task)
+        strategy.note_accuracy(server_round, "server", metrics)
+        return MetricRecord(metrics)
+    return evaluate_fn
+
+
+def write_rounds(path: Path, records: list[dict]) -> None:
+    """The rounds' records, one JSON line each (written whole, atomically)."""
+    with atomic_write(path) as f:
+        f.writelines(json.dumps(record) + "\n" for record in records)
+
 
 def run_server(grid: Grid, run_config: dict) -> Result:
     """The whole federated run on ``grid``: Flower's ``Strategy.start`` with ``EdgetrainStrategy``; the final
     global model saved to ``output-dir`` if set."""
     spec = fleet_spec(run_config)
-    model = global_model(spec, load_data(spec))
+    data = load_data(spec)
+    model = global_model(spec, data)
     strategy = EdgetrainStrategy(spec, model, fraction_train=spec.fraction_train, min_train_nodes=1,
                                  min_evaluate_nodes=1, min_available_nodes=spec.min_nodes)
+    evaluate_fn = server_evaluation(spec, strategy, global_model(spec, data), data) if spec.server_evaluate else None
     result = strategy.start(grid, model_record(model), num_rounds=spec.num_rounds, timeout=spec.round_timeout,
-                            train_config=ConfigRecord())
+                            train_config=ConfigRecord(), evaluate_fn=evaluate_fn)
     if spec.output_dir is not None:  # the initial model if no round had a reply
         with atomic_write(spec.output_dir / MODEL_FILE, "wb") as f:
             torch.save((result.arrays if len(result.arrays) else model_record(model)).to_torch_state_dict(), f)
     return result
 
 
-server_app = ServerApp()
+def make_server_app(overrides: dict | None = None) -> ServerApp:
+    """A ServerApp whose run config is the run's with ``overrides`` on top (see ``make_client_app``)."""
+    app = ServerApp()
+    app.main()(lambda grid, context: run_server(grid, {**context.run_config, **(overrides or {})}))
+    return app
 
 
-@server_app.main()
-def main(grid: Grid, context: Context) -> None:
-    run_server(grid, context.run_config)
+server_app = make_server_app()

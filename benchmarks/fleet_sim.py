@@ -1,0 +1,143 @@
+"""The fleet on Flower's simulation runtime at scale: rounds per hour and memory for N virtual devices.
+
+One run of ``edgetrain.fleet.simulation.simulate`` (Flower's ``run_simulation`` on Ray) with ``--devices``
+virtual SuperNodes, ``--per-round`` sampled per round, ``--local-steps`` steps of small_cnn on the synthetic
+dataset (enough samples for every device's partition). While it runs a thread samples, every second, the
+resident memory (RSS) of this process and every process below it (Ray's GCS, raylet and actors), and the
+1-minute load average; it prints and writes (``--json``) the wall time of the whole run and of each round's
+training (measured), the peak memory (measured) and the records' modelled clock.
+
+Usage (from the repository root; the machine is shared, so run it niced)::
+
+    PYTHONPATH=src nice -n 10 python benchmarks/fleet_sim.py --devices 1000 --per-round 50 --rounds 100 \\
+        --json benchmarks/results/fleet_sim_1000.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+from edgetrain.fleet.simulation import SimulationResources, simulate
+
+
+def tree_sample(root: psutil.Process, cpu: dict[int, float]) -> int:
+    """Bytes resident in ``root`` and all its descendants now (processes that end meanwhile count zero); each
+    one's CPU seconds so far (user + system) into ``cpu`` by pid."""
+    total = 0
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            total += proc.memory_info().rss
+            times = proc.cpu_times()
+            cpu[proc.pid] = times.user + times.system
+        except psutil.Error:
+            pass
+    return total
+
+
+class Sampler(threading.Thread):
+    """Peak tree RSS, the tree's CPU seconds and the load averages seen, sampled every ``interval`` seconds (CPU
+    seconds: what the run cost, nearly independent of the other load on a shared machine)."""
+
+    def __init__(self, interval: float = 1.0):
+        super().__init__(daemon=True)
+        self.interval, self.stop, self.peak, self.loads = interval, threading.Event(), 0, []
+        self.root, self.cpu = psutil.Process(), {}
+
+    def run(self):
+        while not self.stop.wait(self.interval):
+            self.peak = max(self.peak, tree_sample(self.root, self.cpu))
+            self.loads.append(os.getloadavg()[0])
+            if len(self.loads) % 60 == 0:  # a long run's progress, readable from its log
+                print(f"PROGRESS peak_rss_mb={self.peak / 2**20:.0f} cpu_s={sum(self.cpu.values()):.0f} "
+                      f"load_1min={self.loads[-1]:.1f}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--devices", type=int, default=1000)
+    ap.add_argument("--per-round", type=int, default=50)
+    ap.add_argument("--rounds", type=int, default=100)
+    ap.add_argument("--local-steps", type=int, default=5)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--image-size", type=int, default=16)
+    ap.add_argument("--cpus-per-device", type=float, default=1.0)
+    ap.add_argument("--population", default="60% rpi4@wifi-20m, 30% smart-speaker-2g@lte-10m, 10% jetson-orin-nano")
+    ap.add_argument("--availability", default="always")
+    ap.add_argument("--config", default="", help="more run-config keys, as JSON")
+    ap.add_argument("--own-mode", action="store_true",
+                    help="instead: the same rounds on edgetrain's own federated mode (edgetrain train --sync "
+                         "fedavg:steps=H, one emulated device process per device; --per-round must equal --devices)")
+    ap.add_argument("--json", help="write the result here")
+    args = ap.parse_args()
+    if args.own_mode:
+        return own_mode(args)
+    out = Path(tempfile.mkdtemp(prefix="fleet-sim-"))
+    print(f"records: {out / 'fleet-rounds.jsonl'}", flush=True)
+    config = {"model": "small_cnn", "dataset": "synthetic", "image-size": args.image_size,
+              "synthetic-samples": args.devices * args.batch_size * 2, "partition": "iid",
+              "num-rounds": args.rounds, "local-steps": args.local_steps, "batch-size": args.batch_size,
+              "fraction-train": args.per_round / args.devices, "fraction-evaluate": 0.0, "server-evaluate": True,
+              "min-nodes": args.devices, "population": args.population, "availability": args.availability,
+              "round-timeout": 600.0, "output-dir": str(out), **json.loads(args.config or "{}")}
+    sampler = Sampler()
+    sampler.start()
+    start = time.perf_counter()
+    simulate(config, args.devices, SimulationResources(cpus_per_device=args.cpus_per_device))
+    wall = time.perf_counter() - start
+    sampler.stop.set()
+    sampler.join()
+    records = [json.loads(line) for line in (out / "fleet-rounds.jsonl").read_text().splitlines()]
+    train_walls = [r["measured_train_wall_s"] for r in records]
+    result = {"devices": args.devices, "per_round": args.per_round, "rounds": args.rounds,
+              "local_steps": args.local_steps, "batch_size": args.batch_size, "image_size": args.image_size,
+              "cpus_per_device": args.cpus_per_device, "cores": os.cpu_count(), "measured_wall_s": wall,
+              "measured_rounds_per_hour": args.rounds / wall * 3600,
+              "measured_mean_round_train_s": sum(train_walls) / len(train_walls),
+              "measured_first_round_train_s": train_walls[0],
+              "measured_peak_rss_mb": sampler.peak / 2**20,
+              "measured_cpu_s": sum(sampler.cpu.values()),
+              "load_average_1min_mean": sum(sampler.loads) / max(len(sampler.loads), 1),
+              "load_average_1min_max": max(sampler.loads, default=0.0),
+              "final_server_accuracy": records[-1].get("server_accuracy"),
+              "modelled_clock_s": records[-1]["modelled_clock_s"], "config": config, "records": records}
+    print(json.dumps({k: v for k, v in result.items() if k not in ("records", "config")}, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+def own_mode(args) -> None:
+    """``edgetrain train --sync fedavg:steps=H`` with ``--devices`` emulated devices, every one in every round
+    (the same per-device batch, steps and data), measured as ``main`` measures the simulation."""
+    out = Path(tempfile.mkdtemp(prefix="fleet-own-"))
+    cmd = [sys.executable, "-m", "edgetrain", "train", "--devices", str(args.devices), "--model", "small_cnn",
+           "--dataset", "synthetic", "--image-size", str(args.image_size),
+           "--synthetic-samples", str(args.devices * args.batch_size * 2), "--partition", "iid",
+           "--sync", f"fedavg:steps={args.local_steps}", "--steps", str(args.rounds * args.local_steps),
+           "--batch-size", str(args.batch_size * args.devices), "--output", str(out)]
+    sampler = Sampler()
+    sampler.start()
+    start = time.perf_counter()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    wall = time.perf_counter() - start
+    sampler.stop.set()
+    sampler.join()
+    result = {"mode": "edgetrain train --sync fedavg", "devices": args.devices, "rounds": args.rounds,
+              "local_steps": args.local_steps, "batch_size": args.batch_size, "measured_wall_s": wall,
+              "measured_cpu_s": sum(sampler.cpu.values()), "measured_peak_rss_mb": sampler.peak / 2**20,
+              "load_average_1min_mean": sum(sampler.loads) / max(len(sampler.loads), 1), "command": cmd}
+    print(json.dumps(result, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
