@@ -33,25 +33,23 @@ traffic). A round that has not completed on the host yet counts as not
 complete, so host scheduling can only delay an application, never skip
 the bound.
 
-Finishing. Devices may have launched different numbers of rounds when
-training ends. Each round carries a *done* flag per device; in ``finish``
-every device keeps completing and launching rounds with its flag set until a
-round shows every flag set. All devices see the same round results, so they
-stop on the same round, and the model of that round (no local progress left)
-is the final one, identical everywhere.
+Settling. Devices may have launched different numbers of rounds at any
+moment: a device that applied round ``k`` launches ``k + 1`` at once, and
+its peer may not have looked at ``k`` yet. So a device must never enter
+another collective (evaluation's gathers, a checkpoint) with a round in
+flight: it could wait there for a peer that waits, at its staleness bound,
+for the round this device will never launch (a fast and a slow device did,
+every time). Before evaluation and checkpoints, and in ``finish``, every
+device calls ``settle``: it keeps completing and launching rounds with an
+*arrived* flag set until a round shows every flag set. All devices see the
+same round results, so they stop on the same round, with nothing in flight;
+as no device trained since that round's launch, every device then holds its
+average, the same model everywhere. ``finish`` also takes that model as final.
 
-Checkpoints hold ``ref``, the counters, the error-feedback memory and the
-round in flight: ``state_dict`` waits for it to complete (bounded by
-``--timeout``; every device checkpoints at the same step, so every device
-has launched it) and keeps what ``_apply`` reads of it: the received sums or
-payloads, the snapshot, the step it was launched at, its modelled time, and
-of the launch clocks only their latest and whether every device was done
-(so that a resume on another device count can apply it too). A resumed
-device holds it as completed and applies it at the step the uninterrupted
-one would have, so a resumed run equals an uninterrupted one where that step
-does not depend on the host's timing: with ``async:1`` every round is
-applied at the next step (tested), and with a larger bound whenever rounds
-complete on the host before the device needs them.
+Checkpoints hold ``ref``, the counters and the error-feedback memory, taken
+after settling (every device checkpoints at the same step), so there is no
+round in flight to keep, and a resumed run equals an uninterrupted one with
+the same checkpoints (tested with ``async:1``).
 
 Compressors: any with a fixed payload size (all but ``threshold``, whose
 length varies and would need a second, chained collective); PowerSGD and DGC
@@ -119,6 +117,7 @@ class BoundedStaleness(SyncMode):
         self.staleness_seen: list[int] = []
         self.blocking_waits = 0
         self.wait_real_s = 0.0
+        self._settled_at: int | None = None  # the step count at the last settle (module docstring)
         self._watch(model)
 
     # -- rounds ---------------------------------------------------------------------
@@ -169,11 +168,11 @@ class BoundedStaleness(SyncMode):
                 self.stats.finished(r.started)
             return r.done_at
 
-    def _wait(self, r: _Round) -> float | None:
+    def _wait(self, r: _Round, why: str = "averaging round at the staleness bound") -> float | None:
         """Block until round ``r`` is complete; return the virtual time it was (virtual mode)."""
         started = time.perf_counter()
         for w in r.works:
-            wait(w, self.emulator.timeout_s, "asynchronous averaging round")
+            wait(w, self.emulator.timeout_s, f"--sync async: {why}")
         if self.emulator.emulated and not self.emulator.virtual:
             remaining = self._done_at(r) + r.modelled_s - time.perf_counter()
             if remaining > 0:
@@ -185,8 +184,8 @@ class BoundedStaleness(SyncMode):
         self.blocking_waits += 1
         return self._ready_virtual_s(r) if self.emulator.virtual else None
 
-    def _apply(self, r: _Round, final: bool = False) -> bool:
-        """Fold round ``r`` into the model; True if every device had finished training when it launched."""
+    def _apply(self, r: _Round, final: bool = False) -> None:
+        """Fold round ``r`` into the model (``final``: the model becomes the average, no local progress)."""
         p = self.world_size
         if r.received is None:
             mean_delta = self.compressor.decode(Payload((r.buf,), r.payload.numel, self.segments,
@@ -203,7 +202,6 @@ class BoundedStaleness(SyncMode):
         self.ref = new_ref
         self.staleness_seen.append(self.steps - r.launched_step)
         self.round = None
-        return bool((r.clocks[p:] > 0.5).all())
 
     # -- interface -----------------------------------------------------------------
     def after_step(self, step: int) -> None:
@@ -229,38 +227,46 @@ class BoundedStaleness(SyncMode):
         self._close_step(ready, staleness=staleness)
 
     def _final_exchange(self) -> None:
+        ready = self._rounds_until_every_device_arrives(final=True, why="final averaging round")
+        average_buffers(self.model, self.emulator, self.world_size, self.group)
+        self.emulator.finish_step(ready, count=False)
+
+    def settle(self, before: str) -> None:
+        """Every device, before a collective outside this mode's rounds (``before``: evaluation, a
+        checkpoint): the rounds in flight completed and applied, none left (module docstring, Settling)."""
+        # alone, finished, or settled at this step already (every device alike: the same step count)
+        if self.world_size == 1 or self._devices is not None or self._settled_at == self.steps:
+            return
+        ready = self._rounds_until_every_device_arrives(final=False, why=f"averaging round before {before}")
+        self.emulator.finish_step(ready, count=False)
+        self._settled_at = self.steps
+
+    def _rounds_until_every_device_arrives(self, final: bool, why: str) -> float | None:
+        """Complete, apply and launch rounds flagged *arrived* until one shows every device's flag (the
+        same round on every device: they all see its flags); the virtual time that round was ready."""
         self.emulator.start_step()
         clock = self.emulator.arrive()
         ready = None
         while True:
             if self.round is None:
                 self._launch(max(clock, ready or 0.0), done=True)
-            final_round = self.round
-            ready = self._wait(final_round)
-            if self._apply(final_round, final=self._all_done(final_round)):
-                break
-        average_buffers(self.model, self.emulator, self.world_size, self.group)
-        self.emulator.finish_step(ready, count=False)
+            last = self.round
+            ready = self._wait(last, why)
+            arrived = self._all_done(last)
+            self._apply(last, final=final and arrived)
+            if arrived:
+                return ready
 
     def _all_done(self, r: _Round) -> bool:
         return bool((r.clocks[self.world_size:] > 0.5).all())
 
     def state_dict(self) -> dict:
-        """The mode's state with the round in flight, completed first (see the module docstring)."""
-        state = {**super().state_dict(), "codec": self._codec_state(self.compressor, self.memory),
-                 "ref": self.ref.clone(), "steps": self.steps, "rounds": self.rounds,
-                 "staleness_seen": list(self.staleness_seen), "blocking_waits": self.blocking_waits}
-        r = self.round
-        if r is not None:
-            for work in r.works:
-                wait(work, self.emulator.timeout_s, "asynchronous averaging round (checkpoint)")
-            self._done_at(r)
-            p = self.world_size
-            state["round"] = {"buf": r.buf, "received": r.received, "snapshot": r.snapshot,
-                              "numel": r.payload.numel, "ctx": r.payload.ctx, "launched_step": r.launched_step,
-                              "modelled_s": r.modelled_s, "ready_clock_s": float(r.clocks[:p].max()),
-                              "all_done": self._all_done(r)}
-        return state
+        """The mode's state, with no round in flight: every device settles first (every device checkpoints at
+        the same step)."""
+        self.settle("checkpoint")
+        return {**super().state_dict(), "codec": self._codec_state(self.compressor, self.memory),
+                "ref": self.ref.clone(), "steps": self.steps, "rounds": self.rounds,
+                "staleness_seen": list(self.staleness_seen), "blocking_waits": self.blocking_waits}
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
@@ -268,15 +274,6 @@ class BoundedStaleness(SyncMode):
         self.ref = state["ref"].clone()
         self.steps, self.rounds, self.blocking_waits = state["steps"], state["rounds"], state["blocking_waits"]
         self.staleness_seen = list(state["staleness_seen"])
-        saved = state.get("round")
-        if saved is not None:  # completed before it was saved: no collective left to wait for
-            p = self.world_size
-            clocks = torch.cat([torch.full((p,), saved["ready_clock_s"], dtype=torch.float64),
-                                torch.full((p,), float(saved["all_done"]), dtype=torch.float64)])
-            now = time.perf_counter()
-            self.round = _Round([], saved["buf"], saved["received"], clocks, saved["snapshot"],
-                                Payload((saved["buf"],), saved["numel"], self.segments, saved["ctx"]),
-                                saved["launched_step"], saved["modelled_s"], now, done_at=now)
 
     def summary(self) -> dict:
         seen = self.staleness_seen

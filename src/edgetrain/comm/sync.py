@@ -24,6 +24,8 @@ relies on, inside its ``train_step``, ``finish`` and ``summary``::
                                  # virtual_s (the device's clock), virtual_compute_s, virtual_comm_s
                                  # (modelled in virtual mode, measured otherwise), staleness (async)
     ...
+    sync.settle(before)          # every device, before evaluation or a checkpoint: no background
+                                 # exchange left that a peer could wait on (asynchronous.py)
     sync.finish()                # every device, after the last step: final exchange
     sync.summary()               # extra fields for summary.json
     sync.state_dict()            # for a checkpoint (train/checkpoint.py); load_state_dict after setup
@@ -150,6 +152,12 @@ class SyncMode:
 
     def after_backward(self, step: int) -> None:
         pass
+
+    def settle(self, before: str) -> None:
+        """Every device, before a collective that is not the mode's own (``before``: evaluation, a checkpoint):
+        end what the mode exchanges in the background, so that no device waits there for a peer waiting in
+        an exchange (asynchronous.py). Nothing for a mode whose exchanges every device starts at the same
+        steps and completes within them or at fixed later steps (streaming.py's)."""
 
     def after_step(self, step: int) -> None:
         self._close_step(self._max_clock(self.emulator.arrive()))

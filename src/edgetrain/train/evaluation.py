@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 
+from edgetrain.cluster.peers import wait
 from edgetrain.data import shard_indices
 from edgetrain.tasks.base import Evaluator, Task
 from edgetrain.tasks.classification import ClassificationTask
@@ -30,13 +31,14 @@ def evaluate(model: nn.Module, dataset, rank: int, world: int, batch: int = 256,
 
 @torch.no_grad()
 def evaluate_task(model: nn.Module, dataset, rank: int, world: int, task: Task, batch: int = 256,
-                  device: torch.device | None = None) -> dict[str, float]:
+                  device: torch.device | None = None, timeout_s: float = 120.0) -> dict[str, float]:
     """``{"loss": mean per sample, <metric>: value...}`` of ``task`` over the whole test set, each device taking
     a shard, the same on every device.
 
     Every device runs as many forward passes as the largest shard needs (an empty batch where its
     own shard is done): a sharded model (fsdp) gathers its parameters inside forward, a collective
-    every device must join."""
+    every device must join. The test set is read a batch at a time (``batch``: a training step's, from
+    ``Strategy.evaluate``), never whole; ``timeout_s`` bounds the gather of the scores."""
     was_training = model.training
     model.eval()
     evaluator = task.evaluator()
@@ -49,33 +51,38 @@ def evaluate_task(model: nn.Module, dataset, rank: int, world: int, task: Task, 
     for _ in range(passes - len(loader)):  # a shorter shard joins the others' last pass with an empty batch
         model(dataset[0][0][None][:0].to(device or "cpu"))
     model.train(was_training)
-    return gathered_metrics(evaluator, world, type(evaluator).merge)
+    return gathered_metrics(evaluator, world, type(evaluator).merge, timeout_s=timeout_s)
 
 
-def gathered_metrics(evaluator: Evaluator | None, world: int, merge, group=None) -> dict[str, float]:
+def gathered_metrics(evaluator: Evaluator | None, world: int, merge, group=None,
+                     timeout_s: float = 120.0) -> dict[str, float]:
     """Every device's evaluator state (None: a device that scored nothing, e.g. a pipeline's inner stage),
     gathered on every device and merged by ``merge`` (the task's ``Evaluator.merge``): the same figures
     everywhere."""
     if world == 1:
         return merge([evaluator.state()])
-    states = [s for s in gather_states(evaluator.state() if evaluator is not None else None, group)
+    states = [s for s in gather_states(evaluator.state() if evaluator is not None else None, group, timeout_s)
               if s is not None]
     return merge(states)
 
 
-def gather_states(state, group=None) -> list:
+def gather_states(state, group=None, timeout_s: float = 120.0) -> list:
     """``state`` from every device of ``group``, in rank order. It travels as ``torch.save`` bytes read back
     with ``weights_only=True`` (tensors, numbers, strings and containers of them; numpy arrays travel as
-    tensors and come back as arrays; tensors stay tensors): unlike ``all_gather_object`` a peer's bytes cannot run code here."""
+    tensors and come back as arrays; tensors stay tensors): unlike ``all_gather_object`` a peer's bytes cannot run code here.
+    A gather that outlasts ``timeout_s`` is one line naming it (``cluster.peers.wait``)."""
     buffer = io.BytesIO()
     torch.save(_numpy_to_tensors(state), buffer)
     mine = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
     world = dist.get_world_size(group)
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64), group=group)
+    what = "evaluation's gather of the devices' scores"
+    wait(dist.all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64), group=group, async_op=True),
+         timeout_s, what)
     longest = max(int(n) for n in sizes)
     received = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
-    dist.all_gather(received, torch.cat([mine, mine.new_zeros(longest - mine.numel())]), group=group)
+    wait(dist.all_gather(received, torch.cat([mine, mine.new_zeros(longest - mine.numel())]), group=group,
+                         async_op=True), timeout_s, what)
     return [_tensors_to_numpy(torch.load(io.BytesIO(r[:int(n)].numpy().tobytes()), weights_only=True))
             for r, n in zip(received, sizes)]
 

@@ -159,13 +159,15 @@ class Strategy(abc.ABC):
     @abc.abstractmethod
     def eval_model(self) -> nn.Module: ...
 
-    def evaluate(self, dataset, batch: int = 256) -> dict[str, float]:
+    def evaluate(self, dataset, batch: int | None = None) -> dict[str, float]:
         """``{"loss": mean per sample, <metric name>: value...}`` of the run's task over the whole test set
         ``dataset``, the same on every device (a collective: every device calls it). Default: ``eval_model`` on
-        this device's shard, in batches of ``batch``, the evaluators' states merged
+        this device's shard, in batches of ``batch`` (default: the device's training batch, so that evaluation
+        holds no more activations than a training step), the evaluators' states merged
         (``train.evaluation.evaluate_task``). A strategy may return (mean loss, accuracy) instead (a classifier)."""
         c = self.context
-        return evaluate_task(self.eval_model, dataset, c.rank, c.world, c.task, batch=batch, device=c.device)
+        return evaluate_task(self.eval_model, dataset, c.rank, c.world, c.task, batch=batch or max(1, c.local_batch),
+                             device=c.device, timeout_s=c.spec.timeout_s)
 
     def summary(self) -> dict:
         return {}
@@ -296,7 +298,12 @@ class DataParallel(Strategy):
     def summary(self) -> dict:
         return self.sync.summary()
 
+    def evaluate(self, dataset, batch: int | None = None) -> dict[str, float]:
+        self.sync.settle("evaluation")  # the background exchange ended first: evaluation gathers over the group
+        return super().evaluate(dataset, batch)
+
     def state_dict(self) -> dict:
+        self.sync.settle("checkpoint")  # before the model is taken: settling may move it
         return {**super().state_dict(), "sync": self.sync.state_dict(), "steps": self.steps}
 
     def load_state_dict(self, state: dict) -> None:
