@@ -1,0 +1,65 @@
+"""Sync modes that exchange in the background (async, streaming: their kinds' timing) beside evaluation and
+checkpoints, on devices of unequal speed (a host device and a throttled Raspberry Pi 4); a collective that
+times out is one line naming it. The 20-repeat stress is benchmarks/background_exchange.py."""
+import time
+
+import pytest
+
+from edgetrain import train
+from edgetrain.errors import EdgetrainError
+from edgetrain.spec import KINDS
+from edgetrain_testing import on_devices
+
+SETTINGS = {"async": "async:2", "streaming": "streaming:4"}
+BACKGROUND = [SETTINGS.get(kind.name, f"{kind.name}:2") for kind in KINDS["sync"].values()
+              if kind.timing in ("bounded", "background")]
+# 2 steps an epoch: evaluations at steps 2 and 4, a checkpoint at step 3; every collective bounded by 15 s
+DETECTION = dict(task="detection", synthetic_samples=32, image_size=32, batch_size=16, steps=4, checkpoint_every=3,
+                 progress=False, timeout=15)
+
+
+@pytest.fixture
+def unequal(tmp_path):
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text("devices: [{profile: host}, {profile: rpi4}]\n")
+    return str(cluster)
+
+
+def test_every_background_mode_is_declared_here():
+    assert set(BACKGROUND) >= {"async:2", "streaming:4"}
+
+
+@pytest.mark.parametrize("sync", BACKGROUND)
+def test_a_background_exchange_and_detection_evaluation_on_unequal_devices(tmp_path, unequal, sync):
+    # async:2 hung here every time before settling (the fast device evaluated; the slow one waited, at its
+    # staleness bound, for a round the fast one never launched)
+    summary = train(dict(cluster=unequal, sync=sync, output=str(tmp_path), **DETECTION))
+    assert summary["steps"] == 4 and len(summary["evals"]) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sync", BACKGROUND)
+def test_background_exchanges_survive_repeated_runs_with_every_task(tmp_path, unequal, sync):
+    tasks = [dict(DETECTION), {**DETECTION, "task": "regression"},
+             {**DETECTION, "task": "classification", "dataset": "synthetic", "image_size": 16}]
+    for repeat in range(2):
+        for options in tasks:
+            summary = train(dict(cluster=unequal, sync=sync, output=str(tmp_path), seed=repeat, **options))
+            assert summary["steps"] == 4, (repeat, options["task"])
+
+
+def _gather_with_a_silent_peer(rank, world):
+    from edgetrain.train.evaluation import gather_states
+
+    if rank == 1:
+        time.sleep(4)  # never joins the gather, and leaves only after rank 0 timed out
+        return None
+    return gather_states({"loss": 1.0}, timeout_s=1)
+
+
+def test_a_gather_that_times_out_is_one_line_naming_it():
+    with pytest.raises(EdgetrainError) as caught:
+        on_devices(_gather_with_a_silent_peer, 2)
+    line = str(caught.value)
+    assert "\n" not in line and "gloo" not in line, line
+    assert "evaluation's gather of the devices' scores timed out after 1 s" in line and "--timeout" in line, line
