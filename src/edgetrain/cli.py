@@ -43,24 +43,30 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    # SIGTERM (timeout, systemd, docker, batch schedulers) stops a run like Ctrl-C: devices stopped, one line.
+    # SIGTERM (timeout, systemd, docker, batch schedulers) and SIGINT (Ctrl-C, to this process or its whole process
+    # group) stop a run alike: every device at its next step, a checkpoint where enabled, one line. SIGINT is
+    # caught even where it came ignored (a job started in the background by a script), as it is asked for.
     on_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, raise_on_sigterm) if on_main_thread else None
+    previous = {sig: signal.signal(sig, raise_on_sigterm) for sig in _STOP_SIGNALS} if on_main_thread else {}
     try:
         return int(args.func(args) or 0)
     except EdgetrainError as e:
         print(f"edgetrain: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("edgetrain: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt:  # raised by code that installs Python's default handler again
+        print("edgetrain: interrupted (SIGINT); the run was stopped", file=sys.stderr)
+        return 128 + signal.SIGINT
     except Terminated as e:
         how_to_resume = f"; {e}" if str(e) else ""  # a run with checkpoints says where it stopped
-        print(f"edgetrain: terminated (SIGTERM); the run was stopped{how_to_resume}", file=sys.stderr)
-        return 128 + signal.SIGTERM
+        print(f"edgetrain: {_STOP_SIGNALS.get(e.signum, 'terminated (SIGTERM)')}; the run was stopped{how_to_resume}",
+              file=sys.stderr)
+        return 128 + e.signum
     finally:
-        if on_main_thread:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+_STOP_SIGNALS = {signal.SIGTERM: "terminated (SIGTERM)", signal.SIGINT: "interrupted (SIGINT)"}  # how each is said
 
 
 def entry() -> None:

@@ -28,11 +28,14 @@ def started():
             p.kill()
 
 
-def start_run(tmp_path, started, *extra: str, launcher: tuple[str, ...] = ("-m", "edgetrain")
+def start_run(tmp_path, started, *extra: str, launcher: tuple[str, ...] = ("-m", "edgetrain"), session: bool = False
               ) -> tuple[subprocess.Popen, list[psutil.Process]]:
-    """Start a long emulated run; return it once both devices train (each has its loader worker)."""
+    """Start a long emulated run; return it once both devices train (each has its loader worker).
+    ``session``: the launcher leads a process group of its own, started with SIGINT ignored (as a script's
+    background job is: Python then installs no handler of its own)."""
     proc = subprocess.Popen([sys.executable, *launcher, *LONG_RUN, "--output", str(tmp_path), *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=session,
+                            preexec_fn=_ignore_sigint if session else None)
     launcher = psutil.Process(proc.pid)
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
@@ -46,6 +49,10 @@ def start_run(tmp_path, started, *extra: str, launcher: tuple[str, ...] = ("-m",
         time.sleep(0.2)
     started.extend([launcher, *launcher.children(recursive=True)])
     pytest.fail("the devices did not start within 90 s")
+
+
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _cmdline(p: psutil.Process) -> list[str]:
@@ -179,3 +186,30 @@ def test_the_model_left_by_a_killed_launchers_devices_is_loaded_as_partial(tmp_p
     assert capsys.readouterr().err == (
         f"edgetrain: warning: {run_dir / 'checkpoint.pt'} is a partial run's model: step {state['step']} of the "
         f"{planned} planned (the run stopped before its end); continue it with edgetrain train --resume RUN_DIR\n")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("to_group", [False, True], ids=["launcher", "process-group"])
+def test_ctrl_c_stops_the_run_as_sigterm_does_with_a_checkpoint(tmp_path, started, to_group):
+    """SIGINT to the launcher alone, or to its whole process group as a terminal's Ctrl-C sends it: every device
+    stops at its next step with a checkpoint, one line, exit status 130, nothing left running. The launcher
+    leads a process group of its own, started with SIGINT ignored, as `edgetrain train ... &` in a script is:
+    the run went on to its end that way."""
+    proc, descendants = start_run(tmp_path, started, "--checkpoint-every", "100000", "--run-name", "r",
+                                  session=True)
+    run_dir = tmp_path / "r"
+    live, deadline = run_dir / "metrics-1.jsonl", time.monotonic() + 60
+    while not (live.exists() and live.stat().st_size):  # device 1 has trained a step
+        assert time.monotonic() < deadline, "no step was trained within 60 s"
+        time.sleep(0.2)
+    if to_group:
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    step = int(err.split("checkpoint of step ")[1].split()[0])
+    assert err == (f"edgetrain: interrupted (SIGINT); the run was stopped; checkpoint of step {step} written; "
+                   f"resume with: edgetrain train --resume {run_dir}\n")
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == [f"step-{step:08d}.pt"]
+    assert_all_gone(descendants, within_s=5)

@@ -177,9 +177,9 @@ def train(config: TrainConfig | dict | str | os.PathLike | None = None, model: n
         results = launch_local(len(devices), run_worker, args, [d.label for d in devices], log_dir=str(run_dir),
                                elastic=elastic)
         return next((r for r in results if r is not None), None)  # rank 0's at the end (elastic: may move)
-    except Terminated:
+    except Terminated as e:
         if spec.checkpoint.enabled:  # the devices stopped with a checkpoint: say how to go on
-            raise Terminated(resume_hint(run_dir)) from None
+            raise Terminated(resume_hint(run_dir), e.signum) from None
         raise
 
 

@@ -138,7 +138,9 @@ class Checkpointer:
     def __init__(self, spec: CheckpointSpec, run_dir: str | None, rank: int, world: int, timeout_s: float):
         self.spec, self.rank, self.world, self.timeout_s = spec, rank, world, timeout_s
         self.run_dir = Path(run_dir) if run_dir else None
-        self.stop_requested = False   # this device got SIGTERM
+        self.stop_requested = False   # this device got SIGTERM (or SIGINT)
+        self.stop_signal = signal.SIGTERM  # which (a stop a peer asked for is said as SIGTERM)
+        self._previous: dict = {}     # the handlers catch_sigterm replaced
         self.stopped = False          # the devices agreed to stop: the run ends at this step
         self.saved_step: int | None = None
         self._last_save = time.monotonic()
@@ -165,19 +167,23 @@ class Checkpointer:
         return bool(flags[0]), bool(flags[1])
 
     def catch_sigterm(self) -> None:
-        """While checkpoints are on, SIGTERM asks for a stop at the next step instead of unwinding now
-        (until ``release_sigterm``)."""
-        self._previous = None
+        """While checkpoints are on, SIGTERM (and SIGINT where this process does not ignore it: a device under
+        torchrun; an emulated device leaves Ctrl-C to its launcher) asks for a stop at the next step instead of
+        unwinding now (until ``release_sigterm``)."""
+        self._previous = {}
         if self.spec.enabled and threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._request_stop)
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                if sig == signal.SIGTERM or signal.getsignal(sig) is not signal.SIG_IGN:
+                    self._previous[sig] = signal.signal(sig, self._request_stop)
 
     def _request_stop(self, signum, frame) -> None:
         self.stop_requested = True
+        self.stop_signal = signum
 
     def release_sigterm(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
 
     def save(self, step: int, run_state: dict, device_state: dict, sharded: dict | None = None) -> None:
         """Every device: gather the devices' states on rank 0, which writes one file and prunes old ones; or,

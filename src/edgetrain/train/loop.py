@@ -580,7 +580,7 @@ def train_device(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], loc
     dist.barrier()
     dist.destroy_process_group()
     if checkpoints.stopped:
-        raise Terminated(resume_hint(run_dir) if run_dir else "")
+        raise Terminated(resume_hint(run_dir) if run_dir else "", checkpoints.files.stop_signal)
     return summary
 
 
