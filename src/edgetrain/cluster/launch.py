@@ -88,6 +88,7 @@ import queue
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -523,9 +524,27 @@ def launch_local(world: int, target: Callable, args: tuple, labels: list[str], l
     return [done.get(r) for r in range(world)]
 
 
+def _start_fork_server() -> None:
+    """multiprocessing's fork server (for ``_device_context``), spawned with SIGINT blocked, which it inherits: a
+    Ctrl-C while it imports ``_PRELOAD`` (seconds) is the launcher's to handle, not a traceback of the server's
+    (which ignores SIGINT only once it has imported them). Blocked, not ignored, here: a Ctrl-C in that instant
+    reaches the launcher when it is unblocked."""
+    from multiprocessing import forkserver
+
+    blocked = threading.current_thread() is threading.main_thread()
+    if blocked:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        forkserver.ensure_running()
+    finally:
+        if blocked:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def _start(procs: list) -> None:
     os.environ[_DEVICE_ENV] = str(os.getpid())  # the devices inherit the environment at start
     try:
+        _start_fork_server()
         for p in procs:
             p.start()
     finally:
