@@ -13,7 +13,7 @@ from edgetrain.comm.accounting import CommStats
 from edgetrain.config import TrainConfig, resolve
 from edgetrain.data import synthetic
 from edgetrain.models import build_model
-from edgetrain.train.strategy import StepResult, Strategy, StrategyContext
+from edgetrain.train.strategy import Strategy, StrategyContext
 from edgetrain_testing import run_cli
 
 REAL = Path("/sys/fs/cgroup")
