@@ -32,7 +32,7 @@ def batch_sweep(max_batch: int, steps: int, output: str, model: str = "resnet18"
     from edgetrain.cluster.profiles import get_profile, host_core_gflops
 
     result = batch.run(model=model, dataset="cifar10", profile="rpi4", start_batch=1, max_batch=max_batch,
-                       steps=steps, warmup=1, threads=1, throttle=False, output=output, name="pi-batch",
+                       steps=steps, warmup=0, threads=1, throttle=False, output=output, name="pi-batch",
                        min_time_s=0.0, peak_size=512).to_dict()
     scale = get_profile("rpi4").gflops / host_core_gflops()
     for row in result["rows"]:
