@@ -30,6 +30,7 @@ from edgetrain.cluster.launch import run_group  # noqa: E402
 from edgetrain.cluster.links import collective_time  # noqa: E402
 from edgetrain.cluster.profiles import get_profile  # noqa: E402
 from edgetrain.comm.accounting import ring_allreduce_bytes  # noqa: E402
+from edgetrain.errors import EdgetrainError  # noqa: E402
 from edgetrain.models.flops import count_training_flops  # noqa: E402
 from edgetrain.models.yolo_tiny import DARKNET_WIDTHS, YoloTiny  # noqa: E402
 from edgetrain.models.yolov2 import YoloV2  # noqa: E402
@@ -148,8 +149,8 @@ def modelled_speedups(model_name: str, batch: int, side: int, devices=(2, 3, 4, 
 # ---------------------------------------------------------------- speed-up, measured on emulated rpi3s
 
 def cluster_file(directory: Path, count: int, one_core: bool) -> Path:
-    """``count`` emulated rpi3s; their memory limit lifted (PyTorch's own process does not fit 1 GB, see the
-    table), or one rpi3 core (a quarter of its GFLOPS) for the paper's baseline."""
+    """``count`` emulated rpi3s, their memory limit lifted (the table reports the peak beside the Pi 3's 1 GB),
+    or one rpi3 core (a quarter of its GFLOPS) for the paper's baseline."""
     name = "rpi3-core" if one_core else "rpi3-run"
     extra = "cores: 1, gflops: 3.1, " if one_core else ""
     path = directory / f"{name}-{count}.yaml"
@@ -172,7 +173,12 @@ def measured_speedups(directory: Path, side: int, batch: int, steps: int, device
     for label, n, extra in runs:
         name = f"tiling-{label.split(',')[0].replace(' ', '-')}"
         load = os.getloadavg()[0]
-        summary = train_in_subprocess({**common, **extra, "run_name": name})
+        try:
+            summary = train_in_subprocess({**common, **extra, "run_name": name})
+        except EdgetrainError as e:  # a run the loaded host could not finish is a row, not the end of the table
+            print(f"  measured {label}: failed: {e}", flush=True)
+            rows.append({"label": label, "devices": n, "failed": str(e), "load_before": load})
+            continue
         records = read_metrics(directory / name)
         timing = cluster_timing(records)
         rss = max(r.peak_rss_mb for r in records)
@@ -249,6 +255,12 @@ def main(argv: list[str] | None = None) -> int:
         base = measured[0]
         for m in measured[1:]:
             p = predicted[m["devices"]]
+            if "failed" in m:
+                rows.append(Row(f"yolov2-tiny speed-up, {m['label']} over 1 core, {m_side}px batch {m_batch}",
+                                "2x-15x for 2-6 Pi 3s (abstract)", "run failed", "measured",
+                                f"{m['failed']} (host load {m['load_before']:.1f}); the planner predicts "
+                                f"{p['speedup']:.2f}x"))
+                continue
             rows.append(Row(f"yolov2-tiny speed-up, {m['label']} over 1 core, {m_side}px batch {m_batch}",
                             "2x-15x for 2-6 Pi 3s (abstract)", f"{base['step_s'] / m['step_s']:.2f}x", "measured",
                             f"steps {base['step_s']:.1f} s / {m['step_s']:.1f} s, host load {m['load_before']:.1f} "
@@ -257,10 +269,12 @@ def main(argv: list[str] | None = None) -> int:
                             f"({p['compute_only_speedup']:.2f}x compute alone); the emulated devices exchange over "
                             f"this host's loopback (--link does not apply to tiled), and {m['devices']} throttled "
                             f"devices need {m['devices'] * 12.4 / 98:.1f} of this host's 2 shared cores"))
-        rows.append(Row("peak RSS of one device training YOLOv2-tiny (PyTorch)", NOT_REPORTED,
-                        f"{max(m['peak_rss_mb'] for m in measured):.0f} MiB", "measured",
-                        "above the Pi 3's 1 GB (rpi3 profile): PyTorch's process (libraries, weights, optimizer) "
-                        "does not fit, so these runs lift the limit; the paper's runs did not use PyTorch"))
+        peak = max(m.get("peak_rss_mb", 0) for m in measured)
+        rows.append(Row(f"peak RSS of one device training YOLOv2-tiny (PyTorch), {m_side}px", NOT_REPORTED,
+                        f"{peak:.0f} MiB", "measured",
+                        f"{'within' if peak <= 1024 else 'above'} the Pi 3's 1 GB; these runs lifted the profile's "
+                        f"limit so that a run is not stopped by it, and their synthetic dataset is {4 * m_batch} "
+                        f"images (a dataset held in memory counts in a device's RSS)"))
 
     print("\n3. Layer grouping's gain (modelled)")
     grid_g = "2x2"
