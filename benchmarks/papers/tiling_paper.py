@@ -191,6 +191,17 @@ def measured_speedups(directory: Path, side: int, batch: int, steps: int, device
     return rows
 
 
+def _seconds(values: list) -> str:
+    return ", ".join(f"{v:.2f}" for v in values)
+
+
+def _kept_up(slept: list) -> str:
+    """A throttled device sleeps when it runs ahead of its profile: none sleeping means the host fell behind."""
+    if min(slept) < 0.5:
+        return "little: the host could not give the devices their speed"
+    return "each waited for its profile's speed: the host kept up"
+
+
 # ---------------------------------------------------------------- grouping, modelled
 
 def grouping_gains(model_name: str, side: int, grid: str, batches=(1, 4, 16, 64),
@@ -264,8 +275,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(Row(f"yolov2-tiny speed-up, {m['label']} over 1 core, {m_side}px batch {m_batch}",
                             "2x-15x for 2-6 Pi 3s (abstract)", f"{base['step_s'] / m['step_s']:.2f}x", "measured",
                             f"steps {base['step_s']:.1f} s / {m['step_s']:.1f} s, host load {m['load_before']:.1f} "
-                            f"before the run, throttle slept {m['throttle_slept_s']} s per device (little: the host "
-                            f"could not give the devices their speed); the planner predicts {p['speedup']:.2f}x with 100 Mbit/s links "
+                            f"before the run, throttle slept {_seconds(m['throttle_slept_s'])} s per device "
+                            f"({_kept_up(m['throttle_slept_s'])}); the planner predicts {p['speedup']:.2f}x with 100 Mbit/s links "
                             f"({p['compute_only_speedup']:.2f}x compute alone); the emulated devices exchange over "
                             f"this host's loopback (--link does not apply to tiled), and {m['devices']} throttled "
                             f"devices need {m['devices'] * 12.4 / 98:.1f} of this host's 2 shared cores"))
