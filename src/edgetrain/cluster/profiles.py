@@ -126,6 +126,10 @@ BUILTIN_PROFILES.update({name: DeviceProfile(name, cores, gflops, memory_mb=memo
     ("rpi5", 4, 49.6, 4096, 17.1, "lan-1g", "Raspberry Pi 5 (4 GB), 4x Cortex-A76 2.4 GHz", "sd-card"),
     ("jetson-orin-nano", 6, 46.5, 8192, 68.0, "lan-1g",
      "Jetson Orin Nano 8 GB CPU, 6x Cortex-A78AE 1.5 GHz (GPU not emulated)", "nvme"),
+    # The tiled-training paper's device (Rama, Threadgill, Gerstlauer). Raspberry Pi 3 Model B product page:
+    # BCM2837, 4x Cortex-A53 at 1.2 GHz, 1 GB LPDDR2, 10/100 Ethernet (on the USB 2.0 hub chip): 100 Mbit/s,
+    # its latency assumed as lan-1g's 0.2 ms. GFLOPS modelled as above: 4 x 1.2 x 8 x 15.5/48 = 12.4.
+    ("rpi3", 4, 12.4, 1024, 3.6, "100mbit:0.2ms", "Raspberry Pi 3 Model B, 4x Cortex-A53 1.2 GHz, 1 GB", "sd-card"),
 )})
 
 _PROFILE_KEYS = {f.name for f in dataclasses.fields(DeviceProfile)} - {"name"}

@@ -21,12 +21,14 @@ from edgetrain.models.resnet import ResNet18
 from edgetrain.models.sensors import MLP, Conv1DNet
 from edgetrain.models.small_cnn import SmallCNN, SmallCNNGroupNorm
 from edgetrain.models.yolo_tiny import YoloTiny, yolov2_tiny, yolov2_tiny_small
+from edgetrain.models.yolov2 import yolov2
 
 ModelFactory = Callable[..., nn.Module]
 
 MODELS: dict[str, ModelFactory] = {"small_cnn": SmallCNN, "small_cnn_gn": SmallCNNGroupNorm,
                                    "resnet18": ResNet18, "yolo_tiny": YoloTiny, "mlp": MLP, "conv1d": Conv1DNet,
-                                   "yolov2_tiny": yolov2_tiny, "yolov2_tiny_small": yolov2_tiny_small}
+                                   "yolov2_tiny": yolov2_tiny, "yolov2_tiny_small": yolov2_tiny_small,
+                                   "yolov2": yolov2}
 _BUILTIN = frozenset(MODELS)
 
 
