@@ -6,6 +6,7 @@ A figure the issue and the repository's docs do not give is "not reported here",
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -73,3 +74,12 @@ def save(path: str | None, name: str, started: float, sections: dict) -> None:
 
 def ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b else "-"
+
+
+def paper_arguments(doc: str, fast: str, runs: str, default_runs: str | None = None) -> argparse.ArgumentParser:
+    """The options every paper's script takes: ``--fast`` (the suite's version), ``--out`` and ``--runs``."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--fast", action="store_true", help=fast)
+    ap.add_argument("--out", help="also write the rows and numbers as JSON here")
+    ap.add_argument("--runs", default=default_runs, help=runs)
+    return ap

@@ -12,14 +12,13 @@ link's time modelled on each device's virtual clock (``--link-mode virtual``) ov
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import NOT_REPORTED, Row, load_average, print_table, save  # noqa: E402
+from common import NOT_REPORTED, Row, load_average, print_table, save, paper_arguments  # noqa: E402
 
 PAPER = "Sudharsan et al., training on IoT devices across the globe (the IoT paper)"
 LINK = "100mbit:39ms"  # 78 ms round trip (the paper, as the issue states it); 100 Mbit/s assumed
@@ -42,10 +41,8 @@ def run_method(compress: str, steps: int, devices: int, output: str, name: str) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--fast", action="store_true", help="a few steps (the test suite's version)")
-    ap.add_argument("--out", help="also write the rows and numbers as JSON here")
-    ap.add_argument("--runs", default=None, help="where the training runs go (default: a temporary folder)")
+    ap = paper_arguments(__doc__, "a few steps (the test suite's version)",
+                         "where the training runs go (default: a temporary folder)")
     args = ap.parse_args(argv)
     started = time.time()
     steps, devices = (4, 2) if args.fast else (60, 4)

@@ -11,14 +11,13 @@
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import NOT_REPORTED, Row, load_average, print_table, save  # noqa: E402
+from common import NOT_REPORTED, Row, load_average, print_table, save, paper_arguments  # noqa: E402
 
 PAPER = "Prashanthi et al., DNN training on Jetson devices (the Jetson position paper)"
 
@@ -53,10 +52,8 @@ def stall_rows(result: dict) -> list[Row]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--fast", action="store_true", help="small passes (the test suite's version)")
-    ap.add_argument("--out", help="also write the rows and numbers as JSON here")
-    ap.add_argument("--runs", default=None, help="where the bench runs go (default: a temporary folder)")
+    ap = paper_arguments(__doc__, "small passes (the test suite's version)",
+                         "where the bench runs go (default: a temporary folder)")
     args = ap.parse_args(argv)
     started = time.time()
     print(f"{PAPER}\n{load_average()} at the start")

@@ -13,7 +13,6 @@
 """
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -22,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import NOT_REPORTED, Row, load_average, print_table, save  # noqa: E402
+from common import NOT_REPORTED, Row, load_average, print_table, save, paper_arguments  # noqa: E402
 
 PAPER = "Mwase, Kahira, Zou, distributed training on Raspberry Pi 4s (the Pi study)"
 
@@ -104,10 +103,8 @@ def linpack_rows() -> list[Row]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--fast", action="store_true", help="a small model and batches up to 4 (the test suite's)")
-    ap.add_argument("--out", help="also write the rows and numbers as JSON here")
-    ap.add_argument("--runs", default=None, help="where the bench and plan runs go (default: a temporary folder)")
+    ap = paper_arguments(__doc__, "a small model and batches up to 4 (the test suite's)",
+                         "where the bench and plan runs go (default: a temporary folder)")
     args = ap.parse_args(argv)
     started = time.time()
     print(f"{PAPER}\n{load_average()} at the start")

@@ -12,7 +12,6 @@
 """
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import statistics
@@ -24,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import NOT_REPORTED, Row, load_average, print_table, save  # noqa: E402
+from common import NOT_REPORTED, Row, load_average, print_table, save, paper_arguments  # noqa: E402
 
 from edgetrain.cluster.launch import run_group  # noqa: E402
 from edgetrain.cluster.links import collective_time  # noqa: E402
@@ -223,10 +222,8 @@ def grouping_gains(model_name: str, side: int, grid: str, batches=(1, 4, 16, 64)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--fast", action="store_true", help="small sizes, a few seconds (the test suite's version)")
-    ap.add_argument("--out", help="also write the rows and numbers as JSON here")
-    ap.add_argument("--runs", default="/tmp/edgetrain-papers", help="where the measured training runs go")
+    ap = paper_arguments(__doc__, "small sizes, a few seconds (the test suite's version)",
+                         "where the measured training runs go", "/tmp/edgetrain-papers")
     ap.add_argument("--parts", default="memory,modelled,measured,grouping",
                     help="which parts to run, of memory, modelled (speed-up), measured (speed-up), grouping")
     args = ap.parse_args(argv)

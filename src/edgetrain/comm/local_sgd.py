@@ -68,6 +68,18 @@ ROUND_STATUSES = ("joined", "missed_deadline", "not_sampled")
 
 
 @named_by_kind("sync", builder="build")
+@torch.no_grad()
+def outer_step(ref: torch.Tensor, pseudo_grad: torch.Tensor, outer: torch.optim.Optimizer | None) -> None:
+    """DiLoCo's outer step on the flat reference ``ref``: plain local SGD subtracts the mean pseudo-gradient; with
+    an outer optimiser (over ``[ref]``) it is that optimiser's step."""
+    if outer is None:
+        ref -= pseudo_grad
+    else:
+        ref.grad = pseudo_grad.to(ref.dtype)
+        outer.step()
+        ref.grad = None
+
+
 class LocalSGD(SyncMode):
 
     def __init__(self, model: nn.Module, world_size: int, emulator: LinkEmulator, period: int,
@@ -205,13 +217,7 @@ class LocalSGD(SyncMode):
     def _average(self, members: list[int]) -> None:
         pseudo_grad = self._members_mean(self.ref.detach() - flatten(self.params), members, "params")
         if pseudo_grad is not None:
-            with torch.no_grad():
-                if self.outer is None:
-                    self.ref -= pseudo_grad
-                else:
-                    self.ref.grad = pseudo_grad.to(self.ref.dtype)
-                    self.outer.step()
-                    self.ref.grad = None
+            outer_step(self.ref, pseudo_grad, self.outer)
         unflatten(self.ref.detach(), self.params)
         self.averages += 1
 

@@ -158,14 +158,18 @@ def _read_image(path: Path, size: int) -> np.ndarray:
         raise EdgetrainError(f"image {path} cannot be read ({e}); replace or remove it") from None
 
 
-def check_box(box: tuple[float, float, float, float], where: str, fix_units: str) -> None:
-    """A ``cx, cy, w, h`` box (fractions) must lie in the image and have an area."""
-    cx, cy, w, h = box
+def _finite_with_area(box: tuple[float, float, float, float], where: str, fix_units: str) -> None:
     if not all(math.isfinite(v) for v in box):
         raise EdgetrainError(f"{where}: box {list(box)} is not finite; {fix_units}")
-    if w <= 0 or h <= 0:
-        raise EdgetrainError(f"{where}: box has zero or negative width or height ({w:g} x {h:g}); give the "
-                             f"object's size, or drop the line")
+    if box[2] <= 0 or box[3] <= 0:
+        raise EdgetrainError(f"{where}: box has zero or negative width or height ({box[2]:g} x {box[3]:g}); give "
+                             f"the object's size, or drop the line")
+
+
+def check_box(box: tuple[float, float, float, float], where: str, fix_units: str) -> None:
+    """A ``cx, cy, w, h`` box (fractions) must lie in the image and have an area."""
+    _finite_with_area(box, where, fix_units)
+    cx, cy, w, h = box
     if cx - w / 2 < -_EDGE or cy - h / 2 < -_EDGE or cx + w / 2 > 1 + _EDGE or cy + h / 2 > 1 + _EDGE:
         raise EdgetrainError(f"{where}: box (cx {cx:g}, cy {cy:g}, w {w:g}, h {h:g}) reaches outside the image "
                              f"[0, 1]; {fix_units}")
@@ -176,12 +180,8 @@ def yolo_box(box: tuple[float, float, float, float], where: str, fix_units: str
     """A YOLO ``cx, cy, w, h`` box clipped to the image, and whether it had to be. As Ultralytics' label check,
     each value must be a fraction in [0, 1] (anything else is pixels or a broken export), but a box may pass the
     image's edge (labelling tools round, and a box of an object cut by the frame does): it is clipped."""
+    _finite_with_area(box, where, fix_units)
     cx, cy, w, h = box
-    if not all(math.isfinite(v) for v in box):
-        raise EdgetrainError(f"{where}: box {list(box)} is not finite; {fix_units}")
-    if w <= 0 or h <= 0:
-        raise EdgetrainError(f"{where}: box has zero or negative width or height ({w:g} x {h:g}); give the "
-                             f"object's size, or drop the line")
     if not all(0 <= v <= 1 for v in box):
         raise EdgetrainError(f"{where}: box (cx {cx:g}, cy {cy:g}, w {w:g}, h {h:g}) has a value outside [0, 1]; "
                              f"{fix_units}")

@@ -14,6 +14,7 @@ import torch
 
 from edgetrain.comm.emulation import LinkEmulator
 from edgetrain.comm.exchange import average
+from edgetrain.comm.local_sgd import outer_step
 from edgetrain.comm.params import flatten, unflatten
 from edgetrain.spec import SyncSpec
 
@@ -77,13 +78,7 @@ class ReplicaExchange:
         """DiLoCo: the replicas' mean pseudo-gradient ``ref - x`` steps ``ref`` (plain: ``ref -= mean``; with
         Nesterov: the outer SGD), and every replica continues from the new ``ref``."""
         tensors = self._tensors()
-        mean = self._average(self.ref.detach() - flatten(tensors), "pseudo_gradient")
-        if self.outer is None:
-            self.ref -= mean
-        else:
-            self.ref.grad = mean.to(self.ref.dtype)
-            self.outer.step()
-            self.ref.grad = None
+        outer_step(self.ref, self._average(self.ref.detach() - flatten(tensors), "pseudo_gradient"), self.outer)
         unflatten(self.ref.detach(), tensors)
         self.averages += 1
 
