@@ -247,7 +247,7 @@ def test_ctrl_c_under_launch_is_one_line(test_hosts, tmp_path):
     lines.join()
     after = [line for t, _, line in lines.lines if t >= signalled and line.strip()]
     assert proc.returncode == 130, lines.text()[-3000:]
-    assert after == ["edgetrain: interrupted"], "\n".join(after)[-3000:]
+    assert after == ["edgetrain: interrupted (SIGINT); the run was stopped"], "\n".join(after)[-3000:]
     assert hosts.wait_idle(1, 20), f"left running on host 1: {hosts.leftovers(1)}"
 
 

@@ -195,7 +195,7 @@ def test_sigterm_or_ctrl_c_stops_every_host_and_the_printed_command_resumes_the_
     while not steps_after(run_dir, step) and time.monotonic() < deadline and resumed.poll() is None:
         time.sleep(0.5)
     code, lines = stop_launch(resumed, signal.SIGINT)
-    assert code == 130 and lines[-1] == "edgetrain: interrupted", lines[-20:]
+    assert code == 130 and lines[-1] == "edgetrain: interrupted (SIGINT); the run was stopped", lines[-20:]
     assert [p.name for p in (tmp_path / "runs").iterdir()] == [run_dir.name]
     membership = [json.loads(line) for line in (run_dir / "membership.jsonl").read_text().splitlines()]
     assert [(m["cause"], m["step"]) for m in membership] == [("torchrun restart", step)], membership
