@@ -67,7 +67,6 @@ if TYPE_CHECKING:
 ROUND_STATUSES = ("joined", "missed_deadline", "not_sampled")
 
 
-@named_by_kind("sync", builder="build")
 @torch.no_grad()
 def outer_step(ref: torch.Tensor, pseudo_grad: torch.Tensor, outer: torch.optim.Optimizer | None) -> None:
     """DiLoCo's outer step on the flat reference ``ref``: plain local SGD subtracts the mean pseudo-gradient; with
@@ -80,6 +79,7 @@ def outer_step(ref: torch.Tensor, pseudo_grad: torch.Tensor, outer: torch.optim.
         ref.grad = None
 
 
+@named_by_kind("sync", builder="build")
 class LocalSGD(SyncMode):
 
     def __init__(self, model: nn.Module, world_size: int, emulator: LinkEmulator, period: int,
