@@ -1,64 +1,9 @@
-"""The training loop every device runs: one short loop driving a ``Strategy``.
+"""The training every device runs: ``run_worker(plan)`` runs a ``DeviceRun``, in phases, driving a ``Strategy``.
 
-``run_worker`` is the body of one device process, whether ``launch_local``
-started it or ``torchrun`` did. It is four parts, in order:
-
-- ``set_up_device``: rendezvous and peer admission (cluster token, config
-  hash; cluster/peers), host cores and threads, seed, accelerator;
-- ``calibrate_throttle``: the throttle's reference pass, one device of a
-  host at a time;
-- the loop: ``Strategy.train_step`` per batch (train/strategy.py: data
-  parallel or tiled; the loop has no branch of its own for either), timed by
-  a ``StepRecorder``; batches come from ``data.partition.build_sampler``:
-  this device's share of every global batch, or with ``--partition`` its
-  own partition only (whose sizes rank 0 prints and the summary keeps), or
-  its own file where the cluster file gives one (``data.device_data``);
-- a ``RunWriter``: records as they happen (and TensorBoard event files with
-  ``--tensorboard``, ``train.tensorboard_log``), then summary and checkpoint.
-
-Rank 0 says each start-up phase in one line on stderr as it begins
-(``phase``: rendezvous, peer admission, data, near-duplicate filtering
-(``--dedup``, ``data.dedup``), FLOP count, throttle calibration, strategy
-set-up, training), unless ``--no-progress``; the
-launcher adds the host's speed measurement and the devices' start.
-
-Checkpoints during the run, ``--resume`` and the stop on SIGTERM are
-``LoopCheckpoints`` (train/resume.py, over train/checkpoint.py's
-``Checkpointer``: what is held, the protocol, what is exact): asked at the
-start of every step, before the batch is taken. A resumed run restores every
-device's state before the first step and rewrites the records files from the
-checkpoint's, so that no step is counted twice. Who trains is the run's
-membership (train/elastic.py): ``FailStop``, the devices of the start to the
-end, or ``Elastic`` with ``--min-devices``; the loop calls either alike.
-
-Each step's ``StepRecord`` (records.py) says where the time went:
-
-- ``data_s``: waiting for the batch;
-- ``comm_s``: waiting on communication that compute did not hide (the
-  strategy measures it: ``StepResult.comm_s``);
-- ``compute_s``: the rest of the step (forward, backward, optimizer, and the
-  duty-cycle sleeps that emulate a slower device);
-- ``comm_busy_s``: how long collectives ran in all, hidden or not (the
-  ``CommStats`` difference over the step); ``None`` where the strategy cannot
-  see its collectives (DDP's own all-reduce, ``comm/sync.py``).
-
-Records as they happen: each device that has the run directory (all of them
-on one host; rank 0 alone under torchrun, the others send theirs at the end)
-appends its records to ``metrics-<rank>.jsonl`` and flushes every step (one
-small write per step), and rank 0 appends each evaluation to ``evals.jsonl``:
-a run killed half-way keeps what it did. A run that ends replaces the
-per-device files by one ``metrics.jsonl`` sorted by (step, rank).
-
-Accelerator: ``auto`` is ``cuda`` where torch sees a GPU, else ``cpu``; with
-several devices on a host, device ``local_rank`` uses GPU ``local_rank % count``.
-Model, batches and the strategy's tensors live there; collectives stay on
-gloo (which takes CUDA tensors), as Jetson wheels ship without NCCL.
-
-The summary's FLOPs are counted once on rank 0 (``bench.flops``) on the model
-actually trained at the input shape actually fed, before training, on a copy
-and with the RNG restored, so counting changes nothing in the run. Each
-device's achieved GFLOPS is that count x its samples/s, and where it emulated
-a profile it is also rated against that profile's peak (``device_peak``).
+Also the parts it is made of: ``set_up_device`` (rendezvous, admission, cores), ``calibrate_throttle``,
+``StepRecorder`` (a step's ``StepRecord``), ``RunWriter`` (the run directory's records and summary). How a
+device's run goes, what a step record measures and what the run directory receives:
+docs/design/architecture.md ("The device's loop").
 """
 from __future__ import annotations
 
@@ -108,7 +53,7 @@ from edgetrain.train.elastic import Elastic, FailStop
 from edgetrain.train.energy import EnergyMeter
 from edgetrain.train.evaluation import evaluate  # noqa: F401  (imported from here: fleet/app.py, tests)
 from edgetrain.train.resume import LoopCheckpoints, LoopState
-from edgetrain.train.run_plan import RunPlan, phase  # noqa: F401  (phase: imported from here by tests)
+from edgetrain.train.run_plan import RunPlan, accelerator_device, phase  # noqa: F401  (phase: tests import it here)
 from edgetrain.train.strategy import StepResult, Strategy, StrategyContext, registered_strategy
 from edgetrain.train.tensorboard_log import TensorBoardLog, write_missing_devices
 
@@ -156,21 +101,6 @@ def make_optimizer(cfg: TrainConfig, params, total_steps: int):
     else:
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
     return opt, sched
-
-
-def accelerator_device(accelerator: str, local_rank: int = 0) -> torch.device:
-    """The torch device ``--accelerator`` names for this device; one line if it asks for a GPU torch cannot see."""
-    if accelerator == "cuda" and not torch.cuda.is_available():
-        raise EdgetrainError("accelerator cuda was asked for but torch sees no CUDA GPU on this host "
-                             f"(torch {torch.__version__}); use --accelerator cpu or auto")
-    if accelerator == "cpu" or not torch.cuda.is_available():
-        return torch.device("cpu")
-    device = torch.device("cuda", local_rank % torch.cuda.device_count())
-    # Set and initialised now: torch's device mesh (fsdp) would otherwise pick GPU LOCAL_RANK, which emulated
-    # devices sharing one GPU do not have
-    torch.cuda.set_device(device)
-    torch.cuda.init()
-    return device
 
 
 @dataclass

@@ -19,6 +19,7 @@ from edgetrain.errors import EdgetrainError
 from edgetrain.spec import LaunchSpec, RunSpec, launch_spec
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
     from edgetrain.data import DataSplit
@@ -74,6 +75,23 @@ def phase(cfg: TrainConfig, rank: int, text: str) -> None:
     """A start-up phase on rank 0, one line on stderr as it begins (not with --no-progress)."""
     if cfg.progress and rank == 0:
         print(f"edgetrain: {text}", file=sys.stderr, flush=True)
+
+
+def accelerator_device(accelerator: str, local_rank: int = 0) -> torch.device:
+    """The torch device ``--accelerator`` names for this device; one line if it asks for a GPU torch cannot see."""
+    import torch
+
+    if accelerator == "cuda" and not torch.cuda.is_available():
+        raise EdgetrainError("accelerator cuda was asked for but torch sees no CUDA GPU on this host "
+                             f"(torch {torch.__version__}); use --accelerator cpu or auto")
+    if accelerator == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    # Set and initialised now: torch's device mesh (fsdp) would otherwise pick GPU LOCAL_RANK, which emulated
+    # devices sharing one GPU do not have
+    torch.cuda.set_device(device)
+    torch.cuda.init()
+    return device
 
 
 def resolve_run(config: Any, overrides: dict, started: Started) -> tuple[TrainConfig, RunSpec]:
@@ -139,8 +157,6 @@ def _check_before_launch(cfg: TrainConfig, spec: RunSpec, user: UserParts):
     """What the values cannot say, before the run directory; returns the dataset where a check built it."""
     from edgetrain.bench.power import read_watts_file
     from edgetrain.preflight import check_before_launch
-    from edgetrain.train.loop import accelerator_device
-
     if cfg.power_file:  # unreadable: one line now, not one per device after the run directory is made
         read_watts_file(cfg.power_file)
     checked = check_before_launch(cfg, spec, user.model, user.task)
