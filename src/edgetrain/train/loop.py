@@ -481,9 +481,7 @@ class DeviceRun:
         state = self.state = LoopState(self.started, planned_steps=self.total_steps)
         self.checkpoints.restore(state, self.strategy, self.optimizer, self.scheduler, self.writer)
         # a returning device of an elastic run receives the current state here
-        state.step, state.epoch, state.evals = self.membership.start(
-            self.strategy, self.optimizer, self.scheduler, self.sampler, self.loader, state.step, state.epoch,
-            state.evals)
+        self.membership.start(self)
         self.checkpoints.resumed_step = state.step
         self.checkpoints.files.catch_sigterm()
         # joules of the training steps (train/energy.py): a sensor's, shared by CPU time where devices share a host
