@@ -394,8 +394,8 @@ def _refuse_keys_of_other_kinds(draft: Draft, strategy, sync_kind) -> None:
 
 
 def _check_run_wide(cfg: TrainConfig, strategy, sync, partition):
-    """The run-wide options' refusals (partition, participation, round deadline, tensorboard); returns the
-    parsed round deadline."""
+    """The run-wide options' refusals (partition, participation, round deadline, dedup on storage, tensorboard);
+    returns the parsed round deadline."""
     if partition.local and not strategy.shards_batch:
         raise EdgetrainError(f"config key 'partition' {partition.text} does not apply to strategy {cfg.strategy}, "
                              "where every device reads the whole batch; drop --partition or use --strategy ddp")
