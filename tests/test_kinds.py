@@ -136,7 +136,8 @@ def test_a_run_parses_its_sync_and_task_once_and_reads_its_config_file_once(tmp_
     finally:
         object.__setattr__(local, "parse", parse)
     assert calls == {"sync": 1, "task": 1, "yaml": 1}
-    cfg, spec = handed[0][:2]
+    (plan,) = handed[0]  # the devices are handed one RunPlan (train/run_plan.py)
+    cfg, spec = plan.cfg, plan.spec
     assert (spec.sync.period, spec.task, spec.local_batch, spec.batchnorm) == (2, "classification", "even", "local")
 
 

@@ -71,6 +71,18 @@ def test_no_package_imports_one_above_it(package):
         assert not upward, f"{path.relative_to(SRC)} imports {sorted(upward)}, above {package}"
 
 
+SPINE = [*sorted((SRC / "train").glob("*.py")), SRC / "cluster" / "launch.py", SRC / "config.py"]
+
+
+def test_the_run_spine_has_no_function_over_sixty_lines():
+    """The trainer, the launcher and the config stay in small functions: a new capability goes into the phase,
+    kind or strategy it belongs to (docs/design/architecture.md, "A run's spine"), not a longer function."""
+    long = [f"{path.relative_to(SRC)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for path in SPINE for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60]
+    assert long == []
+
+
 def test_importing_edgetrain_config_spec_and_html_leaves_torch_out():
     code = ("import sys, edgetrain, edgetrain.config, edgetrain.spec, edgetrain.report.html, edgetrain.results, "
             "edgetrain.report.plan_page; "

@@ -366,13 +366,36 @@ def resolve(cfg: TrainConfig, launch: LaunchSpec | None = None) -> RunSpec:
     for kind in (compress.kind, strategy, sync.kind, task_of):
         if kind is not None:
             kind.check(draft)
+    _refuse_keys_of_other_kinds(draft, strategy, sync.kind)
+    own = strategy.spec(draft)
+    round_deadline = _check_run_wide(cfg, strategy, sync, partition)
+    spec = RunSpec(compress, sync, link, cfg.link_mode, cfg.strategy, own.get("tiling"), cfg.timeout, cfg.seed,
+                   cfg.accelerator, cfg.batchnorm, pipeline=own.get("pipeline"),
+                   fsdp_replicas=own.get("fsdp_replicas", 1), partition=partition, server_opt=server_opt,
+                   participation=cfg.participation, round_deadline=round_deadline,
+                   checkpoint=CheckpointSpec(cfg.checkpoint_every, cfg.keep_checkpoints, cfg.resume,
+                                             cfg.checkpoint_every_s),
+                   faults=launch.faults, torchrun=launch.torchrun, tensorboard=cfg.tensorboard,
+                   dedup=parse_dedup(cfg.dedup), min_devices=cfg.min_devices, task=task, local_batch=local_batch)
+    # A cluster file's device count (or torchrun's) is only known once the devices are planned: train applies
+    # with_device_count then, with the count the run will have.
+    return with_device_count(cfg, spec, cfg.devices, launch) if draft.devices_known else spec
+
+
+def _refuse_keys_of_other_kinds(draft: Draft, strategy, sync_kind) -> None:
+    """A key that belongs to a strategy or sync mode other than the run's, changed from its default: one line."""
+    cfg = draft.cfg
     for family, usage in (("strategy", "needs strategy {0} (--strategy {0})"), ("sync", "{1}")):
         for key in FIELDS:
             owning = owner(key, family)
-            if owning is not None and owning not in (strategy, sync.kind) and draft.changed(key):
+            if owning is not None and owning not in (strategy, sync_kind) and draft.changed(key):
                 raise EdgetrainError(f"config key '{key}' {getattr(cfg, key)} "
                                      + usage.format(owning.name, owning.options_hint if family == "sync" else ""))
-    own = strategy.spec(draft)
+
+
+def _check_run_wide(cfg: TrainConfig, strategy, sync, partition):
+    """The run-wide options' refusals (partition, participation, round deadline, dedup on storage, tensorboard);
+    returns the parsed round deadline."""
     if partition.local and not strategy.shards_batch:
         raise EdgetrainError(f"config key 'partition' {partition.text} does not apply to strategy {cfg.strategy}, "
                              "where every device reads the whole batch; drop --partition or use --strategy ddp")
@@ -398,17 +421,7 @@ def resolve(cfg: TrainConfig, launch: LaunchSpec | None = None) -> RunSpec:
         # torch.utils.tensorboard writes the files but needs this package; a device would fail only after start-up
         raise EdgetrainError("config key 'tensorboard' needs the tensorboard package, which is not installed; "
                              "pip install tensorboard (or edgetrain[tensorboard]), or drop --tensorboard")
-    spec = RunSpec(compress, sync, link, cfg.link_mode, cfg.strategy, own.get("tiling"), cfg.timeout, cfg.seed,
-                   cfg.accelerator, cfg.batchnorm, pipeline=own.get("pipeline"),
-                   fsdp_replicas=own.get("fsdp_replicas", 1), partition=partition, server_opt=server_opt,
-                   participation=cfg.participation, round_deadline=round_deadline,
-                   checkpoint=CheckpointSpec(cfg.checkpoint_every, cfg.keep_checkpoints, cfg.resume,
-                                             cfg.checkpoint_every_s),
-                   faults=launch.faults, torchrun=launch.torchrun, tensorboard=cfg.tensorboard,
-                   dedup=parse_dedup(cfg.dedup), min_devices=cfg.min_devices, task=task, local_batch=local_batch)
-    # A cluster file's device count (or torchrun's) is only known once the devices are planned: train applies
-    # with_device_count then, with the count the run will have.
-    return with_device_count(cfg, spec, cfg.devices, launch) if draft.devices_known else spec
+    return round_deadline
 
 
 def with_device_count(cfg: TrainConfig, spec: RunSpec, n: int, launch: LaunchSpec | None = None) -> RunSpec:

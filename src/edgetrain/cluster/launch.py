@@ -436,92 +436,126 @@ def launch_local(world: int, target: Callable, args: tuple, labels: list[str], l
     except Exception as e:  # noqa: BLE001
         raise EdgetrainError(f"the model or config cannot be sent to the device processes ({e}); "
                              f"define your model class at module level of an importable file") from None
-    store, port = _loopback_store(world)
-    ctx = _device_context()
-    _quiet_resource_tracker()
-    results = ctx.Queue()
+    run = _LocalDevices(world, target, args, labels, log_dir, elastic)
+    try:
+        _start(run.procs)
+        while run.unfinished():
+            run.receive()
+            run.check_exits()
+            if run.should_stop(grace_s, deadline_s):
+                break
+    finally:
+        run.stop()
+    return run.outcome(deadline_s, deadline_fix)
 
-    def device(rank: int, joining: bool = False):
+
+class _LocalDevices:
+    """``launch_local``'s device processes and what the launcher has heard of them so far."""
+
+    def __init__(self, world: int, target: Callable, args: tuple, labels: list[str], log_dir: str | None,
+                 elastic: ElasticLaunch | None):
+        self.world, self.target, self.args, self.labels, self.log_dir = world, target, args, labels, log_dir
+        self.elastic = elastic
+        self.store, self.port = _loopback_store(world)
+        self.ctx = _device_context()
+        _quiet_resource_tracker()
+        self.results = self.ctx.Queue()
+        self.procs = [self.device(r) for r in range(world)]
+        self.lighthouse = Lighthouse(self.store, world, elastic, labels) if elastic else None
+        self.down: set[int] = self.lighthouse.down if self.lighthouse else set()  # lost in an elastic run
+        self.restarts: dict[int, float] = {}  # elastic: device -> when to start it again
+        self.elastic_end: str | None = None
+        self.done: dict[int, Any] = {}
+        self.failures: list[tuple[int, str, bool]] = []
+        self.first_failure: float | None = None
+        self.silent: dict[int, str] = {}
+        self.late: list[int] = []
+        self.started = time.monotonic()
+
+    def device(self, rank: int, joining: bool = False):
         environ = {**os.environ, _DEVICE_ENV: str(os.getpid())}
-        return ctx.Process(target=_child, args=(rank, world, port, os.getpid(), target, args, results, log_dir,
-                                                joining, environ, _LauncherStdio()), name=f"edgetrain-device-{rank}")
+        return self.ctx.Process(target=_child, args=(rank, self.world, self.port, os.getpid(), self.target, self.args,
+                                                     self.results, self.log_dir, joining, environ, _LauncherStdio()),
+                                name=f"edgetrain-device-{rank}")
 
-    procs = [device(r) for r in range(world)]
-    lighthouse = Lighthouse(store, world, elastic, labels) if elastic else None
-    down: set[int] = lighthouse.down if lighthouse else set()  # lost in an elastic run, not running now
-    restarts: dict[int, float] = {}  # elastic: device -> when to start it again
-    elastic_end: str | None = None
-    done: dict[int, Any] = {}
-
-    def unfinished() -> list[int]:
+    def unfinished(self) -> list[int]:
         """Devices still to report; in an elastic run, of the current members (a device started again and
         not admitted yet is stopped with the rest when they are done)."""
-        return [r for r in range(world) if r not in done and r not in down
-                and (lighthouse is None or r in lighthouse.members)]
+        return [r for r in range(self.world) if r not in self.done and r not in self.down
+                and (self.lighthouse is None or r in self.lighthouse.members)]
 
-    failures: list[tuple[int, str, bool]] = []
-    first_failure: float | None = None
-    silent: dict[int, str] = {}
-    late: list[int] = []
-    started = time.monotonic()
-    try:
-        _start(procs)
-        while unfinished():
-            try:
-                kind, rank, value, clear = results.get(timeout=0.2)
-                if kind == "done":
-                    done[rank] = value
-                else:
-                    failures.append((rank, value, clear))
-            except queue.Empty:
-                pass
-            for rank, p in enumerate(procs):
-                if rank in done or rank in down or p.exitcode in (None, 0) or any(f[0] == rank for f in failures):
-                    continue
-                if lighthouse:  # ended without a word: the others go on without it
-                    elastic_end = elastic_end or lighthouse.lost(rank)
-                    if elastic.back_s is not None:
-                        restarts[rank] = time.monotonic() + elastic.back_s
-                    continue
-                # Give a dying process a moment to deliver its message.
-                if first_failure is None or time.monotonic() - first_failure > 0.3:
-                    how = (_killed(p) if p.exitcode < 0 else _UNGUARDED_MAIN_FIX if p.exitcode == _UNGUARDED_MAIN_EXIT
-                           else f"its process exited with code {p.exitcode}")
-                    failures.append((rank, how, True))
-            if lighthouse and not elastic_end:
-                elastic_end = _membership(lighthouse, procs, done, restarts, device)
-            if elastic_end:
-                break
-            if failures and first_failure is None:
-                first_failure = time.monotonic()
-            if first_failure is not None and time.monotonic() - first_failure > grace_s:
-                silent = {rank: _status(p) for rank, p in enumerate(procs)
-                          if rank not in done and p.is_alive() and not any(f[0] == rank for f in failures)}
-                break
-            if deadline_s is not None and not failures and time.monotonic() - started > deadline_s:
-                late = [r for r in range(world) if r not in done]
-                break
-            missing = unfinished()
-            if all(p.exitcode is not None for p in procs) and missing and not failures:
-                # Everyone exited but a result went missing (e.g. the queue's feeder died).
-                failures.append((missing[0], "exited without reporting a result", True))
-                first_failure = time.monotonic() - grace_s
-    finally:
-        waiting = [p for r, p in enumerate(procs) if r not in done and lighthouse and r not in lighthouse.members]
+    def failed(self, rank: int) -> bool:
+        return any(f[0] == rank for f in self.failures)
+
+    def receive(self) -> None:
+        try:
+            kind, rank, value, clear = self.results.get(timeout=0.2)
+        except queue.Empty:
+            return
+        if kind == "done":
+            self.done[rank] = value
+        else:
+            self.failures.append((rank, value, clear))
+
+    def check_exits(self) -> None:
+        """A device whose process ended without its result: lost (elastic) or failed, said how."""
+        for rank, p in enumerate(self.procs):
+            if rank in self.done or rank in self.down or p.exitcode in (None, 0) or self.failed(rank):
+                continue
+            if self.lighthouse:  # ended without a word: the others go on without it
+                self.elastic_end = self.elastic_end or self.lighthouse.lost(rank)
+                if self.elastic.back_s is not None:
+                    self.restarts[rank] = time.monotonic() + self.elastic.back_s
+                continue
+            # Give a dying process a moment to deliver its message.
+            if self.first_failure is None or time.monotonic() - self.first_failure > 0.3:
+                how = (_killed(p) if p.exitcode < 0 else _UNGUARDED_MAIN_FIX if p.exitcode == _UNGUARDED_MAIN_EXIT
+                       else f"its process exited with code {p.exitcode}")
+                self.failures.append((rank, how, True))
+
+    def should_stop(self, grace_s: float, deadline_s: float | None) -> bool:
+        """Whether to stop waiting: an elastic run's end, a failure's grace over, the deadline passed."""
+        if self.lighthouse and not self.elastic_end:
+            self.elastic_end = _membership(self.lighthouse, self.procs, self.done, self.restarts, self.device)
+        if self.elastic_end:
+            return True
+        if self.failures and self.first_failure is None:
+            self.first_failure = time.monotonic()
+        if self.first_failure is not None and time.monotonic() - self.first_failure > grace_s:
+            self.silent = {rank: _status(p) for rank, p in enumerate(self.procs)
+                           if rank not in self.done and p.is_alive() and not self.failed(rank)}
+            return True
+        if deadline_s is not None and not self.failures and time.monotonic() - self.started > deadline_s:
+            self.late = [r for r in range(self.world) if r not in self.done]
+            return True
+        missing = self.unfinished()
+        if all(p.exitcode is not None for p in self.procs) and missing and not self.failures:
+            # Everyone exited but a result went missing (e.g. the queue's feeder died).
+            self.failures.append((missing[0], "exited without reporting a result", True))
+            self.first_failure = time.monotonic() - grace_s
+        return False
+
+    def stop(self) -> None:
+        lighthouse, procs = self.lighthouse, self.procs
+        waiting = [p for r, p in enumerate(procs) if r not in self.done and lighthouse and r not in lighthouse.members]
         _stop([p for p in waiting if p.pid is not None], finished=False)  # started again, never admitted
-        _stop([p for p in procs if p.pid is not None and p not in waiting], finished=not unfinished())
-        results.close()
-        results.join_thread()
-        del store  # closes the rendezvous port
-    if elastic_end:
-        raise EdgetrainError(elastic_end)
-    if failures:
-        rank, msg = _root_cause(failures, silent)
-        raise EdgetrainError(f"{labels[rank]} failed: {msg}; the other devices were stopped")
-    if late:
-        raise EdgetrainError(f"{', '.join(labels[r] for r in late)} did not finish within {deadline_s:g} s "
-                             f"and {'were' if len(late) > 1 else 'was'} stopped; {deadline_fix}")
-    return [done.get(r) for r in range(world)]
+        _stop([p for p in procs if p.pid is not None and p not in waiting], finished=not self.unfinished())
+        self.results.close()
+        self.results.join_thread()
+        self.store = None  # closes the rendezvous port (the lighthouse's reference goes with this object)
+
+    def outcome(self, deadline_s: float | None, deadline_fix: str) -> list[Any]:
+        """The results in rank order, or the one line that says why there are none."""
+        labels = self.labels
+        if self.elastic_end:
+            raise EdgetrainError(self.elastic_end)
+        if self.failures:
+            rank, msg = _root_cause(self.failures, self.silent)
+            raise EdgetrainError(f"{labels[rank]} failed: {msg}; the other devices were stopped")
+        if self.late:
+            raise EdgetrainError(f"{', '.join(labels[r] for r in self.late)} did not finish within {deadline_s:g} s "
+                                 f"and {'were' if len(self.late) > 1 else 'was'} stopped; {deadline_fix}")
+        return [self.done.get(r) for r in range(self.world)]
 
 
 def _start_fork_server() -> None:

@@ -82,19 +82,20 @@ class Elastic:
         self._connect()
         return self.rank, self.world
 
-    def start(self, strategy, optimizer, scheduler, sampler, loader, step: int, epoch: int,
-              evals: list[EvalRecord]) -> tuple[int, int, list[EvalRecord]]:
-        """Before the first step: what a change needs from the loop; a returning device also receives the
-        current state here (step, epoch, evaluations)."""
+    def start(self, run) -> None:
+        """Before the first step of ``run`` (train/loop.py's ``DeviceRun``): what a change needs from the loop
+        (its strategy, optimizer, scheduler, sampler, loader); a returning device also receives the current
+        state here (step, epoch, evaluations, into ``run.state``)."""
         self.strategy, self.optimizer, self.scheduler, self.sampler, self.loader = (
-            strategy, optimizer, scheduler, sampler, loader)
+            run.strategy, run.optimizer, run.scheduler, run.sampler, run.loader)
         threading.Thread(target=self._watch, name="edgetrain-elastic-watcher", daemon=True).start()
         if not self.joining:
-            return step, epoch, evals
+            return
         state = self._receive(self._own_counters())
         self.joined_at = state["step"]
         self.sampler.resume_at(state["epoch"], state["step"] - state["epoch"] * len(self.sampler))
-        return state["step"], state["epoch"], [EvalRecord.from_dict(e) for e in state["evals"]]
+        run.state.step, run.state.epoch = state["step"], state["epoch"]
+        run.state.evals = [EvalRecord.from_dict(e) for e in state["evals"]]
 
     # -- every step -----------------------------------------------------------------------
     def boundary(self, step: int, epoch: int, evals: list[EvalRecord]) -> None:
@@ -252,8 +253,7 @@ class FailStop:
         self.faults, self.local_batches = spec.faults, list(local_batches)
         self.timeout_s = spec.timeout_s
 
-    def start(self, strategy, optimizer, scheduler, sampler, loader, step: int, epoch: int,
-              evals: list[EvalRecord]) -> tuple[int, int, list[EvalRecord]]:
+    def start(self, run) -> None:
         """Every device starts its first step at the same moment. Each is ready at its own time (on a slow link
         the initial model reaches the devices one after another, seconds apart), and without a link to emulate
         a device's clock is its own steps' wall time: the first device ready would count its wait for the last
@@ -261,7 +261,6 @@ class FailStop:
         (``Elastic`` needs no barrier: its check before every step is a collective.)"""
         if dist.is_initialized() and dist.get_world_size() > 1:
             wait(dist.barrier(async_op=True), self.timeout_s, "start of training")
-        return step, epoch, evals
 
     def boundary(self, step: int, epoch: int, evals: list[EvalRecord]) -> None:
         """Every device starts every step: nothing to agree on."""

@@ -1,64 +1,9 @@
-"""The training loop every device runs: one short loop driving a ``Strategy``.
+"""The training every device runs: ``run_worker(plan)`` runs a ``DeviceRun``, in phases, driving a ``Strategy``.
 
-``run_worker`` is the body of one device process, whether ``launch_local``
-started it or ``torchrun`` did. It is four parts, in order:
-
-- ``set_up_device``: rendezvous and peer admission (cluster token, config
-  hash; cluster/peers), host cores and threads, seed, accelerator;
-- ``calibrate_throttle``: the throttle's reference pass, one device of a
-  host at a time;
-- the loop: ``Strategy.train_step`` per batch (train/strategy.py: data
-  parallel or tiled; the loop has no branch of its own for either), timed by
-  a ``StepRecorder``; batches come from ``data.partition.build_sampler``:
-  this device's share of every global batch, or with ``--partition`` its
-  own partition only (whose sizes rank 0 prints and the summary keeps), or
-  its own file where the cluster file gives one (``data.device_data``);
-- a ``RunWriter``: records as they happen (and TensorBoard event files with
-  ``--tensorboard``, ``train.tensorboard_log``), then summary and checkpoint.
-
-Rank 0 says each start-up phase in one line on stderr as it begins
-(``phase``: rendezvous, peer admission, data, near-duplicate filtering
-(``--dedup``, ``data.dedup``), FLOP count, throttle calibration, strategy
-set-up, training), unless ``--no-progress``; the
-launcher adds the host's speed measurement and the devices' start.
-
-Checkpoints during the run, ``--resume`` and the stop on SIGTERM are
-``LoopCheckpoints`` (train/resume.py, over train/checkpoint.py's
-``Checkpointer``: what is held, the protocol, what is exact): asked at the
-start of every step, before the batch is taken. A resumed run restores every
-device's state before the first step and rewrites the records files from the
-checkpoint's, so that no step is counted twice. Who trains is the run's
-membership (train/elastic.py): ``FailStop``, the devices of the start to the
-end, or ``Elastic`` with ``--min-devices``; the loop calls either alike.
-
-Each step's ``StepRecord`` (records.py) says where the time went:
-
-- ``data_s``: waiting for the batch;
-- ``comm_s``: waiting on communication that compute did not hide (the
-  strategy measures it: ``StepResult.comm_s``);
-- ``compute_s``: the rest of the step (forward, backward, optimizer, and the
-  duty-cycle sleeps that emulate a slower device);
-- ``comm_busy_s``: how long collectives ran in all, hidden or not (the
-  ``CommStats`` difference over the step); ``None`` where the strategy cannot
-  see its collectives (DDP's own all-reduce, ``comm/sync.py``).
-
-Records as they happen: each device that has the run directory (all of them
-on one host; rank 0 alone under torchrun, the others send theirs at the end)
-appends its records to ``metrics-<rank>.jsonl`` and flushes every step (one
-small write per step), and rank 0 appends each evaluation to ``evals.jsonl``:
-a run killed half-way keeps what it did. A run that ends replaces the
-per-device files by one ``metrics.jsonl`` sorted by (step, rank).
-
-Accelerator: ``auto`` is ``cuda`` where torch sees a GPU, else ``cpu``; with
-several devices on a host, device ``local_rank`` uses GPU ``local_rank % count``.
-Model, batches and the strategy's tensors live there; collectives stay on
-gloo (which takes CUDA tensors), as Jetson wheels ship without NCCL.
-
-The summary's FLOPs are counted once on rank 0 (``bench.flops``) on the model
-actually trained at the input shape actually fed, before training, on a copy
-and with the RNG restored, so counting changes nothing in the run. Each
-device's achieved GFLOPS is that count x its samples/s, and where it emulated
-a profile it is also rated against that profile's peak (``device_peak``).
+Also the parts it is made of: ``set_up_device`` (rendezvous, admission, cores), ``calibrate_throttle``,
+``StepRecorder`` (a step's ``StepRecord``), ``RunWriter`` (the run directory's records and summary). How a
+device's run goes, what a step record measures and what the run directory receives:
+docs/design/architecture.md ("The device's loop").
 """
 from __future__ import annotations
 
@@ -101,7 +46,6 @@ from edgetrain.models.batchnorm import local_batchnorm
 from edgetrain.models.init import build_on_meta
 from edgetrain.records import DeviceSummary, EnergyRecord, EvalRecord, MembershipRecord, RunSummary, StepRecord
 from edgetrain.report.files import atomic_write, save_torch, write_json
-from edgetrain.spec import RunSpec
 from edgetrain.tasks import Task, build_task, task_record
 from edgetrain.tasks.base import sum_totals
 from edgetrain.train.checkpoint import FINAL_DIR, FINAL_FILE, Checkpointer, resume_hint, save_final_parts
@@ -109,6 +53,7 @@ from edgetrain.train.elastic import Elastic, FailStop
 from edgetrain.train.energy import EnergyMeter
 from edgetrain.train.evaluation import evaluate  # noqa: F401  (imported from here: fleet/app.py, tests)
 from edgetrain.train.resume import LoopCheckpoints, LoopState
+from edgetrain.train.run_plan import RunPlan, accelerator_device, phase  # noqa: F401  (phase: tests import it here)
 from edgetrain.train.strategy import StepResult, Strategy, StrategyContext, registered_strategy
 from edgetrain.train.tensorboard_log import TensorBoardLog, write_missing_devices
 
@@ -158,21 +103,6 @@ def make_optimizer(cfg: TrainConfig, params, total_steps: int):
     return opt, sched
 
 
-def accelerator_device(accelerator: str, local_rank: int = 0) -> torch.device:
-    """The torch device ``--accelerator`` names for this device; one line if it asks for a GPU torch cannot see."""
-    if accelerator == "cuda" and not torch.cuda.is_available():
-        raise EdgetrainError("accelerator cuda was asked for but torch sees no CUDA GPU on this host "
-                             f"(torch {torch.__version__}); use --accelerator cpu or auto")
-    if accelerator == "cpu" or not torch.cuda.is_available():
-        return torch.device("cpu")
-    device = torch.device("cuda", local_rank % torch.cuda.device_count())
-    # Set and initialised now: torch's device mesh (fsdp) would otherwise pick GPU LOCAL_RANK, which emulated
-    # devices sharing one GPU do not have
-    torch.cuda.set_device(device)
-    torch.cuda.init()
-    return device
-
-
 @dataclass
 class DeviceSetup:
     device_id: int  # its rank at the start of the run, its identity in records (elastic runs change ranks)
@@ -188,18 +118,18 @@ class DeviceSetup:
     returning: bool = False  # started again in an elastic run, admitted by the devices that went on
 
 
-def set_up_device(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], speeds: list[float | None],
-                  cluster_token: str, elastic: Elastic | None = None) -> DeviceSetup:
+def set_up_device(plan: RunPlan, elastic: Elastic | FailStop | None = None) -> DeviceSetup:
     """Rendezvous and admission (a returning device of an elastic run: admission by its peers), host cores
     and threads, seed, accelerator."""
+    cfg, spec = plan.cfg, plan.spec
     device_id = check_rank_environment()[0]
     returning = bool(elastic and elastic.joining)
     # A returning device joins later (run_worker), once its data and model are ready: the members wait for it
     # from its join on. Until then it has no rank (-1: it prints no phase) and no group.
-    rank, world = (-1, len(devices)) if returning else init_distributed(cfg, cluster_token)
-    me = devices[device_id]
+    rank, world = (-1, len(plan.devices)) if returning else init_distributed(cfg, plan.token)
+    me = plan.devices[device_id]
     local_rank, local_world = local_placement(rank, world)  # without torchrun: counted per host (cluster/peers)
-    speed = speeds[device_id] if cfg.throttle else None
+    speed = plan.speeds[device_id] if cfg.throttle else None
     cores = assign_cores(local_rank, local_world)
     if speed is not None:
         # A throttled device needs only ceil(speed) host cores; more threads would burn CPU time
@@ -269,6 +199,26 @@ class StepRecorder:
             page_faults=page_faults() - self.faults0, **extra)
 
 
+@dataclass(frozen=True)
+class RunOutcome:
+    """What rank 0's summary is written from, once the run has ended (``DeviceRun.outcome``)."""
+    cfg: TrainConfig
+    strategy: Strategy
+    optimizer: torch.optim.Optimizer
+    data: DataSplit
+    params: int
+    flops_per_sample: dict
+    partition: PartitionReport | None
+    task_name: str | None
+    world: int
+    local_batches: list[int]
+    steps: int
+    planned_steps: int | None
+    wall_s: float
+    evals: list[EvalRecord]
+    membership: list[MembershipRecord]
+
+
 class RunWriter:
     """The run directory's files: records as they happen, then metrics.jsonl, checkpoint and summary.
 
@@ -332,18 +282,17 @@ class RunWriter:
         if self.tensorboard:
             write_missing_devices(self.run_dir, records, world)
 
-    def summary(self, cfg: TrainConfig, strategy: Strategy, optimizer, per_device: list[DeviceSummary], train_totals,
-                evals: list[EvalRecord], params, data, world, local_batches, steps, wall_s, flops_per_sample,
-                partition: PartitionReport | None = None, membership: list[MembershipRecord] | None = None,
-                planned_steps: int | None = None, task_name: str | None = None) -> dict:
+    def summary(self, run: RunOutcome, per_device: list[DeviceSummary], train_totals) -> dict:
         """Rank 0, last: checkpoint.pt (a pooled strategy's devices wrote checkpoint/ already) and summary.json;
         returns the summary as written."""
+        cfg, strategy, data, world, steps, evals = run.cfg, run.strategy, run.data, run.world, run.steps, run.evals
         run_dir = self.run_dir
         for d in per_device:
-            d.details.update(achieved(flops_per_sample["total_flops"], d.samples_per_s, d.details.get("peak_gflops")))
+            d.details.update(achieved(run.flops_per_sample["total_flops"], d.samples_per_s,
+                                      d.details.get("peak_gflops")))
         if not strategy.pooled:
-            save_torch(run_dir / FINAL_FILE, {**strategy.checkpoint_state(optimizer), "step": steps,
-                                              "planned_steps": planned_steps, "config": cfg.to_dict()})
+            save_torch(run_dir / FINAL_FILE, {**strategy.checkpoint_state(run.optimizer), "step": steps,
+                                              "planned_steps": run.planned_steps, "config": cfg.to_dict()})
         step_s = sum(d.step_s for d in per_device) / world
         split = {k: sum(getattr(d, f"{k}_s") for d in per_device) / world for k in ("data", "compute", "comm")}
         last = evals[-1] if evals else None
@@ -352,14 +301,14 @@ class RunWriter:
         train_loss, train_counts, train_seen = train_totals
         train_figures = task.train_figures(train_counts, int(train_seen))
         summary = RunSummary(
-            run_dir=str(run_dir), model=cfg.model, params=params, dataset=data.name,
-            input_shape=list(data.input_shape), flops_per_sample=flops_per_sample,
+            run_dir=str(run_dir), model=cfg.model, params=run.params, dataset=data.name,
+            input_shape=list(data.input_shape), flops_per_sample=run.flops_per_sample,
             devices=world, profiles=[d.profile for d in per_device], strategy=strategy.name,
-            accelerator=str(strategy.context.device), global_batch=cfg.batch_size, local_batches=local_batches,
+            accelerator=str(strategy.context.device), global_batch=cfg.batch_size, local_batches=run.local_batches,
             steps=steps, train_loss=train_loss / train_seen if train_seen else float("nan"),
             train_accuracy=train_figures.get("accuracy"),
             test_loss=last.test_loss if last else None, test_accuracy=last.test_accuracy if last else None,
-            evals=evals, membership=membership or [], task=task_record(task, task_name),
+            evals=evals, membership=run.membership, task=task_record(task, run.task_name),
             train_metrics=train_figures, test_metrics=last.values() if last else None,
             throughput_samples_per_s=sum(d.samples_per_s for d in per_device),
             achieved_gflops=sum(d.details["achieved_gflops"] for d in per_device),
@@ -368,264 +317,321 @@ class RunWriter:
             bytes_sent_total=bytes_sent, bytes_recv_total=sum(d.bytes_recv for d in per_device),
             bytes_sent_per_step_per_device=bytes_sent / max(steps, 1) / world,
             peak_rss_mb_max=max(d.peak_rss_mb for d in per_device),
-            wall_time_s=wall_s, batchnorm=strategy.context.spec.batchnorm, per_device=per_device,
+            wall_time_s=run.wall_s, batchnorm=strategy.context.spec.batchnorm, per_device=per_device,
             checkpoint=FINAL_DIR if strategy.pooled else FINAL_FILE,
             clipped_boxes=data.details.get("clipped_boxes"),
             details={**strategy.summary(), **{k: v for k, v in data.details.items() if k != "clipped_boxes"},
-                     **({"partition": partition.to_dict()} if partition else {})},
+                     **({"partition": run.partition.to_dict()} if run.partition else {})},
         ).to_dict()
         write_json(run_dir / "summary.json", summary)
         return summary
 
 
-def run_worker(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], *args, **kwargs) -> dict | None:
-    """Train on this device (``train_device``) inside the memory and storage limits ``--device-limits`` asks for
+def run_worker(plan: RunPlan) -> dict | None:
+    """Train on this device (``DeviceRun``) inside the memory and storage limits ``--device-limits`` asks for
     (cluster/limits.py), removed whatever ends it."""
-    me = devices[check_rank_environment()[0]]
+    cfg = plan.cfg
+    me = plan.devices[check_rank_environment()[0]]
     limits = device_limits(cfg.device_limits, me.label, me.profile.memory_mb, cfg.storage or me.profile.storage,
                            me.data or cfg.data_dir)
     try:
-        return train_device(cfg, spec, devices, *args, limits=limits, **kwargs)
+        return DeviceRun(plan, limits).run()
     finally:
         if limits is not None:
             limits.close()
 
 
-def train_device(cfg: TrainConfig, spec: RunSpec, devices: list[DeviceSpec], local_batches: list[int],
-                 speeds: list[float | None], run_dir: str | None, user_model: nn.Module | None = None,
-                 registered: dict | None = None, cluster_token: str = "",
-                 strategy_class: type[Strategy] | None = None, datasets: dict | None = None,
-                 loaded: DataSplit | None = None, user_task: Task | None = None,
-                 limits: DeviceLimits | None = None) -> dict | None:
-    """Train on this device; rank 0 returns the run summary, the others None.
+class DeviceRun:
+    """One device's run of a ``RunPlan``, in phases (``run`` calls them in order); rank 0's ``run`` returns the
+    run summary, the others None.
 
-    ``strategy_class``: a ``Strategy`` to train with instead of ``registered_strategy(spec.strategy)``;
-    ``registered`` and ``datasets``: models and datasets registered in the launching process; ``loaded``:
-    the dataset as the launching process loaded it (else this device loads it); ``user_task``: a ``Task`` passed
-    from Python (else the run's built-in task, ``--task`` or the one the dataset implies).
+    ``start``: the user's parts registered, membership, rendezvous and admission, cores, seed, accelerator;
+    ``load``: data, model (on the meta device), task, FLOPs; ``build_strategy``: the strategy, the model
+    materialised and adapted, the throttle calibrated; ``prepare_loop``: this device's batches, optimizer,
+    records, a resume's state; ``loop``: epochs of ``Strategy.train_step``; ``finish``: the final exchange,
+    checkpoint, records and summary.
     """
-    started = time.perf_counter()
-    # A device that sits out the first steps (rounds it is no member of, comm/local_sgd.py) steps the schedule
-    # before its optimizer has stepped, which is intended: every device keeps the same learning rate per step.
-    warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()` before `optimizer.step()`")
-    if user_model is not None:
+
+    def __init__(self, plan: RunPlan, limits: DeviceLimits | None = None):
+        self.plan, self.cfg, self.spec, self.limits = plan, plan.cfg, plan.spec, limits
+        self.started = time.perf_counter()
+
+    def run(self) -> dict | None:
+        self.start()
+        self.load()
+        self.build_strategy()
+        self.prepare_loop()
+        self.loop()
+        return self.finish()
+
+    def start(self) -> None:
+        plan, spec = self.plan, self.spec
+        # A device that sits out the first steps (rounds it is no member of, comm/local_sgd.py) steps the schedule
+        # before its optimizer has stepped, which is intended: every device keeps the same learning rate per step.
+        warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()` before `optimizer.step()`")
         # Our own copy before anything else: multiprocessing pickles the model with torch's reducers, which hand
         # every device (and the caller) the same shared-memory storage, so the devices would all train one tensor.
-        user_model = copy.deepcopy(user_model)
-    for name, factory in (registered or {}).items():
-        register_model(name, factory)
-    for name, factory in (datasets or {}).items():
-        register_dataset(name, factory)
-    # who trains (train/elastic.py): the devices of the start to the end, or as many as remain and come back
-    membership = Elastic(spec, devices, local_batches, run_dir) if spec.min_devices else FailStop(spec, local_batches)
-    at = set_up_device(cfg, spec, devices, speeds, cluster_token, membership)
-    rank = at.rank
-    if limits is not None and limits.fallbacks and rank == 0:
-        print(f"edgetrain: note: --device-limits cgroup falls back on this host ({'; '.join(limits.fallbacks)}); "
-              "memory is checked by peak RSS only and storage reads are not throttled where it says so",
-              file=sys.stderr, flush=True)
+        self.user_model = copy.deepcopy(plan.user.model) if plan.user.model is not None else None
+        for name, factory in plan.user.models.items():
+            register_model(name, factory)
+        for name, factory in plan.user.datasets.items():
+            register_dataset(name, factory)
+        # who trains (train/elastic.py): the devices of the start to the end, or as many as remain and come back
+        devices, local_batches = list(plan.devices), list(plan.local_batches)
+        self.membership = (Elastic(spec, devices, local_batches, plan.run_dir) if spec.min_devices
+                           else FailStop(spec, local_batches))
+        self.at = set_up_device(plan, self.membership)
+        self.rank = self.at.rank
+        if self.limits is not None and self.limits.fallbacks and self.rank == 0:
+            print(f"edgetrain: note: --device-limits cgroup falls back on this host "
+                  f"({'; '.join(self.limits.fallbacks)}); memory is checked by peak RSS only and storage reads are "
+                  "not throttled where it says so", file=sys.stderr, flush=True)
 
-    phase(cfg, rank, f"loading data: {cfg.dataset}")
-    # Our own copy, as for the model: multiprocessing hands every device the launcher's tensors in shared memory.
-    data = copy.deepcopy(loaded) if loaded is not None else build_data(cfg, spec.task)
-    if spec.dedup is not None:
-        phase(cfg, rank, f"dropping near-duplicate training images (pHash within {spec.dedup.threshold} bits; "
-                         "reads every training image)")
-        data, dedup = drop_near_duplicates(data, spec.dedup)
-        if rank == 0:
-            print(dedup.describe(), flush=True)
-    # On the meta device (no storage): the strategy materialises only what this device holds (models/init.py).
-    model = user_model if user_model is not None else build_on_meta(build_model, cfg.model, data.in_channels,
-                                                                     data.num_classes)
-    params = count_parameters(model)
-    task = copy.deepcopy(user_task) if user_task is not None else build_task(spec.task, data)
-    # The model actually trained at the input shape actually fed (counted on a copy, RNG untouched).
-    phase(cfg, rank, f"counting FLOPs: {cfg.model} at {'x'.join(map(str, data.input_shape))}")
-    # a real batch of the test set: its targets' structure (boxes) is what the FLOPs count; the training set is
-    # left to its sampler (a dataset may log or stream what it is asked for)
-    examples = data.test if len(data.test) else data.train
-    flops_per_sample = training_flops_per_sample(model, input_shape=data.input_shape,
-                                                 num_classes=data.num_classes, task=task,
-                                                 example=task.collate([examples[i] for i in range(min(2, len(examples)))])
-                                                 ) if rank == 0 or membership.reports_anywhere else None
-    if at.returning:  # ready to train: admitted at the members' next step (train/elastic.py)
-        rank, world = membership.join()
-        at = dataclasses.replace(at, rank=rank, world=world)
-    rank, world, local_batches = at.rank, at.world, membership.local_batches
-    checkpoints = LoopCheckpoints(Checkpointer(spec.checkpoint, run_dir, rank, world, spec.timeout_s),
-                                  cfg.to_dict(), at.device)
-    stats = CommStats()
-    strategy = (strategy_class or registered_strategy(spec.strategy))(StrategyContext(
-        cfg, spec, rank, world, local_batches[rank], tuple(data.input_shape), stats, at.me.link, at.device,
-        steps_per_epoch=len(data.train) // cfg.batch_size, task=task))
-    model = strategy.adapt(strategy.materialise(model))
-    throttle = Throttle(at.speed) if at.speed is not None else None
-    if cfg.throttle and any(speed is not None for speed in speeds):  # the same on every device: all take part
-        phase(cfg, rank, "calibrating the throttle: a reference pass per device, one device of this host at a time")
-        batch = strategy.calibration_batch
-        checkpoints.keep_calibration(throttle)
-        calibrate_throttle(throttle, model, None if batch is None or checkpoints.resumed else
-                           torch.randn(batch, *data.input_shape, device=at.device), at)
-    phase(cfg, rank, f"setting up strategy {strategy.name}")
-    strategy.setup(model)
+    def load(self) -> None:
+        cfg, spec, rank = self.cfg, self.spec, self.rank
+        phase(cfg, rank, f"loading data: {cfg.dataset}")
+        # Our own copy, as for the model: multiprocessing hands every device the launcher's tensors in shared memory.
+        data = copy.deepcopy(self.plan.data) if self.plan.data is not None else build_data(cfg, spec.task)
+        if spec.dedup is not None:
+            phase(cfg, rank, f"dropping near-duplicate training images (pHash within {spec.dedup.threshold} bits; "
+                             "reads every training image)")
+            data, dedup = drop_near_duplicates(data, spec.dedup)
+            if rank == 0:
+                print(dedup.describe(), flush=True)
+        self.data = data
+        # On the meta device (no storage): the strategy materialises only what this device holds (models/init.py).
+        self.model = self.user_model if self.user_model is not None else build_on_meta(
+            build_model, cfg.model, data.in_channels, data.num_classes)
+        self.params = count_parameters(self.model)
+        user_task = self.plan.user.task
+        self.task = copy.deepcopy(user_task) if user_task is not None else build_task(spec.task, data)
+        self.flops_per_sample = self._count_flops() if rank == 0 or self.membership.reports_anywhere else None
 
-    train_set, sampler, partition = build_training_data(data, at.me, spec.partition,
-                                                        *strategy.data_share(local_batches), spec.seed)
-    if partition is not None and rank == 0:
-        print(partition.describe(), flush=True)
-    if isinstance(sampler, PartitionSampler):  # a device's own data: federated rounds may weight by its size
-        strategy.data_ready(len(sampler.indices))
-    if len(sampler) == 0:
-        raise EdgetrainError(f"batch_size {cfg.batch_size} is larger than the {len(data.train)} training images of "
-                             f"{data.name}; lower batch_size")
-    cache = attach_cache(train_set, cfg.cache_mb, spec.seed + at.device_id, cfg.cache_dir)
-    if cache is not None and rank == 0:
-        print(f"{at.me.label}: MinIO cache of {cfg.cache_mb:g} MB holds {cache.describe()} training items",
-              flush=True)
-    elif cfg.cache_mb > 0 and rank == 0:
-        print(f"edgetrain: note: --cache-mb caches datasets on storage (shards, --from-storage); {data.name} is in "
-              "memory already", file=sys.stderr, flush=True)
-    loader = TrainingLoader(train_set, sampler, task.collate, cfg.workers, cfg.prefetch, cfg.timeout, at.me.label,
-                            pin_memory=at.device.type == "cuda", worker_init_fn=loader_worker_init)
-    total_steps = min(cfg.steps or math.inf, cfg.epochs * len(sampler))
-    epochs = math.ceil(total_steps / len(sampler))
-    optimizer, scheduler = make_optimizer(cfg, strategy.parameters(), int(total_steps))
+    def _count_flops(self) -> dict:
+        """The model actually trained at the input shape actually fed (counted on a copy, RNG untouched)."""
+        data, task = self.data, self.task
+        phase(self.cfg, self.rank, f"counting FLOPs: {self.cfg.model} at {'x'.join(map(str, data.input_shape))}")
+        # a real batch of the test set: its targets' structure (boxes) is what the FLOPs count; the training set
+        # is left to its sampler (a dataset may log or stream what it is asked for)
+        examples = data.test if len(data.test) else data.train
+        example = task.collate([examples[i] for i in range(min(2, len(examples)))])
+        return training_flops_per_sample(self.model, input_shape=data.input_shape, num_classes=data.num_classes,
+                                         task=task, example=example)
 
-    writer = RunWriter(run_dir, at.device_id, spec.tensorboard)
-    phase(cfg, rank, f"training: {int(total_steps)} steps, {epochs} epoch(s)")
-    recorder = StepRecorder(stats, at.device_id)
-    bar = _progress(cfg, rank, int(total_steps))
-    state = LoopState(started, planned_steps=int(total_steps))
-    # Checked against peak RSS unless the kernel holds the device to its memory (--device-limits cgroup): RSS
-    # counts the pages this process shares with the launcher (torch itself), which the cgroup does not.
-    limit_mb = None if limits is not None and limits.memory_bound else at.me.profile.memory_mb
-    checkpoints.restore(state, strategy, optimizer, scheduler, writer)
-    # a returning device of an elastic run receives the current state here
-    state.step, state.epoch, state.evals = membership.start(strategy, optimizer, scheduler, sampler, loader,
-                                                            state.step, state.epoch, state.evals)
-    checkpoints.resumed_step = state.step
-    checkpoints.files.catch_sigterm()
-    # joules of the training steps (train/energy.py): a sensor's, shared by CPU time where devices share a host
-    energy = EnergyMeter(at.me.profile, at.me.profile.cores or at.threads, at.local_world > 1,
-                         power_file=cfg.power_file)
-    energy.start()
-    first_record = len(state.records)
-    for epoch in range(state.epoch, epochs):
-        state.epoch = epoch
-        sampler.set_epoch(epoch)
-        if checkpoints.resumes_in(state):
-            sampler.resume_at(epoch, state.step - epoch * len(sampler))
-        else:
-            state.new_epoch()
-        batches = iter(loader)
-        while state.step < total_steps:
-            if checkpoints.save_if_due(state, strategy, optimizer, scheduler, throttle):
+    def build_strategy(self) -> None:
+        plan, cfg, spec = self.plan, self.cfg, self.spec
+        if self.at.returning:  # ready to train: admitted at the members' next step (train/elastic.py)
+            rank, world = self.membership.join()
+            self.at = dataclasses.replace(self.at, rank=rank, world=world)
+        at = self.at
+        self.rank, self.world, self.local_batches = at.rank, at.world, self.membership.local_batches
+        self.checkpoints = LoopCheckpoints(Checkpointer(spec.checkpoint, plan.run_dir, self.rank, self.world,
+                                                        spec.timeout_s), cfg.to_dict(), at.device)
+        self.stats = CommStats()
+        strategy_class = plan.user.strategy or registered_strategy(spec.strategy)
+        self.strategy = strategy = strategy_class(StrategyContext(
+            cfg, spec, self.rank, self.world, self.local_batches[self.rank], tuple(self.data.input_shape),
+            self.stats, at.me.link, at.device, steps_per_epoch=len(self.data.train) // cfg.batch_size,
+            task=self.task))
+        self.model = strategy.adapt(strategy.materialise(self.model))
+        self.throttle = Throttle(at.speed) if at.speed is not None else None
+        if cfg.throttle and any(speed is not None for speed in plan.speeds):  # the same on every device: all take part
+            phase(cfg, self.rank, "calibrating the throttle: a reference pass per device, one device of this host "
+                                  "at a time")
+            batch = strategy.calibration_batch
+            self.checkpoints.keep_calibration(self.throttle)
+            calibrate_throttle(self.throttle, self.model, None if batch is None or self.checkpoints.resumed else
+                               torch.randn(batch, *self.data.input_shape, device=at.device), at)
+        phase(cfg, self.rank, f"setting up strategy {strategy.name}")
+        strategy.setup(self.model)
+
+    def _batches(self) -> None:
+        """This device's share of the data (its own partition or file, ``data.device_data``) and its loader."""
+        cfg, spec, at, data, rank = self.cfg, self.spec, self.at, self.data, self.rank
+        train_set, self.sampler, self.partition = build_training_data(
+            data, at.me, spec.partition, *self.strategy.data_share(self.local_batches), spec.seed)
+        if self.partition is not None and rank == 0:
+            print(self.partition.describe(), flush=True)
+        if isinstance(self.sampler, PartitionSampler):  # a device's own data: federated rounds may weight by its size
+            self.strategy.data_ready(len(self.sampler.indices))
+        if len(self.sampler) == 0:
+            raise EdgetrainError(f"batch_size {cfg.batch_size} is larger than the {len(data.train)} training images "
+                                 f"of {data.name}; lower batch_size")
+        cache = attach_cache(train_set, cfg.cache_mb, spec.seed + at.device_id, cfg.cache_dir)
+        if cache is not None and rank == 0:
+            print(f"{at.me.label}: MinIO cache of {cfg.cache_mb:g} MB holds {cache.describe()} training items",
+                  flush=True)
+        elif cfg.cache_mb > 0 and rank == 0:
+            print(f"edgetrain: note: --cache-mb caches datasets on storage (shards, --from-storage); {data.name} is "
+                  "in memory already", file=sys.stderr, flush=True)
+        self.loader = TrainingLoader(train_set, self.sampler, self.task.collate, cfg.workers, cfg.prefetch,
+                                     cfg.timeout, at.me.label, pin_memory=at.device.type == "cuda",
+                                     worker_init_fn=loader_worker_init)
+
+    def prepare_loop(self) -> None:
+        cfg, at, rank = self.cfg, self.at, self.rank
+        self._batches()
+        self.total_steps = int(min(cfg.steps or math.inf, cfg.epochs * len(self.sampler)))
+        self.epochs = math.ceil(self.total_steps / len(self.sampler))
+        self.optimizer, self.scheduler = make_optimizer(cfg, self.strategy.parameters(), self.total_steps)
+        self.writer = RunWriter(self.plan.run_dir, at.device_id, self.spec.tensorboard)
+        phase(cfg, rank, f"training: {self.total_steps} steps, {self.epochs} epoch(s)")
+        self.recorder = StepRecorder(self.stats, at.device_id)
+        self.bar = _progress(cfg, rank, self.total_steps)
+        state = self.state = LoopState(self.started, planned_steps=self.total_steps)
+        self.checkpoints.restore(state, self.strategy, self.optimizer, self.scheduler, self.writer)
+        # a returning device of an elastic run receives the current state here
+        self.membership.start(self)
+        self.checkpoints.resumed_step = state.step
+        self.checkpoints.files.catch_sigterm()
+        # joules of the training steps (train/energy.py): a sensor's, shared by CPU time where devices share a host
+        self.energy = EnergyMeter(at.me.profile, at.me.profile.cores or at.threads, at.local_world > 1,
+                                  power_file=cfg.power_file)
+        self.energy.start()
+        self.first_record = len(state.records)
+
+    def memory_limit_mb(self) -> int | None:
+        """Checked against peak RSS unless the kernel holds the device to its memory (--device-limits cgroup):
+        RSS counts the pages this process shares with the launcher (torch itself), which the cgroup does not."""
+        return None if self.limits is not None and self.limits.memory_bound else self.at.me.profile.memory_mb
+
+    def loop(self) -> None:
+        """Epochs of steps, each epoch ending in the last exchange (the final epoch) and an evaluation."""
+        state, sampler, checkpoints = self.state, self.sampler, self.checkpoints
+        for epoch in range(state.epoch, self.epochs):
+            state.epoch = epoch
+            sampler.set_epoch(epoch)
+            if checkpoints.resumes_in(state):
+                sampler.resume_at(epoch, state.step - epoch * len(sampler))
+            else:
+                state.new_epoch()
+            self.epoch_steps(epoch)
+            if checkpoints.stopped:
+                break
+            if state.step >= self.total_steps or epoch == self.epochs - 1:
+                self.strategy.finish()  # the last exchange: every device now holds the same model
+            if self.cfg.eval:
+                self.evaluate(epoch)
+            if state.step >= self.total_steps:
+                break
+
+    def epoch_steps(self, epoch: int) -> None:
+        """One epoch's steps: a due checkpoint first (SIGTERM: stopped with it), then the batch and the step."""
+        state, strategy, membership = self.state, self.strategy, self.membership
+        batches = iter(self.loader)
+        while state.step < self.total_steps:
+            if self.checkpoints.save_if_due(state, strategy, self.optimizer, self.scheduler, self.throttle):
                 break  # SIGTERM: stopped with this checkpoint
-            inject_fault(membership.faults, at.device_id, state.step, spec.timeout_s)  # EDGETRAIN_FAULT
-            recorder.start()
+            inject_fault(membership.faults, self.at.device_id, state.step, self.spec.timeout_s)  # EDGETRAIN_FAULT
+            self.recorder.start()
             try:
                 membership.boundary(state.step, epoch, state.evals)
                 x, y = next(batches)
-                x, y = x.to(at.device, non_blocking=True), task.to_device(y, at.device)
-                recorder.data_ready(batches.last)
-                result = strategy.train_step(x, y, optimizer)
+                x, y = x.to(self.at.device, non_blocking=True), self.task.to_device(y, self.at.device)
+                self.recorder.data_ready(batches.last)
+                result = strategy.train_step(x, y, self.optimizer)
             except StopIteration:
                 break
             except membership.failures as e:  # a device left or joined: the step is done again
-                rank, world, local_batches, batches, state.step = membership.reform(e, epoch)
+                self.rank, self.world, self.local_batches, batches, state.step = membership.reform(e, epoch)
                 continue
-            scheduler.step()
-            record = recorder.finish(state.step, epoch, result, scheduler.get_last_lr()[0])
-            writer.step(record)
-            state.count(record, result)
-            if limit_mb is not None and record.peak_rss_mb > limit_mb:
-                raise EdgetrainError(f"{at.me.label} ran out of memory: peak {record.peak_rss_mb:.0f} MiB > its "
-                                     f"{limit_mb} MiB at step {state.step}; lower batch_size or give the profile "
-                                     f"more memory_mb")
-            if bar and state.ema_loss is not None:
-                bar.update(state.step, epoch, state.ema_loss,
-                           figures_text(task, task.train_figures(state.totals[1], int(state.totals[2]))),
-                           cfg.batch_size / record.step_s)
+            self.count(epoch, result)
+
+    def count(self, epoch: int, result: StepResult) -> None:
+        """A step done: its record written and counted, this device's memory checked, the bar moved."""
+        state = self.state
+        self.scheduler.step()
+        record = self.recorder.finish(state.step, epoch, result, self.scheduler.get_last_lr()[0])
+        self.writer.step(record)
+        state.count(record, result)
+        limit_mb = self.memory_limit_mb()
+        if limit_mb is not None and record.peak_rss_mb > limit_mb:
+            raise EdgetrainError(f"{self.at.me.label} ran out of memory: peak {record.peak_rss_mb:.0f} MiB > its "
+                                 f"{limit_mb} MiB at step {state.step}; lower batch_size or give the profile "
+                                 f"more memory_mb")
+        if self.bar and state.ema_loss is not None:
+            self.bar.update(state.step, epoch, state.ema_loss, figures_text(
+                self.task, self.task.train_figures(state.totals[1], int(state.totals[2]))),
+                self.cfg.batch_size / record.step_s)
+
+    def evaluate(self, epoch: int) -> None:
+        state = self.state
+        metrics = self.strategy.evaluate(self.data.test)
+        if isinstance(metrics, tuple):  # a strategy of one's own may give a classifier's (loss, accuracy)
+            metrics = {"loss": metrics[0], "accuracy": metrics[1]}
+        test_loss = metrics.pop("loss")
+        state.evals.append(EvalRecord(epoch=epoch, step=state.step, test_loss=test_loss,
+                                      test_accuracy=metrics.get("accuracy"), metrics=metrics))
+        if self.rank == 0:
+            self.writer.evaluation(state.evals[-1])
+        headline = self.task.headline
+        _note(self.bar, self.rank, f"epoch {epoch + 1}/{self.epochs}: test {headline.label or headline.name} "
+                                   f"{headline.format(metrics[headline.name])}, loss {test_loss:.3f}")
+
+    def finish(self) -> dict | None:
+        """The final exchange and model, every device's records and summary to rank 0, the group left."""
+        state, strategy, checkpoints, run_dir = self.state, self.strategy, self.checkpoints, self.plan.run_dir
+        checkpoints.files.release_sigterm()
+        energy = self.energy.stop(sum(r.samples for r in state.records[self.first_record:]))
+        if self.bar:
+            self.bar.close()
+        strategy.finish()  # no-op if the last epoch already called it
+        self.writer.close()
+        if strategy.pooled:  # every device writes its own part of the final model: RUN_DIR/checkpoint/
+            save_final_parts(run_dir, strategy.sharded_state(self.optimizer, final=True), state.step,
+                             self.cfg.to_dict(), self.rank, self.world, self.spec.timeout_s,
+                             planned_steps=state.planned_steps)
+        summary = self.end_of_run(energy)
+        dist.barrier()
+        dist.destroy_process_group()
         if checkpoints.stopped:
-            break
-        if state.step >= total_steps or epoch == epochs - 1:
-            strategy.finish()  # the last exchange: every device now holds the same model
-        if cfg.eval:
-            metrics = strategy.evaluate(data.test)
-            if isinstance(metrics, tuple):  # a strategy of one's own may give a classifier's (loss, accuracy)
-                metrics = {"loss": metrics[0], "accuracy": metrics[1]}
-            test_loss = metrics.pop("loss")
-            state.evals.append(EvalRecord(epoch=epoch, step=state.step, test_loss=test_loss,
-                                          test_accuracy=metrics.get("accuracy"), metrics=metrics))
-            if rank == 0:
-                writer.evaluation(state.evals[-1])
-            headline = task.headline
-            _note(bar, rank, f"epoch {epoch + 1}/{epochs}: test {headline.label or headline.name} "
-                             f"{headline.format(metrics[headline.name])}, loss {test_loss:.3f}")
-        if state.step >= total_steps:
-            break
-    checkpoints.files.release_sigterm()
-    energy_record = energy.stop(sum(r.samples for r in state.records[first_record:]))
-    if bar:
-        bar.close()
-    strategy.finish()  # no-op if the last epoch already called it
-    writer.close()
-    if strategy.pooled:  # every device writes its own part of the final model: RUN_DIR/checkpoint/
-        save_final_parts(run_dir, strategy.sharded_state(optimizer, final=True), state.step, cfg.to_dict(), rank,
-                         world, spec.timeout_s, planned_steps=state.planned_steps)
-    task_name = spec.task
-    summary = _end_of_run(cfg, state, at, strategy, optimizer, writer, membership, checkpoints, throttle, devices,
-                          rank, world, local_batches, params, data, flops_per_sample, partition, task_name,
-                          energy_record, limits)
-    dist.barrier()
-    dist.destroy_process_group()
-    if checkpoints.stopped:
-        raise Terminated(resume_hint(run_dir) if run_dir else "", checkpoints.files.stop_signal)
-    return summary
+            raise Terminated(resume_hint(run_dir) if run_dir else "", checkpoints.files.stop_signal)
+        return summary
 
+    def end_of_run(self, energy: EnergyRecord | None) -> dict | None:
+        """Every device: its summary and records to rank 0, which writes metrics.jsonl, checkpoint.pt and
+        summary.json; rank 0 returns the summary, the others None."""
+        state, rank = self.state, self.rank
+        mine = self.device_summary(energy)
+        train_totals = tuple(state.totals)
+        if self.world > 1:  # rank 0's summary needs them (JSON: the counts are a dict of the task's own keys)
+            everyone = gather_json(list(train_totals), dst=0)
+            train_totals = sum_totals(everyone) if everyone is not None else train_totals
+            # JSON, not pickles: see cluster/peers
+            gathered = gather_json(([r.to_dict() for r in state.records], mine.to_dict()), dst=0)
+        else:
+            gathered = [([r.to_dict() for r in state.records], mine.to_dict())]
+        if rank != 0:
+            return None
+        all_records = self.membership.all_records([records for records, _ in gathered]
+                                                  + [self.checkpoints.files.departed_records])
+        self.writer.metrics(all_records, max([len(self.plan.devices), *(r.rank + 1 for r in all_records)]))
+        per_device = [DeviceSummary.from_dict(d) for _, d in gathered]
+        return self.writer.summary(self.outcome(), per_device, train_totals)
 
-def _end_of_run(cfg: TrainConfig, state: LoopState, at: DeviceSetup, strategy: Strategy, optimizer, writer: RunWriter,
-                membership, checkpoints: LoopCheckpoints, throttle: Throttle | None, devices: list[DeviceSpec],
-                rank: int, world: int, local_batches: list[int], params: int, data: DataSplit, flops_per_sample,
-                partition: PartitionReport | None, task_name: str | None,
-                energy: EnergyRecord | None = None, limits: DeviceLimits | None = None) -> dict | None:
-    """Every device: its summary and records to rank 0, which writes metrics.jsonl, checkpoint.pt and
-    summary.json; rank 0 returns the summary, the others None."""
-    limit_mb = None if limits is not None and limits.memory_bound else at.me.profile.memory_mb
-    train_totals = tuple(state.totals)
-    mine = dataclasses.replace(_device_summary(state.records, at, local_batches[rank], throttle, cfg.workers),
-                               energy=energy)
-    if limits is not None:
-        mine.details["limits"] = limits.describe()
-    if limit_mb is not None and mine.run_peak_rss_mb > limit_mb:
-        # Warned, not raised: training is done and the final model is written; but a real device of this size
-        # would not have survived the end of the run (its evaluation, the final exchange or checkpoint), and
-        # the summary says so (run_peak_rss_mb) rather than only the steps' peak.
-        print(f"edgetrain: warning: {at.me.label} went over its memory at the end of the run: peak "
-              f"{mine.run_peak_rss_mb:.0f} MiB > its {limit_mb} MiB after the final exchange and checkpoint "
-              f"({strategy.name}); "
-              f"its training steps peaked at {mine.peak_rss_mb:.0f} MiB", file=sys.stderr, flush=True)
-    if world > 1:  # rank 0's summary needs them (JSON: the counts are a dict of the task's own keys)
-        everyone = gather_json(list(train_totals), dst=0)
-        train_totals = sum_totals(everyone) if everyone is not None else train_totals
-        # JSON, not pickles: see cluster/peers
-        gathered = gather_json(([r.to_dict() for r in state.records], mine.to_dict()), dst=0)
-    else:
-        gathered = [([r.to_dict() for r in state.records], mine.to_dict())]
-    if rank != 0:
-        return None
-    all_records = membership.all_records([records for records, _ in gathered] + [checkpoints.files.departed_records])
-    writer.metrics(all_records, max([len(devices), *(r.rank + 1 for r in all_records)]))
-    per_device = [DeviceSummary.from_dict(d) for _, d in gathered]
-    return writer.summary(cfg, strategy, optimizer, per_device, train_totals, state.evals, params, data, world,
-                          local_batches, state.step, time.perf_counter() - state.started, flops_per_sample,
-                          partition, membership.history(), planned_steps=state.planned_steps, task_name=task_name)
+    def device_summary(self, energy: EnergyRecord | None) -> DeviceSummary:
+        """This device's summary; a warning where it went over its memory after the training steps."""
+        at, limit_mb = self.at, self.memory_limit_mb()
+        mine = dataclasses.replace(_device_summary(self.state.records, at, self.local_batches[self.rank],
+                                                   self.throttle, self.cfg.workers), energy=energy)
+        if self.limits is not None:
+            mine.details["limits"] = self.limits.describe()
+        if limit_mb is not None and mine.run_peak_rss_mb > limit_mb:
+            # Warned, not raised: training is done and the final model is written; but a real device of this size
+            # would not have survived the end of the run (its evaluation, the final exchange or checkpoint), and
+            # the summary says so (run_peak_rss_mb) rather than only the steps' peak.
+            print(f"edgetrain: warning: {at.me.label} went over its memory at the end of the run: peak "
+                  f"{mine.run_peak_rss_mb:.0f} MiB > its {limit_mb} MiB after the final exchange and checkpoint "
+                  f"({self.strategy.name}); "
+                  f"its training steps peaked at {mine.peak_rss_mb:.0f} MiB", file=sys.stderr, flush=True)
+        return mine
 
-
-def phase(cfg: TrainConfig, rank: int, text: str) -> None:
-    """A start-up phase on rank 0, one line on stderr as it begins (not with --no-progress)."""
-    if cfg.progress and rank == 0:
-        print(f"edgetrain: {text}", file=sys.stderr, flush=True)
+    def outcome(self) -> RunOutcome:
+        state = self.state
+        return RunOutcome(self.cfg, self.strategy, self.optimizer, self.data, self.params, self.flops_per_sample,
+                          self.partition, self.spec.task, self.world, self.local_batches, state.step,
+                          state.planned_steps, time.perf_counter() - state.started, state.evals,
+                          self.membership.history() or [])
 
 
 def _note(bar, rank: int, text: str) -> None:

@@ -136,25 +136,35 @@ class Pipeline(Strategy):
         self.stage.actions = []
         self.output_bytes = 0 if self.is_last else _nbytes(stage_output)  # one micro-batch's activation
         self.clock = device_clock(self.whole, c.spec, c.rank, c.world, c.stats, c.link, "pipeline")
-        if self.replicas > 1:
-            # error feedback keyed per parameter name (compress/memory.py); a shared seed: random-k draws the
-            # same indices on every replica of the stage
-            link = get_link(c.link) if c.link is not None else c.spec.link
-            compressor, memory = build_compressor(c.spec.compress, link, c.spec.seed, c.rank)
-            names = tuple(name for name, _ in self.stage_module.named_parameters())
-            # gradients every step (--sync sync), or DiLoCo's pseudo-gradient every H steps, between the replicas
-            self.between = ReplicaExchange(list(self.stage_module.parameters()), lambda t: t, names, c.spec.sync,
-                                           compressor, memory, self.clock.emulator, self.stage_group,
-                                           self.stage_ranks)
-        else:
-            self.between = None
+        self.between = self._between_replicas()
         self.exchange = (0.0, 0.0)  # this step's all-reduce: (seconds computing: encode, decode; modelled link s)
         self.replicas_identical: bool | None = None
+        self.schedule = SCHEDULES[pipeline.schedule](self.stage, n_microbatches=pipeline.microbatches,
+                                                     loss_fn=self._loss_fn(), scale_grads=False)
+        self.finished = False
+
+    def _between_replicas(self) -> ReplicaExchange | None:
+        """With replicas: gradients every step (--sync sync), or DiLoCo's pseudo-gradient every H steps, between
+        the replicas of this stage."""
+        if self.replicas <= 1:
+            return None
+        c = self.context
+        # error feedback keyed per parameter name (compress/memory.py); a shared seed: random-k draws the
+        # same indices on every replica of the stage
+        link = get_link(c.link) if c.link is not None else c.spec.link
+        compressor, memory = build_compressor(c.spec.compress, link, c.spec.seed, c.rank)
+        names = tuple(name for name, _ in self.stage_module.named_parameters())
+        return ReplicaExchange(list(self.stage_module.parameters()), lambda t: t, names, c.spec.sync,
+                               compressor, memory, self.clock.emulator, self.stage_group, self.stage_ranks)
+
+    def _loss_fn(self):
+        """The schedule's loss, summed over micro-batches: the mean loss over this replica's batch."""
+        c = self.context
         # each replica's loss is its own batch's sum / its batch; the all-reduce averages over the D replicas,
         # so the gradient is the mean loss's over the global batch B = D x replica batch
         scale = 1.0 / self.replica_batch
 
-        def loss_fn(out, positions):  # summed over micro-batches: the mean loss over this replica's batch
+        def loss_fn(out, positions):
             # the schedule cuts tensors only: it hands the micro-batch's positions in the batch, and the task
             # takes those samples of the target, whatever its structure (train_step)
             started = time.perf_counter()
@@ -162,10 +172,7 @@ class Pipeline(Strategy):
             loss = c.task.loss(out, target) * scale
             self.stage.actions[-1][2] += time.perf_counter() - started  # part of the forward just timed
             return loss
-
-        self.schedule = SCHEDULES[pipeline.schedule](self.stage, n_microbatches=pipeline.microbatches,
-                                                     loss_fn=loss_fn, scale_grads=False)
-        self.finished = False
+        return loss_fn
 
     def _make_groups(self) -> None:
         """One gloo group per replica (its pipeline's sends) and one per stage (its D devices' all-reduce).
