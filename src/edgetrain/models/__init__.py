@@ -17,6 +17,7 @@ from typing import Callable
 from torch import nn
 
 from edgetrain.errors import EdgetrainError
+from edgetrain.models.lenet import LeNet
 from edgetrain.models.resnet import ResNet18
 from edgetrain.models.sensors import MLP, Conv1DNet
 from edgetrain.models.small_cnn import SmallCNN, SmallCNNGroupNorm
@@ -26,7 +27,7 @@ from edgetrain.models.yolov2 import yolov2
 ModelFactory = Callable[..., nn.Module]
 
 MODELS: dict[str, ModelFactory] = {"small_cnn": SmallCNN, "small_cnn_gn": SmallCNNGroupNorm,
-                                   "resnet18": ResNet18, "yolo_tiny": YoloTiny, "mlp": MLP, "conv1d": Conv1DNet,
+                                   "resnet18": ResNet18, "lenet": LeNet, "yolo_tiny": YoloTiny, "mlp": MLP, "conv1d": Conv1DNet,
                                    "yolov2_tiny": yolov2_tiny, "yolov2_tiny_small": yolov2_tiny_small,
                                    "yolov2": yolov2}
 _BUILTIN = frozenset(MODELS)

@@ -1,0 +1,149 @@
+"""Gradient inversion against what an observer of a device's traffic sees, on CIFAR-10 images.
+
+For each model, batch size and view (``edgetrain.privacy.observe``) the device
+computes its update from the first B images of ``data_batch_1`` at freshly
+initialised weights (seeded), the attacker (``edgetrain.privacy.attack``)
+reconstructs the images from the view alone (labels recovered by iDLG at
+batch 1, given above it), and the reconstructions are scored against the true
+images (``edgetrain.privacy.metrics``: PSNR, SSIM, the noise floor). Views:
+
+* ``fp32``: one step's fp32 gradient;
+* ``topk``: that gradient through ``--compress topk:RATIO`` (edgetrain's
+  compressor, fresh error feedback), decoded from the bytes on the wire;
+* ``diloco``: the pseudo-gradient after H local steps of the trainer's default
+  optimizer (SGD, lr 0.05, momentum 0.9) on the batch;
+* ``fedavg``: FedAvg's model delta after E local steps of plain SGD (lr 0.05).
+
+Writes ``results.json``, ``table.md`` and one PNG per model and batch (true
+images in the first row, each view's reconstructions below) into ``--out``.
+
+Usage (from the repository root)::
+
+    PYTHONPATH=src python benchmarks/privacy_attack.py --batches 1,4,16 --views fp32,topk,diloco,fedavg \
+        --models lenet,resnet18 --iterations 300 --out benchmarks/results/privacy
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from edgetrain.comm.compress.spec import build_compressor  # noqa: E402
+from edgetrain.errors import EdgetrainError  # noqa: E402
+from edgetrain.data.cifar import MEAN, STD, read_batch  # noqa: E402
+from edgetrain.models import build_model  # noqa: E402
+from edgetrain.privacy.attack import AttackConfig, invert  # noqa: E402
+from edgetrain.privacy.metrics import noise_floor, scores  # noqa: E402
+from edgetrain.privacy.observe import (LocalTraining, Normalized, compressed_view, gradient_view,  # noqa: E402
+                                       local_update_view)
+from edgetrain.spec import parse_compress  # noqa: E402
+
+DATA = ROOT.parent / "shared/data/cifar10-subset/cifar-10-batches-py"
+
+
+def build_view(name: str, model, images, labels, args):
+    if name == "fp32":
+        return gradient_view(model, images, labels)
+    if name == "topk":
+        compressor, memory = build_compressor(parse_compress(f"topk:{args.topk_ratio}"))
+        return compressed_view(model, images, labels, compressor, memory)
+    if name == "diloco":
+        return local_update_view(model, images, labels, LocalTraining(args.local_steps, 0.05, 0.9))
+    if name == "fedavg":
+        return local_update_view(model, images, labels, LocalTraining(args.local_steps, 0.05, 0.0))
+    raise SystemExit(f"unknown view {name!r}; use fp32, topk, diloco or fedavg")
+
+
+def attack_one(model_name: str, batch: int, view: str, images, labels, args) -> tuple[dict, torch.Tensor]:
+    torch.manual_seed(args.seed)
+    model = Normalized(build_model(model_name), MEAN, STD)
+    observed = build_view(view, model, images, labels, args)
+    start = time.perf_counter()
+    given = None if batch == 1 else labels
+    config = AttackConfig(method=args.method, iterations=args.iterations, seed=args.seed)
+    reconstructed, found = invert(model, observed, tuple(images.shape), given, config)
+    psnr, ssim = scores(reconstructed, images)
+    row = {"model": model_name, "batch": batch, "view": view, "psnr_db": round(psnr, 2), "ssim": round(ssim, 3),
+           "floor_db": round(noise_floor(images, torch.tensor(MEAN).view(1, 3, 1, 1), args.seed), 2),
+           "label_recovered": bool((found == labels).all()) if batch == 1 else None,
+           "attack_s": round(time.perf_counter() - start, 1)}
+    print(json.dumps(row), flush=True)
+    return row, reconstructed
+
+
+def save_grid(path: Path, images, reconstructions: dict[str, torch.Tensor], title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = {"true": images, **reconstructions}
+    cols = len(images)
+    fig, axes = plt.subplots(len(rows), cols, figsize=(1.2 * cols + 0.8, 1.2 * len(rows)), squeeze=False)
+    for r, (name, batch) in enumerate(rows.items()):
+        for c in range(cols):
+            axes[r][c].imshow(batch[c].permute(1, 2, 0).clamp(0, 1).numpy())
+            axes[r][c].set_xticks([])
+            axes[r][c].set_yticks([])
+        axes[r][0].set_ylabel(name, fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.savefig(path, dpi=80, bbox_inches="tight")
+    plt.close(fig)
+
+
+def write_table(path: Path, rows: list[dict]) -> None:
+    lines = ["| model | batch | view | PSNR dB | SSIM | floor dB | label (B=1) | attack s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        label = "-" if r["label_recovered"] is None else ("yes" if r["label_recovered"] else "no")
+        lines.append(f"| {r['model']} | {r['batch']} | {r['view']} | {r['psnr_db']} | {r['ssim']} | "
+                     f"{r['floor_db']} | {label} | {r['attack_s']} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batches", default="1,4,16")
+    parser.add_argument("--views", default="fp32,topk,diloco,fedavg")
+    parser.add_argument("--models", default="lenet,resnet18")
+    parser.add_argument("--iterations", type=int, default=300)
+    parser.add_argument("--method", default="dlg", choices=("ig", "dlg"))
+    parser.add_argument("--topk-ratio", type=float, default=0.01)
+    parser.add_argument("--local-steps", type=int, default=4, help="H of diloco, E of fedavg")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--data", type=Path, default=DATA)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/privacy")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    try:
+        x, y = read_batch(args.data / "data_batch_1")
+    except EdgetrainError as err:
+        print(f"privacy_attack: {err}; pass --data DIR", file=sys.stderr)
+        raise SystemExit(2) from None
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for model_name in args.models.split(","):
+        for batch in (int(b) for b in args.batches.split(",")):
+            images, labels = torch.from_numpy(x[:batch]).float() / 255, torch.from_numpy(y[:batch]).long()
+            pictures = {}
+            for view in args.views.split(","):
+                row, pictures[view] = attack_one(model_name, batch, view, images, labels, args)
+                rows.append(row)
+                write_table(args.out / "table.md", rows)  # partial results survive an interrupted run
+            save_grid(args.out / f"{model_name}_b{batch}.png", images, pictures,
+                      f"{model_name}, batch {batch}, {args.method}, {args.iterations} iterations")
+    meta = {"command": " ".join(sys.argv), "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "loadavg": os.getloadavg(), "threads": args.threads, "rows": rows}
+    (args.out / "results.json").write_text(json.dumps(meta, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""What an observer of a device's traffic sees, built from edgetrain's own pieces.
+
+An ``ObservedUpdate`` is the decoded update vector in parameter order, which
+of its coordinates were actually received (a top-k payload carries some), and
+``LocalTraining``: how the device turned its batch into that update. The
+latter is public (it is the protocol: steps, learning rate, momentum), so the
+attacker may use it. Later protections (DP-SGD noise, secure aggregation)
+are further ways to build an ``ObservedUpdate``; the attack takes any of them.
+
+The views here:
+
+* ``gradient_view``: the fp32 gradient of one step (DDP's all-reduce input);
+* ``compressed_view``: that gradient through a compressor of ``comm/compress``
+  with fresh error-feedback memory, packed to bytes, unpacked and decoded as
+  the receiving peer does;
+* ``local_update_view``: the pseudo-gradient ``ref - x`` that local SGD,
+  DiLoCo and FedAvg send after the device's local steps (``comm/local_sgd.py``),
+  here with every local step on the same batch (the device's data in the round).
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from edgetrain.comm.compress.base import Compressor, unpack
+from edgetrain.comm.params import flatten
+
+
+@dataclass(frozen=True)
+class LocalTraining:
+    """How a device made its update from its batch: ``steps`` of SGD (``lr``, ``momentum``, torch's SGD rule),
+    the update being ``start - end``. One step at ``lr`` 1 is the gradient itself."""
+
+    steps: int = 1
+    lr: float = 1.0
+    momentum: float = 0.0
+
+
+GRADIENT = LocalTraining()
+
+
+@dataclass
+class ObservedUpdate:
+    """The flat fp32 update an observer decoded, the coordinates it received (``None``: all) and the training
+    that made it."""
+
+    values: torch.Tensor
+    training: LocalTraining = GRADIENT
+    received: torch.Tensor | None = None
+
+
+class Normalized(nn.Module):
+    """``model`` behind the dataset's per-channel normalisation, so that images live in [0, 1]."""
+
+    def __init__(self, model: nn.Module, mean: tuple[float, ...], std: tuple[float, ...]):
+        super().__init__()
+        self.model = model
+        self.register_buffer("mean", torch.tensor(mean).view(1, -1, 1, 1))
+        self.register_buffer("std", torch.tensor(std).view(1, -1, 1, 1))
+
+    def forward(self, x):
+        return self.model((x - self.mean) / self.std)
+
+
+def gradient_view(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> ObservedUpdate:
+    """One step's fp32 gradient of the mean cross-entropy over the batch."""
+    params = [p for p in model.parameters()]
+    loss = nn.functional.cross_entropy(model(images), labels)
+    return ObservedUpdate(flatten(list(torch.autograd.grad(loss, params))))
+
+
+def compressed_view(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, compressor: Compressor,
+                    memory) -> ObservedUpdate:
+    """The gradient as the receiving peer decodes it from the bytes on the wire; received: its non-zero entries."""
+    gradient = gradient_view(model, images, labels).values
+    compensated = memory.compensate(gradient)
+    payload = compressor.encode(compensated)
+    wire = payload.pack()
+    received = unpack(wire, compressor.layout(payload.numel, wire.numel(), payload.segments), payload.numel,
+                      payload.segments)
+    decoded = compressor.decode(received)
+    memory.update(compensated, decoded)
+    return ObservedUpdate(decoded, GRADIENT, decoded != 0)
+
+
+def local_update_view(model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
+                      training: LocalTraining) -> ObservedUpdate:
+    """``ref - x`` after ``training.steps`` SGD steps on the batch, as local SGD / DiLoCo / FedAvg send it."""
+    local = copy.deepcopy(model)
+    ref = flatten(list(model.parameters()))
+    optimizer = torch.optim.SGD(local.parameters(), lr=training.lr, momentum=training.momentum)
+    for _ in range(training.steps):
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(local(images), labels).backward()
+        optimizer.step()
+    return ObservedUpdate(ref - flatten(list(local.parameters())), training)
