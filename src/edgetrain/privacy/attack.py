@@ -45,6 +45,7 @@ class AttackConfig:
     lr: float = 0.1
     tv_weight: float = 1e-4
     seed: int = 0
+    restarts: int = 1  # from different random images; the one whose update matches best is kept
 
 
 def recover_label(model: nn.Module, observed: ObservedUpdate) -> int:
@@ -93,8 +94,15 @@ def invert(model: nn.Module, observed: ObservedUpdate, shape: tuple[int, ...], l
         labels = torch.tensor([recover_label(model, observed)])
     model = copy.deepcopy(model)  # BatchNorm's running statistics move while we attack
     model.train()
-    generator = torch.Generator().manual_seed(config.seed)
-    dummy = torch.rand(shape, generator=generator).requires_grad_(True)
+    attempts = [_attempt(model, observed, shape, labels, config, config.seed + r) for r in range(config.restarts)]
+    best = min(attempts, key=lambda attempt: attempt[1])[0]
+    return best, labels
+
+
+def _attempt(model: nn.Module, observed: ObservedUpdate, shape: tuple[int, ...], labels: torch.Tensor,
+             config: AttackConfig, seed: int) -> tuple[torch.Tensor, float]:
+    """(images from one random start, how far their update stays from the observed one)."""
+    dummy = torch.rand(shape, generator=torch.Generator().manual_seed(seed)).requires_grad_(True)
     target = observed.values.detach()
     seen = observed.received
 
@@ -107,7 +115,10 @@ def invert(model: nn.Module, observed: ObservedUpdate, shape: tuple[int, ...], l
 
     run = _run_ig if config.method == "ig" else _run_dlg
     run(dummy, mismatch, config)
-    return dummy.detach().clamp(0, 1), labels
+    with torch.no_grad():
+        dummy.clamp_(0, 1)
+    final = float(mismatch().detach())
+    return dummy.detach(), final if final == final else float("inf")  # NaN: the worst
 
 
 def _run_ig(dummy: torch.Tensor, mismatch, config: AttackConfig) -> None:
