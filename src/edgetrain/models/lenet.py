@@ -1,7 +1,7 @@
 """LeNet as the gradient-inversion papers use it (Zhu et al., "Deep Leakage from Gradients", NeurIPS 2019).
 
 Three 5x5 convolutions of 12 channels (strides 2, 2, 1), each followed by a
-Sigmoid, and one linear layer: 7.8k parameters at 3x32x32. Sigmoid, not ReLU,
+Sigmoid, and one linear layer: 15.8k parameters at 3x32x32. Sigmoid, not ReLU,
 as in the attacks' standard setting: it is twice differentiable everywhere, so
 gradient matching has useful second derivatives. ``activation="relu"`` gives
 the ReLU variant.
