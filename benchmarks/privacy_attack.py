@@ -69,10 +69,11 @@ def attack_one(model_name: str, batch: int, view: str, images, labels, args) -> 
     observed = build_view(view, model, images, labels, args)
     start = time.perf_counter()
     given = None if batch == 1 else labels
-    config = AttackConfig(method=args.method, iterations=args.iterations, seed=args.seed)
+    config = AttackConfig(method=args.method, iterations=args.iterations, seed=args.seed, restarts=args.restarts)
     reconstructed, found = invert(model, observed, tuple(images.shape), given, config)
     psnr, ssim = scores(reconstructed, images)
-    row = {"model": model_name, "batch": batch, "view": view, "psnr_db": round(psnr, 2), "ssim": round(ssim, 3),
+    row = {"model": model_name, "batch": batch, "view": view, "method": args.method,
+           "psnr_db": round(psnr, 2), "ssim": round(ssim, 3),
            "floor_db": round(noise_floor(images, torch.tensor(MEAN).view(1, 3, 1, 1), args.seed), 2),
            "label_recovered": bool((found == labels).all()) if batch == 1 else None,
            "attack_s": round(time.perf_counter() - start, 1)}
@@ -99,11 +100,11 @@ def save_grid(path: Path, images, reconstructions: dict[str, torch.Tensor], titl
 
 
 def write_table(path: Path, rows: list[dict]) -> None:
-    lines = ["| model | batch | view | PSNR dB | SSIM | floor dB | label (B=1) | attack s |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | batch | view | attack | PSNR dB | SSIM | floor dB | label (B=1) | attack s |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         label = "-" if r["label_recovered"] is None else ("yes" if r["label_recovered"] else "no")
-        lines.append(f"| {r['model']} | {r['batch']} | {r['view']} | {r['psnr_db']} | {r['ssim']} | "
+        lines.append(f"| {r['model']} | {r['batch']} | {r['view']} | {r['method']} | {r['psnr_db']} | {r['ssim']} | "
                      f"{r['floor_db']} | {label} | {r['attack_s']} |")
     path.write_text("\n".join(lines) + "\n")
 
@@ -115,6 +116,7 @@ def main() -> None:
     parser.add_argument("--models", default="lenet,resnet18")
     parser.add_argument("--iterations", type=int, default=300)
     parser.add_argument("--method", default="dlg", choices=("ig", "dlg"))
+    parser.add_argument("--restarts", type=int, default=1, help="random starts; the best-matching one is kept")
     parser.add_argument("--topk-ratio", type=float, default=0.01)
     parser.add_argument("--local-steps", type=int, default=4, help="H of diloco, E of fedavg")
     parser.add_argument("--seed", type=int, default=0)
