@@ -12,6 +12,8 @@ images (``edgetrain.privacy.metrics``: PSNR, SSIM, the noise floor). Views:
   compressor, fresh error feedback), decoded from the bytes on the wire;
 * ``diloco``: the pseudo-gradient after H local steps of the trainer's default
   optimizer (SGD, lr 0.05, momentum 0.9) on the batch;
+* ``sparseloco``: that pseudo-gradient through SparseLoCo's payload
+  (``--compress topk:RATIO:bits=2``, fresh error feedback), decoded;
 * ``fedavg``: FedAvg's model delta after E local steps of plain SGD (lr 0.05).
 
 Writes ``results.json``, ``table.md`` and one PNG per model and batch (true
@@ -55,12 +57,15 @@ def build_view(name: str, model, images, labels, args):
         return gradient_view(model, images, labels)
     if name == "topk":
         compressor, memory = build_compressor(parse_compress(f"topk:{args.topk_ratio}"))
-        return compressed_view(model, images, labels, compressor, memory)
+        return compressed_view(gradient_view(model, images, labels), compressor, memory)
     if name == "diloco":
         return local_update_view(model, images, labels, LocalTraining(args.local_steps, 0.05, 0.9))
+    if name == "sparseloco":
+        compressor, memory = build_compressor(parse_compress(f"topk:{args.topk_ratio}:bits=2"))
+        return compressed_view(build_view("diloco", model, images, labels, args), compressor, memory)
     if name == "fedavg":
         return local_update_view(model, images, labels, LocalTraining(args.local_steps, 0.05, 0.0))
-    raise SystemExit(f"unknown view {name!r}; use fp32, topk, diloco or fedavg")
+    raise SystemExit(f"unknown view {name!r}; use fp32, topk, diloco, sparseloco or fedavg")
 
 
 def attack_one(model_name: str, batch: int, view: str, images, labels, args) -> tuple[dict, torch.Tensor]:

@@ -69,7 +69,7 @@ def test_the_topk_view_is_what_the_receiver_decodes():
     model, image = lenet(), smooth_image(2)
     compressor, memory = build_compressor(parse_compress("topk:0.05"))
     gradient = gradient_view(model, image, torch.tensor([1])).values
-    seen = compressed_view(model, image, torch.tensor([1]), compressor, memory)
+    seen = compressed_view(gradient_view(model, image, torch.tensor([1])), compressor, memory)
     assert int(seen.received.sum()) == math.ceil(0.05 * gradient.numel())
     assert torch.equal(seen.values[seen.received], gradient[seen.received])
     assert torch.equal(seen.values[~seen.received], torch.zeros(int((~seen.received).sum())))

@@ -10,9 +10,9 @@ are further ways to build an ``ObservedUpdate``; the attack takes any of them.
 The views here:
 
 * ``gradient_view``: the fp32 gradient of one step (DDP's all-reduce input);
-* ``compressed_view``: that gradient through a compressor of ``comm/compress``
+* ``compressed_view``: any of these through a compressor of ``comm/compress``
   with fresh error-feedback memory, packed to bytes, unpacked and decoded as
-  the receiving peer does;
+  the receiving peer does (top-k of a gradient, SparseLoCo's of a pseudo-gradient);
 * ``local_update_view``: the pseudo-gradient ``ref - x`` that local SGD,
   DiLoCo and FedAvg send after the device's local steps (``comm/local_sgd.py``),
   here with every local step on the same batch (the device's data in the round).
@@ -72,18 +72,17 @@ def gradient_view(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) 
     return ObservedUpdate(flatten(list(torch.autograd.grad(loss, params))))
 
 
-def compressed_view(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, compressor: Compressor,
-                    memory) -> ObservedUpdate:
-    """The gradient as the receiving peer decodes it from the bytes on the wire; received: its non-zero entries."""
-    gradient = gradient_view(model, images, labels).values
-    compensated = memory.compensate(gradient)
+def compressed_view(observed: ObservedUpdate, compressor: Compressor, memory) -> ObservedUpdate:
+    """``observed`` as the receiving peer decodes it from the bytes on the wire (top-k of a gradient; SparseLoCo:
+    2-bit top-k of a pseudo-gradient); received: the decoded non-zero entries."""
+    compensated = memory.compensate(observed.values)
     payload = compressor.encode(compensated)
     wire = payload.pack()
     received = unpack(wire, compressor.layout(payload.numel, wire.numel(), payload.segments), payload.numel,
                       payload.segments)
     decoded = compressor.decode(received)
     memory.update(compensated, decoded)
-    return ObservedUpdate(decoded, GRADIENT, decoded != 0)
+    return ObservedUpdate(decoded, observed.training, decoded != 0)
 
 
 def local_update_view(model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
