@@ -50,6 +50,7 @@ from edgetrain.privacy.observe import (LocalTraining, Normalized, compressed_vie
 from edgetrain.spec import parse_compress  # noqa: E402
 
 DATA = ROOT.parent / "shared/data/cifar10-subset/cifar-10-batches-py"
+VIEWS = ("fp32", "topk", "diloco", "sparseloco", "fedavg")
 
 
 def build_view(name: str, model, images, labels, args):
@@ -65,7 +66,7 @@ def build_view(name: str, model, images, labels, args):
         return compressed_view(build_view("diloco", model, images, labels, args), compressor, memory)
     if name == "fedavg":
         return local_update_view(model, images, labels, LocalTraining(args.local_steps, 0.05, 0.0))
-    raise SystemExit(f"unknown view {name!r}; use fp32, topk, diloco, sparseloco or fedavg")
+    raise ValueError(f"unknown view {name!r}")
 
 
 def attack_one(model_name: str, batch: int, view: str, images, labels, args) -> tuple[dict, torch.Tensor]:
@@ -130,6 +131,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/privacy")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    unknown = sorted(set(args.views.split(",")) - set(VIEWS))
+    if unknown:
+        print(f"privacy_attack: unknown view(s) {', '.join(unknown)}; use some of {','.join(VIEWS)}", file=sys.stderr)
+        raise SystemExit(2)
     try:
         x, y = read_batch(args.data / "data_batch_1")
     except EdgetrainError as err:
