@@ -24,9 +24,12 @@ class LeNet(nn.Module):
             nn.Conv2d(in_channels, 12, 5, stride=2, padding=2), act(),
             nn.Conv2d(12, 12, 5, stride=2, padding=2), act(),
             nn.Conv2d(12, 12, 5, stride=1, padding=2), act(),
+            # the identity at image_size (two stride-2 convolutions: a quarter of the side); other sizes
+            # (digits' 8x8) are pooled to the classifier's input
+            nn.AdaptiveAvgPool2d((image_size + 3) // 4),
             nn.Flatten(),
         )
-        side = (image_size + 3) // 4  # two stride-2 convolutions with padding 2
+        side = (image_size + 3) // 4
         self.classifier = nn.Linear(12 * side * side, num_classes)
 
     def forward(self, x):
