@@ -40,6 +40,8 @@ METHODS = ("ig", "dlg")
 
 @dataclass(frozen=True)
 class AttackConfig:
+    """``iterations``: Adam steps (``ig``) or L-BFGS iterations (``dlg``, 20 per step, pixels clamped between)."""
+
     method: str = "ig"
     iterations: int = 300
     lr: float = 0.1
@@ -137,7 +139,7 @@ def _run_ig(dummy: torch.Tensor, mismatch, config: AttackConfig) -> None:
 
 
 def _run_dlg(dummy: torch.Tensor, mismatch, config: AttackConfig) -> None:
-    inner = 20  # function evaluations per L-BFGS step
+    inner = 20  # L-BFGS iterations per step; the pixels are clamped to [0, 1] between steps
     optimizer = torch.optim.LBFGS([dummy], lr=1, max_iter=inner, history_size=100,
                                   line_search_fn="strong_wolfe", tolerance_grad=0, tolerance_change=0)
 
