@@ -7,9 +7,11 @@ A figure the issue and the repository's docs do not give is "not reported here",
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -83,3 +85,19 @@ def paper_arguments(doc: str, fast: str, runs: str, default_runs: str | None = N
     ap.add_argument("--out", help="also write the rows and numbers as JSON here")
     ap.add_argument("--runs", default=default_runs, help=runs)
     return ap
+
+
+@contextlib.contextmanager
+def runs_folder(paper: str, runs: str | None):
+    """Says the paper and the host's load, then gives the folder the runs go to: ``runs``, else a temporary one."""
+    print(f"{paper}\n{load_average()} at the start")
+    with tempfile.TemporaryDirectory() as tmp:
+        yield runs or tmp
+
+
+def report(paper: str, rows: list[Row], started: float, out: str | None, sections: dict) -> int:
+    """The closing table beside the paper's figures, the host's load and time, and the JSON (``save``)."""
+    print_table(f"{paper}: the paper's figures beside edgetrain's", rows)
+    print(f"\n{load_average()} at the end; {time.time() - started:.0f} s")
+    save(out, paper, started, {"rows": rows, **sections})
+    return 0

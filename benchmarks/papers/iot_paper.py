@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import NOT_REPORTED, Row, load_average, print_table, save, paper_arguments  # noqa: E402
+from common import NOT_REPORTED, Row, load_average, paper_arguments, report  # noqa: E402
 
 PAPER = "Sudharsan et al., training on IoT devices across the globe (the IoT paper)"
 LINK = "100mbit:39ms"  # 78 ms round trip (the paper, as the issue states it); 100 Mbit/s assumed
@@ -72,10 +72,7 @@ def main(argv: list[str] | None = None) -> int:
                            if r is plain and devices == 4 else "")))
         rows.append(Row(f"{r['label']}: test accuracy after {r['steps']} steps", NOT_REPORTED,
                         f"{100 * r['test_accuracy']:.1f}%", "measured"))
-    print_table(f"{PAPER}: the paper's figures beside edgetrain's", rows)
-    print(f"\n{load_average()} at the end; {time.time() - started:.0f} s")
-    save(args.out, PAPER, started, {"rows": rows, "runs": results})
-    return 0
+    return report(PAPER, rows, started, args.out, {"runs": results})
 
 
 if __name__ == "__main__":

@@ -12,12 +12,11 @@
 from __future__ import annotations
 
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import NOT_REPORTED, Row, load_average, print_table, save, paper_arguments  # noqa: E402
+from common import NOT_REPORTED, Row, paper_arguments, runs_folder, report  # noqa: E402
 
 PAPER = "Prashanthi et al., DNN training on Jetson devices (the Jetson position paper)"
 
@@ -56,9 +55,7 @@ def main(argv: list[str] | None = None) -> int:
                          "where the bench runs go (default: a temporary folder)")
     args = ap.parse_args(argv)
     started = time.time()
-    print(f"{PAPER}\n{load_average()} at the start")
-    with tempfile.TemporaryDirectory() as tmp:
-        runs = args.runs or tmp
+    with runs_folder(PAPER, args.runs) as runs:
         print("\n1. Data stalls, NVMe against HDD, by loader workers (measured)")
         stall = stalls(runs, args.fast)
         print("\n3. Time per step across repeated runs (measured)")
@@ -76,10 +73,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{100 * (s.get('cv_within_mean') or 0):.2f}%", "measured",
                     "repeated runs on one emulating host measure this host's noise under its load, not the spread "
                     "between boards of one model, which emulation cannot show"))
-    print_table(f"{PAPER}: the paper's figures beside edgetrain's", rows)
-    print(f"\n{load_average()} at the end; {time.time() - started:.0f} s")
-    save(args.out, PAPER, started, {"rows": rows, "stalls": stall, "variability": spread})
-    return 0
+    return report(PAPER, rows, started, args.out, {"stalls": stall, "variability": spread})
 
 
 if __name__ == "__main__":

@@ -16,12 +16,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import NOT_REPORTED, Row, load_average, print_table, save, paper_arguments  # noqa: E402
+from common import NOT_REPORTED, Row, paper_arguments, runs_folder, report  # noqa: E402
 
 PAPER = "Mwase, Kahira, Zou, distributed training on Raspberry Pi 4s (the Pi study)"
 
@@ -107,9 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                          "where the bench and plan runs go (default: a temporary folder)")
     args = ap.parse_args(argv)
     started = time.time()
-    print(f"{PAPER}\n{load_average()} at the start")
-    with tempfile.TemporaryDirectory() as tmp:
-        runs = args.runs or tmp
+    with runs_folder(PAPER, args.runs) as runs:
         print("\n1. Throughput and memory against batch size (measured), rpi4's 4096 MB limit")
         sweep = batch_sweep(4 if args.fast else 1024, 1, runs, model="small_cnn" if args.fast else "resnet18")
         rows = batch_rows(sweep)
@@ -119,10 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             scaling = planned_scaling(32, runs)
             rows += scaling_rows(scaling)
         rows += linpack_rows()
-    print_table(f"{PAPER}: the paper's figures beside edgetrain's", rows)
-    print(f"\n{load_average()} at the end; {time.time() - started:.0f} s")
-    save(args.out, PAPER, started, {"rows": rows, "batch_sweep": sweep, "scaling": scaling})
-    return 0
+    return report(PAPER, rows, started, args.out, {"batch_sweep": sweep, "scaling": scaling})
 
 
 if __name__ == "__main__":

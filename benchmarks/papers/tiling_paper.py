@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import NOT_REPORTED, Row, load_average, print_table, save, paper_arguments  # noqa: E402
+from common import NOT_REPORTED, Row, load_average, paper_arguments, report  # noqa: E402
 
 from edgetrain.cluster.launch import run_group  # noqa: E402
 from edgetrain.cluster.links import collective_time  # noqa: E402
@@ -303,11 +303,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"over one group", "modelled",
                         "the tiled section's time only (3 x forward FLOPs at the profile's GFLOPS, halo bytes and "
                         "messages at its link); the paper's baseline for its 1.5x is not reported here"))
-    print_table(f"{PAPER}: the paper's figures beside edgetrain's", rows)
-    print(f"\n{load_average()} at the end; {time.time() - started:.0f} s")
-    save(args.out, PAPER, started, {"rows": rows, "memory": memory, "modelled_speedup": modelled,
-                                    "measured_speedup": measured, "grouping": gains})
-    return 0
+    return report(PAPER, rows, started, args.out, {"memory": memory, "modelled_speedup": modelled,
+                                                        "measured_speedup": measured, "grouping": gains})
 
 
 if __name__ == "__main__":

@@ -130,7 +130,7 @@ def set_up_device(plan: RunPlan, elastic: Elastic | FailStop | None = None) -> D
     me = plan.devices[device_id]
     local_rank, local_world = local_placement(rank, world)  # without torchrun: counted per host (cluster/peers)
     speed = plan.speeds[device_id] if cfg.throttle else None
-    cores = assign_cores(local_rank, local_world)
+    cores = assign_cores(local_rank, local_world, list(plan.host_cores) if plan.host_cores else None)
     if speed is not None:
         # A throttled device needs only ceil(speed) host cores; more threads would burn CPU time
         # in OpenMP spin-waits, which the throttle would then stretch as if it were work.

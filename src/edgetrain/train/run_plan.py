@@ -69,6 +69,9 @@ class RunPlan:
     data: DataSplit | None = None  # loaded once by the launcher (datasets in LOADED_ONCE), else each device's own
     run_dir: str | None = None  # None on devices that do not write it (ranks > 0 under torchrun)
     token: str = field(default="", repr=False)  # the cluster token: beside the config, never in it
+    # the launcher's cores when it plans the run: emulated devices share them out (cluster/throttle.assign_cores),
+    # not the cores of the fork server they come from, which keeps the affinity of the run that started it
+    host_cores: tuple[int, ...] | None = None
 
 
 def phase(cfg: TrainConfig, rank: int, text: str) -> None:
@@ -146,11 +149,15 @@ def plan_run(cfg: TrainConfig, spec: RunSpec, user: UserParts, started: Started)
     spec = with_device_count(cfg, spec, len(devices), started.launch)
     user = dataclasses.replace(user, models=user_models(), datasets=user_datasets())
     plan = RunPlan(cfg, spec, started, tuple(devices), tuple(split_batch(cfg, devices, spec.local_batch)), (),
-                   user, token=token)
+                   user, token=token, host_cores=None if started.torchrun else _host_cores())
     # a user's dataset in memory is the devices' to load: the launcher keeps no copy through the run (``checked``
     # goes with this frame)
     plan = dataclasses.replace(plan, data=_check_shares(plan, checked))
     return dataclasses.replace(plan, speeds=_speeds(plan), run_dir=_run_dir(plan))
+
+
+def _host_cores() -> tuple[int, ...] | None:
+    return tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else None  # macOS: none
 
 
 def _check_before_launch(cfg: TrainConfig, spec: RunSpec, user: UserParts):
