@@ -48,19 +48,37 @@ TASK_DATA: dict[str, dict[str, dict]] = {
 }
 TASK_SETTINGS = {"detection": {"image_size": 32}}
 
-# The extras: off (the first level) or on, each the config keys it sets and the words a refusal of it names.
-EXTRAS: dict[str, tuple[dict, dict, tuple[str, ...]]] = {
-    "partition": ({}, {"partition": "iid"}, ("partition",)),
-    "elastic": ({}, {"min_devices": 1}, ("min-devices", "elastic")),
-    "checkpoint": ({}, {"checkpoint_every": 1}, ("checkpoint", "resume")),   # on: the run, then a resume of it
-    "link": ({}, {"link": "wifi-20m"}, ("link",)),
-    "profile": ({}, {"profile": "rpi4", "throttle": True}, ("profile", "throttle", "rpi4")),
-    "batchnorm": ({}, {"batchnorm": "sync"}, ("batchnorm",)),
-    "workers": ({}, {"workers": 1}, ("workers",)),
-    "cache": ({}, {"cache_mb": 4.0}, ("cache",)),
-    "augment": ({"augment": False}, {"augment": True}, ("augment",)),
-    "dedup": ({}, {"dedup": "on"}, ("dedup",)),
-    "optimizer": ({"optimizer": "sgd"}, {"optimizer": "adam"}, ("optimizer", "adam", "momentum")),
+
+@dataclass(frozen=True)
+class Extra:
+    """An extra factor, off (its first level) or on: the config keys each sets, the words a refusal of it names,
+    what it adds to a row's ``cost``, and the levels of other factors its option belongs to (``needs``: a row
+    refused for a pair with it keeps them, so the refusal it meets is the pair's, not the missing owner's)."""
+    on: dict
+    names: tuple[str, ...]
+    off: dict = dataclasses.field(default_factory=dict)
+    cost: int = 0
+    needs: dict = dataclasses.field(default_factory=dict)
+
+
+# The extras. One whose "on" sets more devices than BASE's (replicas: 2 of 2 devices) trains in the whole matrix,
+# and in one row of the fast tier.
+EXTRAS: dict[str, Extra] = {
+    "partition": Extra({"partition": "iid"}, ("partition",)),
+    "elastic": Extra({"min_devices": 1}, ("min-devices", "elastic")),
+    "checkpoint": Extra({"checkpoint_every": 1}, ("checkpoint", "resume"), cost=2),  # on: the run, then its resume
+    "link": Extra({"link": "wifi-20m"}, ("link",)),
+    "profile": Extra({"profile": "rpi4", "throttle": True}, ("profile", "throttle", "rpi4"), cost=3),
+    "batchnorm": Extra({"batchnorm": "sync"}, ("batchnorm",)),
+    "workers": Extra({"workers": 1}, ("workers",), cost=1),
+    "cache": Extra({"cache_mb": 4.0}, ("cache",)),
+    "augment": Extra({"augment": True}, ("augment",), off={"augment": False}),
+    "dedup": Extra({"dedup": "on"}, ("dedup",), cost=1),  # a hash of every image
+    "optimizer": Extra({"optimizer": "adam"}, ("optimizer", "adam", "momentum"), off={"optimizer": "sgd"}),
+    "fsdp_replicas": Extra({"fsdp_replicas": 2, "devices": 4}, ("fsdp_replicas", "fsdp-replicas"), cost=2,
+                           needs={"strategy": "fsdp"}),
+    "pipeline_replicas": Extra({"pipeline_replicas": 2, "devices": 4}, ("pipeline_replicas", "pipeline-replicas"),
+                               cost=2, needs={"strategy": "pipeline"}),
 }
 
 BASE = {"devices": 2, "steps": 3, "batch_size": 16, "progress": False, "eval": True, "throttle": False,
@@ -110,8 +128,8 @@ def row_config(row: dict, paths: dict[str, str] | None = None) -> dict:
     cfg = {**BASE, "task": task, **TASK_SETTINGS.get(task, {}), **data}
     for family in FAMILIES:
         cfg.update(example_config(KINDS[family][levels[family]]))
-    for name, (off, on, _) in EXTRAS.items():
-        cfg.update(on if levels[name] == "on" else off)
+    for name, extra in EXTRAS.items():
+        cfg.update(extra.on if levels[name] == "on" else extra.off)
     if paths is not None and "data_dir" in cfg:
         cfg["data_dir"] = cfg["data_dir"].format(**paths)
     return cfg
@@ -163,11 +181,12 @@ class Row:
 
 
 def all_pairs(levels: dict[str, list[str]], allowed: Callable[[dict], bool], refused: Callable[[dict], str | None],
-              seed: int = 0, tries: int = 6) -> list[Row]:
+              seed: int = 0, tries: int = 6, needs: Callable[[dict], dict] = lambda pair: {}) -> list[Row]:
     """Greedy all-pairs (AETG) aware of refusals: a pair counts as covered by a row that is accepted; a pair no
-    candidate could cover so gets a row of its own, the pair and every other factor at its first level, which
-    exercises the refusal. Rows are built factor by factor, each level chosen to keep the row accepted and cover
-    the most uncovered pairs. Deterministic for a seed."""
+    candidate could cover so gets a row of its own, the pair and every other factor at its first level (or at the
+    level ``needs(pair)`` names: what one of the two belongs to), which exercises the refusal. Rows are built
+    factor by factor, each level chosen to keep the row accepted and cover the most uncovered pairs.
+    Deterministic for a seed."""
     names, rng = list(levels), random.Random(seed)
     universe = sorted(p for i, a in enumerate(names) for b in names[i + 1:] for x in levels[a] for y in levels[b]
                       if allowed({a: x, b: y}) for p in [((a, x), (b, y))])
@@ -192,7 +211,7 @@ def all_pairs(levels: dict[str, list[str]], allowed: Callable[[dict], bool], ref
             rows.append(Row(tuple((n, best[n]) for n in names), True))
             continue
         pair = min(uncovered)  # nothing accepted covers it: the pair alone, the rest at their defaults
-        row = {**{n: levels[n][0] for n in names}, **dict(pair)}
+        row = {**{n: levels[n][0] for n in names}, **needs(dict(pair)), **dict(pair)}
         uncovered.discard(pair)
         if not allowed(row):
             continue
@@ -204,8 +223,14 @@ def all_pairs(levels: dict[str, list[str]], allowed: Callable[[dict], bool], ref
     return rows
 
 
+def needed_levels(pair: dict) -> dict:
+    """The levels of other factors that the pair's extras belong to (``Extra.needs``)."""
+    return {name: level for factor, value in pair.items() if factor in EXTRAS and value == "on"
+            for name, level in EXTRAS[factor].needs.items()}
+
+
 def matrix(seed: int = 0) -> list[Row]:
-    return all_pairs(factors(), expressible, refusal, seed=seed)
+    return all_pairs(factors(), expressible, refusal, seed=seed, needs=needed_levels)
 
 
 @functools.cache
@@ -376,7 +401,7 @@ def wrong_blame(row: Row, line: str) -> str | None:
         return None
     words = []
     for name, level in row.pair:
-        words += list(EXTRAS[name][2]) if name in EXTRAS else [level]
+        words += list(EXTRAS[name].names) if name in EXTRAS else [level]
         words += list(TASK_DATA.get(level, {}).get("memory", {}).values()) if name == "task" else []
         words += [TASK_DATA[row.values["task"]].get(level, {}).get("dataset", level)] if name == "source" else []
     if not any(w.lower() in line.lower() for w in words if isinstance(w, str)):
@@ -436,38 +461,55 @@ def named_config(row: Row, paths: dict, output: Path) -> dict:
 
 # ---------------------------------------------------------------- the fast tier
 
-FAST_BUDGET = 7   # the default run's rows, in the units of ``cost``
+FAST_BUDGET = 7   # the default run's rows on BASE's devices, in the units of ``cost``
 
 
 def cost(row: Row) -> int:
-    """A row's rough cost: one unit a run, more for a detector, a throttled profile, a resume, a pooled model, a
-    hash of every image, a loader worker."""
+    """A row's rough cost: one unit a run, more for a detector, a pooled model and each extra's ``cost`` (a throttled
+    profile, a resume, replicas, a hash of every image, a loader worker)."""
     v = row.values
-    return (1 + 2 * (v["task"] == "detection") + 3 * (v["profile"] == "on") + 2 * (v["checkpoint"] == "on")
-            + (v["strategy"] in ("fsdp", "pipeline")) + (v["dedup"] == "on") + (v["workers"] == "on"))
+    return (1 + 2 * (v["task"] == "detection") + KINDS["strategy"][v["strategy"]].pooled
+            + sum(extra.cost for name, extra in EXTRAS.items() if v[name] == "on"))
+
+
+def wide(row: Row) -> bool:
+    """Whether a row trains on more devices than BASE's (replicas)."""
+    return row_config(row.values)["devices"] > BASE["devices"]
 
 
 @functools.cache
 def fast_rows() -> list[Row]:
-    """A fixed seeded subset of the accepted rows within ``FAST_BUDGET``, one of each task first."""
+    """A fixed seeded subset of the accepted rows on BASE's devices within ``FAST_BUDGET``, one of each task first;
+    then the cheapest row on more devices, the one of them the default run trains."""
     candidates = [r for r in rows() if r.accepted]
     random.Random(1).shuffle(candidates)
     chosen, spent = [], 0
     for first in (True, False):
         for row in sorted(candidates, key=cost) if first else candidates:
             novel = all(c.values["task"] != row.values["task"] for c in chosen)
-            if row not in chosen and (novel or not first) and spent + cost(row) <= FAST_BUDGET:
+            if (not wide(row) and row not in chosen and (novel or not first)
+                    and spent + cost(row) <= FAST_BUDGET):
                 chosen.append(row)
                 spent += cost(row)
-    return chosen
+    return chosen + sorted(filter(wide, candidates), key=cost)[:1]
 
 
-def marked(rows: list[Row]) -> list:
-    params = []
+# Each row's bound in a batch (a row silent longer is a hang), and a refused row's through the CLI (each command).
+FAST_ROW_S, FULL_ROW_S, CLI_ROW_S = 180, 300, 120
+
+
+def batch_timeout(rows: list[Row], per_row_s: float) -> float:
+    """The limit of a test of a batch: its fixture, in the first test, waits for every row (trained, or refused
+    through the CLI, resumed with checkpoints on), each within its bound; and makes the data first."""
+    return 120 + sum(per_row_s if r.accepted else 2 * CLI_ROW_S for r in rows)
+
+
+def marked(rows: list[Row], per_row_s: float) -> list:
+    params, limit = [], pytest.mark.timeout(batch_timeout(rows, per_row_s))
     for row in rows:
         known = known_broken(row_config(row.values))
         marks = [pytest.mark.xfail(strict=True, reason=known.reason)] if known else []
-        params.append(pytest.param(row, id=row.id, marks=marks))
+        params.append(pytest.param(row, id=row.id, marks=[*marks, limit]))
     return params
 
 
@@ -511,6 +553,24 @@ def test_the_generator_is_seeded_and_keeps_refused_pairs_apart():
     assert wanted <= set().union(*(pairs(r.values, names) for r in made if r.accepted))
 
 
+def test_a_refused_pair_keeps_the_level_its_extra_belongs_to():
+    # "opt" is an option of owner y (refused with x); with y it is refused beside a=1: that row is the pair's
+    levels = {"a": ["0", "1"], "owner": ["x", "y"], "opt": ["off", "on"]}
+
+    def refused(row):
+        if row.get("opt") == "on":
+            return "opt needs owner y" if row.get("owner", "x") != "y" else "opt with a=1" if row.get("a") == "1" \
+                else None
+        return None
+
+    made = all_pairs(levels, lambda row: True, refused, needs=lambda pair: {"owner": "y"} if "opt" in pair else {})
+    assert {"a": "1", "owner": "y", "opt": "on"} in [r.values for r in made if not r.accepted]
+    assert {"a": "0", "owner": "x", "opt": "on"} in [r.values for r in made if not r.accepted]  # the owner's pair
+    # the matrix's replicas: a sync mode they cannot run between them is refused with their strategy
+    row = next(r for r in rows() if r.pair == (("sync", "async"), ("fsdp_replicas", "on")))
+    assert row.values["strategy"] == "fsdp" and "between the replicas" in refusal(row.values)
+
+
 def test_a_kind_declared_later_joins_the_matrix():
     from edgetrain.kinds import CompressKind
 
@@ -524,7 +584,6 @@ def test_a_kind_declared_later_joins_the_matrix():
         KINDS["compress"].pop("matrix_probe", None)
 
 
-@pytest.mark.parametrize("row", [pytest.param(r, id=r.id) for r in rows() if not r.accepted])
 def test_a_refused_row_is_refused_in_one_line_naming_its_pair(row):
     line = refusal(row.values)
     assert line is not None and "\n" not in line
@@ -543,10 +602,10 @@ def fast_outcomes(tmp_path_factory):
     """The fast rows trained in one child process (its own fork server), each bounded."""
     root = tmp_path_factory.mktemp("matrix")
     paths = make_data(root / "data")
-    return run_batch([named_config(r, paths, root / "runs") for r in fast_rows()], root / "runs", per_row_s=180)
+    return run_batch([named_config(r, paths, root / "runs") for r in fast_rows()], root / "runs",
+                     per_row_s=FAST_ROW_S)
 
 
-@pytest.mark.parametrize("row", marked(fast_rows()))
 def test_a_fast_row_trains_or_is_refused_before_any_device(row, fast_outcomes):
     name = re.sub(r"[^\w.-]", "_", row.id)
     check(row, fast_outcomes.get(name, Outcome("failed", "no outcome (the batch stopped before it)")))
@@ -563,16 +622,47 @@ def full_outcomes(tmp_path_factory):
     root = tmp_path_factory.mktemp("matrix_full")
     paths = make_data(root / "data")
     configs = {r.id: named_config(r, paths, root / "runs") for r in rows()}
-    trained = run_batch([configs[r.id] for r in rows() if r.accepted], root / "runs", per_row_s=300)
+    trained = run_batch([configs[r.id] for r in rows() if r.accepted], root / "runs", per_row_s=FULL_ROW_S)
     return {r.id: trained[configs[r.id]["run_name"]] if r.accepted else
-            run_cli_row(configs[r.id], root / "runs", timeout_s=120) for r in rows()}
+            run_cli_row(configs[r.id], root / "runs", timeout_s=CLI_ROW_S) for r in rows()}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("row", marked(rows()) if FULL else [
-    pytest.param(None, id="all", marks=pytest.mark.skip(reason="the whole matrix: EDGETRAIN_MATRIX=full"))])
 def test_every_row(row, full_outcomes):
     check(row, full_outcomes[row.id])
+
+
+def row_params(test, full: bool) -> list | None:
+    """The rows of a test of rows, or None for another test."""
+    of_test = {
+        test_a_refused_row_is_refused_in_one_line_naming_its_pair:
+            lambda: [pytest.param(r, id=r.id) for r in rows() if not r.accepted],
+        test_a_fast_row_trains_or_is_refused_before_any_device: lambda: marked(fast_rows(), FAST_ROW_S),
+        test_every_row: lambda: marked(rows(), FULL_ROW_S) if full else [
+            pytest.param(None, id="all", marks=pytest.mark.skip(reason="the whole matrix: EDGETRAIN_MATRIX=full"))],
+    }
+    return of_test[test]() if test in of_test else None
+
+
+def pytest_generate_tests(metafunc):
+    """The rows of each test of rows, made as the tests are collected (not when ``run_batch``'s child imports this
+    module to train them)."""
+    params = row_params(metafunc.function, FULL)
+    if params is not None:
+        metafunc.parametrize("row", params)
+
+
+def test_a_test_that_waits_for_its_batch_is_bounded_by_its_rows_not_by_one_tests_timeout(pytestconfig):
+    # the first test of a batch waits in its fixture for every row: the whole matrix takes far longer than the
+    # suite's timeout of one test, and the fast rows may too on a loaded host
+    default = float(pytestconfig.getini("timeout") or 0)
+    for test, per_row_s in ((test_every_row, FULL_ROW_S), (test_a_fast_row_trains_or_is_refused_before_any_device,
+                                                           FAST_ROW_S)):
+        params = row_params(test, full=True)
+        need = sum(per_row_s if row.accepted else 2 * CLI_ROW_S for row in (p.values[0] for p in params))
+        for param in params:
+            limit = next((m.args[0] for m in param.marks if m.name == "timeout"), default)
+            assert limit >= need, (test.__name__, limit, need)
 
 
 def run_rows(configs: str, output: str) -> None:
