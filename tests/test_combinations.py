@@ -2,10 +2,10 @@
 each factor's levels read from the kinds' registry (docs/design/combinations.md).
 
 A row is refused in one line before any device starts, as ``config.resolve`` (every kind's declared refusals)
-and the launcher's pre-flight decide, or trains 3 steps on 2 devices to a finite headline metric. The default
-run checks every refused row in-process and one through the CLI, and trains a fixed seeded subset of the
-others in one child process; ``EDGETRAIN_MATRIX=full`` trains them all and sends every refused row through
-``edgetrain train`` (slow).
+and the launcher's pre-flight decide, or trains 3 steps on 2 devices (4 with replicas) to a finite headline
+metric. The default run checks every refused row in-process and one through the CLI, and trains a fixed seeded
+subset of the others in one child process; ``EDGETRAIN_MATRIX=full`` trains them all and sends every refused row
+through ``edgetrain train`` (slow).
 """
 from __future__ import annotations
 
@@ -210,7 +210,7 @@ def all_pairs(levels: dict[str, list[str]], allowed: Callable[[dict], bool], ref
             uncovered -= pairs(best, names)
             rows.append(Row(tuple((n, best[n]) for n in names), True))
             continue
-        pair = min(uncovered)  # nothing accepted covers it: the pair alone, the rest at their defaults
+        pair = min(uncovered)  # nothing accepted covers it: the pair, the rest at their defaults (or needs)
         row = {**{n: levels[n][0] for n in names}, **needs(dict(pair)), **dict(pair)}
         uncovered.discard(pair)
         if not allowed(row):
