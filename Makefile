@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,tensorboard,ssh,fleet,detection,privacy,docs]'
+	$(BIN)/pip install -q -e '.[test,tensorboard,ssh,fleet,detection,privacy,secure-aggregation,docs]'
 	touch $(STAMP)
 
 setup: $(STAMP)

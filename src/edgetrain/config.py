@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from edgetrain.errors import EdgetrainError
-from edgetrain.kinds import (STRATEGIES, STRATEGY_KINDS, SYNC_KINDS, Draft, check_compatible, is_user_task, owner,
-                             run_task, strategy_kind, task_kind)
+from edgetrain.kinds import (STRATEGIES, STRATEGY_KINDS, SYNC_KINDS, Draft, check_compatible, check_secure_aggregation,
+                             is_user_task, owner, run_task, strategy_kind, task_kind)
 from edgetrain.spec import (DEDUP_DEFAULT_THRESHOLD, DEDUP_HASH_BITS, DEDUP_MAX_THRESHOLD, FAULT_ENV, LINK_MODES,
                             PIPELINE_SCHEDULES, CheckpointSpec, LaunchSpec, RunSpec, get_link, launch_spec,
                             parse_compress, parse_dedup, parse_local_batch, parse_partition, parse_round_deadline,
@@ -127,6 +127,10 @@ class TrainConfig:
                                "by then is left out of the round: off, auto (2x the median round time of recent "
                                "rounds) or SECONDS on the device's clock (virtual time with --link)")
     link: str | None = _opt(None, "link of every device: a preset (lan-1g, wifi-20m, lte-10m, wan-intercontinental) or a spec")
+    secure_aggregation: bool = _opt(False, "mask every device's update so that peers see only the sum "
+                                    "(pairwise X25519 masks, fixed point mod 2^32): --sync sync, local:H, diloco:H "
+                                    "and fedavg:E with --compress none or randk:RATIO; needs edgetrain[secure-"
+                                    "aggregation]")
     link_mode: str = _opt("virtual", "link emulation: virtual (model comm time on a virtual clock) or enforced (really wait)",
                           choices=("virtual", "enforced"))
 
@@ -367,6 +371,8 @@ def resolve(cfg: TrainConfig, launch: LaunchSpec | None = None) -> RunSpec:
         if kind is not None:
             kind.check(draft)
     _refuse_keys_of_other_kinds(draft, strategy, sync.kind)
+    if cfg.secure_aggregation:
+        _check_secure_aggregation(draft)
     own = strategy.spec(draft)
     round_deadline = _check_run_wide(cfg, strategy, sync, partition)
     spec = RunSpec(compress, sync, link, cfg.link_mode, cfg.strategy, own.get("tiling"), cfg.timeout, cfg.seed,
@@ -376,10 +382,20 @@ def resolve(cfg: TrainConfig, launch: LaunchSpec | None = None) -> RunSpec:
                    checkpoint=CheckpointSpec(cfg.checkpoint_every, cfg.keep_checkpoints, cfg.resume,
                                              cfg.checkpoint_every_s),
                    faults=launch.faults, torchrun=launch.torchrun, tensorboard=cfg.tensorboard,
-                   dedup=parse_dedup(cfg.dedup), min_devices=cfg.min_devices, task=task, local_batch=local_batch)
+                   dedup=parse_dedup(cfg.dedup), min_devices=cfg.min_devices, task=task, local_batch=local_batch,
+                   secure_aggregation=cfg.secure_aggregation)
     # A cluster file's device count (or torchrun's) is only known once the devices are planned: train applies
     # with_device_count then, with the count the run will have.
     return with_device_count(cfg, spec, cfg.devices, launch) if draft.devices_known else spec
+
+
+def _check_secure_aggregation(draft: Draft) -> None:
+    """The kinds' refusals of ``--secure-aggregation`` (``kinds.check_secure_aggregation``), then its package."""
+    check_secure_aggregation(draft)
+    if importlib.util.find_spec("cryptography") is None:  # a device would fail only after start-up
+        raise EdgetrainError("--secure-aggregation needs the cryptography package (X25519, HKDF, ChaCha20), which is "
+                             "not installed; pip install 'edgetrain[secure-aggregation]', or drop "
+                             "--secure-aggregation")
 
 
 def _refuse_keys_of_other_kinds(draft: Draft, strategy, sync_kind) -> None:

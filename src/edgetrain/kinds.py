@@ -134,6 +134,8 @@ class CompressKind(Kind):
     fixed_size: bool = True    # the same bytes every exchange, whatever the values
     # what a server without the devices' own state lacks to decode its payload ("": a server decodes it)
     server_cannot_decode: str = ""
+    # why --secure-aggregation cannot mask its payload ("": fp32 values at coordinates every device shares)
+    unmasked: str = ""
 
 
 def _no_number(name: str) -> Callable[[float | None, dict, str], None]:
@@ -212,25 +214,30 @@ _C = "edgetrain.comm.compress."
 
 CompressKind(name="none", usage="none", aliases=("fp32",), summary="fp32 all-reduce, as plain DDP",
              runtime=_C + "fp32:build", planner=_PAYLOAD, check_arguments=_no_number("none"), plain=True)
+_HALF = "sends 16-bit floats, and masked fixed point takes 32 bits an entry, fp32's size: nothing would be saved"
+_QUANTISED = "quantises each device's values at a scale of its own, so the devices' integers do not add up to the " \
+             "sum of their updates"
 CompressKind(name="fp16", usage="fp16", summary="half-precision (IEEE fp16) all-reduce",
-             runtime=_C + "cast:build_fp16", planner=_PAYLOAD, check_arguments=_no_number("fp16"))
+             runtime=_C + "cast:build_fp16", planner=_PAYLOAD, check_arguments=_no_number("fp16"), unmasked=_HALF)
 CompressKind(name="bf16", usage="bf16", summary="half-precision (bfloat16) all-reduce",
-             runtime=_C + "cast:build_bf16", planner=_PAYLOAD, check_arguments=_no_number("bf16"))
+             runtime=_C + "cast:build_bf16", planner=_PAYLOAD, check_arguments=_no_number("bf16"), unmasked=_HALF)
 CompressKind(name="int8", usage="int8", summary="linear 8-bit quantization",
-             runtime=_C + "quantize:build_int8", planner=_PAYLOAD, check_arguments=_no_number("int8"))
+             runtime=_C + "quantize:build_int8", planner=_PAYLOAD, check_arguments=_no_number("int8"),
+             unmasked=_QUANTISED)
 CompressKind(name="qsgd", usage="qsgd[:LEVELS]", summary="stochastic quantization, 1..127 levels (default 127)",
-             runtime=_C + "quantize:build_qsgd", planner=_PAYLOAD, check_arguments=_check_qsgd)
+             runtime=_C + "quantize:build_qsgd", planner=_PAYLOAD, check_arguments=_check_qsgd, unmasked=_QUANTISED)
 CompressKind(name="quant", usage="quant[:BITS]",
              summary="linear BITS-bit quantization (2..8, default 4), packed, with error feedback; noef",
              runtime=_C + "quantize:build_quant", planner=_PAYLOAD, check_arguments=_check_quant,
-             options=frozenset({"noef"}))
+             options=frozenset({"noef"}), unmasked=_QUANTISED)
 CompressKind(name="topk", usage="topk:RATIO", example="topk:0.1",
              summary="top-k with error feedback; options dgc (momentum correction, momentum=0.9), warmup=STEPS "
                      "(DGC's sparsity ramp), layerwise (a budget per layer), compact (fp16 value + 16-bit index "
                      "gap), bits=B (B-bit values and 16-bit gaps: SparseLoCo's 2 bits), noef",
              runtime=_C + "topk:build", planner=_PAYLOAD, check_arguments=_check_topk,
              options=frozenset({"dgc", "momentum", "warmup", "noef", "layerwise", "compact", "bits"}),
-             checks=(_dgc_without_optimizer_momentum,))
+             checks=(_dgc_without_optimizer_momentum,),
+             unmasked="keeps different coordinates on each device, so masked values would not line up in a sum")
 CompressKind(name="randk", usage="randk:RATIO", example="randk:0.1",
              summary="random-k (shared seed) with error feedback; noef",
              runtime=_C + "randk:build", planner=_PAYLOAD, check_arguments=_fraction("randk"),
@@ -238,18 +245,21 @@ CompressKind(name="randk", usage="randk:RATIO", example="randk:0.1",
 CompressKind(name="sign", usage="sign", summary="EF-signSGD (scaled sign, error feedback); sign:vote for signSGD "
                                                "majority vote",
              runtime=_C + "sign:build", planner=_PAYLOAD, check_arguments=_no_number("sign"),
-             options=frozenset({"vote", "noef"}))
+             options=frozenset({"vote", "noef"}), unmasked=_QUANTISED)
 CompressKind(name="powersgd", usage="powersgd[:RANK]",
              summary="PyTorch's PowerSGD hook (default rank 2); start=ITER vanilla all-reduce iterations first "
                      "(default 10)",
              runtime=_C + "powersgd:build_hook", planner="edgetrain.plan.traffic:powersgd_buckets",
              check_arguments=_check_powersgd, options=frozenset({"start"}), hook=True,
-             server_cannot_decode="its low-rank state (a DDP hook)")
+             server_cannot_decode="its low-rank state (a DDP hook)",
+             unmasked="is a DDP hook of its own whose low-rank factors are computed from each device's gradients "
+                      "in the clear")
 CompressKind(name="threshold", usage="threshold[:TAU]",
              summary="Strom's two-step threshold method, Wt derived from the device's link (default tau 0.001); "
                      "entries decode to their layer's mean, strom to +-Wt",
              runtime=_C + "threshold:build", check_arguments=_check_threshold, options=frozenset({"strom"}),
              fixed_size=False,
+             unmasked="sends a different set and number of entries from each device, which masks cannot line up",
              unplanned="--compress threshold sends as many entries as crossed the threshold, which depends on the "
                        "gradients' values: the planner cannot predict it; measure it with edgetrain train, or plan "
                        "with topk:RATIO at the density you expect")
@@ -273,6 +283,8 @@ class SyncKind(Kind):
     needs_partition: bool = False   # trains each device on its own data
     options: tuple[str, ...] = ()   # config keys only this mode takes
     options_hint: str = ""
+    # why --secure-aggregation cannot mask its exchanges ("": each is one sum of every member's dense update)
+    unmasked: str = ""
 
     @property
     def lockstep(self) -> bool:
@@ -473,16 +485,20 @@ SyncKind(name="streaming", usage="streaming:H", example="streaming:2",
                  "background, overlap=T steps behind (1), mix=A of the local fragment kept (0.5), lr=, momentum= of "
                  "the outer Nesterov step; async:S's compressors",
          parse=_parse_streaming, accepts=_fixed_size_deltas, timing="background",
+         unmasked="averages fragments in background all-reduces that overlap later steps (masking them is not "
+                  "implemented)",
          runtime="edgetrain.comm.streaming:build",
          unplanned="the planner does not model --sync streaming (background exchanges of fragments); plan with "
                    "diloco:H for the bytes, or measure with edgetrain train")
 SyncKind(name="async", usage="async:S", example="async:1",
          summary="bounded staleness S steps; every fixed-size compressor (not threshold, powersgd, dgc)",
          parse=_parse_async, accepts=_fixed_size_deltas, timing="bounded",
+         unmasked="all-reduces in the background under a staleness bound (masking that is not implemented)",
          runtime="edgetrain.comm.asynchronous:build", planner=_T + "bounded_staleness")
 SyncKind(name="gossip", usage="gossip",
          summary="ring gossip every H steps (gossip[:H], default 1); --compress none only",
          parse=_parse_gossip, accepts=_uncompressed, timing="periodic",
+         unmasked="averages with ring neighbours, not one sum over every device, so pairwise masks would not cancel",
          runtime="edgetrain.comm.gossip:build", planner=_T + "gossip")
 SyncKind(name="fedavg", usage="fedavg:E", example="fedavg:steps=2",
          summary="federated rounds of E local epochs (fedavg:steps=H: H steps); :prox=MU (FedProx), :scaffold, "
@@ -491,6 +507,32 @@ SyncKind(name="fedavg", usage="fedavg:E", example="fedavg:steps=2",
          parse=_parse_fedavg, accepts=_model_deltas, timing="periodic", rounds=True, needs_partition=True,
          options=("server_opt", "participation"), options_hint="applies to federated rounds only; add --sync fedavg:E",
          checks=(_own_data,), runtime="edgetrain.comm.federated:build", planner=_T + "federated")
+
+
+def check_secure_aggregation(d: Draft) -> None:
+    """``--secure-aggregation``'s refusals, from the chosen kinds' capabilities: it masks the sums of every
+    member's dense update (``comm/secagg.py``; docs/design/secure-aggregation.md)."""
+    flag, cfg = "--secure-aggregation", d.cfg
+    maskable = " or ".join(k.usage for k in SYNC_KINDS.values() if not k.unmasked)
+    if d.strategy.own_exchanges is not None:
+        raise EdgetrainError(f"{flag} masks the sums of --sync, and strategy {cfg.strategy}'s "
+                             f"{d.strategy.own_exchanges} are exchanges of its own, sent in the clear; use "
+                             f"--strategy ddp or drop {flag}")
+    if d.sync.kind.unmasked:
+        raise EdgetrainError(f"{flag} cannot mask --sync {d.sync.text}, which {d.sync.kind.unmasked}; use --sync "
+                             f"{maskable}, or drop {flag}")
+    if d.compress.kind.unmasked:
+        raise EdgetrainError(f"{flag} cannot mask --compress {d.compress.text}, which {d.compress.kind.unmasked}; "
+                             f"use --compress none or randk:RATIO (coordinates every device shares), or drop {flag}")
+    if cfg.batchnorm == "sync":
+        raise EdgetrainError(f"{flag} hides each device's update, and --batchnorm sync all-reduces each device's "
+                             f"batch statistics in the clear at every forward; use --batchnorm local or a "
+                             f"GroupNorm model (small_cnn_gn)")
+    sampled = max(1, round(cfg.participation * cfg.devices))
+    if d.devices_known and cfg.devices > 1 and "participation" in d.sync.kind.options and sampled < 2:
+        raise EdgetrainError(f"{flag} with participation {cfg.participation:g} of {cfg.devices} devices samples one "
+                             f"device a round, whose update would be the aggregate itself; sample at least 2 "
+                             f"(--participation {2 / cfg.devices:.2g} or more)")
 
 
 # ---------------------------------------------------------------- strategies

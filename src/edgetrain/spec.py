@@ -763,3 +763,4 @@ class RunSpec:
     task: str | None = None      # the task trained: --task, else the one the dataset implies (edgetrain.kinds);
                                  # a task passed from Python as ``module:QualName``. Set by ``config.resolve``
     local_batch: str | tuple[int, ...] = "even"   # --local-batch: even, balanced or every device's batch
+    secure_aggregation: bool = False  # mask every device's update in the sums of --sync (comm/secagg.py)

@@ -27,7 +27,7 @@ from edgetrain.comm.emulation import LinkEmulator
 
 def average(x: torch.Tensor, compressor: Compressor, memory, emulator: LinkEmulator, key: object = 0,
             group=None, segments: tuple[int, ...] | None = None,
-            names: tuple[object, ...] | None = None, peers: list[int] | None = None) -> torch.Tensor:
+            names: tuple[object, ...] | None = None, peers: list[int] | None = None, secure=None) -> torch.Tensor:
     """The mean over the group of every device's decoded ``x`` (flat fp32).
 
     ``peers``: the global ranks of ``group`` where it is not every device (a round's members), whose
@@ -37,6 +37,7 @@ def average(x: torch.Tensor, compressor: Compressor, memory, emulator: LinkEmula
     ``names``: a stable name for each segment (one for the whole ``x`` without segments), e.g.
     its parameter, under which the memory keeps that segment's state whatever its place in
     ``x`` (see ``compress/memory.py``); without names the memory keeps ``x`` whole under ``key``.
+    ``secure``: a ``secagg.SecureSum`` that masks the summable payload in place of its plain all-reduce.
     """
     x = x.detach().reshape(-1)
     x = x if x.dtype == torch.float64 else x.float()  # fp64 only in exactness tests; compressors read fp32
@@ -45,6 +46,8 @@ def average(x: torch.Tensor, compressor: Compressor, memory, emulator: LinkEmula
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     if world == 1:
         return own
+    if secure is not None:
+        return _secure_allreduce(payload, compressor, emulator, group, world, peers, secure, key)
     if compressor.summable:
         return _allreduce(payload, compressor, emulator, group, world, peers)
     return _allgather(payload, compressor, emulator, group, world, peers)
@@ -87,6 +90,22 @@ def _allreduce(payload: Payload, compressor: Compressor, emulator: LinkEmulator,
     emulator.run("allreduce", ring_allreduce_bytes(nbytes, world), collective, peers)
     total = compressor.decode(Payload((buf,), payload.numel, payload.segments, payload.ctx))
     return total.div_(world)
+
+
+def _secure_allreduce(payload: Payload, compressor: Compressor, emulator: LinkEmulator, group, world: int, peers,
+                      secure, key: object) -> torch.Tensor:
+    """``_allreduce`` with every device's payload masked (``secagg.py``): only the sum is revealed."""
+    (values,) = payload.tensors
+    if not compressor.summable or values.dtype != torch.float32:  # the kinds refuse these before any device starts
+        raise ValueError(f"secure aggregation sums fp32 payloads, not {compressor.name}'s")
+    members = group_ranks(group, world)
+    total = secure.sum(values, members, key, emulator, group, peers)
+    return compressor.decode(Payload((total,), payload.numel, payload.segments, payload.ctx)).div_(world)
+
+
+def group_ranks(group, world: int) -> list[int]:
+    """The global ranks of ``group`` in its rank order (every device when ``group`` is None)."""
+    return list(range(world)) if group is None else dist.get_process_group_ranks(group)
 
 
 def _allgather(payload: Payload, compressor: Compressor, emulator: LinkEmulator, group, world: int, peers):

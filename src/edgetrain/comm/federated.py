@@ -245,4 +245,5 @@ def build(setup: SyncSetup) -> FederatedAveraging:
         raise ValueError(f"--sync {sync.text} needs steps_per_epoch to count its local epochs in steps")
     return FederatedAveraging(setup.model, setup.world_size, setup.rank, setup.emulator, period, compressor, memory,
                               spec.server_opt, spec.participation, sync.prox_mu, sync.scaffold, spec.seed,
-                              sync.weighted, sync.reset, group=group, deadline=spec.round_deadline, **setup.common)
+                              sync.weighted, sync.reset, group=group, deadline=spec.round_deadline,
+                              secure=setup.secure_sum(), **setup.common)

@@ -47,6 +47,7 @@ class CompressionState:
     memory: object = field(default_factory=NoMemory)
     emulator: LinkEmulator | None = None
     group: object = None
+    secure: object = None    # a ``secagg.SecureSum``: the bucket's sum masked (--secure-aggregation)
 
     def __post_init__(self) -> None:
         if self.emulator is None:
@@ -68,7 +69,7 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
         # that changes starts afresh instead of inheriting another layout's memory.
         segments, names = None, (names,)
     mean = average(buffer, state.compressor, state.memory, state.emulator, key=bucket.index(), group=state.group,
-                   segments=segments, names=names)
+                   segments=segments, names=names, secure=state.secure)
     buffer.copy_(mean.view_as(buffer))
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(buffer)

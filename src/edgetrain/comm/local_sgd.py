@@ -65,6 +65,8 @@ if TYPE_CHECKING:
     from edgetrain.comm.setup import SyncSetup
 
 ROUND_STATUSES = ("joined", "missed_deadline", "not_sampled")
+# a round's only member under secure aggregation: the aggregate would be its own update, so the round is dropped
+ALONE = "dropped_alone"
 
 
 @torch.no_grad()
@@ -85,7 +87,7 @@ class LocalSGD(SyncMode):
     def __init__(self, model: nn.Module, world_size: int, emulator: LinkEmulator, period: int,
                  compressor: Compressor, memory, nesterov: bool = False, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, group=None, clock_group=None, spec: str = "local",
-                 compress: str = "none", rank: int = 0, deadline: DeadlineSpec | None = None):
+                 compress: str = "none", rank: int = 0, deadline: DeadlineSpec | None = None, secure=None):
         if period < 1:
             raise ValueError(f"local SGD period must be >= 1, got {period}")
         super().__init__(model, world_size, emulator, clock_group, spec, compress)
@@ -93,6 +95,7 @@ class LocalSGD(SyncMode):
         self.period = period
         self.compressor, self.memory = compressor, memory
         self.group = group
+        self.secure = secure
         self._start_together(model, group)
         self.ref = flatten(self.params)
         self.outer = None
@@ -156,9 +159,11 @@ class LocalSGD(SyncMode):
             members = [r for r in sampled if report.on_time[r]]
             self.deadline.observe([report.round_times[r] for r in sampled])
             ready = max(report.clocks)
-        self._average(members)
-        status = "joined" if self.rank in members else "missed_deadline" if self.rank in sampled else "not_sampled"
-        self.round_counts[status] += 1
+        alone = self.secure is not None and len(members) == 1
+        self._average([] if alone else members)
+        status = (ALONE if alone and self.rank in members else "joined" if self.rank in members
+                  else "missed_deadline" if self.rank in sampled else "not_sampled")
+        self.round_counts[status] = self.round_counts.get(status, 0) + 1
         self.round_trained, self.stopped_early = 0, False
         return status, ready
 
@@ -190,7 +195,8 @@ class LocalSGD(SyncMode):
         mean = None
         if self.rank in members:
             mean = average(x, self.compressor, self.memory, self.emulator, key=key, group=group,
-                           segments=self.segments, peers=None if group is self.group else members)
+                           segments=self.segments, peers=None if group is self.group else members,
+                           secure=self.secure)
         others = [r for r in range(self.world_size) if r not in members]
         if not others:
             return mean
@@ -225,7 +231,7 @@ class LocalSGD(SyncMode):
         self.emulator.start_step()
         leftover = self.local_steps % self.period  # steps since the last average: one more round
         ready = self._end_round(leftover)[1] if leftover else self._max_clock(self.emulator.arrive())
-        average_buffers(self.model, self.emulator, self.world_size, self.group)
+        average_buffers(self.model, self.emulator, self.world_size, self.group, self.secure)
         self.emulator.finish_step(ready, count=False)
         self._round_counts_all = (all_gather_json(self.round_counts, group=self.clock_group)
                                   if self.world_size > 1 else [self.round_counts])
@@ -271,4 +277,4 @@ def build(setup: SyncSetup) -> LocalSGD:
     compressor, memory = setup.compressor()
     return LocalSGD(setup.model, setup.world_size, setup.emulator, sync.period, compressor, memory, sync.nesterov,
                     sync.outer_lr, sync.outer_momentum, group=group, rank=setup.rank,
-                    deadline=setup.spec.round_deadline, **setup.common)
+                    deadline=setup.spec.round_deadline, secure=setup.secure_sum(), **setup.common)

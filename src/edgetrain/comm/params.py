@@ -40,12 +40,17 @@ def unflatten(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
             offset += t.numel()
 
 
-def average_buffers(model: nn.Module, emulator: LinkEmulator, world_size: int, group=None) -> None:
-    """Average floating-point buffers (BatchNorm statistics) in fp32 over all devices."""
+def average_buffers(model: nn.Module, emulator: LinkEmulator, world_size: int, group=None, secure=None) -> None:
+    """Average floating-point buffers (BatchNorm statistics) in fp32 over all devices; masked with ``secure``
+    (a ``secagg.SecureSum``, whose group is every device)."""
     buffers = [b for b in model.buffers() if b.is_floating_point()]
     if not buffers or world_size == 1:
         return
     flat = flatten(buffers)
+    if secure is not None:
+        total = secure.sum(flat.float(), list(range(world_size)), "buffers", emulator, group)
+        unflatten(total / world_size, buffers)
+        return
 
     def collective() -> None:
         wait(dist.all_reduce(flat, group=group, async_op=True), emulator.timeout_s, "buffer all-reduce")

@@ -19,17 +19,17 @@ from edgetrain.spec import CompressSpec, Link, RunSpec
 
 
 def build_hook(spec: CompressSpec, emulator: LinkEmulator, link: Link | None = None, seed: int = 0,
-               group=None) -> tuple[object, object]:
+               group=None, secure=None) -> tuple[object, object]:
     """The DDP (state, hook) pair for a compression spec: a hook of the compressor's own (PowerSGD), else
     ``allreduce.py``'s overlapping hook where the method allows (summable, no error feedback, no emulated
-    link), else the blocking ``hook.py``."""
+    link, nothing masked), else the blocking ``hook.py`` (with ``secure``, a ``secagg.SecureSum``: masked)."""
     if spec.kind.hook:
         return spec.kind.load_runtime()(spec, emulator, group)
     compressor, memory = build_compressor(spec, link, seed, emulator.rank)
-    if compressor.summable and isinstance(memory, NoMemory) and not emulator.emulated:
+    if compressor.summable and isinstance(memory, NoMemory) and not emulator.emulated and secure is None:
         # nothing to charge to a link and nothing to remember: let the all-reduce overlap backward
         return AllReduceState(group, emulator.stats, compressor), allreduce_hook
-    return CompressionState(compressor, memory, emulator, group), compression_hook
+    return CompressionState(compressor, memory, emulator, group, secure), compression_hook
 
 
 @dataclass
@@ -46,6 +46,7 @@ class SyncSetup:
     clock_group: object           # the group of the clocks' and summaries' exchanges
     steps_per_epoch: int = 0      # turns fedavg:E's local epochs into steps
     ddp_kwargs: dict = field(default_factory=dict)
+    _secure: object = None
 
     @property
     def common(self) -> dict:
@@ -55,6 +56,17 @@ class SyncSetup:
     def averaging_group(self):
         """A group of its own for the averaging traffic, so that it never interleaves with other collectives."""
         return dist.new_group(backend="gloo") if self.distributed else None
+
+    def secure_sum(self):
+        """The ``secagg.SecureSum`` of ``--secure-aggregation`` (keys agreed over the clock group: every device
+        calls this, once per mode), or None: sums in the clear."""
+        if not self.spec.secure_aggregation or not self.distributed:
+            return None
+        if self._secure is None:
+            from edgetrain.comm.secagg import SecureSum  # needs cryptography: only runs that mask import it
+
+            self._secure = SecureSum.agree(self.rank, self.world_size, self.clock_group, self.spec.timeout_s)
+        return self._secure
 
     def compressor(self) -> tuple[object, object]:
         """The (compressor, memory) pair of ``--compress`` for this device."""

@@ -64,7 +64,7 @@ from edgetrain.comm.allreduce import allreduce_hook
 from edgetrain.comm.compress.powersgd import PowerSGDHookState
 from edgetrain.comm.emulation import LinkEmulator
 from edgetrain.comm.hook import CompressionState
-from edgetrain.comm.params import broadcast_model
+from edgetrain.comm.params import average_buffers, broadcast_model
 from edgetrain.kinds import named_by_kind
 
 if TYPE_CHECKING:
@@ -86,6 +86,7 @@ class SyncMode:
     """What every mode shares: the clock, the byte tally against fp32 all-reduce, the report."""
 
     averages = 0                     # rounds averaged so far (the round-based modes count them)
+    secure = None                    # a ``secagg.SecureSum`` masking the mode's sums (--secure-aggregation)
     reset_client_optimizer = False   # fedavg:E:reset: the strategy clears its optimizer when ``averages`` moves
 
     def set_samples(self, samples: int, loss_scale: float) -> None:
@@ -218,6 +219,8 @@ class SyncMode:
             "compression_ratio": (self.fp32_step_bytes * self.emulator.steps / sent) if sent else None,
             **self.emulator.summary(),
         }
+        if self.secure is not None:
+            out["secure_aggregation"] = self.secure.summary()
         if self._devices:
             out["bytes_sent_max_device"] = max(d["bytes_sent"] for d in self._devices)
             out["virtual_time_max_device_s"] = max(d["virtual_time_s"] for d in self._devices)
@@ -249,7 +252,7 @@ class Synchronous(SyncMode):
     def __init__(self, model: nn.Module, world_size: int, stats: CommStats | None = None, hook=None,
                  hook_state=None, broadcast_buffers: bool = True, bucket_cap_mb: float = 25.0,
                  emulator: LinkEmulator | None = None, clock_group=None, spec: str = "sync",
-                 compress: str = "none"):
+                 compress: str = "none", secure=None):
         if emulator is None:
             emulator = LinkEmulator(None, dist.get_rank() if dist.is_initialized() else 0, stats)
         super().__init__(model, world_size, emulator, clock_group, spec, compress)
@@ -273,7 +276,15 @@ class Synchronous(SyncMode):
             for p in self.params_with_grad(model):
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._gradient_ready))
         self.hook_state = hook_state
+        self.secure = secure
+        self._buffer_group = clock_group
         self._watch(self.model)
+
+    def _final_exchange(self) -> None:
+        """Masked sums leave BatchNorm's running statistics on each device (no broadcast of rank 0's each step,
+        which would show its data's statistics): their mean, masked too, once at the end."""
+        if self.secure is not None:
+            average_buffers(self.model, self.emulator, self.world_size, self._buffer_group, self.secure)
 
     def state_dict(self) -> dict:
         state = super().state_dict()
@@ -315,9 +326,13 @@ def build(setup: SyncSetup) -> Synchronous:
     from edgetrain.comm.setup import build_hook
 
     spec, hook, state = setup.spec, None, None
-    # uncompressed and no link to charge: no hook, DDP's own all-reduce (Synchronous counts its bytes)
-    if setup.distributed and (not spec.compress.kind.plain or setup.emulator.links is not None):
-        state, hook = build_hook(spec.compress, setup.emulator, setup.link, spec.seed)
-    ddp_kwargs = {"broadcast_buffers": spec.batchnorm != "sync", **setup.ddp_kwargs}
+    secure = setup.secure_sum()
+    # uncompressed, no link to charge and nothing to mask: no hook, DDP's own all-reduce (Synchronous counts its
+    # bytes)
+    if setup.distributed and (not spec.compress.kind.plain or setup.emulator.links is not None or secure):
+        state, hook = build_hook(spec.compress, setup.emulator, setup.link, spec.seed, secure=secure)
+    # DDP's broadcast of rank 0's buffers each step is off with cross-device BatchNorm (they agree already) and
+    # with secure aggregation (they would show rank 0's statistics; averaged masked at the end instead)
+    ddp_kwargs = {"broadcast_buffers": spec.batchnorm != "sync" and secure is None, **setup.ddp_kwargs}
     return Synchronous(setup.model, setup.world_size, hook=hook, hook_state=state, emulator=setup.emulator,
-                       **setup.common, **ddp_kwargs)
+                       secure=secure, **setup.common, **ddp_kwargs)
