@@ -14,7 +14,11 @@ images (``edgetrain.privacy.metrics``: PSNR, SSIM, the noise floor). Views:
   optimizer (SGD, lr 0.05, momentum 0.9) on the batch;
 * ``sparseloco``: that pseudo-gradient through SparseLoCo's payload
   (``--compress topk:RATIO:bits=2``, fresh error feedback), decoded;
-* ``fedavg``: FedAvg's model delta after E local steps of plain SGD (lr 0.05).
+* ``fedavg``: FedAvg's model delta after E local steps of plain SGD (lr 0.05);
+* ``secagg``: one step's fp32 gradient as ``--secure-aggregation`` sends it among ``--members`` devices (the
+  others on the next images), masked, decoded at the shared scale as a peer reads it;
+* ``aggregate``: what secure aggregation reveals, the mean of the ``--members`` devices' gradients, each on its
+  own B images: attacked as one batch of B x members images, scored against all of them.
 
 Writes ``results.json``, ``table.md`` and one PNG per model and batch (true
 images in the first row, each view's reconstructions below) into ``--out``.
@@ -45,12 +49,13 @@ from edgetrain.data.cifar import MEAN, STD, read_batch  # noqa: E402
 from edgetrain.models import build_model  # noqa: E402
 from edgetrain.privacy.attack import AttackConfig, invert  # noqa: E402
 from edgetrain.privacy.metrics import noise_floor, scores  # noqa: E402
-from edgetrain.privacy.observe import (LocalTraining, Normalized, compressed_view, gradient_view,  # noqa: E402
-                                       local_update_view)
+from edgetrain.privacy.observe import (LocalTraining, Normalized, aggregate_view, compressed_view,  # noqa: E402
+                                       gradient_view, local_update_view, secagg_view)
 from edgetrain.spec import parse_compress  # noqa: E402
 
 DATA = ROOT.parent / "shared/data/cifar10-subset/cifar-10-batches-py"
-VIEWS = ("fp32", "topk", "diloco", "sparseloco", "fedavg")
+VIEWS = ("fp32", "topk", "diloco", "sparseloco", "fedavg", "secagg", "aggregate")
+SPREAD = ("aggregate",)  # views whose observer sees the images of every member, not one device's
 
 
 def build_view(name: str, model, images, labels, args):
@@ -66,7 +71,19 @@ def build_view(name: str, model, images, labels, args):
         return compressed_view(build_view("diloco", model, images, labels, args), compressor, memory)
     if name == "fedavg":
         return local_update_view(model, images, labels, LocalTraining(args.local_steps, 0.05, 0.0))
+    if name in ("secagg", "aggregate"):
+        batch = len(images) // (args.members if name in SPREAD else 1)
+        pool_x, pool_y = device_images(args.pool, batch * args.members)
+        every = [gradient_view(model, pool_x[i * batch:(i + 1) * batch], pool_y[i * batch:(i + 1) * batch])
+                 for i in range(args.members)]
+        return secagg_view(every, rank=0, seed=args.seed) if name == "secagg" else aggregate_view(every)
     raise ValueError(f"unknown view {name!r}")
+
+
+def device_images(pool, count: int):
+    """The first ``count`` images of the batch file, in [0, 1], and their labels."""
+    x, y = pool
+    return torch.from_numpy(x[:count]).float() / 255, torch.from_numpy(y[:count]).long()
 
 
 def attack_one(model_name: str, batch: int, view: str, images, labels, args) -> tuple[dict, torch.Tensor]:
@@ -74,14 +91,15 @@ def attack_one(model_name: str, batch: int, view: str, images, labels, args) -> 
     model = Normalized(build_model(model_name), MEAN, STD)
     observed = build_view(view, model, images, labels, args)
     start = time.perf_counter()
-    given = None if batch == 1 else labels
+    given = None if len(images) == 1 else labels
     config = AttackConfig(method=args.method, iterations=args.iterations, seed=args.seed, restarts=args.restarts)
     reconstructed, found = invert(model, observed, tuple(images.shape), given, config)
     psnr, ssim = scores(reconstructed, images)
     row = {"model": model_name, "batch": batch, "view": view, "method": args.method,
            "psnr_db": round(psnr, 2), "ssim": round(ssim, 3),
            "floor_db": round(noise_floor(images, torch.tensor(MEAN).view(1, 3, 1, 1), args.seed), 2),
-           "label_recovered": bool((found == labels).all()) if batch == 1 else None,
+           "label_recovered": bool((found == labels).all()) if len(images) == 1 else None,
+           "members": args.members if view in ("secagg", "aggregate") else 1,
            "attack_s": round(time.perf_counter() - start, 1)}
     print(json.dumps(row), flush=True)
     return row, reconstructed
@@ -125,6 +143,7 @@ def main() -> None:
     parser.add_argument("--restarts", type=int, default=1, help="random starts; the best-matching one is kept")
     parser.add_argument("--topk-ratio", type=float, default=0.01)
     parser.add_argument("--local-steps", type=int, default=4, help="H of diloco, E of fedavg")
+    parser.add_argument("--members", type=int, default=4, help="devices of secagg's and aggregate's sums")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--data", type=Path, default=DATA)
@@ -140,14 +159,17 @@ def main() -> None:
     except EdgetrainError as err:
         print(f"privacy_attack: {err}; pass --data DIR", file=sys.stderr)
         raise SystemExit(2) from None
+    args.pool = (x, y)
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for model_name in args.models.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
-            images, labels = torch.from_numpy(x[:batch]).float() / 255, torch.from_numpy(y[:batch]).long()
+            images, labels = device_images(args.pool, batch)
             pictures = {}
             for view in args.views.split(","):
-                row, pictures[view] = attack_one(model_name, batch, view, images, labels, args)
+                seen = device_images(args.pool, batch * args.members) if view in SPREAD else (images, labels)
+                row, reconstructed = attack_one(model_name, batch, view, *seen, args)
+                pictures[view] = reconstructed[:batch]  # the first device's images, as the others' rows
                 rows.append(row)
                 write_table(args.out / "table.md", rows)  # partial results survive an interrupted run
             save_grid(args.out / f"{model_name}_b{batch}.png", images, pictures,

@@ -79,6 +79,7 @@ EXTRAS: dict[str, Extra] = {
                            needs={"strategy": "fsdp"}),
     "pipeline_replicas": Extra({"pipeline_replicas": 2, "devices": 4}, ("pipeline_replicas", "pipeline-replicas"),
                                cost=2, needs={"strategy": "pipeline"}),
+    "secagg": Extra({"secure_aggregation": True}, ("secure-aggregation",)),
 }
 
 BASE = {"devices": 2, "steps": 3, "batch_size": 16, "progress": False, "eval": True, "throttle": False,

@@ -171,7 +171,8 @@ class StepRecord(Record):
     the ``virtual_*`` fields are the device clock's (modelled in virtual link
     mode), ``staleness`` (async) and ``local_steps`` (local SGD) only where
     the sync mode has them. ``round_status`` (local SGD and federated rounds,
-    at a round's last step): ``joined``, ``missed_deadline`` or ``not_sampled``.
+    at a round's last step): ``joined``, ``missed_deadline`` or ``not_sampled`` (or ``dropped_alone``: the
+    round's only member under secure aggregation, whose update alone would have been the aggregate).
     A step the device sat out (not sampled, or past the round's deadline) has
     0 samples and ``loss`` None.
     """

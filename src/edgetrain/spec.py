@@ -735,7 +735,8 @@ class RunSpec:
     their own data) nor a cluster file (whose devices' ``data`` the launcher
     checks: data/device_data.py); ``server_opt`` or ``participation`` without ``sync: fedavg``;
     ``round_deadline`` without ``sync: local`` or ``fedavg`` (no rounds to bound);
-    ``tensorboard`` where the tensorboard package is not installed.
+    ``tensorboard`` where the tensorboard package is not installed; ``secure_aggregation`` with what it cannot mask
+    (``kinds.check_secure_aggregation``).
     """
 
     compress: CompressSpec

@@ -9,8 +9,8 @@ from edgetrain.comm.compress.spec import build_compressor
 from edgetrain.models import build_model
 from edgetrain.privacy.attack import AttackConfig, invert, recover_label
 from edgetrain.privacy.metrics import match, noise_floor, psnr, scores, ssim
-from edgetrain.privacy.observe import (GRADIENT, LocalTraining, ObservedUpdate, compressed_view, gradient_view,
-                                       local_update_view)
+from edgetrain.privacy.observe import (GRADIENT, LocalTraining, ObservedUpdate, aggregate_view, compressed_view,
+                                       gradient_view, local_update_view, secagg_view)
 from edgetrain.spec import parse_compress
 
 SIDE = 16
@@ -90,3 +90,25 @@ def test_metrics_psnr_ssim_and_the_best_matching():
     shuffled = images[[2, 0, 1]] + 0.01
     assert torch.equal(match(shuffled, images), images + 0.01)
     assert scores(shuffled, images)[0] == pytest.approx(40.0, abs=1e-3)
+
+
+
+@pytest.mark.slow  # about 20 s of one core: DLG runs all its iterations against noise
+def test_a_securely_aggregated_payload_reconstructs_at_the_random_guess_level(target):
+    """One device's masked payload (--secure-aggregation) among 3 members, as a peer decodes it: the attack that
+    rebuilds the image from the plain gradient (the first test, the same budget) does no better than a guess."""
+    model, image, _, observed = target
+    others = [gradient_view(model, smooth_image(10 + i), torch.tensor([i])) for i in range(2)]
+    protected, floor = attack_psnr(model, secagg_view([observed, *others], rank=0), image)
+    assert protected < floor + 3, (protected, floor)
+
+
+def test_the_aggregate_is_the_gradient_of_the_members_batch(target):
+    """What secure aggregation reveals: the members' mean gradient is the gradient of all their images at once."""
+    model, image, _, observed = target
+    others = [gradient_view(model, smooth_image(10 + i), torch.tensor([i])) for i in range(2)]
+    mean = aggregate_view([observed, *others]).values
+    batch = gradient_view(model, torch.cat([image, smooth_image(10), smooth_image(11)]), torch.tensor([3, 0, 1]))
+    assert torch.allclose(mean, batch.values, atol=1e-6)
+    masked = secagg_view([observed, *others], rank=0).values
+    assert not torch.allclose(masked, observed.values, atol=1e-3)

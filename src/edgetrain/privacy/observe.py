@@ -15,7 +15,12 @@ The views here:
   the receiving peer does (top-k of a gradient, SparseLoCo's of a pseudo-gradient);
 * ``local_update_view``: the pseudo-gradient ``ref - x`` that local SGD,
   DiLoCo and FedAvg send after the device's local steps (``comm/local_sgd.py``),
-  here with every local step on the same batch (the device's data in the round).
+  here with every local step on the same batch (the device's data in the round);
+* ``secagg_view``: one device's payload under ``--secure-aggregation``
+  (``comm/secagg.py``), masked with the other members' pairwise masks, decoded
+  at the members' shared scale as a peer on the ring would;
+* ``aggregate_view``: what secure aggregation reveals, the mean of the members'
+  updates: one device's batch hidden in a batch of N.
 """
 from __future__ import annotations
 
@@ -24,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+import numpy as np
 
 from edgetrain.comm.compress.base import Compressor, unpack
 from edgetrain.comm.params import flatten
@@ -96,3 +103,28 @@ def local_update_view(model: nn.Module, images: torch.Tensor, labels: torch.Tens
         nn.functional.cross_entropy(local(images), labels).backward()
         optimizer.step()
     return ObservedUpdate(ref - flatten(list(local.parameters())), training)
+
+
+def secagg_view(updates: list[ObservedUpdate], rank: int = 0, seed: int = 0) -> ObservedUpdate:
+    """Device ``rank``'s masked payload among ``len(updates)`` members, each with its own update, decoded as a
+    peer reads the words on the wire: at the shared fixed-point scale, masks and all. Keys from ``seed`` (the
+    devices' X25519 keys are random in a run; seeded here for repeatable benchmarks)."""
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+    from edgetrain.comm import secagg
+
+    members = list(range(len(updates)))
+    rng = np.random.default_rng(seed)
+    keys = [secagg.PairwiseKeys(r, X25519PrivateKey.from_private_bytes(rng.bytes(32))) for r in members]
+    for k in keys:
+        k.agree([other.public for other in keys])
+    exponents = [secagg.exponent_of(u.values) for u in updates]
+    exponent = max(exponents)
+    words = secagg.encode(updates[rank].values, exponent, len(members))
+    wire = secagg.masked(words, rank, members, keys[rank], {})
+    return ObservedUpdate(secagg.decode(wire, exponent, len(members)), updates[rank].training)
+
+
+def aggregate_view(updates: list[ObservedUpdate]) -> ObservedUpdate:
+    """The mean of the members' updates: what every member (and the server) decodes from the masked sum."""
+    return ObservedUpdate(torch.stack([u.values for u in updates]).mean(dim=0), updates[0].training)
