@@ -82,7 +82,8 @@ def test_what_it_cannot_mask_is_refused_in_one_line(options, names):
                                      {"sync": "fedavg:1", "partition": "iid", "round_deadline": "auto",
                                       "participation": 0.5, "devices": 4}])
 def test_the_sums_it_masks_are_accepted(options):
-    assert resolve(TrainConfig(**{"devices": 2, **options, "secure_aggregation": True}), LaunchSpec()).secure_aggregation
+    spec = resolve(TrainConfig(**{"devices": 2, **options, "secure_aggregation": True}), LaunchSpec())
+    assert spec.secure_aggregation
 
 
 def test_a_run_with_secure_aggregation_trains_as_the_plain_run(tmp_path):
