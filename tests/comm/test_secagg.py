@@ -2,6 +2,9 @@
 device's payload is uniform noise, the refusals are one line, and a run with it trains as the plain one."""
 from __future__ import annotations
 
+import json
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -120,3 +123,18 @@ def test_a_round_of_one_member_is_dropped_not_revealed():
     assert torch.equal(start, end) and counts["dropped_alone"] == 1 and counts["joined"] == 0
     start, end, counts = lone_round(secure=None)
     assert torch.equal(end, start + 1.0) and counts["joined"] == 1 and "dropped_alone" not in counts
+
+
+@pytest.mark.slow
+def test_a_device_killed_mid_run_leaves_and_the_others_agree_new_keys(tmp_path, monkeypatch):
+    """--min-devices: the masked exchange in flight fails on every survivor, none is unmasked, the group re-forms
+    with 3 devices that agree new keys and go on from the start-of-step state."""
+    monkeypatch.setenv("EDGETRAIN_FAULT", "kill:rank=3:step=5")
+    summary = train(dict(dataset="synthetic", image_size=8, synthetic_samples=1024, batch_size=32, steps=12,
+                         devices=4, min_devices=2, secure_aggregation=True, model="small_cnn_gn", timeout=60,
+                         **{k: v for k, v in FAST.items() if k != "timeout"}),
+                    output=str(tmp_path), run_name="left")
+    changes = [json.loads(line) for line in (tmp_path / "left" / "membership.jsonl").read_text().splitlines()]
+    assert [(c["kind"], c["devices"], c["world"]) for c in changes] == [("leave", [3], 3)]
+    assert summary["steps"] == 12 and math.isfinite(summary["train_loss"])
+    assert summary["secure_aggregation"]["key_exchange_bytes_sent"] == 64  # the last generation's: 3 devices
