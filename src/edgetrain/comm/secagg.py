@@ -104,7 +104,7 @@ def masked(words: np.ndarray, rank: int, members: list[int], keys: PairwiseKeys,
             continue
         mask = pair_mask(keys.secrets[peer], counters.get(peer, 0), len(out))
         counters[peer] = counters.get(peer, 0) + 1
-        out = out + mask if rank < peer else out - mask  # uint32 wraps: the pair's masks cancel in the sum
+        (np.add if rank < peer else np.subtract)(out, mask, out=out)  # uint32 wraps: the pair's masks cancel
     return out
 
 
@@ -130,9 +130,10 @@ class SecureSum:
     An exchange whose scale was too small (an entry would wrap) or far too large (precision lost) is redone at
     the scale that sum gives: rare after the first exchange of a tensor."""
 
-    def __init__(self, keys: PairwiseKeys, timeout_s: float):
+    def __init__(self, keys: PairwiseKeys, timeout_s: float, key_bytes_sent: int = 0):
         self.keys = keys
         self.timeout_s = timeout_s
+        self.key_bytes_sent = key_bytes_sent   # this device's share of the key exchange, for the summary
         self.counters: dict[int, int] = {}
         self.exponents: dict[tuple, int] = {}
         self.exchanges = 0
@@ -149,11 +150,7 @@ class SecureSum:
         wait(dist.all_gather(everyone, mine, group=group, async_op=True), timeout_s,
              "secure aggregation key exchange")
         keys.agree([bytes(t.tolist()) for t in everyone])
-        made = cls(keys, timeout_s)
-        made.key_bytes_sent = ring_allgather_bytes(KEY_BYTES, world)
-        return made
-
-    key_bytes_sent = 0
+        return cls(keys, timeout_s, ring_allgather_bytes(KEY_BYTES, world))
 
     def sum(self, x: torch.Tensor, members: list[int], key: object, emulator, group, peers=None) -> torch.Tensor:
         """The sum of every member's ``x`` (flat fp32), each device having sent only its masked words.
