@@ -93,7 +93,7 @@ def test_metrics_psnr_ssim_and_the_best_matching():
 
 
 
-@pytest.mark.slow  # 1.3x the plain leak test here (DLG runs every iteration against noise): over 8 s
+@pytest.mark.slow  # 1.3x the plain leak test's time here: DLG runs every iteration against noise
 def test_a_securely_aggregated_payload_reconstructs_at_the_random_guess_level(target):
     """One device's masked payload (--secure-aggregation) among 3 members, as a peer decodes it: the attack that
     rebuilds the image from the plain gradient (the first test, the same budget) does no better than a guess."""
