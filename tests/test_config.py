@@ -66,7 +66,7 @@ def test_a_pipeline_too_deep_for_the_model_is_refused_before_launch_unless_torch
     """Under torchrun the devices count themselves, so the stage check waits for them (their own preflight)."""
     from edgetrain.config import TrainConfig, resolve
     from edgetrain.errors import EdgetrainError
-    from edgetrain.preflight import check_before_launch
+    from edgetrain.train.preflight import check_before_launch
     from edgetrain.spec import LaunchSpec
 
     cfg = TrainConfig(strategy="pipeline", devices=64, model="small_cnn", dataset="digits", output=str(tmp_path))

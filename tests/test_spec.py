@@ -56,6 +56,22 @@ ABOVE = {
 }
 
 
+# Every top-level module and package in tiers, lowest first: a module imports only its own tier and those below,
+# at its top or inside a function (the names in kinds.py's loaders are strings, imported where a kind is used).
+TIERS = (
+    {*BOTTOM, "arguments"},
+    {"config", "cluster"},
+    {"comm", "data", "models"},
+    {"tasks"},  # a task's loss and metrics over the models' outputs; the one FLOP counter takes the task's loss
+    {"tiling"},
+    {"privacy"},
+    {"report"},
+    {"bench", "plan"},
+    {"train"},  # the run, its pre-launch checks (train/preflight.py) included
+    {"fleet", "cli", "ssh_launch", "data_cli", "__init__", "__main__"},
+)
+
+
 def edgetrain_units(path: Path) -> set[str]:
     """The top-level edgetrain modules and packages a file imports: ``edgetrain.cluster.links`` -> cluster."""
     return {m.split(".")[1] for m in edgetrain_imports(path) if m.startswith("edgetrain.")}
@@ -72,6 +88,21 @@ def test_no_package_imports_one_above_it(package):
     for path in sorted((SRC / package).rglob("*.py")):
         upward = edgetrain_units(path) & ABOVE[package]
         assert not upward, f"{path.relative_to(SRC)} imports {sorted(upward)}, above {package}"
+
+
+def test_every_module_has_a_tier():
+    units = {p.name.removesuffix(".py") for p in SRC.iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()}
+    assert units == set().union(*TIERS)
+
+
+def test_no_module_imports_a_tier_above_its_own():
+    tier = {unit: i for i, units in enumerate(TIERS) for unit in units}
+    upward = []
+    for path in sorted(SRC.rglob("*.py")):
+        unit = path.relative_to(SRC).parts[0].removesuffix(".py")
+        upward += [f"{path.relative_to(SRC)} imports edgetrain.{other}" for other in sorted(edgetrain_units(path))
+                   if tier[other] > tier[unit]]
+    assert upward == []
 
 
 SPINE = [*sorted((SRC / "train").glob("*.py")), SRC / "cluster" / "launch.py", SRC / "config.py"]

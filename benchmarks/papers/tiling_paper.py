@@ -30,7 +30,7 @@ from edgetrain.cluster.links import collective_time  # noqa: E402
 from edgetrain.cluster.profiles import get_profile  # noqa: E402
 from edgetrain.comm.accounting import ring_allreduce_bytes  # noqa: E402
 from edgetrain.errors import EdgetrainError  # noqa: E402
-from edgetrain.models.flops import count_training_flops  # noqa: E402
+from edgetrain.tasks.flops import count_training_flops  # noqa: E402
 from edgetrain.models.yolo_tiny import DARKNET_WIDTHS, YoloTiny  # noqa: E402
 from edgetrain.models.yolov2 import YoloV2  # noqa: E402
 from edgetrain.spec import get_link, parse_tiling  # noqa: E402

@@ -17,7 +17,7 @@ checking a config is cheap, and nothing here reaches up into the packages
 that take its specs.
 
 What needs more than the values (the model, the data files, a tiling grid
-on the model's feature maps) is ``edgetrain.preflight``, a layer above.
+on the model's feature maps) is ``edgetrain.train.preflight``, a layer above.
 """
 from __future__ import annotations
 

@@ -63,7 +63,7 @@ def run_pack(args: argparse.Namespace) -> int:
     from edgetrain.data import build_data
     from edgetrain.data.shards import pack
     from edgetrain.errors import EdgetrainError
-    from edgetrain.preflight import check_data
+    from edgetrain.train.preflight import check_data
     from edgetrain.kinds import target_kind
 
     given = {k: v for k, v in vars(args).items() if k in PACK_OPTIONS}
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     from edgetrain.config import TrainConfig, check_output_dir, load_config
     from edgetrain.data import build_data
     from edgetrain.data.dedup import find_near_duplicates, images_of
-    from edgetrain.preflight import check_data
+    from edgetrain.train.preflight import check_data
     from edgetrain.report.files import write_json
 
     cfg = load_config(TrainConfig(), **{k: v for k, v in vars(args).items() if k in DATASET_OPTIONS})

@@ -120,3 +120,16 @@ def test_steady_runs_carry_no_flags():
     rows = scaling.scaling_rows({1: _records(1, [1.0] + [0.2] * 5), 2: _records(2, [1.0] + [0.25] * 5)})
     assert all(r["flags"] == [] for r in rows) and rows[1]["efficiency"] == pytest.approx(0.8)
     assert scaling.flag_notes(rows) == [] and scaling.efficiency_cell(rows[1]) == "80.0%"
+
+
+def test_a_config_the_trainer_refuses_leaves_no_bench_run_directory(tmp_path):
+    """The trainer's own checks (its process) refuse what the bench's config check cannot see: the model and
+    the data. Refused before any run finished, the bench's run directory goes too; a later failure keeps it."""
+    from edgetrain.errors import EdgetrainError
+
+    def refused(cfg):
+        raise EdgetrainError(f"training run {cfg['run_name']} failed: model small_cnn cannot take ...; choose one")
+
+    with pytest.raises(EdgetrainError, match="devices-1 failed"):
+        scaling.run({"model": "small_cnn"}, [1, 2], output=str(tmp_path / "out"), train_fn=refused)
+    assert list((tmp_path / "out").iterdir()) == []

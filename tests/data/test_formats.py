@@ -164,7 +164,7 @@ def _users_data(tmp_path, kind: str) -> dict:
 @pytest.mark.parametrize("strategy", [dict(strategy="tiled", grid="1x2"), dict(strategy="pipeline")])
 def test_tiled_and_pipeline_take_the_input_shape_from_the_users_data(tmp_path, kind, strategy):
     from edgetrain.config import resolve
-    from edgetrain.preflight import check_before_launch
+    from edgetrain.train.preflight import check_before_launch
 
     cfg = load_config(**_users_data(tmp_path, kind), devices=2, **strategy)
     data = check_before_launch(cfg, resolve(cfg))  # planned on the data's own shape, not a table of built-ins

@@ -1,6 +1,6 @@
 """FLOPs achieved by training, and the peak a device is rated against.
 
-The count itself is ``models.flops.count_training_flops`` (the one counter,
+The count itself is ``tasks.flops.count_training_flops`` (the one counter,
 shared with the trainer and ``plan``: see there what it counts);
 ``training_flops_per_sample`` adds the nominal input shape of a dataset for
 benches that name one. Every FLOP figure in edgetrain, the trainer's
@@ -25,13 +25,13 @@ from typing import Any, Sequence
 import torch
 
 from edgetrain.bench.workload import dataset_shape
-from edgetrain.models.flops import count_training_flops
+from edgetrain.tasks.flops import count_training_flops
 
 
 def training_flops_per_sample(model: torch.nn.Module, dataset: str = "cifar10", batch_size: int = 2, *,
                               input_shape: Sequence[int] | None = None,
                               num_classes: int | None = None, task=None, example=None) -> dict[str, Any]:
-    """Forward, backward and total flops of one training sample (``models.flops.count_training_flops``).
+    """Forward, backward and total flops of one training sample (``tasks.flops.count_training_flops``).
 
     ``input_shape`` (channels, height, width) and ``num_classes`` override ``dataset``'s nominal ones:
     pass the run's real shape. ``model`` itself is left untouched (a deep copy is counted).

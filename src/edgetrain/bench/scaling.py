@@ -26,6 +26,8 @@ one device, which N devices sharing one host cannot do) is flagged
 """
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
 from typing import Any
 
 from edgetrain.arguments import non_negative_int, positive_int
@@ -71,15 +73,9 @@ def run(config: dict[str, Any], devices: list[int], *, mode: str = "weak", outpu
     if not devices or min(devices) < 1 or 1 not in devices:
         raise EdgetrainError(f"--devices needs positive device counts including 1 (the baseline), e.g. 1,2,4; "
                              f"got {devices}")
-    train_fn = train_fn or trainer_runs.train_in_subprocess
     run_dir = start_run(output, name, "scaling")
-    local_batch = int(config.get("batch_size", 32))
-    summaries, metrics = {}, {}
-    for n in sorted(set(devices)):
-        cfg = dict(config, devices=n, output=str(run_dir / "runs"), run_name=f"devices-{n}", progress=False,
-                   eval=False, batch_size=local_batch * n if mode == "weak" else local_batch)
-        summaries[n] = train_fn(cfg)
-        metrics[n] = trainer_runs.read_metrics(summaries[n].run_dir)
+    summaries, metrics = _train_each(config, sorted(set(devices)), mode, run_dir,
+                                     train_fn or trainer_runs.train_in_subprocess)
     rows = scaling_rows(metrics, summaries)
     params = dict(config, devices=sorted(set(devices)), mode=mode,
                   batch_size_note="per device" if mode == "weak" else "global")
@@ -100,6 +96,26 @@ def run(config: dict[str, Any], devices: list[int], *, mode: str = "weak", outpu
                  "emulated devices share this host's cores: speedup is bounded by the cores there are",
                  *flag_notes(rows)])
     return result
+
+
+def _train_each(config: dict[str, Any], devices: list[int], mode: str, run_dir: Path, train_fn: trainer_runs.TrainFn
+                ) -> tuple[dict[int, RunSummary], dict[int, list[StepRecord]]]:
+    """One training run per device count, each the trainer's own process. The trainer checks the model and
+    the data before it starts (train/preflight.py): a config it refuses before any run finished leaves no
+    bench run directory behind either."""
+    local_batch = int(config.get("batch_size", 32))
+    summaries, metrics = {}, {}
+    for n in devices:
+        cfg = dict(config, devices=n, output=str(run_dir / "runs"), run_name=f"devices-{n}", progress=False,
+                   eval=False, batch_size=local_batch * n if mode == "weak" else local_batch)
+        try:
+            summaries[n] = train_fn(cfg)
+        except EdgetrainError:
+            if not summaries:
+                shutil.rmtree(run_dir, ignore_errors=True)
+            raise
+        metrics[n] = trainer_runs.read_metrics(summaries[n].run_dir)
+    return summaries, metrics
 
 
 def add_parser(sub) -> None:
@@ -126,7 +142,6 @@ def add_parser(sub) -> None:
 
 def _config(a) -> dict[str, Any]:
     from edgetrain.config import load_run
-    from edgetrain.preflight import check_before_launch
     from edgetrain.yamlfile import read_yaml_mapping
 
     config = read_yaml_mapping(a.config, "--config") if a.config else {}
@@ -137,7 +152,6 @@ def _config(a) -> dict[str, Any]:
         value = getattr(a, key)
         if value is not None:
             config[key] = value
-    # Every key and value, the model and the data checked before the bench makes its run directory.
-    cfg, spec = load_run(config, output=a.output)
-    check_before_launch(cfg, spec)
+    # Every key and value checked before the bench makes its run directory (the model and the data: the trainer).
+    load_run(config, output=a.output)
     return config

@@ -100,7 +100,7 @@ from edgetrain.data.datasets import build_data, check_dataset
 from edgetrain.data.partition import split_dataset
 from edgetrain.errors import EdgetrainError
 from edgetrain.fleet.devices import DeviceGroup, ModelledFleet, RoundModel, parse_availability, parse_population
-from edgetrain.models.flops import count_training_flops
+from edgetrain.tasks.flops import count_training_flops
 from edgetrain.models import build_model, check_model
 from edgetrain.report.files import atomic_write
 from edgetrain.spec import CompressSpec, PartitionSpec, ServerOptSpec, parse_compress, parse_partition, \

@@ -4,7 +4,7 @@ Nothing here is estimated from layer formulas: every number comes from
 running the model once.
 
 * **FLOPs per sample** (forward + backward): the trainer's own counter,
-  ``models.flops.count_training_flops`` (``FlopCounterMode``) around a forward, the cross-entropy loss and ``backward()`` at batch 2, divided by 2.
+  ``tasks.flops.count_training_flops`` (``FlopCounterMode``) around a forward, the cross-entropy loss and ``backward()`` at batch 2, divided by 2.
   PyTorch counts matrix products and convolutions (2 FLOPs per multiply-add,
   backward convolutions only for the gradients autograd really computes);
   element-wise work (BatchNorm, ReLU, the optimizer step) is not counted.
@@ -34,7 +34,7 @@ from torch import nn
 
 from edgetrain.cluster.memory import SavedTensorMeter
 from edgetrain.errors import EdgetrainError
-from edgetrain.models.flops import count_training_flops
+from edgetrain.tasks.flops import count_training_flops
 from edgetrain.tasks.base import Task
 from edgetrain.tasks.classification import ClassificationTask
 
@@ -78,7 +78,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def count_flops(model: nn.Module, input_shape: tuple[int, ...], num_classes: int, batch: int = 2,
                 task: Task | None = None) -> tuple[float, float]:
-    """(train, forward) FLOPs per sample: ``models.flops.count_training_flops``, the trainer's own counter."""
+    """(train, forward) FLOPs per sample: ``tasks.flops.count_training_flops``, the trainer's own counter."""
     counted = count_training_flops(model, input_shape, num_classes, batch, task=task)
     return counted["total_flops"], counted["forward_flops"]
 

@@ -163,7 +163,7 @@ def _host_cores() -> tuple[int, ...] | None:
 def _check_before_launch(cfg: TrainConfig, spec: RunSpec, user: UserParts):
     """What the values cannot say, before the run directory; returns the dataset where a check built it."""
     from edgetrain.bench.power import read_watts_file
-    from edgetrain.preflight import check_before_launch
+    from edgetrain.train.preflight import check_before_launch
     if cfg.power_file:  # unreadable: one line now, not one per device after the run directory is made
         read_watts_file(cfg.power_file)
     checked = check_before_launch(cfg, spec, user.model, user.task)

@@ -10,8 +10,8 @@ inputs and weights).
 
 Every FLOP figure in edgetrain comes from here: the trainer's
 ``summary.json``, ``bench batch`` (through ``bench.flops``, which adds the
-peaks a count is rated against) and ``plan``'s model costs. It lives beside
-the models so that all three can use it without importing one another.
+peaks a count is rated against) and ``plan``'s model costs. It lives with
+the tasks, whose loss a training step takes, so that all three can use it without importing one another.
 
 The count is taken at the input shape given (a 416x416 tiled run costs 169
 times a 32x32 one) on a deep copy of the model, with the global RNG state

@@ -10,7 +10,8 @@ asks it (or one passed from Python), fits the data and the model's output on
 one batch (``Task.check_data``, ``Task.check``). ``train``
 calls ``check_before_launch`` before it makes the run directory and before any
 device starts, so bad input leaves nothing behind. It needs the models, the
-data and the tiler (so torch): it sits above ``config``, which stays free of them.
+data, the tiler and the strategies (so torch): it sits with the run it checks, above ``config``, which stays
+free of them.
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ from edgetrain.plan.stages import check_sequential, pipeline_layers, stage_bound
 from edgetrain.spec import RunSpec
 from edgetrain.kinds import task_kind
 from edgetrain.tiling.strategy import plan_section
+from edgetrain.train.checkpoint import check_resumable
+from edgetrain.train.strategy import registered_strategy
 
 
 def check_before_launch(cfg: TrainConfig, spec: RunSpec, model: Any = None, task: Any = None):
@@ -40,13 +43,9 @@ def check_before_launch(cfg: TrainConfig, spec: RunSpec, model: Any = None, task
     """
     check_output_dir(cfg.output, "config key 'output'")
     if spec.checkpoint.resume_dir:
-        from edgetrain.train.checkpoint import check_resumable  # here: edgetrain.train imports this module
-
         check_resumable(spec.checkpoint.resume_dir)
     if model is None:
         check_model(cfg.model)
-    from edgetrain.train.strategy import registered_strategy  # here: edgetrain.train imports this module
-
     registered_strategy(spec.strategy)  # a torch without what it needs: one line now, not from every device
     check_dataset(cfg.dataset)
     built = check_data(cfg, spec.task)
