@@ -127,11 +127,13 @@ def test_importing_edgetrain_config_spec_and_html_leaves_torch_out():
 
 
 def test_edgetrain_train_is_the_function_whatever_was_imported_first():
-    code = ("import edgetrain.train.loop, edgetrain; "
-            "print(callable(edgetrain.train), edgetrain.train.__module__, edgetrain.TrainConfig.__name__)")
+    """A plain module (no class swapped in to catch the subpackage's binding): the function is bound after it."""
+    code = ("import edgetrain.train.loop, edgetrain, edgetrain.train.checkpoint; "
+            "print(callable(edgetrain.train), edgetrain.train.__module__, edgetrain.TrainConfig.__name__, "
+            "type(edgetrain).__name__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["True", "edgetrain.train", "TrainConfig"]
+    assert out.stdout.split() == ["True", "edgetrain.train", "TrainConfig", "module"]
 
 
 def test_resolve_parses_every_option_into_frozen_specs():

@@ -12,13 +12,10 @@ Python API::
 ``edgetrain.train`` is the function; the training loop itself lives in the
 ``edgetrain.train`` subpackage (``from edgetrain.train.loop import run_worker``).
 
-The names below are loaded on first use (PEP 562 module ``__getattr__``), so
-that ``import edgetrain`` and the torch-free modules (``edgetrain.spec``,
-``edgetrain.config``, ``edgetrain.report.html``) do not pay for importing torch.
+``import edgetrain`` leaves torch out, so that the torch-free modules (``edgetrain.spec``,
+``edgetrain.config``, ``edgetrain.report.html``) do not pay for it: ``train`` is imported here (its
+subpackage imports torch when a run starts), the other names on first use (PEP 562 module ``__getattr__``).
 """
-import sys
-import types
-
 __version__ = "0.1.0"
 
 import os  # noqa: E402
@@ -30,7 +27,6 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
 
 # name -> module it lives in; imported on first access
 _LAZY = {
-    "train": "edgetrain.train",
     "TrainConfig": "edgetrain.config",
     "load_config": "edgetrain.config",
     "EdgetrainError": "edgetrain.errors",
@@ -53,7 +49,7 @@ def __getattr__(name: str):
     import importlib
 
     value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value  # the function train, not the subpackage that importing it bound here
+    globals()[name] = value
     return value
 
 
@@ -61,17 +57,10 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
-class _Package(types.ModuleType):
-    def __setattr__(self, name: str, value) -> None:
-        # Importing the subpackage edgetrain.train (for its loop, say) binds it here once it has run;
-        # the function of that name is what edgetrain.train means, as when it was imported eagerly.
-        if name == "train" and isinstance(value, types.ModuleType):
-            value = value.train
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
-
 # Every strategy, sync mode and compressor is declared in edgetrain.kinds, whose descriptors the parsers of
 # edgetrain.spec look names up in: imported here, so that they are declared whatever is imported first.
 import edgetrain.kinds  # noqa: E402,F401
+
+# The function, bound here after its subpackage: importing the subpackage (edgetrain.train.loop, say) once
+# edgetrain is imported no longer rebinds the name, so edgetrain.train stays the function.
+from edgetrain.train import train  # noqa: E402
