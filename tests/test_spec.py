@@ -117,6 +117,40 @@ def test_the_run_spine_has_no_function_over_sixty_lines():
     assert long == []
 
 
+def parameter_counts() -> dict[str, int]:
+    """Every function in src/ over seven parameters (``self`` and ``cls`` not counted; ``*args``/``**kw`` neither)."""
+    counts = {}
+    for path in sorted(SRC.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                n = len([p for p in a.posonlyargs + a.args + a.kwonlyargs if p.arg not in ("self", "cls")])
+                if n > 7:
+                    counts[f"{path.relative_to(SRC)}:{node.name}"] = n
+    return counts
+
+
+# Not grouped yet: each of these may only leave the list (the test fails when one is fixed and still listed).
+# A bench's run takes one keyword per option of its command (tests and benchmarks call it so); the sync modes'
+# constructors one per option of their mode.
+OVER_SEVEN_PARAMETERS = {
+    "bench/batch.py:run", "bench/counters.py:run", "bench/power.py:run", "bench/stalls.py:run",
+    "bench/variability.py:run", "bench/workload.py:time_steps", "bench/workload.py:measure_steps_isolated",
+    "comm/asynchronous.py:__init__", "comm/exchange.py:average", "comm/federated.py:__init__",
+    "comm/gossip.py:__init__", "comm/local_sgd.py:__init__", "comm/streaming.py:__init__", "comm/sync.py:__init__",
+    "data/storage.py:__init__", "fleet/app.py:local_update", "plan/model.py:predict", "plan/split.py:plan_split",
+    "tasks/detection.py:yolo_loss", "tiling/strategy.py:__init__",
+}
+
+
+def test_no_function_takes_more_than_seven_parameters():
+    """More are grouped into the frozen specs, the RunPlan or a small dataclass of what belongs together
+    (``checkpoint.Writers``, ``energy.Sensors``, ``launch.Deadline``)."""
+    counts = parameter_counts()
+    assert sorted(set(counts) - OVER_SEVEN_PARAMETERS) == []
+    assert sorted(OVER_SEVEN_PARAMETERS - set(counts)) == [], "grouped now: take it off the list"
+
+
 def test_importing_edgetrain_config_spec_and_html_leaves_torch_out():
     code = ("import sys, edgetrain, edgetrain.config, edgetrain.spec, edgetrain.report.html, edgetrain.results, "
             "edgetrain.report.plan_page; "

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from edgetrain import train
-from edgetrain.cluster.launch import launch_local
+from edgetrain.cluster.launch import Deadline, launch_local
 from edgetrain.cluster.membership import CHANGES_KEY, ElasticLaunch
 from edgetrain.cluster.peers import cut_connections
 from edgetrain.config import load_config, resolve, with_device_count
@@ -127,7 +127,7 @@ def _dies_unless_first() -> None:
 def test_fewer_devices_than_min_devices_stop_the_run_in_one_line():
     with pytest.raises(EdgetrainError) as failure:  # a survivor left waiting would end in the deadline's line
         launch_local(3, _dies_unless_first, (), ["device 0 (host)", "device 1 (rpi4)", "device 2 (rpi4)"],
-                     deadline_s=120, elastic=ElasticLaunch(min_devices=2, local_batches=(1, 1, 1), timeout_s=5))
+                     deadline=Deadline(120), elastic=ElasticLaunch(min_devices=2, local_batches=(1, 1, 1), timeout_s=5))
     assert str(failure.value) == ("lost device 1 (rpi4), device 2 (rpi4); 1 of 3 devices remain, fewer than "
                                   "--min-devices 2, so the run stopped; lower --min-devices or keep the devices up")
 

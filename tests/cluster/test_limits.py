@@ -36,10 +36,10 @@ def _inside(data_dir):
 
 @pytest.mark.skipif(not HAS_V1, reason="needs root and cgroup v1 memory and blkio")
 def test_a_device_runs_inside_its_groups_and_they_are_removed(tmp_path):
-    from edgetrain.cluster.launch import launch_local
+    from edgetrain.cluster.launch import Deadline, launch_local
 
     (groups, seen, memory, held_alone, described, pid), = launch_local(1, _inside, (str(tmp_path),), ["device 0"],
-                                                                        deadline_s=120)
+                                                                        deadline=Deadline(120))
     # the hard limit: the profile's memory less what the process held alone before joining (charged elsewhere);
     # the soft limit records the profile's figure
     assert memory == {"memory.limit_in_bytes": 3000 * 2 ** 20 - held_alone,
@@ -103,9 +103,9 @@ def _holds(room_mb: int, allocate_mb: int, memory_mb: int | None = None) -> dict
 
 @pytest.mark.skipif(not HAS_V1, reason="needs root and cgroup v1 memory")
 def test_a_device_under_its_profile_lives_and_its_group_covers_all_it_holds():
-    from edgetrain.cluster.launch import launch_local
+    from edgetrain.cluster.launch import Deadline, launch_local
 
-    held, = launch_local(1, _holds, (96, 32), ["device 0 (small)"], deadline_s=120)
+    held, = launch_local(1, _holds, (96, 32), ["device 0 (small)"], deadline=Deadline(120))
     # its copy of the fork server's pages (torch, about 220 MiB) is charged to it; the few MiB it held alone
     # before joining came off its limit
     assert held["rss_anon"] > 150 and held["held_alone"] < 32, held
@@ -114,20 +114,20 @@ def test_a_device_under_its_profile_lives_and_its_group_covers_all_it_holds():
 
 @pytest.mark.skipif(not HAS_V1, reason="needs root and cgroup v1 memory")
 def test_a_device_that_allocates_past_its_profile_is_killed_and_named():
-    from edgetrain.cluster.launch import launch_local
+    from edgetrain.cluster.launch import Deadline, launch_local
 
     with pytest.raises(EdgetrainError) as caught:  # 96 MiB of room, 160 allocated
-        launch_local(1, _holds, (96, 160), ["device 0 (small)"], deadline_s=120)
+        launch_local(1, _holds, (96, 160), ["device 0 (small)"], deadline=Deadline(120))
     assert re.search(r"^device 0 \(small\) failed: its process was killed \(SIGKILL\) by the kernel's out-of-memory "
                      r"killer at its memory limit of \d+ MiB, page cache included", str(caught.value)), caught.value
 
 
 @pytest.mark.skipif(not HAS_V1, reason="needs root and cgroup v1 memory")
 def test_a_profile_smaller_than_what_a_device_holds_at_start_is_one_line():
-    from edgetrain.cluster.launch import launch_local
+    from edgetrain.cluster.launch import Deadline, launch_local
 
     with pytest.raises(EdgetrainError) as caught:
-        launch_local(1, _holds, (0, 0, 96), ["device 0 (tiny)"], deadline_s=120)
+        launch_local(1, _holds, (0, 0, 96), ["device 0 (tiny)"], deadline=Deadline(120))
     assert re.fullmatch(r"device 0 \(tiny\) failed: its profile's memory_mb of 96 MiB is less than the \d+ MiB of "
                         r"memory its process holds before training \(torch and edgetrain loaded\); give its profile "
                         r"more memory_mb, or use --device-limits off; the other devices were stopped",
@@ -184,17 +184,17 @@ def _workers_parent() -> tuple[int, list[int]]:
 def test_a_devices_loader_workers_are_forked_by_the_device():
     """As a torchrun worker's: in its memory group and process group, its SIGCHLD telling it at once of a dead
     worker (not at the loader's timeout), not started by a fork server of the device's own."""
-    from edgetrain.cluster.launch import launch_local
+    from edgetrain.cluster.launch import Deadline, launch_local
 
-    (device, parents), = launch_local(1, _workers_parent, (), ["device 0"], deadline_s=120)
+    (device, parents), = launch_local(1, _workers_parent, (), ["device 0"], deadline=Deadline(120))
     assert parents == [device, device]
 
 
 @pytest.mark.skipif(not HAS_V1, reason="needs root and cgroup v1 memory")
 def test_a_loader_worker_the_oom_killer_ends_is_named_as_such():
-    from edgetrain.cluster.launch import launch_local
+    from edgetrain.cluster.launch import Deadline, launch_local
 
-    message, = launch_local(1, _worker_past_the_limit, (), ["device 0"], deadline_s=120)
+    message, = launch_local(1, _worker_past_the_limit, (), ["device 0"], deadline=Deadline(120))
     assert re.fullmatch(r"device 0: data-loader worker 0 \(pid \d+\) was killed by SIGKILL \(9\); the kernel's "
                         r"out-of-memory killer, at the device's memory limit of \d+ MiB \(page cache included\): "
                         r"lower --workers, --prefetch or --cache-mb, or give its profile more memory_mb",

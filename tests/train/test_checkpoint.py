@@ -334,11 +334,11 @@ def test_powersgd_state_follows_its_parameters_into_another_bucket_layout():
 
 @NEEDS_POOLED
 def test_load_checkpoint_says_whether_a_pooled_runs_model_is_partial(tmp_path, capsys):
-    from edgetrain.train.checkpoint import save_final_parts
+    from edgetrain.train.checkpoint import Writers, save_final_parts
 
     sharded = {"model": {"weight": torch.ones(3)}, "optimizer": {}}
-    save_final_parts(tmp_path / "stopped", sharded, 4, {}, rank=0, world=1, timeout_s=10, planned_steps=10)
-    save_final_parts(tmp_path / "done", sharded, 10, {}, rank=0, world=1, timeout_s=10, planned_steps=10)
+    save_final_parts(tmp_path / "stopped", sharded, 4, {}, Writers(rank=0, world=1, timeout_s=10), planned_steps=10)
+    save_final_parts(tmp_path / "done", sharded, 10, {}, Writers(rank=0, world=1, timeout_s=10), planned_steps=10)
     stopped, done = load_checkpoint(tmp_path / "stopped"), load_checkpoint(tmp_path / "done")
     assert stopped["partial"] and (stopped["step"], stopped["planned_steps"]) == (4, 10)
     assert not done["partial"] and torch.equal(done["model"]["weight"], torch.ones(3))

@@ -16,7 +16,7 @@ from edgetrain.errors import EdgetrainError
 from edgetrain.records import DeviceSummary, EnergyRecord, RunSummary
 from edgetrain.report.html import headline
 from edgetrain.report.tables import print_train_summary
-from edgetrain.train.energy import EnergyMeter
+from edgetrain.train.energy import Clocks, EnergyMeter, Sensors
 from edgetrain_testing import FAST, run_cli
 
 PI = DeviceProfile("pi", cores=4, idle_w=2.7, core_w=1.2)
@@ -30,13 +30,14 @@ class FakeClock:
         return self.times.pop(0)
 
 
-def no_sensors(tmp_path: Path) -> dict:
-    return dict(rapl_root=str(tmp_path / "no-rapl"), ina_roots=(str(tmp_path / "no-ina"),),
-                hwmon_root=str(tmp_path / "no-hwmon"))
+def no_sensors(tmp_path: Path, **found) -> Sensors:
+    """Sensors where there are none, but for those ``found`` names."""
+    return Sensors(**{**dict(rapl_root=str(tmp_path / "no-rapl"), ina_roots=(str(tmp_path / "no-ina"),),
+                             hwmon_root=str(tmp_path / "no-hwmon")), **found})
 
 
 def test_modelled_energy_is_the_profiles_watts_times_time_over_samples(tmp_path):
-    meter = EnergyMeter(PI, 4, shared=True, clock=FakeClock(100.0, 110.0), **no_sensors(tmp_path))
+    meter = EnergyMeter(PI, 4, shared=True, sensors=no_sensors(tmp_path), clocks=Clocks(wall=FakeClock(100.0, 110.0)))
     meter.start()
     e = meter.stop(samples=300)
     assert (e.measured, e.joules, e.seconds, e.samples, e.watts) == (False, 75.0, 10.0, 300, 7.5)
@@ -45,7 +46,7 @@ def test_modelled_energy_is_the_profiles_watts_times_time_over_samples(tmp_path)
 
 
 def test_no_sensor_and_no_power_model_gives_no_energy(tmp_path):
-    meter = EnergyMeter(BUILTIN_PROFILES["jetson-nano"], 4, shared=False, **no_sensors(tmp_path))
+    meter = EnergyMeter(BUILTIN_PROFILES["jetson-nano"], 4, shared=False, sensors=no_sensors(tmp_path))
     meter.start()
     assert meter.stop(samples=10) is None
 
@@ -63,10 +64,9 @@ def fake_rapl(root: Path, uj: int, max_uj: int) -> Path:
 def test_rapl_energy_is_measured_across_the_counters_wrap(tmp_path, shared):
     max_uj = 262_143_328_850
     domain = fake_rapl(tmp_path / "powercap", max_uj - 1_000_000, max_uj)
-    meter = EnergyMeter(PI, 4, shared=shared, rapl_root=str(tmp_path / "powercap"),
-                        ina_roots=(str(tmp_path / "no-ina"),), hwmon_root=str(tmp_path / "no-hwmon"),
-                        clock=FakeClock(0.0, 2.0), cpu_clock=FakeClock(5.0, 6.0, 6.0),
-                        host_cpu=FakeClock(100.0, 104.0))
+    meter = EnergyMeter(PI, 4, shared=shared, sensors=no_sensors(tmp_path, rapl_root=str(tmp_path / "powercap")),
+                        clocks=Clocks(wall=FakeClock(0.0, 2.0), cpu=FakeClock(5.0, 6.0, 6.0),
+                                      host_cpu=FakeClock(100.0, 104.0)))
     meter.start()
     (domain / "energy_uj").write_text("2000000\n")  # wrapped: 1 J before the wrap, 2 J after
     e = meter.stop(samples=60)
@@ -82,7 +82,7 @@ def test_rapl_energy_is_measured_across_the_counters_wrap(tmp_path, shared):
 def test_power_file_is_read_through_the_window(tmp_path):
     watts = tmp_path / "usb-meter"
     watts.write_text("1700000000.5 4.0\n")  # a logger's line: time, then watts
-    meter = EnergyMeter(PI, 4, shared=False, power_file=str(watts), sample_every_s=0.01, **no_sensors(tmp_path))
+    meter = EnergyMeter(PI, 4, shared=False, sensors=no_sensors(tmp_path, power_file=str(watts), sample_every_s=0.01))
     meter.start()
     time.sleep(0.3)
     e = meter.stop(samples=10)
@@ -93,7 +93,7 @@ def test_power_file_is_read_through_the_window(tmp_path):
 def test_unreadable_power_file_is_one_clear_error(tmp_path):
     (tmp_path / "watts").write_text("n/a\n")
     with pytest.raises(EdgetrainError, match="cannot read watts from --power-file"):
-        EnergyMeter(PI, 4, shared=False, power_file=str(tmp_path / "watts"), **no_sensors(tmp_path))
+        EnergyMeter(PI, 4, shared=False, sensors=no_sensors(tmp_path, power_file=str(tmp_path / "watts")))
     done = run_cli("train", "--power-file", str(tmp_path / "watts"), "--steps", "1", "--output",
                    str(tmp_path / "runs"), timeout=120)
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
@@ -114,8 +114,9 @@ def test_jetson_ina3221_rails_on_hwmon(tmp_path):
     rails = ina_hwmon_rails(str(tmp_path))
     assert [v.name for v, _ in rails] == ["in1_input", "in2_input"]
     assert hwmon_watts(rails) == pytest.approx(6.5)
-    meter = EnergyMeter(PI, 4, shared=False, rapl_root=str(tmp_path / "none"), ina_roots=(str(tmp_path / "none"),),
-                        hwmon_root=str(tmp_path), sample_every_s=0.01)
+    meter = EnergyMeter(PI, 4, shared=False, sensors=Sensors(rapl_root=str(tmp_path / "none"),
+                                                             ina_roots=(str(tmp_path / "none"),),
+                                                             hwmon_root=str(tmp_path), sample_every_s=0.01))
     meter.start()
     time.sleep(0.2)
     e = meter.stop(samples=5)

@@ -105,6 +105,7 @@ def _exchange(rank, world, method):
     from edgetrain.comm.emulation import LinkEmulator
     from edgetrain.spec import parse_compress
     from edgetrain.train.pipeline import allreduce_gradients
+    from edgetrain.train.replicas import Channel
 
     group = dist.new_group([0, 1], backend="gloo")
     torch.manual_seed(0)  # the replicas of a stage start alike
@@ -117,7 +118,7 @@ def _exchange(rank, world, method):
         for p in params:
             p.grad = torch.randn(p.shape, generator=gen)
         fed += torch.cat([p.grad.reshape(-1) for p in params]).double()
-        allreduce_gradients(params, ("w", "b"), compressor, memory, emulator, group, [0, 1])
+        allreduce_gradients(params, ("w", "b"), Channel(compressor, memory, emulator, group, [0, 1]))
         means.append(torch.cat([p.grad.reshape(-1) for p in params]).double())
     residual = torch.cat([memory.residuals[name] for name in ("w", "b")]).double()
     return fed, torch.stack(means), residual, emulator.stats.bytes_sent

@@ -91,6 +91,7 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
@@ -222,9 +223,23 @@ class _LauncherStdio:
                 os.close(received)
 
 
-def _child(rank: int, world: int, port: int, parent_pid: int, target: Callable, args: tuple, results: Any,
-           log_dir: str | None, joining: bool = False, environ: dict | None = None, stdio: Any = None) -> None:
-    _die_with_parent(parent_pid)
+@dataclass(frozen=True)
+class _Start:
+    """What every device process of a launch starts from: the launcher's store ``port`` for ``world`` devices,
+    the launcher (``parent_pid``) it dies with, ``target(*args)`` to run, the ``results`` queue it reports on
+    and the ``log_dir`` its traceback goes to."""
+    world: int
+    port: int
+    parent_pid: int
+    target: Callable
+    args: tuple
+    results: Any
+    log_dir: str | None
+
+
+def _child(rank: int, start: _Start, joining: bool = False, environ: dict | None = None, stdio: Any = None) -> None:
+    world, port, results, log_dir = start.world, start.port, start.results, start.log_dir
+    _die_with_parent(start.parent_pid)
     # Its own processes (loader workers) forked from it, as a torchrun worker's are: multiprocessing made the
     # fork server's method this process's default, which would start a server of its own to fork them from.
     mp.set_start_method("fork", force=True)
@@ -243,7 +258,7 @@ def _child(rank: int, world: int, port: int, parent_pid: int, target: Callable, 
     if loopback:
         os.environ["GLOO_SOCKET_IFNAME"] = loopback
     try:
-        value = target(*args)
+        value = start.target(*start.args)
     except Terminated:
         value = _TERMINATED  # the stack has unwound: its finally blocks ran (temporary files removed)
     except EdgetrainError as e:
@@ -418,14 +433,22 @@ def _quiet_resource_tracker() -> None:
         os.close(saved)
 
 
+@dataclass(frozen=True)
+class Deadline:
+    """When ``launch_local`` stops its devices: those still running ``s`` after the start (None: no deadline),
+    reported in one line ending with ``fix``; the others ``failure_grace_s`` after a device failed."""
+    s: float | None = None
+    fix: str = "give it more time"
+    failure_grace_s: float = 1.0
+
+
 def launch_local(world: int, target: Callable, args: tuple, labels: list[str], log_dir: str | None = None,
-                 grace_s: float = 1.0, deadline_s: float | None = None,
-                 deadline_fix: str = "give it more time", elastic: ElasticLaunch | None = None) -> list[Any]:
+                 deadline: Deadline = Deadline(), elastic: ElasticLaunch | None = None) -> list[Any]:
     """Run ``target(*args)`` in ``world`` device processes; return their results in rank order.
 
     A device that fails with an unexpected exception leaves its traceback in ``log_dir/device-<rank>.log``
-    (without ``log_dir`` it prints it). Devices still running ``deadline_s`` after the start are stopped and
-    reported in one line ending with ``deadline_fix``.
+    (without ``log_dir`` it prints it). Devices still running at the ``deadline`` are stopped and reported in
+    one line.
 
     ``elastic``: a device whose process ends without a word (killed, unplugged) is no failure while
     ``elastic.min_devices`` remain; the ``Lighthouse`` (cluster/membership.py) tells the others, who go on
@@ -442,11 +465,11 @@ def launch_local(world: int, target: Callable, args: tuple, labels: list[str], l
         while run.unfinished():
             run.receive()
             run.check_exits()
-            if run.should_stop(grace_s, deadline_s):
+            if run.should_stop(deadline.failure_grace_s, deadline.s):
                 break
     finally:
         run.stop()
-    return run.outcome(deadline_s, deadline_fix)
+    return run.outcome(deadline.s, deadline.fix)
 
 
 class _LocalDevices:
@@ -474,8 +497,8 @@ class _LocalDevices:
 
     def device(self, rank: int, joining: bool = False):
         environ = {**os.environ, _DEVICE_ENV: str(os.getpid())}
-        return self.ctx.Process(target=_child, args=(rank, self.world, self.port, os.getpid(), self.target, self.args,
-                                                     self.results, self.log_dir, joining, environ, _LauncherStdio()),
+        start = _Start(self.world, self.port, os.getpid(), self.target, self.args, self.results, self.log_dir)
+        return self.ctx.Process(target=_child, args=(rank, start, joining, environ, _LauncherStdio()),
                                 name=f"edgetrain-device-{rank}")
 
     def unfinished(self) -> list[int]:
@@ -630,5 +653,5 @@ def run_group(fn: Callable, world: int, *args: Any, timeout_s: float = 120.0, th
     import torch
 
     results = launch_local(world, _in_gloo_group, (fn, args, timeout_s, threads),
-                           [f"device {r}" for r in range(world)], deadline_s=deadline_s, deadline_fix=deadline_fix)
+                           [f"device {r}" for r in range(world)], deadline=Deadline(deadline_s, deadline_fix))
     return [torch.load(io.BytesIO(r), weights_only=False) for r in results]  # our own devices' pickles

@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -223,7 +224,7 @@ class Checkpointer:
         tensors, rest = split_sharded(sharded)
         write_parts(self._shared / CHECKPOINT_DIR / f"step-{step:08d}", tensors, {**device_state, "sharded": rest},
                     {**run_state, "world": self.world, "departed_records": self.departed_records, "parts": True},
-                    self.rank, self.world, self.timeout_s)
+                    Writers(self.rank, self.world, self.timeout_s))
         if self.rank == 0:
             self._prune()
 
@@ -400,7 +401,16 @@ def split_sharded(state: dict) -> tuple[dict, dict]:
     return tensors, rest
 
 
-def write_parts(target: Path, tensors: dict, own: dict, run: dict, rank: int, world: int, timeout_s: float) -> None:
+@dataclass(frozen=True)
+class Writers:
+    """The devices writing a checkpoint's parts together: this one's ``rank`` of ``world``; ``timeout_s`` bounds
+    every barrier between them and DCP's collectives."""
+    rank: int
+    world: int
+    timeout_s: float
+
+
+def write_parts(target: Path, tensors: dict, own: dict, run: dict, writers: Writers) -> None:
     """Every device (a collective): write this device's part of a checkpoint directory ``target`` atomically.
 
     Rank 0 makes the hidden ``.<name>.tmp/`` beside ``target`` (removing one a killed write left); after a
@@ -410,6 +420,7 @@ def write_parts(target: Path, tensors: dict, own: dict, run: dict, rank: int, wo
     renames the directory to ``target``. Every barrier and DCP's collectives are bounded by the run's timeout."""
     import torch.distributed.checkpoint as dcp
 
+    rank, world, timeout_s = writers.rank, writers.world, writers.timeout_s
     temporary = target.parent / f".{target.name}{_PARTS_TEMPORARY}"
     if rank == 0:
         shutil.rmtree(temporary, ignore_errors=True)
@@ -436,17 +447,17 @@ def write_parts(target: Path, tensors: dict, own: dict, run: dict, rank: int, wo
             os.replace(temporary, target)
 
 
-def save_final_parts(run_dir: str | Path | None, sharded: dict, step: int, config: dict, rank: int, world: int,
-                     timeout_s: float, planned_steps: int | None = None) -> None:
+def save_final_parts(run_dir: str | Path | None, sharded: dict, step: int, config: dict, writers: Writers,
+                     planned_steps: int | None = None) -> None:
     """Every device of a pooled run, at its end: the final model and optimizer as ``RUN_DIR/checkpoint/``, each
     device writing its own part (``write_parts``); ``load_checkpoint`` reads it back whole in one process."""
-    directory = shared_run_dir(run_dir, world)
+    directory = shared_run_dir(run_dir, writers.world)
     if directory is None:
         return
     tensors, rest = split_sharded(sharded)
     write_parts(directory / FINAL_DIR, tensors, {"sharded": rest},
-                {"step": step, "planned_steps": planned_steps, "config": config, "world": world, "parts": True}, rank,
-                world, timeout_s)
+                {"step": step, "planned_steps": planned_steps, "config": config, "world": writers.world, "parts": True},
+                writers)
 
 
 def load_checkpoint(path: str | Path) -> dict:

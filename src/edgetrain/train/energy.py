@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import time
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -38,23 +39,41 @@ def host_busy_cpu_s(proc_stat: str = PROC_STAT) -> float | None:
     return busy / os.sysconf("SC_CLK_TCK")
 
 
+@dataclass(frozen=True)
+class Sensors:
+    """Where the host's power is read, first found first: ``--power-file``, RAPL, INA3221 (iio), INA3221
+    (hwmon); a file or rail is sampled every ``sample_every_s``. Tests point the roots at fake sensors."""
+    power_file: str | None = None
+    rapl_root: str = RAPL_ROOT
+    ina_roots: tuple[str, ...] = INA_ROOTS
+    hwmon_root: str = HWMON_ROOT
+    sample_every_s: float = 0.05
+
+
+@dataclass(frozen=True)
+class Clocks:
+    """The meter's clocks: the wall's, this process's CPU time and the host's busy CPU time (fakes in tests
+    give exact arithmetic)."""
+    wall: Callable[[], float] = time.perf_counter
+    cpu: Callable[[], float] = time.process_time
+    host_cpu: Callable[[], float | None] = host_busy_cpu_s
+
+
 class EnergyMeter:
     """Started before the first step, stopped after the last: ``stop`` gives the ``EnergyRecord``, or None
-    where there is neither a sensor nor a power model. ``clock``/``cpu_clock``/``host_cpu`` are seams for
-    tests (a fake clock gives exact arithmetic)."""
+    where there is neither a sensor nor a power model."""
 
-    def __init__(self, profile: DeviceProfile, busy_cores: int, shared: bool, *, power_file: str | None = None,
-                 rapl_root: str = RAPL_ROOT, ina_roots: tuple[str, ...] = INA_ROOTS, hwmon_root: str = HWMON_ROOT,
-                 clock: Callable[[], float] = time.perf_counter, cpu_clock: Callable[[], float] = time.process_time,
-                 host_cpu: Callable[[], float | None] = host_busy_cpu_s, sample_every_s: float = 0.05):
-        self.clock, self.cpu_clock, self.host_cpu = clock, cpu_clock, host_cpu
+    def __init__(self, profile: DeviceProfile, busy_cores: int, shared: bool, *, sensors: Sensors = Sensors(),
+                 clocks: Clocks = Clocks()):
+        self.clock, self.cpu_clock, self.host_cpu = clocks.wall, clocks.cpu, clocks.host_cpu
         self.shared = shared
         self._stack = ExitStack()
         self._joules: Callable[[], float] | None = None
         self.measured, self.source, self.watts = True, "", None
-        domains = rapl_domains(rapl_root)
-        ina = ina_power_files(ina_roots)
-        rails = ina_hwmon_rails(hwmon_root)
+        domains = rapl_domains(sensors.rapl_root)
+        ina = ina_power_files(sensors.ina_roots)
+        rails = ina_hwmon_rails(sensors.hwmon_root)
+        power_file, sample_every_s = sensors.power_file, sensors.sample_every_s
         if power_file:
             read_watts_file(power_file)  # a bad file is one line before training, not a thread's traceback
             self._sensor, self.source = (lambda: sampled_meter(lambda: read_watts_file(power_file), sample_every_s),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -25,20 +26,30 @@ from edgetrain.tasks.classification import ClassificationTask
 def evaluate(model: nn.Module, dataset, rank: int, world: int, batch: int = 256,
              device: torch.device | None = None) -> tuple[float, float]:
     """(mean loss, accuracy) of a classifier over the whole test set, each device taking a shard."""
-    metrics = evaluate_task(model, dataset, rank, world, ClassificationTask(), batch, device)
+    metrics = evaluate_task(model, dataset, rank, world, ClassificationTask(), EvalPass(batch, device))
     return metrics["loss"], metrics["accuracy"]
 
 
+@dataclass(frozen=True)
+class EvalPass:
+    """How a device runs its shard of an evaluation: ``batch`` samples at a time (a training step's, from
+    ``Strategy.evaluate``: the test set is never read whole) on ``device``; ``timeout_s`` bounds the gather of
+    the scores."""
+    batch: int = 256
+    device: torch.device | None = None
+    timeout_s: float = 120.0
+
+
 @torch.no_grad()
-def evaluate_task(model: nn.Module, dataset, rank: int, world: int, task: Task, batch: int = 256,
-                  device: torch.device | None = None, timeout_s: float = 120.0) -> dict[str, float]:
+def evaluate_task(model: nn.Module, dataset, rank: int, world: int, task: Task,
+                  how: EvalPass = EvalPass()) -> dict[str, float]:
     """``{"loss": mean per sample, <metric>: value...}`` of ``task`` over the whole test set, each device taking
     a shard, the same on every device.
 
     Every device runs as many forward passes as the largest shard needs (an empty batch where its
     own shard is done): a sharded model (fsdp) gathers its parameters inside forward, a collective
-    every device must join. The test set is read a batch at a time (``batch``: a training step's, from
-    ``Strategy.evaluate``), never whole; ``timeout_s`` bounds the gather of the scores."""
+    every device must join."""
+    batch, device = how.batch, how.device
     was_training = model.training
     model.eval()
     evaluator = task.evaluator()
@@ -51,7 +62,7 @@ def evaluate_task(model: nn.Module, dataset, rank: int, world: int, task: Task, 
     for _ in range(passes - len(loader)):  # a shorter shard joins the others' last pass with an empty batch
         model(dataset[0][0][None][:0].to(device or "cpu"))
     model.train(was_training)
-    return gathered_metrics(evaluator, world, type(evaluator).merge, timeout_s=timeout_s)
+    return gathered_metrics(evaluator, world, type(evaluator).merge, timeout_s=how.timeout_s)
 
 
 def gathered_metrics(evaluator: Evaluator | None, world: int, merge, group=None,

@@ -28,7 +28,7 @@ from edgetrain.errors import EdgetrainError
 from edgetrain.kinds import named_by_kind
 from edgetrain.models.init import initialised_layers, is_meta, materialise
 from edgetrain.spec import get_link
-from edgetrain.train.replicas import ReplicaExchange, load_replica_part, replica_part
+from edgetrain.train.replicas import Channel, ReplicaExchange, load_replica_part, replica_part
 from edgetrain.train.strategy import FLAT_OPTIMIZER, DataParallel, StepResult, Strategy
 
 
@@ -163,8 +163,8 @@ class FullyShardedDataParallel(Strategy):
         compressor, memory = build_compressor(c.spec.compress, link, c.spec.seed, c.rank)
         names = tuple(name for name, _ in self.model.named_parameters())
         peers = [r * self.shards + self.position for r in range(self.replicas)]
-        return ReplicaExchange(list(self.model.parameters()), _local, names, c.spec.sync, compressor, memory,
-                               self.clock.emulator, self.mesh.get_group("replica"), peers)
+        return ReplicaExchange(list(self.model.parameters()), _local, names, c.spec.sync,
+                               Channel(compressor, memory, self.clock.emulator, self.mesh.get_group("replica"), peers))
 
     def train_step(self, x, y, optimizer) -> StepResult:
         c = self.context

@@ -48,9 +48,9 @@ from edgetrain.records import DeviceSummary, EnergyRecord, EvalRecord, Membershi
 from edgetrain.report.files import atomic_write, save_torch, write_json
 from edgetrain.tasks import Task, build_task, task_record
 from edgetrain.tasks.base import sum_totals
-from edgetrain.train.checkpoint import FINAL_DIR, FINAL_FILE, Checkpointer, resume_hint, save_final_parts
+from edgetrain.train.checkpoint import FINAL_DIR, FINAL_FILE, Checkpointer, Writers, resume_hint, save_final_parts
 from edgetrain.train.elastic import Elastic, FailStop
-from edgetrain.train.energy import EnergyMeter
+from edgetrain.train.energy import EnergyMeter, Sensors
 from edgetrain.train.evaluation import evaluate  # noqa: F401  (imported from here: fleet/app.py, tests)
 from edgetrain.train.resume import LoopCheckpoints, LoopState
 from edgetrain.train.run_plan import RunPlan, accelerator_device, phase  # noqa: F401  (phase: tests import it here)
@@ -486,7 +486,7 @@ class DeviceRun:
         self.checkpoints.files.catch_sigterm()
         # joules of the training steps (train/energy.py): a sensor's, shared by CPU time where devices share a host
         self.energy = EnergyMeter(at.me.profile, at.me.profile.cores or at.threads, at.local_world > 1,
-                                  power_file=cfg.power_file)
+                                  sensors=Sensors(power_file=cfg.power_file))
         self.energy.start()
         self.first_record = len(state.records)
 
@@ -579,7 +579,7 @@ class DeviceRun:
         self.writer.close()
         if strategy.pooled:  # every device writes its own part of the final model: RUN_DIR/checkpoint/
             save_final_parts(run_dir, strategy.sharded_state(self.optimizer, final=True), state.step,
-                             self.cfg.to_dict(), self.rank, self.world, self.spec.timeout_s,
+                             self.cfg.to_dict(), Writers(self.rank, self.world, self.spec.timeout_s),
                              planned_steps=state.planned_steps)
         summary = self.end_of_run(energy)
         dist.barrier()

@@ -37,7 +37,7 @@ from edgetrain.spec import get_link
 from edgetrain.train.evaluation import gathered_metrics
 from edgetrain.train.fsdp import clock_summary
 from edgetrain.train.replicas import (  # noqa: F401 (allreduce_gradients: the hybrid's, imported from here)
-    ReplicaExchange, allreduce_gradients, load_replica_part, replica_part)
+    Channel, ReplicaExchange, allreduce_gradients, load_replica_part, replica_part)
 from edgetrain.train.strategy import FLAT_OPTIMIZER, StepResult, Strategy
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -155,7 +155,7 @@ class Pipeline(Strategy):
         compressor, memory = build_compressor(c.spec.compress, link, c.spec.seed, c.rank)
         names = tuple(name for name, _ in self.stage_module.named_parameters())
         return ReplicaExchange(list(self.stage_module.parameters()), lambda t: t, names, c.spec.sync,
-                               compressor, memory, self.clock.emulator, self.stage_group, self.stage_ranks)
+                               Channel(compressor, memory, self.clock.emulator, self.stage_group, self.stage_ranks))
 
     def _loss_fn(self):
         """The schedule's loss, summed over micro-batches: the mean loss over this replica's batch."""

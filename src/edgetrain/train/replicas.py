@@ -9,6 +9,8 @@ Design: docs/design/fsdp.md (Replicas), docs/design/pipeline.md (Hybrid)
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -19,20 +21,35 @@ from edgetrain.comm.params import flatten, unflatten
 from edgetrain.spec import SyncSpec
 
 
+@dataclass(frozen=True)
+class Channel:
+    """How a part travels between its replicas: the run's compressor and its error feedback (``memory``, kept
+    per parameter name), the link emulator that charges each collective and counts its bytes, over ``group``
+    (the devices holding the same part in every replica; ``peers``: their global ranks)."""
+    compressor: Any
+    memory: Any
+    emulator: LinkEmulator
+    group: Any
+    peers: list[int]
+
+    def average(self, x: torch.Tensor, key: str, segments: tuple[int, ...], names: tuple[str, ...]) -> torch.Tensor:
+        """The mean of ``x`` over the replicas (``comm.exchange.average``); the same on every one of them."""
+        return average(x, self.compressor, self.memory, self.emulator, key=key, group=self.group,
+                       segments=segments, names=names, peers=self.peers)
+
+
 class ReplicaExchange:
     """This device's part of its replica, averaged with the same part of the other replicas.
 
-    ``tensors``: the local tensors of this device's parameters (a DTensor's local shard, or a stage's
-    parameters), in a stable order, each named (``names``: the error feedback is kept per name);
-    ``group``: the devices holding the same part in every replica; ``peers``: their global ranks.
-    ``sent`` counts the bytes this device has sent to other replicas (the ``CommStats`` tally counts them too).
+    ``params``: this device's parameters, in a stable order, each named (``names``: the error feedback is kept
+    per name), ``local(param)`` its local tensor (a DTensor's local shard, or a stage's parameter); ``channel``:
+    how they travel between the replicas. ``sent`` counts the bytes this device has sent to other replicas (the ``CommStats`` tally counts them too).
     """
 
-    def __init__(self, params: list, local, names: tuple[str, ...], sync: SyncSpec, compressor, memory,
-                 emulator: LinkEmulator, group, peers: list[int]):
+    def __init__(self, params: list, local, names: tuple[str, ...], sync: SyncSpec, channel: Channel):
         self.params, self.local, self.names = params, local, names   # local(param) -> its local tensor
-        self.compressor, self.memory, self.emulator = compressor, memory, emulator
-        self.group, self.peers = group, peers
+        self.channel = channel
+        self.compressor, self.memory, self.emulator = channel.compressor, channel.memory, channel.emulator
         self.period = 1 if sync.kind.lockstep else sync.period
         self.every_step_gradients = sync.kind.lockstep
         self.sent = 0
@@ -49,8 +66,7 @@ class ReplicaExchange:
 
     def _average(self, x: torch.Tensor, key: str) -> torch.Tensor:
         before = self.emulator.stats.bytes_sent
-        mean = average(x, self.compressor, self.memory, self.emulator, key=key, group=self.group,
-                       segments=tuple(t.numel() for t in self._tensors()), names=self.names, peers=self.peers)
+        mean = self.channel.average(x, key, tuple(t.numel() for t in self._tensors()), self.names)
         self.sent += self.emulator.stats.bytes_sent - before
         return mean
 
@@ -59,8 +75,7 @@ class ReplicaExchange:
         if not self.every_step_gradients:
             return
         before = self.emulator.stats.bytes_sent
-        allreduce_gradients(self.params, self.names, self.compressor, self.memory, self.emulator, self.group,
-                            self.peers, self.local)
+        allreduce_gradients(self.params, self.names, self.channel, self.local)
         self.sent += self.emulator.stats.bytes_sent - before
 
     def after_step(self) -> bool:
@@ -147,16 +162,14 @@ def load_replica_part(exchange: ReplicaExchange | None, state: dict, optimizer) 
         exchange.load_state_dict(state["replica"]["state"], optimizer)
 
 
-def allreduce_gradients(params: list, names: tuple[str, ...], compressor, memory, emulator, group,
-                        peers: list[int], local=lambda t: t) -> None:
-    """Replace each parameter's gradient (``local``: its local tensor) by its mean over ``group`` (one part's
-    replicas; ``peers`` their global ranks) through ``comm.exchange.average``: the run's compressor, error feedback
-    kept per parameter name, bytes counted and the collective charged to ``emulator``. Every device of the group
-    gets the same mean."""
+def allreduce_gradients(params: list, names: tuple[str, ...], channel: Channel, local=lambda t: t) -> None:
+    """Replace each parameter's gradient (``local``: its local tensor) by its mean over the ``channel``'s group
+    (one part's replicas) through ``comm.exchange.average``: the run's compressor, error feedback kept per
+    parameter name, bytes counted and the collective charged to its emulator. Every device of the group gets
+    the same mean."""
     for p in params:
         if p.grad is None:  # a parameter this step did not reach: a zero gradient, as DDP all-reduces it
             p.grad = torch.zeros_like(p)
     grads = [local(p.grad) for p in params]
-    mean = average(flatten(grads), compressor, memory, emulator, key="gradients", group=group,
-                   segments=tuple(g.numel() for g in grads), names=names, peers=peers)
+    mean = channel.average(flatten(grads), "gradients", tuple(g.numel() for g in grads), names)
     unflatten(mean, grads)

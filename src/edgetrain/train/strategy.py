@@ -75,7 +75,7 @@ from edgetrain.spec import RunSpec
 from edgetrain.tasks.base import Task
 from edgetrain.tasks.classification import ClassificationTask
 from edgetrain.tiling import TiledTraining
-from edgetrain.train.evaluation import evaluate_task
+from edgetrain.train.evaluation import EvalPass, evaluate_task
 
 # A pooled strategy's optimizer state in its part of a checkpoint (``sharded_state``): one key per parameter
 # name and state, so no two devices write the same key with different values.
@@ -166,8 +166,8 @@ class Strategy(abc.ABC):
         holds no more activations than a training step), the evaluators' states merged
         (``train.evaluation.evaluate_task``). A strategy may return (mean loss, accuracy) instead (a classifier)."""
         c = self.context
-        return evaluate_task(self.eval_model, dataset, c.rank, c.world, c.task, batch=batch or max(1, c.local_batch),
-                             device=c.device, timeout_s=c.spec.timeout_s)
+        return evaluate_task(self.eval_model, dataset, c.rank, c.world, c.task,
+                             EvalPass(batch or max(1, c.local_batch), c.device, c.spec.timeout_s))
 
     def summary(self) -> dict:
         return {}
