@@ -50,56 +50,19 @@ def run(model: str = "resnet18", dataset: str = "cifar10", profile: str = "host"
         threads: int | None = None, memory_limit_mb: float | None = None, throttle: bool = True,
         peak_size: int = 1024, output: str = "runs", name: str | None = None,
         timeout_s: float = 600, min_time_s: float = 1.0) -> BatchResult:
-    from edgetrain.cluster.profiles import device_speed, get_profile
+    from edgetrain.cluster.profiles import get_profile
 
     if start_batch < 1 or max_batch < start_batch:
         raise EdgetrainError(f"need 1 <= --start-batch <= --max-batch, got {start_batch} and {max_batch}")
     prof = get_profile(profile)
-    host_cores = os.cpu_count() or 1
-    speed = device_speed(prof) if throttle else None
-    if threads is None:
-        # A throttled device computes at `speed` host cores: more threads than that only spin.
-        threads = min(math.ceil(speed), host_cores) if speed else min(prof.cores or host_cores, host_cores)
-    host_cap = workload.host_memory_cap_mb()
-    if memory_limit_mb is not None:
-        limit, limit_source = memory_limit_mb, "--memory-limit-mb"
-    elif prof.memory_mb is not None:
-        limit, limit_source = float(prof.memory_mb), f"profile {prof.name}"
-    else:
-        limit, limit_source = host_cap, "80% of this host's available memory"
-    if limit > host_cap:
-        raise EdgetrainError(f"memory limit {limit:.0f} MB is more than this host can give now "
-                             f"({host_cap:.0f} MB available); pass a smaller --memory-limit-mb")
-    notes = []
-    if speed is None:
-        peak_source = f"float32 GEMM n={peak_size} at {threads} thread(s), measured in each batch's process"
-    else:
-        peak_source = (f"emulated: speed {speed:.3f} x one host core's GEMM n={peak_size}, measured in each "
-                       f"batch's process (profile {prof.name}: nominal {prof.gflops} GFLOPS)")
-        notes.append(f"profile {prof.name} emulated by throttling to {speed:.3f} of one host core "
-                     "(edgetrain.cluster.throttle); pass --no-throttle for host speed with the profile's memory limit")
-    if speed is None and prof.gflops is not None:
-        notes.append(f"--no-throttle: throughput is this host's at {threads} thread(s), with profile "
-                     f"{prof.name}'s memory limit")
+    speed, threads, peak_source, notes = _device(prof, throttle, threads, peak_size)
+    limit, limit_source = _memory_limit(prof, memory_limit_mb)
     from edgetrain.bench import flops  # torch: after the checks, and bench's flags and --help answer without it
 
     counted = flops.training_flops_per_sample(workload.build_model(model, dataset), dataset)
-
-    rows: list[dict[str, Any]] = []
-    limit_hit = None
-    for b in batch_sizes(start_batch, max_batch):
-        r = workload.measure_steps_isolated(model, b, dataset=dataset, steps=steps, warmup=warmup,
-                                            threads=threads, memory_limit_mb=limit, timeout_s=timeout_s,
-                                            speed=speed, peak_n=peak_size, min_time_s=min_time_s)
-        if r["status"] == "ok":
-            # Typical step against typical GEMM (medians): robust to a shared machine's bursts of load.
-            r.update(flops.achieved(counted["total_flops"], r["samples_per_s"], r["peak_gflops_median"]))
-        rows.append(r)
-        say(f"  batch {b}: " + (f"{r['samples_per_s']:.1f} samples/s, peak {r['peak_rss_mb']:.0f} MB"
-                                 if r["status"] == "ok" else r["status"]), style="dim")
-        if r["status"] != "ok":
-            limit_hit = {"batch_size": b, **{k: v for k, v in r.items() if k != "batch_size"}}
-            break
+    rows, limit_hit = _sweep(counted, batch_sizes(start_batch, max_batch), dict(
+        model=model, dataset=dataset, steps=steps, warmup=warmup, threads=threads, memory_limit_mb=limit,
+        timeout_s=timeout_s, speed=speed, peak_n=peak_size, min_time_s=min_time_s))
     ok = [r for r in rows if r["status"] == "ok"]
     if not ok:
         raise EdgetrainError(f"batch {start_batch} does not fit the {limit:.0f} MB memory limit "
@@ -119,6 +82,74 @@ def run(model: str = "resnet18", dataset: str = "cifar10", profile: str = "host"
     from edgetrain.report import plots
 
     plots.plot_batch(result.to_dict(), run_dir / "batch.png")
+    _print(result, f"bench batch: {model} on {prof.name} ({threads} threads) -> {run_dir}", limit_source)
+    return result
+
+
+def _device(prof, throttle: bool, threads: int | None, peak_size: int
+            ) -> tuple[float | None, int, str, list[str]]:
+    """(emulated speed, threads, where the peak comes from, notes) of the profile on this host."""
+    from edgetrain.cluster.profiles import device_speed
+
+    host_cores = os.cpu_count() or 1
+    speed = device_speed(prof) if throttle else None
+    if threads is None:
+        # A throttled device computes at `speed` host cores: more threads than that only spin.
+        threads = min(math.ceil(speed), host_cores) if speed else min(prof.cores or host_cores, host_cores)
+    notes = []
+    if speed is None:
+        peak_source = f"float32 GEMM n={peak_size} at {threads} thread(s), measured in each batch's process"
+    else:
+        peak_source = (f"emulated: speed {speed:.3f} x one host core's GEMM n={peak_size}, measured in each "
+                       f"batch's process (profile {prof.name}: nominal {prof.gflops} GFLOPS)")
+        notes.append(f"profile {prof.name} emulated by throttling to {speed:.3f} of one host core "
+                     "(edgetrain.cluster.throttle); pass --no-throttle for host speed with the profile's memory limit")
+    if speed is None and prof.gflops is not None:
+        notes.append(f"--no-throttle: throughput is this host's at {threads} thread(s), with profile "
+                     f"{prof.name}'s memory limit")
+    return speed, threads, peak_source, notes
+
+
+def _memory_limit(prof, memory_limit_mb: float | None) -> tuple[float, str]:
+    """The memory limit (MB) the batches are held to and where it comes from; above what the host has: one line."""
+    host_cap = workload.host_memory_cap_mb()
+    if memory_limit_mb is not None:
+        limit, limit_source = memory_limit_mb, "--memory-limit-mb"
+    elif prof.memory_mb is not None:
+        limit, limit_source = float(prof.memory_mb), f"profile {prof.name}"
+    else:
+        limit, limit_source = host_cap, "80% of this host's available memory"
+    if limit > host_cap:
+        raise EdgetrainError(f"memory limit {limit:.0f} MB is more than this host can give now "
+                             f"({host_cap:.0f} MB available); pass a smaller --memory-limit-mb")
+    return limit, limit_source
+
+
+def _sweep(counted: dict, sizes: list[int], measure: dict[str, Any]) -> tuple[list[dict[str, Any]], dict | None]:
+    """Each batch size in its own process (``workload.measure_steps_isolated`` with ``measure``), up to the first
+    that does not fit: (rows, that batch's row or None)."""
+    from edgetrain.bench import flops
+
+    rows: list[dict[str, Any]] = []
+    for b in sizes:
+        r = workload.measure_steps_isolated(batch_size=b, **measure)
+        if r["status"] == "ok":
+            # Typical step against typical GEMM (medians): robust to a shared machine's bursts of load.
+            r.update(flops.achieved(counted["total_flops"], r["samples_per_s"], r["peak_gflops_median"]))
+        rows.append(r)
+        say(f"  batch {b}: " + (f"{r['samples_per_s']:.1f} samples/s, peak {r['peak_rss_mb']:.0f} MB"
+                                 if r["status"] == "ok" else r["status"]), style="dim")
+        if r["status"] != "ok":
+            return rows, {"batch_size": b, **{k: v for k, v in r.items() if k != "batch_size"}}
+    return rows, None
+
+
+def _print(result: BatchResult, title: str, limit_source: str) -> None:
+    """The table, and the result's notes with what it found (the limit, the best batch) added to them."""
+    rows, notes, limit_hit = result.rows, result.notes, result.limit_hit
+    limit, max_batch = result.profile["memory_limit_mb"], result.params["max_batch"]
+    ok = [r for r in rows if r["status"] == "ok"]
+    best = next(r for r in ok if r["batch_size"] == result.best)
     table = [(r["batch_size"], r["status"], r.get("samples_per_s"), r.get("step_s_median"),
               spread_cell(r.get("spread"), r.get("noisy", False)), r.get("peak_rss_mb") or r.get("rss_mb"),
               r.get("achieved_gflops"), r.get("peak_gflops_median"), percent_of_peak(r.get("fraction_of_peak")))
@@ -130,16 +161,15 @@ def run(model: str = "resnet18", dataset: str = "cifar10", profile: str = "host"
         notes.append(f"no batch up to {max_batch} reached the {limit:.0f} MB limit ({limit_source})")
     notes.append(f"best batch {best['batch_size']}: {best['samples_per_s']:.1f} samples/s, "
                  f"{percent_of_peak(best['fraction_of_peak'])} of the {best['peak_gflops_median']:.1f} GFLOPS "
-                 f"peak; {counted['total_flops'] / 1e9:.3f} GFLOP per training sample (FlopCounterMode)")
+                 f"peak; {result.flops_per_sample['total_flops'] / 1e9:.3f} GFLOP per training sample "
+                 f"(FlopCounterMode)")
     notes.append("samples/s = batch / median step s; spread = interquartile range / median of the step times; "
-                 f"% of peak = FLOPs/sample x samples/s over the median GEMM rate; peak: {peak_source}")
+                 f"% of peak = FLOPs/sample x samples/s over the median GEMM rate; peak: {result.peak_source}")
     printed_notes = list(notes)
     printed_notes += [NOISY_NOTE] if any(r.get("noisy") for r in ok) else []
     printed_notes += [ABOVE_PEAK_NOTE] if any(r.get("above_peak") for r in ok) else []
-    print_table(f"bench batch: {model} on {prof.name} ({threads} threads) -> {run_dir}",
-                ["batch", "status", "samples/s", "median step s", "spread", "peak RSS MB", "GFLOPS", "peak GFLOPS",
-                 "% of peak"], table, printed_notes)
-    return result
+    print_table(title, ["batch", "status", "samples/s", "median step s", "spread", "peak RSS MB", "GFLOPS",
+                        "peak GFLOPS", "% of peak"], table, printed_notes)
 
 
 def add_parser(sub) -> None:

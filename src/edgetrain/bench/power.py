@@ -27,7 +27,7 @@ import shutil
 import subprocess
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -311,30 +311,12 @@ def run(model: str = "resnet18", dataset: str = "cifar10", *, threads: list[int]
         notes.append("nvpmodel not present: power modes not swept")
     notes.append(f"epoch = {epoch_samples} samples; time per epoch = epoch samples / measured samples/s "
                  f"of {steps} timed steps")
-
-    import torch
-
     net = workload.build_model(model, dataset)
     rows = []
-    for mode in modes or [None]:
-        with (nvpmodel_mode(mode, current_mode) if mode is not None else _nothing()):
-            for khz in freqs or [None]:
-                with (frequency_ceiling(cpufreq, khz) if khz is not None else _nothing()):
-                    for t in threads:
-                        torch.set_num_threads(t)
-                        m = _measure(net, batch_size, steps, warmup, dataset, t, source)
-                        # Energy is metered over the whole timed loop, so time per epoch must be too: the mean.
-                        sps = m["timing"]["samples_per_s_mean"]
-                        label = f"{t} thr" + (f", {khz // 1000} MHz" if khz else "") + \
-                                (f", nvp {mode}" if mode is not None else "")
-                        row = {"setting": label, "threads": t, "max_freq_khz": khz, "nvpmodel": mode,
-                               "samples_per_s": sps, "epoch_s": epoch_samples / sps,
-                               "energy_j_per_epoch": None, "avg_power_w": None}
-                        if m["joules"] is not None:
-                            row["energy_j_per_epoch"] = m["joules"] / (batch_size * steps) * epoch_samples
-                            row["avg_power_w"] = m["joules"] / m["metered_s"]
-                            row["energy_modelled"] = source["modelled"]
-                        rows.append(row)
+    with closing(_settings(modes, current_mode, cpufreq, freqs, threads)) as settings:
+        for mode, khz, t in settings:
+            m = _measure(net, batch_size, steps, warmup, dataset, t, source)
+            rows.append(_row(m, (mode, khz, t), batch_size * steps, epoch_samples, source))
     front = pareto_front(rows)
     params = dict(model=model, dataset=dataset, threads=threads, batch_size=batch_size, steps=steps,
                   warmup=warmup, epoch_samples=epoch_samples, frequencies_khz=freqs, nvpmodel_modes=modes)
@@ -344,16 +326,51 @@ def run(model: str = "resnet18", dataset: str = "cifar10", *, threads: list[int]
     from edgetrain.report import plots
 
     plots.plot_power(result.to_dict(), run_dir / "power.png")
-    tag = " (modelled)" if source["modelled"] else ""
-    on_front = {r["setting"] for r in front}
     if source["kind"] == "none":
         say(f"bench power: {source['message']}")
-    print_table(f"bench power: {model}, batch {batch_size}, energy: {source['kind']} -> {run_dir}",
-                ["setting", "samples/s", "s/epoch", f"J/epoch{tag}", f"avg W{tag}", "Pareto"],
-                [(r["setting"], r["samples_per_s"], r["epoch_s"], r["energy_j_per_epoch"], r["avg_power_w"],
-                  r["setting"] in on_front if r["energy_j_per_epoch"] is not None else None) for r in rows],
-                notes)
+    _print(result, f"bench power: {model}, batch {batch_size}, energy: {source['kind']} -> {run_dir}")
     return result
+
+
+def _settings(modes: list, current_mode, cpufreq, freqs: list[int], threads: list[int]
+              ) -> Iterator[tuple[Any, int | None, int]]:
+    """Every setting swept, (nvpmodel mode, frequency ceiling kHz, threads), each applied while it is measured
+    and the device's own restored after it."""
+    import torch
+
+    for mode in modes or [None]:
+        with (nvpmodel_mode(mode, current_mode) if mode is not None else _nothing()):
+            for khz in freqs or [None]:
+                with (frequency_ceiling(cpufreq, khz) if khz is not None else _nothing()):
+                    for t in threads:
+                        torch.set_num_threads(t)
+                        yield mode, khz, t
+
+
+def _row(m: dict, setting: tuple[Any, int | None, int], metered_samples: int, epoch_samples: int,
+         source: dict) -> dict:
+    """One setting's row from ``_measure``'s timing and joules (over ``metered_samples``), scaled to an epoch."""
+    mode, khz, t = setting
+    # Energy is metered over the whole timed loop, so time per epoch must be too: the mean.
+    sps = m["timing"]["samples_per_s_mean"]
+    label = f"{t} thr" + (f", {khz // 1000} MHz" if khz else "") + (f", nvp {mode}" if mode is not None else "")
+    row = {"setting": label, "threads": t, "max_freq_khz": khz, "nvpmodel": mode,
+           "samples_per_s": sps, "epoch_s": epoch_samples / sps,
+           "energy_j_per_epoch": None, "avg_power_w": None}
+    if m["joules"] is not None:
+        row["energy_j_per_epoch"] = m["joules"] / metered_samples * epoch_samples
+        row["avg_power_w"] = m["joules"] / m["metered_s"]
+        row["energy_modelled"] = source["modelled"]
+    return row
+
+
+def _print(result: PowerResult, title: str) -> None:
+    tag = " (modelled)" if result.energy_source["modelled"] else ""
+    on_front = {r["setting"] for r in result.pareto}
+    print_table(title, ["setting", "samples/s", "s/epoch", f"J/epoch{tag}", f"avg W{tag}", "Pareto"],
+                [(r["setting"], r["samples_per_s"], r["epoch_s"], r["energy_j_per_epoch"], r["avg_power_w"],
+                  r["setting"] in on_front if r["energy_j_per_epoch"] is not None else None) for r in result.rows],
+                result.notes)
 
 
 @contextmanager

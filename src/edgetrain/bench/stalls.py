@@ -18,10 +18,12 @@ workers is not always better.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -151,66 +153,30 @@ def run(data_dir: str | None, model: str = "small_cnn", *, batch_size: int = 32,
         workers: tuple[int, ...] = (0, 1, 2, 4), storages: tuple[str, ...] = ("sd-card", "nvme"),
         threads: int | None = None, threshold: float = 0.05, seed: int = 0, output: str = "runs",
         name: str | None = None) -> StallsResult:
-    import tempfile
-
     import torch
 
-    from edgetrain.cluster.limits import DeviceLimits
     from edgetrain.cluster.profiles import STORAGES
     from edgetrain.models import build_model
 
     unknown = [s for s in storages if s not in STORAGES]
     if unknown:
         raise EdgetrainError(f"unknown storage {unknown[0]!r}; use some of {', '.join(STORAGES)}")
-    scratch = None
-    if data_dir is None:  # generated beside the runs (a disk, not tmpfs: blkio throttles disks)
-        Path(output).mkdir(parents=True, exist_ok=True)
-        scratch = Path(tempfile.mkdtemp(prefix="stalls-data-", dir=output))
-        data_dir = str(generated_folder(scratch, max(epoch_samples * 5 // 4 + 10, 20)))
-    try:
-        data = open_dataset(Path(data_dir))
-        train = data.train
-        if epoch_samples < batch_size or epoch_samples > len(train):
+    with _data_folder(data_dir, output, epoch_samples) as folder:
+        data = open_dataset(Path(folder))
+        if epoch_samples < batch_size or epoch_samples > len(data.train):
             raise EdgetrainError(f"--epoch-samples must be between the batch size ({batch_size}) and the "
-                                 f"data set's training images ({len(train)}), got {epoch_samples}")
+                                 f"data set's training images ({len(data.train)}), got {epoch_samples}")
         threads = threads or os.cpu_count() or 1
         torch.set_num_threads(threads)
         torch.manual_seed(seed)
-        steps = epoch_samples // batch_size
-        samples = steps * batch_size
+        sweep = _Sweep(batch_size, epoch_samples // batch_size, seed, threshold)
         net = build_model(model, in_channels=data.in_channels, num_classes=data.num_classes)
         net.train()
         _ingestion(net, data.input_shape, data.num_classes, batch_size, 1)  # warm-up: allocations are no stall
-        files = _files(train)
-        rows, notes, dropped = [], [], set()
-        for storage in storages:
-            limits = DeviceLimits("bench", None, STORAGES[storage], data_dir).apply()
-            try:
-                throttled = not any("storage" in f for f in limits.fallbacks) and bool(limits.made)
-                if not throttled:
-                    notes.append(f"{storage}: not throttled here ({'; '.join(limits.fallbacks)}): this host's disk")
-                for w in workers:
-                    ingest_s = _ingestion(net, data.input_shape, data.num_classes, batch_size, steps)
-                    for cache in ("cold", "warm"):
-                        if cache == "cold":
-                            dropped.add(_drop(files))
-                        m = _pass(net, train, batch_size, w, steps, seed)
-                        fraction = m["stall_s"] / m["epoch_s"]
-                        rows.append({
-                            "storage": storage, "throttled": throttled, "workers": w, "cache": cache,
-                            "ingestion_samples_per_s": samples / ingest_s, "epoch_compute_s": ingest_s,
-                            "train_samples_per_s": samples / m["epoch_s"], "epoch_s": m["epoch_s"],
-                            "stall_s": m["stall_s"], "stall_fraction": fraction,
-                            "read_ms_per_batch": 1000 * m["read_s"] / steps,
-                            "decode_ms_per_batch": 1000 * m["decode_s"] / steps,
-                            "limiting_stage": _stage(fraction, m["read_s"], m["decode_s"], threshold)})
-            finally:
-                limits.close()
-    finally:
-        if scratch is not None:
-            shutil.rmtree(scratch, ignore_errors=True)
+        rows, notes, dropped = _measure(net, data, folder, storages, workers, sweep)
+    samples = sweep.steps * batch_size
     verdict = _verdict(rows, storages, workers)
-    params = dict(data_dir=data_dir if scratch is None else "generated image folder", model=model,
+    params = dict(data_dir=data_dir if data_dir is not None else "generated image folder", model=model,
                   batch_size=batch_size, epoch_samples=samples, workers=list(workers), storages=list(storages),
                   threads=threads, stall_threshold=threshold, seed=seed, cold_cache=sorted(dropped))
     run_dir = start_run(output, name, "stalls")
@@ -220,17 +186,87 @@ def run(data_dir: str | None, model: str = "small_cnn", *, batch_size: int = 32,
     from edgetrain.report import plots
 
     plots.plot_stalls(result.to_dict(), run_dir / "stalls.png")
-    print_table(f"bench stalls: {model}, batch {batch_size}, {samples} samples/pass, training's loader -> {run_dir}",
+    _print(result, f"bench stalls: {model}, batch {batch_size}, {samples} samples/pass, training's loader -> "
+                   f"{run_dir}", dropped)
+    return result
+
+
+@dataclass(frozen=True)
+class _Sweep:
+    """Every pass: ``steps`` batches of ``batch_size`` (loader seeded with ``seed``); a stall share above
+    ``threshold`` names the stage that limits it."""
+    batch_size: int
+    steps: int
+    seed: int
+    threshold: float
+
+
+@contextlib.contextmanager
+def _data_folder(data_dir: str | None, output: str, epoch_samples: int):
+    """``data_dir``, or an image folder generated beside the runs for the bench (a disk, not tmpfs: blkio
+    throttles disks), removed after it."""
+    if data_dir is not None:
+        yield data_dir
+        return
+    import tempfile
+
+    Path(output).mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="stalls-data-", dir=output))
+    try:
+        yield str(generated_folder(scratch, max(epoch_samples * 5 // 4 + 10, 20)))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _measure(net, data, folder: str, storages: tuple[str, ...], workers: tuple[int, ...], sweep: _Sweep
+             ) -> tuple[list[dict], list[str], set[str]]:
+    """One row per storage x workers x page cache (cold, warm), each storage emulated on ``folder``'s disk:
+    (rows, notes, how the page cache was dropped)."""
+    from edgetrain.cluster.limits import DeviceLimits
+    from edgetrain.cluster.profiles import STORAGES
+
+    files = _files(data.train)
+    samples = sweep.steps * sweep.batch_size
+    rows, notes, dropped = [], [], set()
+    for storage in storages:
+        limits = DeviceLimits("bench", None, STORAGES[storage], folder).apply()
+        try:
+            throttled = not any("storage" in f for f in limits.fallbacks) and bool(limits.made)
+            if not throttled:
+                notes.append(f"{storage}: not throttled here ({'; '.join(limits.fallbacks)}): this host's disk")
+            for w in workers:
+                ingest_s = _ingestion(net, data.input_shape, data.num_classes, sweep.batch_size, sweep.steps)
+                for cache in ("cold", "warm"):
+                    if cache == "cold":
+                        dropped.add(_drop(files))
+                    m = _pass(net, data.train, sweep.batch_size, w, sweep.steps, sweep.seed)
+                    fraction = m["stall_s"] / m["epoch_s"]
+                    rows.append({
+                        "storage": storage, "throttled": throttled, "workers": w, "cache": cache,
+                        "ingestion_samples_per_s": samples / ingest_s, "epoch_compute_s": ingest_s,
+                        "train_samples_per_s": samples / m["epoch_s"], "epoch_s": m["epoch_s"],
+                        "stall_s": m["stall_s"], "stall_fraction": fraction,
+                        "read_ms_per_batch": 1000 * m["read_s"] / sweep.steps,
+                        "decode_ms_per_batch": 1000 * m["decode_s"] / sweep.steps,
+                        "limiting_stage": _stage(fraction, m["read_s"], m["decode_s"], sweep.threshold)})
+        finally:
+            limits.close()
+    return rows, notes, dropped
+
+
+def _print(result: StallsResult, title: str, dropped: set[str]) -> None:
+    rows = result.rows
+    print_table(title,
                 ["storage", "workers", "page cache", "train/s", "ingestion/s", "stall %", "read ms/batch",
                  "decode ms/batch", "limiting"],
                 [(r["storage"] + ("" if r["throttled"] else " (unthrottled)"), r["workers"], r["cache"],
                   r["train_samples_per_s"], r["ingestion_samples_per_s"], 100 * r["stall_fraction"],
                   r["read_ms_per_batch"], r["decode_ms_per_batch"], r["limiting_stage"]) for r in rows],
-                [f"ingestion rate (one synthetic batch in memory, no stall): {ingestion:.1f} samples/s (median)",
+                [f"ingestion rate (one synthetic batch in memory, no stall): {result.ingestion_samples_per_s:.1f} "
+                 "samples/s (median)",
                  "stall % = time waiting for batches over the pass; read and decode = the loader's work per batch "
                  "(summed over its items and workers); cold = page cache dropped before the pass "
-                 f"({', '.join(sorted(dropped))})", *notes, verdict])
-    return result
+                 f"({', '.join(sorted(dropped))})", *result.notes, result.verdict])
 
 
 def _verdict(rows: list[dict], storages: tuple[str, ...], workers: tuple[int, ...]) -> str:

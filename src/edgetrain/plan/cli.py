@@ -24,7 +24,7 @@ import math
 import sys
 
 from edgetrain.arguments import fraction, non_negative_float, positive_float, positive_int
-from edgetrain.config import add_config_arguments, check_output_dir, load_config, resolve
+from edgetrain.config import TrainConfig, add_config_arguments, check_output_dir, load_config, resolve
 from edgetrain.errors import EdgetrainError
 from edgetrain.kinds import STRATEGY_KINDS
 from edgetrain.results import PLAN_FILE, PlanPrediction, PlanResult, PlanScaling, PlanSimulation
@@ -109,7 +109,8 @@ def parse_stragglers(text: str) -> tuple[float, float]:
     return p, f
 
 
-def run(args: argparse.Namespace) -> int:
+def _load(args: argparse.Namespace) -> TrainConfig:
+    """The config the plan is for: the file with plan's options on top, refused where plan has no model of it."""
     overrides = {k: v for k, v in vars(args).items() if k in PLAN_FIELDS}
     cfg = load_config(args.config, **overrides)
     if cfg.pipeline_replicas != 1:  # a config file's: the option itself is not one of plan's
@@ -121,6 +122,11 @@ def run(args: argparse.Namespace) -> int:
                              f"replicas yet (it plans fsdp over all the devices); drop it from the config file to "
                              f"plan one sharded model")
     check_output_dir(cfg.output, "config key 'output'")
+    return cfg
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = _load(args)
     straggler_prob, straggler_factor = parse_stragglers(args.stragglers)
     counts = parse_scale(args.scale) if args.scale else None
     strategies = PLAN_STRATEGIES[args.strategy]

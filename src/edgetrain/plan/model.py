@@ -247,21 +247,7 @@ def predict(costs: ModelCosts, devices: list[DeviceSpec], batches: list[int], tr
             gflops_cache[d.profile] = device_gflops(d.profile, on_host)
         compute.append(costs.train_flops_per_sample * b / (gflops_cache[d.profile][0] * 1e9 * efficiency))
     c_max = max(compute)
-
-    if not traffic.collectives:
-        exchange, per_device_exchange = 0.0, [0.0] * p
-    elif traffic.neighbours_only:
-        by_neighbours: dict[tuple[int, ...], float] = {}  # devices with the same three links: one computation
-        per_device_exchange = []
-        for r in range(p):
-            key = tuple(id(links[j % p]) for j in (r - 1, r, r + 1))
-            if key not in by_neighbours:
-                by_neighbours[key] = gossip_seconds(traffic, links, r)  # type: ignore[arg-type]
-            per_device_exchange.append(by_neighbours[key])
-        exchange = max(per_device_exchange)
-    else:
-        exchange = exchange_seconds(traffic, links)  # type: ignore[arg-type]
-        per_device_exchange = [exchange] * p
+    exchange = _exchange_s(traffic, links)
 
     timing = step_timing(traffic)
     if timing == "bounded":
@@ -294,6 +280,23 @@ def predict(costs: ModelCosts, devices: list[DeviceSpec], batches: list[int], tr
     assumptions = list(ASSUMPTIONS) + ([HOST_PROFILE_ERROR] if on_host else [])
     return Prediction(costs, traffic, rows, links, efficiency, overlap, runtime_mb, exchange, step_mean, throughput,
                       comm_fraction, optimizer, assumptions)
+
+
+def _exchange_s(traffic: Traffic, links: list) -> float:
+    """Seconds of one exchange: the slowest device's where each talks to its neighbours only (gossip)."""
+    p = len(links)
+    if not traffic.collectives:
+        return 0.0
+    if not traffic.neighbours_only:
+        return exchange_seconds(traffic, links)
+    by_neighbours: dict[tuple[int, ...], float] = {}  # devices with the same three links: one computation
+    per_device = []
+    for r in range(p):
+        key = tuple(id(links[j % p]) for j in (r - 1, r, r + 1))
+        if key not in by_neighbours:
+            by_neighbours[key] = gossip_seconds(traffic, links, r)
+        per_device.append(by_neighbours[key])
+    return max(per_device)
 
 
 def on_this_host(profile: DeviceProfile) -> bool:

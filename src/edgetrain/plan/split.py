@@ -241,82 +241,116 @@ def plan_split(layers: list[LayerCost], devices: list[StageDevice], batch: int, 
     stages, n = len(devices), len(layers)
     if stages > n:
         raise EdgetrainError(f"{what} has {n} layers, too few for {stages} pipeline stages; use at most {n} devices")
-    def layer_s(device: StageDevice, layer: LayerCost) -> float:
-        compute = layer.train_flops * batch / (device.gflops * 1e9)
-        if device.memory_gbps is None:
-            return compute
-        traffic = layer.traffic_bytes * batch + layer.pass_traffic_bytes * microbatches
-        return max(compute, traffic / (device.memory_gbps * 1e9))
-
-    layer_seconds = [_prefix([layer_s(device, layer) for layer in layers]) for device in devices]
-    trainable = _prefix([layer.param_bytes for layer in layers])
-    weights = _prefix([layer.param_bytes * (2 + optimizer_copies) + layer.buffer_bytes for layer in layers])
-    activations = _prefix([layer.activation_bytes for layer in layers])
-
-    def in_flight(s: int) -> float:
-        return batch if schedule == "gpipe" else min(microbatches, stages - s) * batch / microbatches
-
-    # the largest parameter bytes of a layer in i..j-1: the gradient being accumulated (module docstring)
-    largest = [[0.0] * (n + 1) for _ in range(n + 1)]
-    for i in range(n):
-        for j in range(i + 1, n + 1):
-            largest[i][j] = max(largest[i][j - 1], layers[j - 1].param_bytes)
-    accumulating = microbatches > 1
-
-    def memory(s: int, i: int, j: int) -> float:
-        return fixed_mb + (weights[j] - weights[i] + (activations[j] - activations[i]) * in_flight(s)
-                           + (largest[i][j] if accumulating else 0.0)) / MIB
-
-    def seconds(s: int, i: int, j: int) -> float:
-        return layer_seconds[s][j] - layer_seconds[s][i]
-
-    def cut(s: int, i: int) -> float:  # the link between stages s-1 and s, cut before layer i
-        if transfer_s is None:
-            return 0.0
-        return microbatches * 2 * transfer_s(s, layers[i - 1].output_bytes * batch / microbatches)
-
-    def fits(s: int, i: int, j: int) -> bool:  # a stage trains something and fits its device
-        limit = devices[s].memory_mb
-        return trainable[j] > trainable[i] and (limit is None or memory(s, i, j) <= limit)
-
-    def solve(link_cost: Callable[[int, int], float], cap: float) -> tuple[float, list[list[int]]]:
-        """(least bottleneck, choice) over stages and the cuts ``link_cost`` charges, with every cut under
-        ``cap``. best[s][j]: the least bottleneck of stages 0..s over layers 0..j-1; choice[s][j]: where
-        stage s starts."""
-        best = [[math.inf] * (n + 1) for _ in range(stages)]
-        choice = [[0] * (n + 1) for _ in range(stages)]
-        for j in range(1, n + 1):
-            if fits(0, 0, j):
-                best[0][j] = seconds(0, 0, j)
-        for s in range(1, stages):
-            for j in range(s + 1, n + 1):
-                for i in range(s, j):
-                    if best[s - 1][i] < math.inf and cut(s, i) <= cap and fits(s, i, j):
-                        candidate = max(best[s - 1][i], link_cost(s, i), seconds(s, i, j))
-                        if candidate < best[s][j]:
-                            best[s][j], choice[s][j] = candidate, i
-        return best[-1][n], choice
-
-    bottleneck, choice = solve(cut, math.inf)
+    costs = _StageCosts(layers, devices, _Step(batch, microbatches, schedule, optimizer_copies, fixed_mb), transfer_s)
+    bottleneck, choice = costs.solve(costs.cut, math.inf)
     if bottleneck == math.inf:
-        _refuse(layers, devices, memory, fixed_mb, what)
+        _refuse(layers, devices, costs.memory, fixed_mb, what)
     if transfer_s is not None:
         # When a link bounds the step, many splits tie; among those, the one whose slowest stage is fastest
         # (its cuts no slower than that bottleneck), so compute stays balanced behind the link.
-        _, choice = solve(lambda s, i: 0.0, bottleneck)
+        _, choice = costs.solve(lambda s, i: 0.0, bottleneck)
     ends = [n]
     for s in range(stages - 1, 0, -1):
         ends.append(choice[s][ends[-1]])
     cuts = [0, *reversed(ends)]
     bounds = list(zip(cuts[:-1], cuts[1:]))
-    per, extra = divmod(n, stages)
-    even_cuts = [0, *(s * per + min(s, extra) for s in range(1, stages)), n]
-    even = list(zip(even_cuts[:-1], even_cuts[1:]))
-    even_step_s = (max(max(seconds(s, i, j), cut(s, i) if s else 0.0) for s, (i, j) in enumerate(even))
-                   if all(fits(s, i, j) for s, (i, j) in enumerate(even)) else None)
-    return SplitPlan(layers, devices, bounds, [seconds(s, i, j) for s, (i, j) in enumerate(bounds)],
-                     [memory(s, i, j) for s, (i, j) in enumerate(bounds)], even_step_s,
-                     [cut(s, i) for s, (i, _) in enumerate(bounds) if s])
+    return SplitPlan(layers, devices, bounds, [costs.seconds(s, i, j) for s, (i, j) in enumerate(bounds)],
+                     [costs.memory(s, i, j) for s, (i, j) in enumerate(bounds)], costs.even_step_s(),
+                     [costs.cut(s, i) for s, (i, _) in enumerate(bounds) if s])
+
+
+@dataclass(frozen=True)
+class _Step:
+    """The pipeline's training step: ``batch`` samples in ``microbatches`` under ``schedule`` (gpipe holds every
+    micro-batch's activations at once), ``optimizer_copies`` of optimizer state per parameter, ``fixed_mb``
+    MiB on every device besides."""
+    batch: int
+    microbatches: int
+    schedule: str
+    optimizer_copies: int
+    fixed_mb: float
+
+
+class _StageCosts:
+    """What a stage ``s`` over layers ``i..j-1`` costs (``seconds``, ``memory``), what the cut before layer ``i``
+    costs (``cut``), whether it ``fits``; prefix sums over the layers, so that each is O(1)."""
+
+    def __init__(self, layers: list[LayerCost], devices: list[StageDevice], step: _Step,
+                 transfer_s: Callable[[int, float], float] | None):
+        self.layers, self.devices, self.transfer_s = layers, devices, transfer_s
+        self.batch, self.microbatches, self.schedule, self.fixed_mb = (step.batch, step.microbatches, step.schedule,
+                                                                       step.fixed_mb)
+        optimizer_copies = step.optimizer_copies
+        self.stages, n = len(devices), len(layers)
+        self.layer_seconds = [_prefix([self._layer_s(device, layer) for layer in layers]) for device in devices]
+        self.trainable = _prefix([layer.param_bytes for layer in layers])
+        self.weights = _prefix([layer.param_bytes * (2 + optimizer_copies) + layer.buffer_bytes for layer in layers])
+        self.activations = _prefix([layer.activation_bytes for layer in layers])
+        # the largest parameter bytes of a layer in i..j-1: the gradient being accumulated (module docstring)
+        self.largest = [[0.0] * (n + 1) for _ in range(n + 1)]
+        for i in range(n):
+            for j in range(i + 1, n + 1):
+                self.largest[i][j] = max(self.largest[i][j - 1], layers[j - 1].param_bytes)
+        self.accumulating = step.microbatches > 1
+
+    def _layer_s(self, device: StageDevice, layer: LayerCost) -> float:
+        compute = layer.train_flops * self.batch / (device.gflops * 1e9)
+        if device.memory_gbps is None:
+            return compute
+        traffic = layer.traffic_bytes * self.batch + layer.pass_traffic_bytes * self.microbatches
+        return max(compute, traffic / (device.memory_gbps * 1e9))
+
+    def in_flight(self, s: int) -> float:
+        if self.schedule == "gpipe":
+            return self.batch
+        return min(self.microbatches, self.stages - s) * self.batch / self.microbatches
+
+    def memory(self, s: int, i: int, j: int) -> float:
+        return self.fixed_mb + (self.weights[j] - self.weights[i]
+                                + (self.activations[j] - self.activations[i]) * self.in_flight(s)
+                                + (self.largest[i][j] if self.accumulating else 0.0)) / MIB
+
+    def seconds(self, s: int, i: int, j: int) -> float:
+        return self.layer_seconds[s][j] - self.layer_seconds[s][i]
+
+    def cut(self, s: int, i: int) -> float:  # the link between stages s-1 and s, cut before layer i
+        if self.transfer_s is None:
+            return 0.0
+        return self.microbatches * 2 * self.transfer_s(s, self.layers[i - 1].output_bytes * self.batch
+                                                       / self.microbatches)
+
+    def fits(self, s: int, i: int, j: int) -> bool:  # a stage trains something and fits its device
+        limit = self.devices[s].memory_mb
+        return self.trainable[j] > self.trainable[i] and (limit is None or self.memory(s, i, j) <= limit)
+
+    def solve(self, link_cost: Callable[[int, int], float], cap: float) -> tuple[float, list[list[int]]]:
+        """(least bottleneck, choice) over stages and the cuts ``link_cost`` charges, with every cut under
+        ``cap``. best[s][j]: the least bottleneck of stages 0..s over layers 0..j-1; choice[s][j]: where
+        stage s starts."""
+        stages, n = self.stages, len(self.layers)
+        best = [[math.inf] * (n + 1) for _ in range(stages)]
+        choice = [[0] * (n + 1) for _ in range(stages)]
+        for j in range(1, n + 1):
+            if self.fits(0, 0, j):
+                best[0][j] = self.seconds(0, 0, j)
+        for s in range(1, stages):
+            for j in range(s + 1, n + 1):
+                for i in range(s, j):
+                    if best[s - 1][i] < math.inf and self.cut(s, i) <= cap and self.fits(s, i, j):
+                        candidate = max(best[s - 1][i], link_cost(s, i), self.seconds(s, i, j))
+                        if candidate < best[s][j]:
+                            best[s][j], choice[s][j] = candidate, i
+        return best[-1][n], choice
+
+    def even_step_s(self) -> float | None:
+        """The step of the even split (as many layers per stage), None where a stage of it does not fit."""
+        stages, n = self.stages, len(self.layers)
+        per, extra = divmod(n, stages)
+        even_cuts = [0, *(s * per + min(s, extra) for s in range(1, stages)), n]
+        even = list(zip(even_cuts[:-1], even_cuts[1:]))
+        if not all(self.fits(s, i, j) for s, (i, j) in enumerate(even)):
+            return None
+        return max(max(self.seconds(s, i, j), self.cut(s, i) if s else 0.0) for s, (i, j) in enumerate(even))
 
 
 def _refuse(layers, devices, memory, fixed_mb: float, what: str) -> None:
