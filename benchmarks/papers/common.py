@@ -87,6 +87,11 @@ def paper_arguments(doc: str, fast: str, runs: str, default_runs: str | None = N
     return ap
 
 
+def parse_arguments(doc: str, fast: str, runs: str, argv: list[str] | None) -> tuple[argparse.Namespace, float]:
+    """A script's options (``paper_arguments``) parsed from ``argv``, and the time its experiment starts."""
+    return paper_arguments(doc, fast, runs).parse_args(argv), time.time()
+
+
 @contextlib.contextmanager
 def runs_folder(paper: str, runs: str | None):
     """Says the paper and the host's load, then gives the folder the runs go to: ``runs``, else a temporary one."""

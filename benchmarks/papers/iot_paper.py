@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import NOT_REPORTED, Row, load_average, paper_arguments, report  # noqa: E402
+from common import NOT_REPORTED, Row, load_average, parse_arguments, report  # noqa: E402
 
 PAPER = "Sudharsan et al., training on IoT devices across the globe (the IoT paper)"
 LINK = "100mbit:39ms"  # 78 ms round trip (the paper, as the issue states it); 100 Mbit/s assumed
@@ -41,10 +40,8 @@ def run_method(compress: str, steps: int, devices: int, output: str, name: str) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = paper_arguments(__doc__, "a few steps (the test suite's version)",
-                         "where the training runs go (default: a temporary folder)")
-    args = ap.parse_args(argv)
-    started = time.time()
+    args, started = parse_arguments(__doc__, "a few steps (the test suite's version)",
+                                    "where the training runs go (default: a temporary folder)", argv)
     steps, devices = (4, 2) if args.fast else (60, 4)
     methods = METHODS[:2] if args.fast else METHODS
     print(f"{PAPER}\n{load_average()} at the start; {devices} emulated devices on {LINK} (virtual clock), "

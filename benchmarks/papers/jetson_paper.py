@@ -12,11 +12,10 @@
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import NOT_REPORTED, Row, paper_arguments, runs_folder, report  # noqa: E402
+from common import NOT_REPORTED, Row, parse_arguments, runs_folder, report  # noqa: E402
 
 PAPER = "Prashanthi et al., DNN training on Jetson devices (the Jetson position paper)"
 
@@ -51,10 +50,8 @@ def stall_rows(result: dict) -> list[Row]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = paper_arguments(__doc__, "small passes (the test suite's version)",
-                         "where the bench runs go (default: a temporary folder)")
-    args = ap.parse_args(argv)
-    started = time.time()
+    args, started = parse_arguments(__doc__, "small passes (the test suite's version)",
+                                    "where the bench runs go (default: a temporary folder)", argv)
     with runs_folder(PAPER, args.runs) as runs:
         print("\n1. Data stalls, NVMe against HDD, by loader workers (measured)")
         stall = stalls(runs, args.fast)

@@ -16,11 +16,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import NOT_REPORTED, Row, paper_arguments, runs_folder, report  # noqa: E402
+from common import NOT_REPORTED, Row, parse_arguments, runs_folder, report  # noqa: E402
 
 PAPER = "Mwase, Kahira, Zou, distributed training on Raspberry Pi 4s (the Pi study)"
 
@@ -102,10 +101,8 @@ def linpack_rows() -> list[Row]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = paper_arguments(__doc__, "a small model and batches up to 4 (the test suite's)",
-                         "where the bench and plan runs go (default: a temporary folder)")
-    args = ap.parse_args(argv)
-    started = time.time()
+    args, started = parse_arguments(__doc__, "a small model and batches up to 4 (the test suite's)",
+                                    "where the bench and plan runs go (default: a temporary folder)", argv)
     with runs_folder(PAPER, args.runs) as runs:
         print("\n1. Throughput and memory against batch size (measured), rpi4's 4096 MB limit")
         sweep = batch_sweep(4 if args.fast else 1024, 1, runs, model="small_cnn" if args.fast else "resnet18")
