@@ -1,55 +1,6 @@
 """``edgetrain launch --hosts hosts.yaml -- train ...``: start a real cluster's devices from one machine over SSH.
 
-What it does, in order (asyncssh, imported only here: ``pip install edgetrain[ssh]``):
-
-1. *Validate everything before connecting.* hosts.yaml (``load_hosts``: every entry, key, type and file,
-   one line naming the entry and the fix) and the train command (parsed by ``edgetrain train``'s own
-   parser, ``load_config`` and ``config.resolve``, as if it ran here). ``--config FILE`` is read on this
-   machine: its values and the flags go to every host as flags (``train_flags``), so the hosts need no
-   copy of it; paths in the config (``data_dir``, ``output``, ``cluster``) are paths on the hosts.
-2. *Connect* to every host (``--connect-timeout``) and check, in one short command, that its ``python``
-   has edgetrain with ``edgetrain.cluster.ssh_node``; edgetrain or torch versions that differ from this
-   machine's are said in one line each (not refused: the config check at admission catches what matters).
-   Nothing is copied: edgetrain, the data and the working directory are expected on each host.
-3. *Start* ``python -m edgetrain.cluster.ssh_node -- <torchrun args>`` on every host (protocol in
-   ssh_node.py). torchrun (``torch.distributed.run``) meets the other hosts through the c10d rendezvous
-   backend: the store is served by the first host's torchrun at ``ADDRESS:--rdzv-port`` (``is_host=1``
-   there, ``0`` elsewhere, so that two hosts on one machine do not both try to serve it),
-   ``--nnodes N`` (or ``K:N`` with ``--min-hosts K``: elastic), ``--nproc-per-node`` from the host's
-   ``devices``, ``--rdzv-id`` a fresh run id, ``join_timeout`` ``--rdzv-timeout``, ``last_call_timeout``
-   ``--rdzv-last-call``, ``keep_alive_interval`` ``--rdzv-keepalive``, ``--local-addr`` the host's address,
-   ``--max-restarts``. The cluster token (``--cluster-token`` of the train command, else
-   ``EDGETRAIN_CLUSTER_TOKEN`` here, else a fresh random one for this launch, so only the processes this
-   launch started are admitted) and the host's ``env:`` travel on stdin (never on a command line, never
-   written), and edgetrain's admission (cluster/peers.py) checks them as under a hand-started torchrun.
-   ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` is set too, so that a host started again can rejoin
-   (``_TORCHRUN_ENV`` says why).
-4. *Watch*. Every line a host prints is printed here as ``[name] line`` (stdout to stdout, stderr to
-   stderr). A host whose command exits 0 is done; the launch ends when all are. A host whose process
-   *dropped* (killed by a signal: exit code > 128, or its SSH connection lost) is started again, up to
-   ``--max-restarts`` times per host, and rejoins the rendezvous (torchrun's agents on the other hosts
-   restart their workers, ``--max-restarts`` times too); the first host cannot be, as the rendezvous
-   store lived in its torchrun. Past its restarts, a dropped host is left out while ``--min-hosts``
-   remain (torchrun's agents re-form the group without it). Any other exit (torchrun gave up: a worker
-   failed past its restarts, bad input on that host) stops every other host and ends in one line naming
-   the host, its exit and its last error line. ``after_exit`` is that decision.
-5. *Stop*. Ctrl-C or SIGTERM here, or a host's failure: every host's stdin is closed, which makes its
-   ssh_node SIGTERM torchrun (which stops its workers) and SIGKILL what is left after ``_STOP_GRACE_S``;
-   the launcher waits that plus ``_STOP_MARGIN_S`` for each, then closes the connections. What the hosts
-   print while they stop (torchrun's and the workers' shutdown tracebacks) is not shown: the launcher's
-   one line says why the run stopped; a rank 0 that stopped with a checkpoint is heard though, and the line
-   adds where it is and the launch that resumes it (``resume_command``: the same --run-id). SSH keepalives
-   (``_KEEPALIVE_S``) notice a host cut off the network. A launcher that dies without stopping them closes
-   its connections too, which ssh_node reads as the same request.
-
-Limits: a restarted host's torchrun (the same ``--rdzv-id``) continues the run in ``train-<run id>`` from
-its newest checkpoint when the train command has ``--checkpoint-every`` (train/checkpoint.py, "torchrun
-restarts"; the hosts that can be rank 0 need that directory, e.g. a shared ``--output``), else starts
-again from step 0 in a new run directory; the first host is a single point of failure for the
-rendezvous (c10d backend); gloo's traffic and the rendezvous port are unencrypted (keep them on a
-trusted LAN; the SSH sessions carry only commands, the token and output). Tested against asyncssh's
-own server on 127.0.0.1 (tests/cluster/test_ssh_launch.py), which runs commands as OpenSSH's sshd does
-without a terminal; not yet against sshd on real hosts.
+Design: docs/design/launch.md ("Real hosts over SSH").
 """
 from __future__ import annotations
 
@@ -312,7 +263,7 @@ def dropped(code: int | None, signal_name: str | None) -> bool:
 def after_exit(spec: LaunchSpec, index: int, restarts: int, code: int | None, signal_name: str | None,
                others_running: int, finished: bool = False) -> str:
     """What to do when host ``index``'s process ended: "done", "restart", "leave out" or "fail" (the rules
-    of the module docstring's step 4). ``finished``: another host's torchrun already exited 0, so the run
+    of docs/design/launch.md's step 4). ``finished``: another host's torchrun already exited 0, so the run
     is complete (torchrun succeeds only then): a host dropped now is left out, not restarted or blamed."""
     if code == 0 and signal_name is None:
         return "done"

@@ -1,43 +1,6 @@
 """Network links between edge devices, and how long a collective takes on them.
 
-A ``Link`` is one device's connection: bandwidth, one-way latency, jitter and
-packet loss. Presets cover the usual edge cases; an inline spec describes any
-other link, e.g. ``20mbit:5ms:jitter=1ms:loss=0.01``. ``Link``, ``PRESETS`` and
-the parsing (``get_link``) live in ``edgetrain.spec`` (torch-free, parsed once);
-this module is the time model, the one the planner, its simulator and the
-virtual clock all use. Derivation and measurements: docs/benchmarks/real-links.md.
-
-Time model (the alpha-beta model of Hockney, per round of the algorithm used)::
-
-    Tc = sum over rounds r of  max over devices i of  round_seconds(latency_i + jitter_ir, chunk, goodput_i, kind)
-    round_seconds = latency + ROUND_OVERHEAD_S + (FRAME_BYTES + chunk x wire_bytes_per_byte(kind)) / goodput
-
-where ``chunk`` is the payload a device sends in one round and ``goodput`` the
-link's rate in bytes after loss (``Link.goodput_Bps``). Per round, beyond the
-link's latency: gloo's per-message cost (``ROUND_OVERHEAD_S``, measured), one
-frame's store-and-forward time (the last frame of a round passes a second shaper
-or switch at the same rate before the receiver has it), and the payload with its
-TCP/IP/Ethernet framing and, where every device sends while it receives, the ACKs
-of what it receives on the same link (``wire_bytes_per_byte``). The slowest link
-taking part bottlenecks every round, because a ring step completes only when
-every device has passed its chunk on. Rounds per kind, for ``p`` devices
-(``KINDS``): ring all-reduce ``2 (p-1)`` (reduce-scatter, then all-gather: each
-round waits on the previous one's data), ring all-gather ``p-1``, point-to-point 1.
-
-Loss is modelled as expected retransmissions: each packet is lost with
-probability ``loss`` and resent until it arrives, so the goodput is
-``bandwidth x (1 - loss)``. Retransmission timeouts and TCP's congestion
-response are not modelled; real TCP degrades far more at a few percent loss.
-
-Jitter adds ``N(0, jitter)`` to each round's latency (clipped so a round never
-takes less than zero), drawn from a generator seeded per collective, so every
-device computes the same duration for the same collective and a run repeats.
-
-Not modelled: compute overlapping communication (edgetrain's hooks finish their
-collective before backward goes on; DDP's own all-reduce of a small model is one
-bucket, launched when backward ends), the physical layer's preamble, FCS and
-inter-frame gap (24 bytes a frame that Linux's shaper does not count: a real
-Ethernet link carries 1.6% less), and Wi-Fi's or LTE's own MAC overheads.
+Design: docs/design/links.md ("The link model").
 """
 from __future__ import annotations
 

@@ -1,46 +1,6 @@
 """Elastic membership of emulated devices, the launcher's side: who is in the next generation.
 
-An elastic run (``--min-devices K`` below the device count; the devices'
-side is ``train/elastic.py``) goes through *generations*: the devices of
-generation ``n`` form one gloo group over the launcher's loopback store
-under the prefix ``elastic/gen<n>/pg``, ranked in the order of their first
-rank. Generation 0 is the run's ordinary group.
-
-The launcher decides each generation, as torchft's Lighthouse decides a
-quorum: the devices never have to agree among themselves on who is alive,
-which they cannot do once a peer is gone. Keys of the store:
-
-- ``elastic/changes``: a counter. The launcher adds 1 when a device's
-  process ends (``lost``), a returning device when it announces itself; the
-  members read it at every step boundary and agree (a MAX all-reduce) to
-  change together when it moved.
-- ``elastic/lost``: a counter the launcher adds 1 to when a member's
-  process ends. Each member watches it from a thread of its own and,
-  when it moves, cuts its gloo connections (train/elastic.py: fast
-  failure detection), so no member waits ``--timeout`` in a collective
-  with a peer that already left it.
-- ``elastic/join/<d>``: device ``d``, started again, asks to join;
-  ``elastic/join/<d>/gen`` is the generation it was admitted to.
-- ``elastic/gen<n>/dev/<d>``: member ``d`` asks for generation ``n``
-  (after a failed collective or an agreed change).
-- ``elastic/gen<n>/members``: the launcher's answer, JSON: ``members``
-  (ranks in order), ``left`` and ``joined`` (first ranks), ``changes``
-  (the counter when it decided: later moves are the next change),
-  ``lost`` (the same for ``elastic/lost``) and
-  ``local_batches``: the same global batch re-split over the members in
-  proportion to their first shares (speed-proportional where the first
-  split was), decided once here so that every member agrees.
-
-``Lighthouse.poll`` decides generation ``n`` once every member of the
-current one whose process is alive has asked (a dead one never will: its
-exit was seen first), or ``timeout_s`` after the first request; a member
-that is alive but silent that long (stopped, disconnected) is left out and
-the launcher stops it. Admitted returning devices join the generation being
-decided. Fewer than ``min_devices`` members is the end of the run: one line
-naming the devices lost.
-
-Limits: a device can only come back under its own first rank (the launcher
-restarts it); a brand-new device beyond the first count cannot join.
+Design: docs/design/elastic.md ("The launcher's side").
 """
 from __future__ import annotations
 
@@ -86,7 +46,7 @@ class ElasticLaunch:
 
 
 class Lighthouse:
-    """The launcher's membership decisions (see the module docstring)."""
+    """The launcher's membership decisions (docs/design/elastic.md)."""
 
     def __init__(self, store, world: int, launch: ElasticLaunch, labels: list[str]):
         self.store, self.world, self.launch, self.labels = store, world, launch, labels

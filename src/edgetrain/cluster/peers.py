@@ -1,43 +1,6 @@
 """What devices check about each other before training, and how they exchange Python values.
 
-Wire format: devices exchange tensors only. Python values (per-step records,
-summaries, links, configs) travel as UTF-8 JSON in a ``uint8`` tensor: first
-every device's byte length (an ``int64`` all-gather), then the payloads padded
-to the longest. Never a pickle: torch's ``*_object`` collectives unpickle what
-a peer sends, so any host that reaches the rendezvous port could run code on
-rank 0. (A test greps the package for ``_object(`` collectives.)
-
-Environment (``check_rank_environment``), before the rendezvous: ``RANK``,
-``WORLD_SIZE`` and ``LOCAL_RANK`` must be integers with ``0 <= RANK <
-WORLD_SIZE``; otherwise gloo hangs (``RANK=-1``) or fails after the timeout
-with a C++ stack (``RANK >= WORLD_SIZE``).
-
-Admission (``admit_peers``), right after the rendezvous and before any other
-exchange:
-
-1. Cluster token (``--cluster-token`` or ``EDGETRAIN_CLUSTER_TOKEN``; empty
-   if neither). Rank 0 broadcasts a fresh random 32-byte nonce; every device
-   all-gathers ``HMAC-SHA256(token, nonce || rank)`` and checks every peer's
-   against its own token (constant-time compare). The token never leaves the
-   node and a recorded answer is useless in another run (new nonce) or for
-   another rank. Limits: the token decides who may take part, it does not
-   encrypt gloo's traffic, and a host that reaches the port can still join the
-   rendezvous and so stop a run (denial of service) — it cannot make a device
-   unpickle anything, as nothing is unpickled.
-2. Config: every device all-gathers the SHA-256 of its config as canonical
-   JSON (keys that may differ per node, such as paths, the progress bar or the
-   timeout, left out). On a mismatch the configs themselves are exchanged as
-   JSON and the error names the first key that differs, instead of DDP's raw
-   shape error or a hang in a collective that only some devices run.
-
-Waiting (``wait``): every collective edgetrain starts asynchronously (comm
-modes, compressors' hooks, tiling exchanges) is waited on through this one
-function, bounded by the run's ``--timeout``. A ``Work`` is waited on with
-gloo's own timeout; a ``Future`` (a DDP hook's, e.g. PowerSGD's) through its
-done callback. A timeout becomes one line naming what timed out and the fix;
-any other failure (a peer that closed its connection) is raised as it is: it
-is the echo of another device's failure, and the launcher's blame picks the
-cause (``cluster/launch.py``), rather than being called a timeout.
+Design: docs/design/launch.md ("Peers and the rendezvous").
 """
 from __future__ import annotations
 

@@ -1,31 +1,6 @@
 """Device profiles and cluster files.
 
-A profile says what a device is: its cores, its compute rate, its memory and
-its link. Compute rate is given in GFLOPS (dense single-precision, as LINPACK
-or a GEMM measures it). An emulated device runs at
-``speed = profile GFLOPS / GFLOPS of one host core``, measured on this host
-when the run starts (``host_core_gflops``), so a profile means the same on any
-host. A profile may give ``speed`` directly instead (relative to one host core).
-
-A cluster file lists the devices of a run::
-
-    profiles:                  # optional: your own profiles, possibly based on a built-in
-      pi-zero: {base: rpi4, cores: 1, gflops: 1.0, memory_mb: 512}
-    devices:
-      - rpi4                   # a profile name
-      - {profile: jetson-nano, batch: 24, link: wifi-20m}
-      - {profile: pi-zero, count: 2}
-
-A profile may carry a power model, ``idle_w`` + ``core_w`` x busy cores
-(watts), from which training reports modelled energy where no sensor can be
-read (docs/how-to/energy.md). Of the built-in profiles only ``rpi4`` carries
-one, from its maker's published measurements (see ``BUILTIN_PROFILES``); for
-the others no published idle and loaded figures were found.
-
-A device entry may give ``data``: the path of that device's own training
-data, an image folder or a ``.npz`` (``data/device_data.py``; a relative
-path is taken from the cluster file's folder). Then each device reads only
-its own file and only model updates cross the network.
+Design: docs/design/links.md ("Device profiles").
 """
 from __future__ import annotations
 

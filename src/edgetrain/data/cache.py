@@ -1,29 +1,6 @@
 """A training-aware cache for datasets on storage (``--cache-mb``): CoorDL's MinIO policy.
 
-Mohan et al. (VLDB 2021, CoorDL) observe that training reads every item exactly once per epoch, in a new
-random order, so a recency cache (Linux's page cache) keeps the items least likely to be read next and
-thrashes once the dataset exceeds it. MinIO caches a fixed set of items and never evicts one: with a cache
-of a fraction f of the dataset, every epoch after the first reads exactly f from the cache and 1 - f from
-storage, the most any policy can do for that access pattern.
-
-Here the set is chosen up front (items in a seeded order until their sizes fill the budget), so its slots
-are fixed and need no lock: the file is preallocated (``posix_fallocate``: a full disk is one line before
-training, not a SIGBUS half-way), opened once, unlinked at once (nothing is left behind, whatever ends the
-run) and mapped shared. A slot is filled the first time its item is read, its flag byte set after its bytes;
-two workers filling one slot write the same bytes.
-
-Loader workers share the device's mapping. Forked workers inherit it; workers started from a fork server or
-spawned (a device's own start method is the fork server's it was started from) receive the cache by its file
-descriptor, which multiprocessing passes over a Unix socket (SCM_RIGHTS) while it starts them, as torch passes
-shared-memory tensors, and map the same pages: every item a worker fills is there for the others and the
-device. The workers are not forked instead (``multiprocessing_context="fork"``): a device runs gloo's and
-OpenMP's threads, and a fork copies any lock one of them holds, the reason Python 3.14 stopped forking by
-default. The file has no name to reopen by, by design, so its descriptor is the one way in.
-
-With ``drop_pages`` (the default) an item read from storage leaves the page cache at once
-(``posix_fadvise(DONTNEED)``), as CoorDL bypasses it: a cached item is held by this cache and a page-cache
-copy would hold it twice; an uncached one will not be read again before the page cache's small remaining room
-has cycled. docs/benchmarks/storage.md measures both.
+Design: docs/design/data.md ("The cache").
 """
 from __future__ import annotations
 
@@ -68,7 +45,7 @@ class MinioCache:
             os.close(fd)
             raise EdgetrainError(f"the --cache-mb cache of {total / 1e6:.1f} MB does not fit in {directory} "
                                  f"({e.strerror}); lower --cache-mb or free space there (or set --cache-dir)") from None
-        self.fd = fd  # kept open: the workers a device starts receive it (module docstring)
+        self.fd = fd  # kept open: the workers a device starts receive it (docs/design/data.md)
 
     def get(self, index: int) -> bytes | None:
         slot = int(self.slot[index])

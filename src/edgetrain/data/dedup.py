@@ -1,47 +1,6 @@
 """Near-duplicate images: a perceptual hash per image, pairs within a Hamming distance, the first by index kept.
 
-Video and sensor datasets repeat themselves (nearby frames are near
-duplicates); a device that loads, trains on or ships only the non-redundant
-samples saves time on slow storage and links. ``edgetrain data dedup`` reports
-what would go; ``--dedup`` in training drops it from the training set before
-sampling (``drop_near_duplicates``; ``RunSummary.details["dedup"]``).
-
-Hash: pHash (C. Zauner, "Implementation and Benchmarking of Perceptual Image
-Hash Functions", 2010; the construction of pHash.org and of the ImageHash
-package's ``phash``): the image in grey (ITU-R 601 luma), resized to 32x32
-(antialiased bilinear, ``torch.nn.functional.interpolate``), its 2-D DCT-II
-(``scipy.fft.dctn``), the ``HASH_SIDE`` x ``HASH_SIDE`` lowest-frequency
-coefficients, one bit each: above their median or not. Scaling the
-brightness scales every coefficient and leaves the bits as they are; noise
-and JPEG artefacts live in the high frequencies left out. ``HASH_SIDE`` is
-12 (144 bits), not pHash's usual 8: on 32x32 images a one-pixel shift turns
-the phase of the 8x8 block's highest frequencies by up to 40 degrees and
-flips about 8 of its 64 bits, as many as separate some unrelated CIFAR-10
-images; with 12x12 the two populations overlap less (``benchmarks/dedup.py``
-measures both recall and the distinct images removed at the default
-threshold, ``spec.DEDUP_DEFAULT_THRESHOLD``).
-
-Not the ImageHash package: it hashes one PIL image at a time and would add
-PyWavelets; this is the same construction over a whole batch at once with
-scipy (which scikit-learn already requires) and torch.
-
-Grouping: every pair, in blocks of rows. Hashes as +-1 vectors ``a``, ``b``
-differ in ``(bits - a.b) / 2`` bits, so a block of rows against all earlier
-images is one matrix product (BLAS; exact in float32 for 144 terms of +-1),
-memory ``BLOCK`` x N. That is O(N^2) arithmetic, with no Python loop over
-pairs; exact sub-quadratic search (multi-index hashing, BK-trees) needs a
-radius small against the hash length, and 36 of 144 bits is not (the
-pigeonhole split would need 37 chunks of 4 bits, each matching most images).
-
-Which is kept: images are taken in index order, and one is dropped when it
-is within ``threshold`` bits of an earlier *kept* image (as a video keeps a
-frame and drops the next ones that look like it). Kept images are pairwise
-more than ``threshold`` apart; every dropped one names the kept image it
-duplicates. The result depends on nothing but the images and the threshold.
-
-Bytes: the stored size of the removed images (the dataset's tensor: uint8
-CIFAR-10 is 3,072 bytes an image, float32 digits 256), what a device would
-not load or send.
+Design: docs/design/data.md ("Near duplicates").
 """
 from __future__ import annotations
 
@@ -89,7 +48,7 @@ def _hash_chunk(images: torch.Tensor) -> np.ndarray:
 
 
 def duplicate_of(hashes: np.ndarray, threshold: int) -> np.ndarray:
-    """For every image, the index of the earlier kept image it duplicates, or -1 if it is kept (see the docstring)."""
+    """For every image, the index of the earlier kept image it duplicates, or -1 if it is kept (docs/design/data.md)."""
     n, bits = hashes.shape
     signs = torch.from_numpy(hashes.astype(np.float32) * 2 - 1)
     original = np.full(n, -1, dtype=np.int64)

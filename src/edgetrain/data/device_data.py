@@ -1,48 +1,6 @@
 """A device's own training data: the ``data`` path of its entry in the cluster file.
 
-Data born on a device stays there: each device trains on its own image folder
-or ``.npz`` (the formats of ``data/formats.py``), and nothing about the data
-crosses the network, only model updates. The launcher checks every device's
-file before any device starts (emulated devices all live on this host); under
-torchrun each device checks its own file first thing, before the rendezvous
-(the others then wait at most ``--timeout`` there). A missing or unfit file is
-one line naming the device and the file.
-
-What a device's file gives:
-
-- its training images: the whole file, or its training part where the file
-  gives a test split (``x_test``/``y_test``, or ``train/`` and ``test/``
-  folders); that test split is not used. Not augmented.
-- the test set is the run's ``--dataset`` test split on every device:
-  evaluation is sharded over the devices (``train.loop.evaluate``), so they
-  must hold one test set. The run's dataset also gives the model its classes
-  and input shape, and its per-channel mean and standard deviation normalise
-  every device's images, so that all devices feed the model alike.
-- agreement: a device's images must have the run's input shape and its labels
-  be below the run's number of classes (an image folder's labels are its
-  sorted class subfolders, so it must have exactly that many, with the same
-  names on every device). Each device checks its file against the run's
-  dataset, which every device loads alike, so the devices agree with one
-  another without exchanging anything.
-
-Steps: an epoch is ``len(--dataset train) // global batch`` steps on every
-device, as with ``--partition`` (``PartitionSampler``). The devices step in
-lockstep, and this count needs no exchange of their sizes. The global batch
-is still split by ``--local-batch`` (e.g. by device speed); each device draws
-its local batch from its own file in a seeded shuffle, redrawn each time the
-file is used up, so a small file is passed over more than once an epoch and
-a large one less than once (the next epoch goes on through the same shuffle). A file
-needs at least the device's local batch of images.
-
-``--sync fedavg:E`` needs each device's own data: a ``--partition`` or a
-cluster file whose devices all give ``data`` (``config.resolve`` lets
-fedavg without ``--partition`` through only with a cluster file, which it
-does not read; ``check_device_data`` refuses it if no device gives data).
-
-Refused before any device starts: ``data`` for some devices but not all,
-``--partition`` (which splits the shared dataset instead), strategies tiled
-and pipeline (every device reads the whole global batch) and ``--dedup``
-(which filters the shared dataset).
+Design: docs/design/data.md ("Each device's data").
 """
 from __future__ import annotations
 

@@ -1,33 +1,7 @@
 """Your own data on disk: an image folder, a ``.npz`` of arrays or a CSV table
 (``--dataset imagefolder|npz|csv --data-dir PATH``).
 
-``imagefolder``: ``PATH/<class>/<image>`` with one subfolder per class
-(classes in sorted order are labels 0, 1, ...), PNG or JPEG files (by
-extension; other files are ignored), read with Pillow (installed with
-matplotlib, which requires it). All images must have one size; they are
-grayscale (1 channel) if every one is, else RGB. ``PATH/train/<class>`` and
-``PATH/test/<class>`` give the split; without them a seeded, stratified 80/20
-split is made.
-
-``npz``: a NumPy ``.npz`` (loaded without pickles) holding ``x`` (N, H, W) or
-(N, C, H, W) images, uint8 (0..255) or float, and ``y`` (N,) integer labels
-0..K-1; ``x_test``/``y_test`` give the split, else 80/20 as above.
-
-``npz`` with ``--task regression``: ``x`` (N, ...) float inputs of any shape
-(feature vectors (N, F), sensor series (N, T, C)) and ``y`` (N,) or (N, K)
-float targets, every value finite; ``x_test``/``y_test`` give the split, else
-a seeded 80/20 one.
-
-``csv``: a table with a header row, one sample per row; the column named
-``y`` (or the columns ``y1``, ``y2``, ...) is the target, every other column
-a feature; numbers only. Targets are real values with ``--task regression``,
-else integer class labels. ``PATH`` is the file (split 80/20, seeded) or a
-folder holding ``train.csv`` and ``test.csv``.
-
-Images are normalised per channel with the training set's mean and standard
-deviation, and not augmented; other inputs per feature (or per channel of a
-series). A file that cannot be read, a wrong shape or
-dtype, or a missing array is one ``EdgetrainError`` naming the file and the fix.
+Design: docs/design/data.md ("Formats").
 """
 from __future__ import annotations
 
@@ -176,7 +150,8 @@ def arrays_split(x_train, y_train, x_test, y_test, name: str) -> DataSplit:
 
 
 def npz_values(path: str | Path, seed: int = 0) -> DataSplit:
-    """A regression ``.npz``: ``x`` (N, ...) float inputs and ``y`` (N,) or (N, K) float targets (module docstring)."""
+    """A regression ``.npz``: ``x`` (N, ...) float inputs and ``y`` (N,) or (N, K) float targets
+    (docs/design/data.md)."""
     path = Path(path)
     arrays = _read_npz(path)
     x, y = _inputs(arrays["x"], path, "x"), _values(arrays["y"], path, "y", len(arrays["x"]))
@@ -240,7 +215,7 @@ def _enough(n: int, source: Path) -> None:
 
 
 def csv_values(path: str | Path, seed: int = 0, labels: bool = False) -> DataSplit:
-    """A CSV table (module docstring): real targets (``labels`` False: regression) or class labels."""
+    """A CSV table (docs/design/data.md): real targets (``labels`` False: regression) or class labels."""
     path = Path(path)
     if path.is_dir():
         if not ((path / "train.csv").is_file() and (path / "test.csv").is_file()):

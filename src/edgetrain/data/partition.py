@@ -1,35 +1,6 @@
 """Each device's own part of the training set (``--partition``), and the sampler that reads only it.
 
-In federated settings data is born on the devices and never leaves them.
-Emulated on one host, every device loads the dataset file but draws its
-batches only from its own partition: the indices ``split_dataset`` gives it.
-The split is a pure function of the labels, the device count, the spec and
-the seed, so every device computes the same split on its own (nothing about
-data crosses the network) and a run is reproducible.
-
-Kinds (the usual federated-learning benchmarks; Flower Datasets offers the same):
-
-- ``iid``: a seeded permutation cut into near-equal parts.
-- ``dirichlet:ALPHA`` (Hsu, Qi and Brown, "Measuring the Effects of
-  Non-Identical Data Distribution", 2019): for every class, proportions
-  ``p ~ Dir(ALPHA, ..., ALPHA)`` over the devices, and the class's samples
-  are cut by them. Small ALPHA gives each device few classes; large ALPHA
-  approaches IID. A draw that leaves a device fewer samples than its local
-  batch is redrawn (as Flower's ``min_partition_size``), at most
-  ``DIRICHLET_DRAWS`` times, then refused in one line.
-- ``shards:K`` (McMahan et al., "Communication-Efficient Learning", 2017):
-  the samples sorted by label are cut into ``devices x K`` shards, and each
-  device gets ``K`` of them at random: at most ``K`` classes per device when
-  shards do not straddle classes.
-
-``PartitionSampler``: a step's batch is ``local_batch`` samples of the
-device's partition, in a seeded shuffle that is redrawn each time the
-partition is used up, not at each epoch: the walk through a shuffle goes on
-across epochs (and a resumed run), so every sample is drawn once before any
-is drawn again. Every device takes the same number of steps per epoch
-as a data-parallel run would (``len(train) // global batch``), because the
-devices step in lockstep; a device whose partition is smaller than its share
-of an epoch passes over it more than once, a larger one less than once.
+Design: docs/design/data.md ("Partitions").
 """
 from __future__ import annotations
 

@@ -1,60 +1,6 @@
 """The analytic cost model: step time, throughput and memory of a cluster, in closed form.
 
-Everything here is *modelled*: computed from counted model costs
-(``costs.py``), the devices' profiles and the link model, never measured.
-
-Compute. Device ``i`` with local batch ``b_i`` and a profile rated ``G_i`` GFLOPS::
-
-    compute_i = train FLOPs per sample x b_i / (G_i x efficiency)
-
-``efficiency`` is the fraction of the profile's GFLOPS (a sustained GEMM /
-LINPACK rate) that a training step achieves. The default 0.6 comes from
-measurement on the development host: one-thread training steps (batch 32,
-32x32 inputs, CPU time) reached, of the same core's 384x384 GEMM rate,
-0.4-0.5 for small_cnn width 16, 0.69 for small_cnn width 32, 0.65 for
-ResNet-18 width 16 and 0.92 for ResNet-18 width 64: wider layers use the
-core better. 0.6 sits in the middle; for a small model pass a lower one.
-``benchmarks/plan_accuracy.py`` measures it again for its model.
-
-Communication. An exchange is a list of collectives (``traffic.py``); each
-costs the link model's time (``edgetrain.cluster.links``, Hockney's
-alpha-beta model per round)::
-
-    Tc = rounds x max over devices taking part round_seconds(latency, chunk, goodput, kind)
-
-computed with the comm code's own ``collective_time`` over the distinct links
-(``devices`` = how many take part), so thousands of identical links cost no
-more than one; ``Tc`` includes the TCP/IP framing, the ACKs and gloo's
-per-round cost (``edgetrain.cluster.links``).
-The mean latency is used (no jitter; the simulator adds it).
-
-Step time, with ``c_max`` the slowest device's compute and ``H`` the period, by the
-sync mode's ``timing`` (``edgetrain.kinds``: ``lockstep``, ``periodic`` or ``bounded``):
-
-* ``sync``:     ``c_max + Tc`` (DDP; no overlap: edgetrain's hooks finish their
-  collective before backward goes on). ``overlap`` hides ``min(overlap x Tc, c_max)``
-  of it, as DDP on a real network overlaps buckets with backward.
-* ``local:H``:  ``c_max + Tc / H`` (devices run freely, all meet every H steps).
-* ``fedavg:E``: as ``local:H``, ``H`` the local steps of a round (``E`` epochs of
-  ``len(train) // B`` steps, or ``fedavg:steps=H``); ``Tc`` one exchange of the
-  update, two with SCAFFOLD (its control variates). Every device takes part
-  (``participation`` below 1 is refused).
-* ``gossip:H``: ``c_max + Tc / H``, ``Tc`` the slowest device-and-neighbours
-  exchange; independent of ``p``. Steady state: a slow device holds back its
-  neighbours, and through them, hop by hop, the whole ring.
-* ``async:S``:  each device ``max(c_i, max(Tc, c_max) / S)``: a round takes
-  ``Tc`` and needs every device's launch, and a device runs at most ``S``
-  steps ahead of the round it waits for.
-
-Memory per device: weights and buffers, gradients, optimizer state (SGD with
-momentum 1 copy, without 0, Adam 2), the sync mode's and compressor's model-
-sized buffers (``Traffic.state_copies``: DDP's gradient buckets, error
-feedback, local SGD's reference model...), activations saved for backward x
-``b_i``, the dataset (every device holds it), and a runtime baseline: the
-measured RSS of an idle process that imported edgetrain's training loop and
-torch. Not modelled: transient buffers of backward and of compression, the
-allocator's fragmentation. Devices above their profile's ``memory_mb`` are
-flagged.
+Design: docs/design/planner.md ("The analytic model").
 """
 from __future__ import annotations
 

@@ -1,41 +1,6 @@
 """A step simulator for clusters of up to a million devices (numpy, vectorised over devices).
 
-It replays ``S`` training steps of the cluster a ``Prediction`` describes,
-with the same clock rules as edgetrain's virtual link emulation
-(``edgetrain.comm.emulation``), and adds what the closed form leaves out:
-
-* **compute variability**: each device's step takes a gamma-distributed time
-  with the modelled mean and coefficient of variation ``compute_cv``;
-* **stragglers**: with probability ``straggler_prob`` a device's step takes
-  ``straggler_factor`` times as long (a background job, thermal throttling);
-* **link jitter**: every ring round adds ``N(0, jitter)`` to each link's
-  latency, clipped at zero, and lasts as long as the slowest device's
-  transfer, as in ``edgetrain.cluster.links.collective_time``. With thousands
-  of devices a round's slowest latency is drawn directly from the
-  distribution of a maximum (``max of n normals = Phi^-1(U^(1/n))``) per group
-  of identical links, so a round costs O(link groups), not O(devices).
-
-Clock rules per mode (``arrive_i`` = device ``i``'s clock after its compute):
-
-* ``sync``:   every device waits for the slowest, then the exchange:
-  ``t = max_i arrive_i + Tc`` (less the ``overlap`` share, as in ``model.py``);
-* ``local:H``: ``t_i = arrive_i`` between averages, ``max_i arrive_i + Tc`` every H steps;
-* ``gossip:H``: ``t_i = max(arrive of i and its two ring neighbours) + Tc_i`` every H steps;
-* ``async:S``: rounds. A round launched at clocks ``a_i`` completes at
-  ``max_i a_i + Tc``; a device keeps stepping, applies the round at its first
-  step end past completion and launches the next, or, ``S`` steps after the
-  launch, waits for it (``edgetrain.comm.asynchronous``).
-
-Cost: O(devices x steps) for the clocks (a million devices, 100 steps: 800 MB
-per array, seconds of gamma draws), plus O(link groups x ring rounds x
-exchanges) for the exchanges: a ring of ``p`` devices has ``2(p-1)`` rounds, each
-drawn when its links jitter, in blocks to bound memory; without jitter a round
-lasts a constant and nothing is drawn.
-
-With ``compute_cv = 0``, no stragglers and no jitter the simulator reproduces
-the analytic model's step time (exactly for sync, local SGD and gossip on
-identical devices; async up to the first and last round). Deterministic for a
-seed.
+Design: docs/design/planner.md ("The step simulator").
 """
 from __future__ import annotations
 

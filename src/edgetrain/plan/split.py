@@ -1,62 +1,6 @@
 """The split planner: which layers each pipeline stage gets, balancing stage time under memory limits.
 
-As Asteroid (MobiCom 2024) plans pipeline stages over heterogeneous edge
-devices, by dynamic programming over per-layer costs, stage ``s`` (on device
-``s``, in rank order) gets a contiguous run of layers, chosen so that the
-slowest stage is as fast as it can be while every stage fits its device:
-
-    time(s, k)      = max(FLOPs(k) x B / GFLOPS_s,                         (roofline, per layer)
-                          (bytes(k) x B + pass bytes(k) x M) / memory GB/s_s)
-    time(s, i..j)   = sum of time(s, k) over the layers i..j-1
-    cut(s, i)       = M x 2 x transfer(s, B/M x output bytes of layer i-1)   (stage s-1 -> s)
-    memory(s, i..j) = fixed + the layers' weights + gradients + optimizer state
-                      + their saved activations x the samples in flight on stage s
-                      + the largest of their weights once more if M > 1 (accumulation)
-    best[s][j]      = min over i of max(best[s-1][i], cut(s, i), time(s, i..j)), memory(s, i..j) <= limit s
-
-Each layer runs at the slower of its compute and its memory traffic (the
-roofline model): element-wise layers (ReLU, BatchNorm, pooling) count
-almost no FLOPs but read and write whole activation maps, which on a
-device with little memory bandwidth (a Pi Zero's 32-bit LPDDR2) is what
-takes the time. A device without ``memory_gbps`` is compute-only. Each cut
-is a resource of its own in the pipeline (its link transfers run while the
-stages compute): per step its ``M`` activations forward and ``M`` gradients
-of the same size backward, each one ``transfer`` (the caller's link model:
-latency + bytes / bandwidth over the slower of the two devices' links;
-none without ``--link``), so over a slow link the planner cuts where the
-activations are small.
-
-Every stage must hold a parameter (its optimizer would have nothing to
-step otherwise). When a cut is the bottleneck, many splits tie; a second
-pass picks, among the splits whose cuts are no slower than it, the one whose
-slowest stage is fastest. ``O(S L^2)`` for S stages and L layers. Samples in flight: GPipe holds every
-micro-batch's activations at once (the global batch); 1F1B at most
-``min(M, S - s)`` micro-batches on stage ``s``. ``fixed`` is what every device
-holds whatever its layers (the runtime and the dataset; the caller gives it).
-Accumulation: from the second micro-batch on, autograd computes a layer's
-weight gradient into a new tensor and then adds it to ``.grad``, so for a
-moment the stage holds one more gradient of its largest layer (measured on
-a 20-layer WideMlp on 4 devices: without this term the planner was under
-every stage's measured peak by one layer, 63-66 MiB at width 4096 and
-119-123 MiB at 5632; with it, within 2 MiB).
-
-Per-layer costs (``layer_costs``) are counted on the real layers at batch 2
-(a layer on the meta device, models/init.py, on a materialised copy of it
-alone), as ``plan.costs`` counts the whole model: FLOPs with ``FlopCounterMode`` (a
-layer's forward, then its backward from a gradient of ones), saved
-activations with ``saved_tensors_hooks``, parameter and buffer bytes, and
-memory traffic with a ``TorchDispatchMode`` (``_TrafficCounter``): every
-aten op that is not a view reads its tensor inputs and writes its outputs
-once (no cache reuse: an upper bound for ops whose working set fits in
-cache). A tensor whose first dimension is the counting batch is
-per-sample traffic; any other (weights, their gradients, biases) is read
-or written once per micro-batch pass (``pass_traffic_bytes``). Stage times
-are modelled (rated GFLOPS and memory GB/s of the profiles); the link
-times come from the link model.
-
-When no split fits, the error says why: a layer that alone needs more than
-the largest device is named; otherwise the memory the model needs pooled
-over the stages against what the devices have in all.
+Design: docs/design/pipeline.md ("The split planner").
 """
 from __future__ import annotations
 
@@ -124,7 +68,7 @@ class _TrafficCounter(TorchDispatchMode):
 
 
 def layer_costs(layers: list[tuple[str, nn.Module]], input_shape: tuple[int, ...], batch: int = 2) -> list[LayerCost]:
-    """Each layer's counted costs (see the module docstring); the layers' parameters are not changed."""
+    """Each layer's counted costs (docs/design/pipeline.md); the layers' parameters are not changed."""
     activation = torch.randn(batch, *input_shape, generator=torch.Generator().manual_seed(0))
     costs = []
     # A tensor two layers save (a ReLU's output, the next conv's input) is one storage, counted for the
@@ -286,7 +230,7 @@ class _StageCosts:
         self.trainable = _prefix([layer.param_bytes for layer in layers])
         self.weights = _prefix([layer.param_bytes * (2 + optimizer_copies) + layer.buffer_bytes for layer in layers])
         self.activations = _prefix([layer.activation_bytes for layer in layers])
-        # the largest parameter bytes of a layer in i..j-1: the gradient being accumulated (module docstring)
+        # the largest parameter bytes of a layer in i..j-1: the gradient being accumulated (docs/design/pipeline.md)
         self.largest = [[0.0] * (n + 1) for _ in range(n + 1)]
         for i in range(n):
             for j in range(i + 1, n + 1):

@@ -1,30 +1,6 @@
 """Pipeline stages: a model as a sequence of layers, and where that sequence is cut.
 
-A pipeline stage is a contiguous run of layers on one device; the only
-tensor that crosses a cut is the activation the layer before it returns
-(and its gradient, backwards). So a model can be cut only where its
-forward *is* its layers called in order: ``pipeline_layers`` takes the
-model's children in order, with each ``nn.Sequential`` / ``nn.ModuleList``
-child replaced by its own children, and ``check_sequential`` runs the model
-and that sequence on one example batch and refuses the model, naming its
-layers, if they differ (a forward that applies functions between its
-children, as ResNet's ``F.relu`` after ``bn1``, or skips, as a residual).
-
-``--stages even`` gives each of S devices ``ceil`` or ``floor`` of
-``layers / S`` layers, in order; ``--stages 4,8`` gives the layer indices
-at which stages 1, 2, ... start (``spec.PipelineSpec``).
-
-``pipeline_timeline`` replays one step of a schedule over emulated links:
-the runtime (``train/pipeline.py``) with the forward and backward seconds
-each stage measured, in the order it ran them; the planner
-(``plan/strategies.py``) with modelled ones, in the order
-``schedule_order`` gives (that of PyTorch's ``ScheduleGPipe`` and
-``Schedule1F1B``). An action starts when its stage is free and its input
-has arrived (a forward: the previous stage's activation of that
-micro-batch; a backward: the next stage's gradient); a stage's sends leave
-in the order it made them, one after the other on its link (each holds the
-link for its whole modelled time, latency included: conservative), and
-computing does not wait for them.
+Design: docs/design/pipeline.md ("A model's layers and cuts").
 """
 from __future__ import annotations
 
@@ -120,7 +96,7 @@ def schedule_order(schedule: str, stage: int, stages: int, microbatches: int) ->
 
 def pipeline_timeline(starts: list[float], actions: list[list[tuple[int, int, float]]],
                       transfer_s) -> tuple[list[float], list[float]]:
-    """When each stage ends its step, and how long its link carried transfers (the module docstring).
+    """When each stage ends its step, and how long its link carried transfers (docs/design/pipeline.md).
 
     ``starts[s]``: stage ``s``'s clock at the start of the step; ``actions[s]``: its ``(FORWARD or BACKWARD,
     micro-batch, seconds)`` in the order it ran them; ``transfer_s(kind, sender, receiver)``: the modelled

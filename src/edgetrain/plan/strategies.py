@@ -1,87 +1,6 @@
 """Per-strategy predictions: ddp, fsdp and pipeline on the same cluster, side by side, and which one to use.
 
-Every number is modelled from counted costs (``costs.py``, ``split.layer_costs``),
-the devices' profiles and the link model, as in ``model.py``; all three
-strategies train the same global batch ``B`` per step, so their step times
-compare directly. ``p`` devices; a device's compute is ``model.py``'s
-(counted FLOPs x samples / (GFLOPS x efficiency)).
-
-**ddp** is ``model.predict`` (``edgetrain plan`` without ``--strategy``).
-
-**fsdp** (``train/fsdp.py``, FSDP2): units are the model's children with
-containers expanded, those holding parameters (the same walk as
-``stages.pipeline_layers``, as ``train.fsdp.sharding_units``), then the root
-with what is left. FSDP2 cuts every parameter on dim 0 into ``p`` chunks of
-``ceil(dim0 / p)`` rows, padded, so a device's shard of a unit is
-``s = sum ceil(dim0/p) x rest x 4`` bytes. Per device::
-
-    memory = (weights + gradients + optimizer copies) of its shards + buffers (not sharded)
-             + gathered: the largest unit's parameters (p x s) + the root's (kept from forward to backward)
-             + unit_buffers: a second p x s of the largest unit, alive beside its gathered parameters
-             + activations x local batch + dataset + runtime
-    sent   = per unit: 2 all-gathers (forward, backward; the root's once) of (p-1) s
-             + one reduce-scatter of the padded gradients, (p-1)/p x p s
-           = about 3 (p-1)/p of the parameter bytes, counted with ``comm.accounting``'s
-             ring formulas exactly as ``train/fsdp.py`` counts them
-    step   = slowest compute + each collective over the link model (p-1 ring rounds each)
-
-The collectives run blocking (``train/fsdp.py`` gives up prefetch to time them),
-so nothing overlaps.
-
-``unit_buffers`` is what FSDP2 (torch/distributed/fsdp/_fully_shard) holds
-beside a unit's gathered parameters, read from its source, for the unit
-with the largest shard ``s`` (``fsdp_gathered_bytes``):
-
-- forward: ``foreach_all_gather`` receives into one flat ``p x s`` output,
-  then ``foreach_all_gather_copy_out`` copies it into each parameter's own
-  padded ``p x s`` outputs; the flat one is freed only after the copy;
-- backward: autograd writes the unit's unsharded gradients (its unpadded
-  parameter bytes, at most ``p x s``) while its parameters are gathered;
-  ``post_backward`` then reshards the parameters and ``foreach_reduce``
-  copies the gradients into a padded ``p x s`` reduce-scatter input and only
-  then frees them; the reduce-scatter output is the ``s``-byte sharded
-  gradient, counted under gradients.
-
-So at every moment a unit in flight holds two ``p x s`` buffers; with the
-root kept gathered, the peak is ``max(p s_root + 2 p s_max, 2 p s_root)``.
-Not modelled: gloo's own staging copies inside its C++ collectives and the
-allocator's slack (a 114M-parameter ``WideMlp`` measured about 10% over
-this plan, README).
-
-**pipeline** (``train/pipeline.py``): the split is ``split.plan_split``'s
-(the planner ``--stages auto`` runs before training), over counted per-layer
-costs, at ``GFLOPS x efficiency`` per device and the profile's rated memory
-GB/s (per layer the slower, a roofline), with each cut's transfers over the
-link model, under each device's memory limit, with the runtime and the dataset as every device's fixed memory.
-Stage ``s`` of ``S`` holds its layers' weights, gradients and optimizer state
-and the activations of the samples in flight (GPipe: ``B``; 1F1B:
-``min(M, S-s) x B/M``). The step is the runtime's own timeline
-(``stages.pipeline_timeline``, what ``train/pipeline.py`` charges a run on
-emulated links) over modelled actions: each stage runs its micro-batches
-in the schedule's order (``stages.schedule_order``), a forward taking a
-third and a backward two thirds of the stage's compute per micro-batch
-(backward computes two products per forward one: an assumption, the
-planner counts forward + backward together), and each activation or
-gradient of ``B/M`` samples crosses a cut as one point-to-point round over
-the slower of the two links, queued on the sender's link::
-
-    step   = the last stage's end on that timeline (fill, drain and queued transfers included)
-    bubble = (S - 1) / (M + S - 1)        (the idle share of an ideal, balanced pipeline)
-    sent   = B x (output bytes per sample at the stage's end cut + input bytes at its start cut)
-
-which is what ``train/pipeline.py`` counts. Each device builds only its
-stage's layers (models/init.py) and evaluates through the stages without
-receiving the others' (``train/pipeline.py``), so its RSS is this stage
-memory; evaluation's own activations are not modelled here.
-
-**compare** predicts all three and recommends, among those whose every device
-fits its memory limit, the one with the fastest modelled step (ties: ddp,
-then fsdp, then pipeline). So data parallelism when the model fits every
-device, unless a slow link makes its all-reduce cost more than a pipeline's
-activation sends; fsdp or pipeline when ddp does not fit, fsdp on fast links
-(it moves about 3x the parameters), pipeline on slow ones (it moves only
-activations at the cuts). A strategy that does not fit, or cannot run (a model
-that cannot be cut, more devices than layers), is refused in one line.
+Design: docs/design/planner.md ("Strategies side by side").
 """
 from __future__ import annotations
 
@@ -129,7 +48,7 @@ def fsdp_gathered_bytes(shards: list[int], p: int) -> tuple[int, int]:
     """(gathered parameters, unit buffers) at FSDP2's peak, from each unit's shard bytes, the root's last.
 
     The root stays gathered; the unit in flight holds its gathered parameters and one more ``p x s`` buffer
-    (all-gather output, unsharded gradients or reduce-scatter input; module docstring).
+    (all-gather output, unsharded gradients or reduce-scatter input; docs/design/planner.md).
     """
     root, largest = p * shards[-1], p * max(shards[:-1], default=0)
     peak = max(root + 2 * largest, 2 * root)
@@ -156,7 +75,7 @@ def ddp_strategy(inputs: PlanInputs, pred: Prediction, microbatches: int = 0, sc
 
 
 def fsdp_strategy(inputs: PlanInputs, pred: Prediction, microbatches: int = 0, schedule: str = "") -> PlanStrategy:
-    """FSDP2's shards, gathered units and collectives (module docstring)."""
+    """FSDP2's shards, gathered units and collectives (docs/design/planner.md)."""
     p, costs = len(pred.devices), inputs.costs
     units = fsdp_units(_build(inputs))
     shards = [_shard_bytes(u, p) for u in units]
@@ -194,7 +113,7 @@ def fsdp_strategy(inputs: PlanInputs, pred: Prediction, microbatches: int = 0, s
 
 
 def pipeline_strategy(inputs: PlanInputs, pred: Prediction, microbatches: int, schedule: str) -> PlanStrategy:
-    """``split.plan_split``'s stages, micro-batched (module docstring). Raises ``EdgetrainError`` if it cannot run."""
+    """``split.plan_split``'s stages, micro-batched (docs/design/planner.md). Raises ``EdgetrainError`` if it cannot run."""
     cfg, costs = inputs.cfg, inputs.costs
     model = _build(inputs)
     what = f"model {cfg.model}"
@@ -267,7 +186,7 @@ def _strategy(name: str, devices: list[PlanStrategyDevice], step_s: float, throu
 
 def compare(inputs: PlanInputs, pred: Prediction, strategies: tuple[str, ...], microbatches: int,
             schedule: str) -> PlanComparison:
-    """The ``strategies`` predicted side by side; with more than one, the recommendation (module docstring)."""
+    """The ``strategies`` predicted side by side; with more than one, the recommendation (docs/design/planner.md)."""
     rows = []
     for name in strategies:
         try:  # each strategy's own model (its kind's ``planner``); one without, or an unknown one, is refused

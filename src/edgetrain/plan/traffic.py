@@ -1,32 +1,6 @@
 """What one device puts on its link per exchange, for a ``--sync`` / ``--compress`` pair.
 
-An *exchange* is the communication a mode does at once: a synchronous step
-(one collective per DDP gradient bucket), a local-SGD average, an async
-round, a gossip swap with the ring neighbours. Bytes are those the comm code
-sends, not a formula of our own:
-
-* payloads come from encoding a tensor of the right length with the real
-  compressor (``edgetrain.comm.compress.build_compressor``) and reading
-  ``Payload.nbytes``; summable compressors (fp32, fp16, bf16, random-k) are
-  all-reduced, the others (int8, qsgd, top-k, sign) all-gathered;
-* per-device traffic of a collective is ``edgetrain.comm.accounting``'s
-  ``ring_allreduce_bytes`` / ``ring_allgather_bytes``;
-* PowerSGD follows PyTorch's hook: per bucket, one all-reduce of the
-  matrices it does not compress and one each of ``P`` and ``Q``, with the
-  hook's own ``_should_compress`` rule (its first ``start`` steps send plain
-  fp32 and are not modelled).
-
-Each sync mode's traffic is its kind's planner model (``edgetrain.kinds``:
-the functions below named there), each compressor's payload too
-(``encoded_buckets``, ``powersgd_buckets``); a kind without one is refused in
-its own line. Synchronous DDP exchanges each gradient bucket separately (so a model in two
-buckets pays the ring latency twice); local SGD and async average the whole
-flattened model in one tensor; gossip sends its fp32 parameters to each ring
-neighbour in one point-to-point round; a federated round (``fedavg``) is local
-SGD's exchange after the round's local steps, twice with SCAFFOLD.
-
-``threshold`` is refused: its payload depends on the gradients' values.
-DGC's and top-k's warm-up ramps are not modelled (steady-state density).
+Design: docs/design/planner.md ("Traffic per exchange").
 """
 from __future__ import annotations
 

@@ -1,32 +1,6 @@
 """One self-contained HTML page for one run or a comparison of runs.
 
-Everything is inline: CSS, and plots as base64 PNGs, so the page can be
-mailed or archived as one file. A run directory is a bench run
-(``result.json``, written by ``edgetrain bench``), a training run
-(``summary.json``, written by ``edgetrain train``) or a plan
-(``plan.json``, written by ``edgetrain plan``; its section is
-``plan_page.plan_section``). Training runs add a
-section of loss and accuracy curves, every training run shown overlaid on
-shared axes, and in each run's section a chart of the devices' time split and
-bytes per step and the parameter table (``report.training`` says what each
-point is).
-
-The radar chart compares configurations on up to five axes, as the Raspberry Pi
-study compared frameworks, and only on the axes every configuration shown
-measured (at least three, or no radar: the table alone): throughput and accuracy (higher is better),
-memory, energy and communication (lower is better). Each axis is scored
-against the best configuration shown, so 1 is the best and outward is better;
-a configuration with no value on an axis sits at 0 and reads "n/a" in the
-table beside it.
-
-``load_run`` reads each file through its typed schema into a ``Run`` before anything is
-drawn (``RUN_FILES``): ``summary.json`` as a ``records.RunSummary``,
-``result.json`` as the ``results.BenchResult`` its ``"bench"`` key names,
-``plan.json`` as a ``results.PlanResult``. Each checks every key it knows
-and refuses unknown ones, so any other content is one error naming the file
-and the key; a training run's ``metrics.jsonl`` and ``evals.jsonl`` are
-read line by line as ``StepRecord`` and ``EvalRecord`` (``report.training``).
-Values inside a bench's rows are shown as written.
+Design: docs/design/report.md ("The HTML report").
 """
 from __future__ import annotations
 

@@ -1,37 +1,6 @@
 """The training part of the report: curves, the per-device charts and the parameter table of a training run.
 
-What it reads, all through the typed records (``records.py``) except the
-config, which is shown as the run wrote it:
-
-- ``metrics.jsonl`` (``StepRecord`` per step and device): train loss, time
-  split, bytes, and the device clocks;
-- the evaluations (``RunSummary.evals``, else ``evals.jsonl``): test loss and
-  every metric of the run's task (``RunSummary.task``: its names, labels and
-  units; a run without one is a classifier, scored by accuracy);
-- ``summary.json`` (``RunSummary``, ``DeviceSummary``) and ``config.yaml``:
-  the parameter table.
-
-Curves, per run (several runs share the axes, one colour each):
-
-- train loss per step is the sample-weighted mean of the devices' losses at
-  that step (each device scores its share of the global batch), drawn thin,
-  with a running mean over 1/20 of the run drawn over it; test loss and
-  accuracy are the whole test set at each evaluation;
-- an elastic run's membership changes (``RunSummary.membership``) as
-  vertical lines on every plot: dashed where a device left, dotted where one
-  joined;
-- against step, against host time and, for a run on an emulated link in
-  virtual mode, against modelled time. Host time after step ``s`` is the sum
-  over steps ``<= s`` of the slowest device's step time (a synchronous step
-  ends when the slowest device ends it): measured, evaluation excluded.
-  Modelled time is the latest device clock at step ``s`` (``virtual_s``:
-  this host's measured compute plus the link model's transfer time), so it
-  is labelled modelled.
-
-Per device (``DeviceSummary``, means per step after the first): data /
-compute / communication-waiting as stacked bars; and bytes sent per step
-(``StepRecord.bytes_sent``: payloads handed to collectives times the
-algorithm's traffic, see ``comm.accounting``).
+Design: docs/design/report.md ("A training run's pages").
 """
 from __future__ import annotations
 
@@ -78,7 +47,7 @@ def load_training(run_dir: Path, summary: RunSummary) -> TrainingFiles:
 
 
 def curves(name: str, summary: RunSummary, steps: list[StepRecord], evals: list[EvalRecord]):
-    """A run's loss and accuracy series (see the module docstring for what each point is)."""
+    """A run's loss and accuracy series (see docs/design/report.md for what each point is)."""
     from edgetrain.report.plots import RunCurves
 
     by_step: dict[int, list[StepRecord]] = defaultdict(list)

@@ -1,55 +1,6 @@
 """How devices share a training step: one interface the loop drives, one class per strategy.
 
-The loop (``train.loop``) knows nothing of how devices split the work; it
-drives a ``Strategy`` the same way for every kind, on every device::
-
-    strategy = registered_strategy(spec.strategy)(context)   # StrategyContext: config, spec, rank, world, ...
-    model = strategy.materialise(model)  # the model built on the meta device: what this device holds of it
-    model = strategy.adapt(model)   # change layers (BatchNorm, tiles); before the throttle sees the model
-    strategy.calibration_batch      # samples of the throttle's reference pass (None: no reference pass)
-    strategy.setup(model)           # wrap the model, build the exchange (collectives: every device calls it)
-    strategy.rebuild(rank, world, local_batch)  # the same again on a new group (elastic membership), then
-                                    # load_state_dict; strategies that split the model refuse --min-devices
-    optimizer over strategy.parameters()
-    per step:  strategy.train_step(x, y, optimizer) -> StepResult   (y: the task's target batch, any structure)
-    strategy.finish()               # final exchange: every device holds the same model afterwards
-    strategy.evaluate(test_set)     # {"loss": mean, <metric>: value} of the run's task over the whole test
-                                    # set, every device the same; default: ``eval_model`` on this device's
-                                    # shard (train/evaluation.py)
-    strategy.eval_model             # the module the default evaluate runs
-    strategy.summary()              # extra fields for summary.json (RunSummary.details)
-    strategy.state_dict()           # what a checkpoint holds (default: the model); load_state_dict after setup
-    strategy.checkpoint_state(opt)  # rank 0: model and optimizer state for checkpoint.pt
-    strategy.sharded_state(opt)     # pooled strategies (``pooled``), every device: its part, for its own files
-
-``shard_data`` says what the sampler hands each device: its own share of the
-global batch (``local_batches[rank]``, data parallel) or the whole global
-batch (tiled: every device runs its tile of every image); ``data_share``
-turns it into the sampler's shares and this device's index among them
-(a hybrid pipeline overrides it: one share per replica, read by all its stages).
-
-Every strategy drives the run's task (``context.task``, tasks/base.py) and
-computes no loss of its own: ``task.loss`` is summed over a share's samples,
-``task.take`` cuts a target batch into shares, ``task.train_counts`` scores them.
-
-``StepResult`` is this device's part of the step's accounting: the loss
-summed over the samples it scored, the task's train counts (``counts``: a dict,
-or an int for a classifier's right answers), how many it scored
-(summed over devices: the global batch), the seconds it waited on
-communication that compute did not hide, and extra ``StepRecord`` fields.
-
-A new strategy is a class here, or in a module of its own (``fsdp.py``,
-``pipeline.py``), and its descriptor in ``edgetrain.kinds``, which names the
-class (``registered_strategy`` imports it when a run asks for it) and says
-what it can do (``shard_data`` and ``pooled`` here are read from it);
-``edgetrain.train.train(strategy=Cls)`` runs one that is not
-registered (tests/train/test_strategy.py trains with one written there).
-A strategy whose devices each hold only part of the model (``pooled``:
-pipeline, fsdp) never gathers it whole: instead of ``checkpoint_state``,
-``sharded_state`` gives this device's part of the model and optimizer keyed
-by the whole model's names, which every device writes itself
-(train/checkpoint.py: ``checkpoints/step-<N>/`` during the run,
-``checkpoint/`` at its end), and ``load_sharded_state`` takes it back.
+Design: docs/design/strategies.md ("The Strategy interface").
 """
 from __future__ import annotations
 
@@ -113,7 +64,7 @@ class StepResult:
 
 
 class Strategy(abc.ABC):
-    """One way of training across devices; see the module docstring for the order of calls."""
+    """One way of training across devices; see docs/design/strategies.md for the order of calls."""
 
     name = "strategy"
     shard_data = True
