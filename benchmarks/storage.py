@@ -70,11 +70,11 @@ def cgroups_here() -> bool:
 
 def test_accuracy(run_dir: str, data, size: int) -> float:
     from edgetrain.tasks.classification import ClassificationTask
-    from edgetrain.train.evaluation import evaluate_task
+    from edgetrain.train.evaluation import EvalPass, evaluate_task
 
     model = TinyNet(size)
     model.load_state_dict(edgetrain.load_checkpoint(run_dir)["model"])
-    return evaluate_task(model, data.test, 0, 1, ClassificationTask(), batch=32)["accuracy"]
+    return evaluate_task(model, data.test, 0, 1, ClassificationTask(), EvalPass(batch=32))["accuracy"]
 
 
 class TinyNet(torch.nn.Module):
