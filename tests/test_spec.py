@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import json
 import pickle
 import subprocess
@@ -20,10 +21,16 @@ from edgetrain_testing import FAST, run_cli
 SRC = Path(__file__).resolve().parents[1] / "src" / "edgetrain"
 
 
+@functools.cache
+def parsed(path: Path) -> ast.Module:
+    """A source file's tree, parsed once for all the structure tests."""
+    return ast.parse(path.read_text())
+
+
 def edgetrain_imports(path: Path) -> set[str]:
     """Every edgetrain module a file imports, at its top or inside a function."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(parsed(path)):
         if isinstance(node, ast.ImportFrom) and node.module:
             found.add(node.module)
         elif isinstance(node, ast.Import):
@@ -114,7 +121,7 @@ def test_the_run_spine_has_no_function_over_sixty_lines():
     capability goes into the phase, kind or strategy it belongs to (docs/design/architecture.md, "A run's
     spine"), a bench's or a plan's into a named step, not a longer function."""
     long = [f"{path.relative_to(SRC)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
-            for path in SPINE for node in ast.walk(ast.parse(path.read_text()))
+            for path in SPINE for node in ast.walk(parsed(path))
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60]
     assert long == []
 
@@ -123,7 +130,7 @@ def parameter_counts() -> dict[str, int]:
     """Every function in src/ over seven parameters (``self`` and ``cls`` not counted; ``*args``/``**kw`` neither)."""
     counts = {}
     for path in sorted(SRC.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parsed(path)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 a = node.args
                 n = len([p for p in a.posonlyargs + a.args + a.kwonlyargs if p.arg not in ("self", "cls")])
@@ -165,7 +172,7 @@ LONG_DOCSTRINGS = {
 def test_module_docstrings_are_short_and_point_to_the_design():
     """What a module is for and where to look, in a few lines; the design prose lives in docs/design/."""
     long = {str(path.relative_to(SRC)) for path in SRC.rglob("*.py")
-            if len((ast.get_docstring(ast.parse(path.read_text()), clean=False) or "").splitlines()) > 25}
+            if len((ast.get_docstring(parsed(path), clean=False) or "").splitlines()) > 25}
     assert sorted(long - LONG_DOCSTRINGS) == []
     assert sorted(LONG_DOCSTRINGS - long) == [], "short now: take it off the list"
 
