@@ -8,7 +8,7 @@ import torch
 from edgetrain.errors import EdgetrainError
 from edgetrain.models import build_model
 from edgetrain.models.yolo_tiny import VOC_ANCHORS, YoloV2Tiny
-from edgetrain.tasks.detection import (DetectionTask, coco_map, collate_boxes, decode, nms, truths,
+from edgetrain.tasks.detection import (DetectionTask, RegionScales, coco_map, collate_boxes, decode, nms, truths,
                                        yolo_loss)
 
 ANCHORS = VOC_ANCHORS
@@ -107,7 +107,7 @@ def test_predictions_overlapping_a_truth_are_not_pushed_to_no_object():
     out[0, other, 4, 1, 1] = 30.0
     kept = yolo_loss(out.view(1, -1, S, S), target_of([[box]]), ANCHORS, C).item()
     assert kept < 1e-9
-    assert yolo_loss(out.view(1, -1, S, S), target_of([[box]]), ANCHORS, C, ignore_iou=0.99).item() > 0.9
+    assert yolo_loss(out.view(1, -1, S, S), target_of([[box]]), ANCHORS, C, RegionScales(ignore_iou=0.99)).item() > 0.9
 
 
 def test_nms_keeps_the_best_of_overlapping_boxes_per_class():

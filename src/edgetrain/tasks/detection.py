@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import io
 import math
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -67,9 +68,21 @@ def box_iou_cxcywh(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return inter / union.clamp(min=1e-12)
 
 
+@dataclass(frozen=True)
+class RegionScales:
+    """The settings of Darknet's region layer that weigh the YOLOv2 loss (yolov2-tiny-voc.cfg's): how much the
+    box coordinates, an object's and a background prediction's objectness and the classes count; the IoU
+    with a truth above which a background prediction is not penalised; objectness against that IoU or 1."""
+    coord_scale: float = 1.0
+    object_scale: float = 5.0
+    noobject_scale: float = 1.0
+    class_scale: float = 1.0
+    ignore_iou: float = 0.6
+    rescore: bool = True
+
+
 def yolo_loss(output: torch.Tensor, target: torch.Tensor, anchors: Sequence[tuple[float, float]], num_classes: int,
-              coord_scale: float = 1.0, object_scale: float = 5.0, noobject_scale: float = 1.0,
-              class_scale: float = 1.0, ignore_iou: float = 0.6, rescore: bool = True) -> torch.Tensor:
+              scales: RegionScales = RegionScales()) -> torch.Tensor:
     """The YOLOv2 loss (Darknet's region layer, yolov2-tiny-voc.cfg's scales), SUMMED over the images.
 
     Each ground-truth box belongs to the cell holding its centre and to the anchor whose shape overlaps it
@@ -82,6 +95,8 @@ def yolo_loss(output: torch.Tensor, target: torch.Tensor, anchors: Sequence[tupl
     ``noobject_scale``) unless its box overlaps some truth of its image by more than ``ignore_iou``.
     Darknet's early-training pull of unassigned boxes towards their anchors is not included.
     """
+    coord_scale, object_scale, noobject_scale = scales.coord_scale, scales.object_scale, scales.noobject_scale
+    class_scale, ignore_iou, rescore = scales.class_scale, scales.ignore_iou, scales.rescore
     a = torch.as_tensor(anchors, dtype=output.dtype, device=output.device).view(-1, 2)
     p = _grid(output, len(a), num_classes)
     n, na, h, w, _ = p.shape
