@@ -21,6 +21,7 @@ compute. The share of a target batch is ``task.take``: targets of any structure
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,15 @@ from edgetrain.tiling.plan import SectionPlan
 from edgetrain.tiling.tiled import Comm, batch_bounds, hand_off, section_forward
 
 
+@dataclass(frozen=True)
+class GivenMachine:
+    """The cost model's numbers of a device and its link given instead of measured on the first step (None:
+    measured, ``grouping.measure_machine``)."""
+    device_flops: float | None = None
+    bandwidth_bytes_s: float | None = None
+    latency_s: float | None = None
+
+
 class TiledTraining:
     """Spatially tiled training of the first layers, data-parallel for the rest.
 
@@ -55,8 +65,7 @@ class TiledTraining:
     shard_data = False  # every device receives the same global batch
 
     def __init__(self, model: nn.Module, tiling: TilingSpec, input_shape: tuple[int, int, int],
-                 device_flops: float | None = None, link_bandwidth_bytes_s: float | None = None,
-                 link_latency_s: float | None = None, group=None, timeout_s: float = 300.0,
+                 given: GivenMachine = GivenMachine(), group=None, timeout_s: float = 300.0,
                  task: Task | None = None):
         self.grid = tiling.grid
         self.task = task or ClassificationTask()
@@ -74,7 +83,7 @@ class TiledTraining:
                                  f"start {rows * cols} devices or choose a grid with {self.comm.world} tiles")
         self.ends: list[int] | None = list(tiling.groups) if tiling.groups is not None else None
         self.groups_why = "groups given by the user" if self.groups_given else "chosen on the first step"
-        self.machine_args = (device_flops, link_bandwidth_bytes_s, link_latency_s)
+        self.machine_args = (given.device_flops, given.bandwidth_bytes_s, given.latency_s)
         self.machine: Machine | None = None
         if self.comm.world > 1:
             _cross_device_batchnorm(model, [m for _, m in layers[end:]], group)
