@@ -90,6 +90,39 @@ def _free_subnet() -> int:
     raise RuntimeError("no free 10.213.x.0/24 subnet for test hosts")
 
 
+class Capture:
+    """The frames crossing one interface, read from a raw packet socket (AF_PACKET, root) on a thread: what an
+    observer of the link sees, without tcpdump."""
+
+    def __init__(self, interface: str):
+        import socket
+        import threading
+
+        self.frames: list[bytes] = []
+        self.sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.ntohs(0x0003))  # ETH_P_ALL
+        self.sock.bind((interface, 0))
+        self.sock.settimeout(0.2)
+        self.running = True
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        while self.running:
+            try:
+                self.frames.append(self.sock.recv(65536))
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+
+    def stop(self) -> bytes:
+        """Stop; every frame's bytes, joined."""
+        self.running = False
+        self.thread.join(timeout=5)
+        self.sock.close()
+        return b"".join(self.frames)
+
+
 class Hosts:
     """``n`` hosts: ``names[i]`` (namespace), ``addresses[i]``; ``run``/``popen`` a command on one; ``ssh``."""
 
@@ -146,6 +179,10 @@ class Hosts:
                     ["ip", "netns", "exec", self.names[i], "tc", "qdisc", "replace", "dev", "eth0", "root", *tbf]):
             subprocess.run(cmd, check=True, capture_output=True, timeout=30)
 
+    def capture(self, i: int) -> "Capture":
+        """Every frame on host ``i``'s link from now (its bytes as they cross the wire), until ``stop``."""
+        return Capture(self.veth(i))
+
     def cut(self, i: int, down: bool = True) -> None:
         """Host ``i``'s link down (a partition: its packets go nowhere, nothing tells the peers) or up again."""
         _ip("link", "set", self.veth(i), "down" if down else "up")
@@ -168,7 +205,7 @@ class Hosts:
                 f"AuthorizedKeysFile {ssh / 'authorized_keys'}", "PubkeyAuthentication yes",
                 "PasswordAuthentication no", "KbdInteractiveAuthentication no", "UsePAM no",
                 "PermitRootLogin yes", "StrictModes no", f"PidFile {ssh / f'sshd_{i}.pid'}",
-                "AcceptEnv NONE", "MaxStartups 100", "LogLevel ERROR", ""]))
+                "AcceptEnv NONE", "MaxStartups 100", "LogLevel ERROR", "PermitTunnel point-to-point", ""]))
             log = open(ssh / f"sshd_{i}.log", "w")
             self.sshd.append(subprocess.Popen(["ip", "netns", "exec", ns, SSHD, "-D", "-e", "-f", str(config)],
                                               stdout=log, stderr=subprocess.STDOUT))

@@ -1,4 +1,4 @@
-"""``edgetrain`` command line: ``train``, ``bench``, ``report``, ``plan``, ``launch``, ``data``.
+"""``edgetrain`` command line: ``train``, ``bench``, ``report``, ``plan``, ``launch``, ``data``, ``certs``.
 
 Each subcommand lives beside the code it drives and adds itself here through a
 ``register(subparsers)`` function, so this file stays a table of contents.
@@ -19,7 +19,7 @@ from edgetrain.errors import EdgetrainError, Terminated, raise_on_sigterm
 
 SUBCOMMANDS = ("edgetrain.train.cli", "edgetrain.bench.cli", "edgetrain.report.cli", "edgetrain.plan.cli",
                "edgetrain.ssh_launch",
-               "edgetrain.data_cli")
+               "edgetrain.data_cli", "edgetrain.certs")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -20,17 +20,18 @@ from edgetrain_testing import REPO
 TRAIN = ["-m", "edgetrain", "train", "--batch-size", "16", "--no-progress", "--no-eval", "--no-throttle"]
 TOKEN = "test-hosts-token"
 TUTORIAL = REPO / "docs" / "tutorials" / "raspberry-pi-cluster.md"
+ENCRYPTION = REPO / "docs" / "how-to" / "encryption-in-transit.md"
 # The tutorial's training flags, which the tests replace by a short run's
 DOC_FLAGS = ("--model resnet18 --dataset cifar10 --data-dir ~/cifar-10-batches-py --batch-size 128 --epochs 10 "
              "--timeout 120")
 
 
-def recipe(name: str, flags: str = "") -> str:
-    """The tutorial's bash block marked ``<!-- recipe: name -->``, continuation lines joined, its training
-    flags (``DOC_FLAGS``) replaced by ``flags``."""
-    text = TUTORIAL.read_text()
+def recipe(name: str, flags: str = "", page: Path = TUTORIAL) -> str:
+    """The tutorial's (or ``page``'s) bash block marked ``<!-- recipe: name -->``, continuation lines joined, its
+    training flags (``DOC_FLAGS``) replaced by ``flags``."""
+    text = page.read_text()
     marker = f"<!-- recipe: {name} -->\n```bash\n"
-    assert marker in text, f"{TUTORIAL.name} has no recipe {name!r}"
+    assert marker in text, f"{page.name} has no recipe {name!r}"
     block = text.split(marker, 1)[1].split("```", 1)[0].replace("\\\n", " ")
     if flags:
         joined = re.sub(r" +", " ", block)
@@ -251,25 +252,54 @@ def test_ctrl_c_under_launch_is_one_line(test_hosts, tmp_path):
     assert hosts.wait_idle(1, 20), f"left running on host 1: {hosts.leftovers(1)}"
 
 
+def flower_refusal(hosts, tmp_path, i: int, name: str, node_flags: str, port: int) -> tuple[subprocess.Popen, Path]:
+    """A SuperNode on host ``i`` that the fleet must refuse (its own runtime port), bounded by Flower's
+    ``--max-wait-time``; the process and its log."""
+    log = tmp_path / f"{name}.log"
+    script = (f"exec flower-supernode {node_flags} --superlink $FIRST:9091 --port {port} --max-retries 3 "
+              f"--max-wait-time 20 --node-config 'partition-id=0 num-partitions=3'")
+    proc = hosts.popen(i, ["bash", "-euc", script], env=recipe_env(hosts, tmp_path, i), cwd=tmp_path,
+                       stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, log
+
+
 @pytest.mark.slow
 def test_flower_recipe_across_hosts_bounds_a_dead_node(test_hosts, tmp_path):
-    """The tutorial's Flower fleet: a SuperLink on host 0 (--host its address), a SuperNode on each host,
-    `flwr run` from host 0. Host 2's link goes down after its SuperNode registered: the round ends within
-    round-timeout (60 s here, the tutorial's 120: the first round includes the app's start on a loaded
-    2-core machine) with the other two hosts' results, and the run finishes."""
+    """The tutorial's Flower fleet with TLS and SuperNode authentication: certificates from `edgetrain certs
+    make`, a SuperLink on host 0 (--host its address), the three SuperNodes' keys registered with `flwr
+    supernode register`, a SuperNode on each host, `flwr run` from host 0. Beside them on host 1, a SuperNode
+    with an unregistered key and one given another CA are both refused, and no plaintext HTTP crosses host
+    1's link. Host 2's link goes down after its SuperNode registered: the round ends within round-timeout
+    (60 s here, the tutorial's 120: the first round includes the app's start on a loaded 2-core machine)
+    with the other two hosts' results, and the run finishes."""
     pytest.importorskip("flwr", reason="the fleet extra is not installed (pip install edgetrain[fleet])")
+    from edgetrain.certs import make_files, write_new_directory
+
     hosts = test_hosts(3, ssh=False)
     flwr_home = tmp_path / "flwr"
     flwr_home.mkdir()
+    made = hosts.run(0, ["bash", "-euc", recipe("fleet-certs")], env=recipe_env(hosts, tmp_path, 0), cwd=tmp_path,
+                     timeout=60)
+    assert made.returncode == 0, made.stderr
+    write_new_directory(tmp_path / "other-fleet", make_files([hosts.addresses[0]], 1))  # a stranger's CA and key
     (flwr_home / "config.toml").write_text(f'[superlink]\ndefault = "fleet"\n\n[superlink.fleet]\n'
-                                           f'address = "{hosts.addresses[0]}:9091"\ninsecure = true\n')
+                                           f'address = "{hosts.addresses[0]}:9091"\n'
+                                           f'root-certificates = "{tmp_path / "fleet-certs" / "ca.crt"}"\n')
+    flwr_env = {i: dict(recipe_env(hosts, tmp_path, i), FLWR_HOME=str(flwr_home)) for i in range(3)}
     link_log = tmp_path / "superlink.log"
-    hosts.popen(0, ["bash", "-euc", recipe("superlink")], env=recipe_env(hosts, tmp_path, 0),
+    wire = hosts.capture(1)
+    hosts.popen(0, ["bash", "-euc", recipe("superlink")], env=flwr_env[0], cwd=tmp_path,
                 stdout=link_log.open("w"), stderr=subprocess.STDOUT)
     hosts._wait_port(0, 9091, 60)
+    registered = hosts.run(0, ["bash", "-euc", recipe("register")], env=flwr_env[0], cwd=tmp_path, timeout=120)
+    assert registered.stdout.count("registered successfully") == 3, registered.stdout + registered.stderr
     for i in range(3):
-        hosts.popen(i, ["bash", "-euc", recipe("supernode")], env=recipe_env(hosts, tmp_path, i),
+        hosts.popen(i, ["bash", "-euc", recipe("supernode")], env=flwr_env[i], cwd=tmp_path,
                     stdout=(tmp_path / f"node{i}.log").open("w"), stderr=subprocess.STDOUT)
+    refused = [flower_refusal(hosts, tmp_path, 1, "unregistered", "--root-certificates fleet-certs/ca.crt "
+                              "--auth-supernode-private-key other-fleet/node-0.key", 9095),
+               flower_refusal(hosts, tmp_path, 1, "wrong-ca", "--root-certificates other-fleet/ca.crt "
+                              "--auth-supernode-private-key fleet-certs/node-1.key", 9096)]
     deadline = time.monotonic() + 90
     while link_log.read_text().count("Activated node_id") < 3 and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -280,10 +310,67 @@ def test_flower_recipe_across_hosts_bounds_a_dead_node(test_hosts, tmp_path):
     script = script.replace("num-rounds=2", "num-rounds=1").replace("round-timeout=120.0",
                                                                     "round-timeout=60.0 fraction-evaluate=0.0")
     started = time.monotonic()
-    run = hosts.run(0, ["bash", "-euc", script], timeout=200, env=dict(recipe_env(hosts, tmp_path, 0),
-                                                                      FLWR_HOME=str(flwr_home)), cwd=REPO)
+    run = hosts.run(0, ["bash", "-euc", script], timeout=200, env=flwr_env[0], cwd=REPO)
     took = time.monotonic() - started
+    seen = wire.stop()
     log = run.stdout + run.stderr
     assert "Strategy execution finished" in log, log[-3000:]
     assert "aggregate_train: Received 2 results" in log, log[-3000:]
     assert took < 150, f"flwr run took {took:.0f} s"
+    for proc, _ in refused:  # each gives up by itself; bounded here all the same
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+    (unregistered, _), (wrong_ca, _) = [(p.returncode, log.read_text()) for p, log in refused]
+    assert "Failed to activate SuperNode" in refused[0][1].read_text(), refused[0][1].read_text()[-2000:]
+    assert "CERTIFICATE_VERIFY_FAILED" in refused[1][1].read_text(), refused[1][1].read_text()[-2000:]
+    assert unregistered != 0 and wrong_ca != 0
+    assert link_log.read_text().count("Activated node_id") == 3, link_log.read_text()[-2000:]
+    assert len(seen) > 100_000 and b"/v1/fleet/" not in seen and b"HTTP/1.1" not in seen, len(seen)
+
+
+def ssh_bytes(frames: list[bytes]) -> int:
+    """Bytes of TCP port 22 (IPv4 over Ethernet) among captured frames."""
+    total = 0
+    for f in frames:
+        if len(f) > 34 and f[12:14] == b"\x08\x00" and f[23] == 6:
+            ports = f[14 + (f[14] & 0xF) * 4:][:4]
+            if b"\x00\x16" in (ports[:2], ports[2:]):
+                total += len(f)
+    return total
+
+
+def test_gloo_through_an_ssh_tunnel_is_not_readable_on_the_link(test_hosts, tmp_path):
+    """docs/how-to/encryption-in-transit.md's SSH tunnel recipe on hosts 1 and 2 (a star through host 0), then
+    host 1's update all-reduced on a gloo group over eth0 and on one over the tunnels: on host 1's link the
+    first is there in the clear and the second is not, while SSH carried more than its size."""
+    from hosts import _free_subnet
+
+    hosts = test_hosts(3)
+    vpn = f"10.213.{_free_subnet()}"  # the tunnels' addresses, in the test hosts' range
+    ssh = tmp_path / "bin" / "ssh"
+    recipe_env(hosts, tmp_path, 0)  # makes bin/
+    ssh.write_text(f"#!/bin/sh\nexec /usr/bin/ssh -i {hosts.key} -o UserKnownHostsFile={hosts.known_hosts} "
+                   f"-o StrictHostKeyChecking=yes -o BatchMode=yes -o ConnectTimeout=10 \"$@\"\n")
+    ssh.chmod(0o755)
+    assert hosts.run(0, ["sysctl", "-w", "net.ipv4.ip_forward=1"], timeout=10).returncode == 0
+    for i in (1, 2):
+        log = tmp_path / f"tunnel{i}.log"
+        made = hosts.popen(i, ["bash", "-euc", recipe("ssh-tunnel", page=ENCRYPTION)],
+                           env=dict(recipe_env(hosts, tmp_path, i), VPN=vpn), stdout=log.open("w"),
+                           stderr=subprocess.STDOUT)
+        assert made.wait(timeout=30) == 0, log.read_text()
+    wire = hosts.capture(1)
+    groups = [f"{hosts.addresses[0]}:29511:eth0:PLAIN UPDATE OF THE DEVICE ON HOST 1",
+              f"{vpn}.1:29512:tun{{i}}:TUNNELLED UPDATE OF THE DEVICE ON HOST1"]
+    procs = [hosts.popen(i, [sys.executable, str(Path(__file__).parent / "gloo_marker.py"), str(i), "3",
+                             *[g.replace("{i}", str(max(i, 1))) for g in groups]],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(3)]
+    results = finish(procs, 120)
+    seen = wire.stop()
+    for code, out, _ in results:
+        assert code == 0 and out.count("ok") == 2, out[-2000:]
+    assert b"PLAIN UPDATE OF THE DEVICE ON HOST 1" in seen
+    assert b"TUNNELLED UPDATE" not in seen
+    assert ssh_bytes(wire.frames) > 2 * 32 * 1024, ssh_bytes(wire.frames)
