@@ -2,8 +2,9 @@
 
 What a real cluster has and 127.0.0.1 does not: an address per host that is not loopback (gloo must pick
 the right interface, the rendezvous store must be reachable on it), links that can be shaped (``tc tbf``:
-rate only; this kernel has no ``netem``, so no added delay or loss) or cut (``Hosts.cut``), and a real
-``sshd`` with key authentication for ``edgetrain launch``. The hosts share this machine's file system,
+rate only; this kernel has no ``netem``, so no added delay or loss) or cut (``Hosts.cut``), a real
+``sshd`` with key authentication for ``edgetrain launch`` (and TUN forwarding, ``ssh -w``), and what crosses
+a link read as it crosses (``Hosts.capture``). The hosts share this machine's file system,
 processes' view and cores; only the network is separate.
 
 Names carry this process's pid (``et<pid>...``), so parallel runs do not clash, and every namespace, link,
@@ -109,7 +110,7 @@ class Capture:
     def _read(self) -> None:
         while self.running:
             try:
-                self.frames.append(self.sock.recv(65536))
+                self.frames.append(self.sock.recv(1 << 18))  # a segmentation offload's frame can pass 64 KiB
             except TimeoutError:
                 continue
             except OSError:
