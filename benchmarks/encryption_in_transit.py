@@ -8,7 +8,11 @@ address. Every frame on host 1's link is read from a raw packet socket while eac
 run: its wall time, the bytes on the link, those of SSH (port 22), and whether the records every device sends
 rank 0 at the end (JSON with ``"samples_per_s"`` and ``"loss"``) are readable in the captured bytes.
 
+``--fleet``: instead, a Flower SuperLink on host 0 and a SuperNode on host 1, with ``--insecure`` and then with
+TLS (``edgetrain certs make``); whether the Fleet API's requests (``/v1/fleet/``) are readable on host 1's link.
+
     python benchmarks/encryption_in_transit.py --steps 20
+    python benchmarks/encryption_in_transit.py --fleet
 """
 from __future__ import annotations
 
@@ -62,15 +66,54 @@ def observed_run(h, tmp: Path, name: str, master: str, steps: int) -> None:
           f"{ssh_bytes(wire.frames):,} of them SSH; records readable: {readable}")
 
 
+def observed_fleet(h, tmp: Path, name: str, link_flags: list[str], node_flags: list[str]) -> None:
+    """A SuperLink on host 0 and a SuperNode on host 1 until the node is activated; what host 1's link showed."""
+    bin_dir = Path(sys.executable).parent
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FLWR_HOME": str(tmp)}
+    log = tmp / f"superlink-{name}.log"
+    wire = h.capture(1)
+    link = h.popen(0, [str(bin_dir / "flower-superlink"), *link_flags, "--disable-runtime-dependency-installation",
+                       "--host", h.addresses[0], "--port", "9091"], env=env, cwd=tmp, stdout=log.open("w"),
+                   stderr=subprocess.STDOUT, start_new_session=True)
+    node = h.popen(1, [str(bin_dir / "flower-supernode"), *node_flags, "--superlink", f"{h.addresses[0]}:9091"],
+                   env=env, cwd=tmp, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while "Activated node_id" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    time.sleep(3)  # a few heartbeats
+    seen = wire.stop()
+    for proc in (node, link):
+        os.killpg(proc.pid, 9)
+        proc.wait(timeout=10)
+    print(f"fleet {name:8s} node activated {'Activated node_id' in log.read_text()}; on host 1's link: "
+          f"{len(seen):,} bytes; '/v1/fleet/' readable {b'/v1/fleet/' in seen}")
+
+
+def fleets(h, tmp: Path) -> None:
+    from edgetrain.certs import make_files, write_new_directory
+
+    certs = tmp / "fleet-certs"
+    write_new_directory(certs, make_files([h.addresses[0]], 1))
+    observed_fleet(h, tmp, "insecure", ["--insecure"], ["--insecure"])
+    observed_fleet(h, tmp, "tls", ["--ssl-ca-certfile", str(certs / "ca.crt"), "--ssl-certfile",
+                                   str(certs / "server.crt"), "--ssl-keyfile", str(certs / "server.key")],
+                   ["--root-certificates", str(certs / "ca.crt")])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--fleet", action="store_true", help="Flower's fleet API, insecure and with TLS")
     args = parser.parse_args()
     why = test_hosts.unavailable()
     if why:
         raise SystemExit(why)
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
+        if args.fleet:
+            with test_hosts.Hosts(2, tmp / "hosts", ssh=False) as h:
+                fleets(h, tmp)
+            return
         with test_hosts.Hosts(3, tmp / "hosts") as h:
             vpn = tunnels(h, tmp)
             observed_run(h, tmp, "plain", h.addresses[0], args.steps)
