@@ -75,7 +75,7 @@ TIERS = (
     {"report"},
     {"bench", "plan"},
     {"train"},  # the run, its pre-launch checks (train/preflight.py) included
-    {"fleet", "cli", "ssh_launch", "data_cli", "__init__", "__main__"},
+    {"fleet", "cli", "ssh_launch", "data_cli", "certs", "__init__", "__main__"},
 )
 
 
