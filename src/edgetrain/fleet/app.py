@@ -47,6 +47,7 @@ try:
 except ImportError:  # one line through the CLI, not a traceback
     raise EdgetrainError("edgetrain.fleet needs Flower (flwr), which is not installed; "
                          "install it with: pip install edgetrain[fleet]") from None
+from edgetrain.fleet import privacy  # noqa: E402  (needs Flower too)
 
 # run-config keys and their defaults (the app's pyproject.toml repeats them for `flwr run`)
 # round-timeout: a dead or cut-off node leaves its round after this many seconds (Flower's own default is 600)
@@ -56,7 +57,7 @@ DEFAULTS: dict[str, bool | float | int | str] = {
     "fraction-train": 1.0, "min-nodes": 2, "round-timeout": 120.0, "seed": 0,
     "prox-mu": 0.0, "scaffold": False, "fraction-evaluate": 1.0, "output-dir": "", "task": "",
     "population": "", "availability": "always", "round-deadline": 0.0, "server-evaluate": False,
-    "synthetic-samples": 2048, "image-size": 32,
+    "synthetic-samples": 2048, "image-size": 32, **privacy.DEFAULTS,
 }
 TYPE_NAMES = {int: "whole number", float: "number", str: "string", bool: "true or false"}
 STATE = "edgetrain"                   # the device's record in context.state
@@ -95,6 +96,7 @@ class FleetSpec:
     server_evaluate: bool = False             # the global model on the whole test set, on the server, each round
     synthetic_samples: int = 2048             # the synthetic dataset's training images (thousands of devices)
     image_size: int = 32                      # ... and their side
+    privacy: privacy.PrivacySpec = privacy.PrivacySpec()  # DP-FedAvg, SecAgg+ (fleet/privacy.py)
 
 
 def fleet_spec(run_config: dict) -> FleetSpec:
@@ -138,13 +140,21 @@ def fleet_spec(run_config: dict) -> FleetSpec:
     if not population and (cfg["availability"].strip() != "always" or cfg["round-deadline"]):
         raise EdgetrainError("run-config availability and round-deadline need a modelled clock; set population, "
                              "e.g. population='60% rpi4@wifi-20m, 40% jetson-orin-nano'")
+    server_opt = parse_server_opt(cfg["server-opt"])
+    private = privacy.privacy_spec(cfg, _has_buffers(cfg["model"]), server_opt)
     return FleetSpec(cfg["model"], cfg["dataset"], cfg["data-dir"] or None, partition, cfg["num-rounds"],
                      cfg["local-steps"], cfg["batch-size"], cfg["lr"], compress,
-                     parse_server_opt(cfg["server-opt"]), cfg["fraction-train"], cfg["min-nodes"],
+                     server_opt, cfg["fraction-train"], cfg["min-nodes"],
                      cfg["round-timeout"], cfg["seed"], cfg["prox-mu"] or None, cfg["scaffold"],
                      cfg["fraction-evaluate"], Path(cfg["output-dir"]) if cfg["output-dir"] else None,
                      task, population, cfg["availability"].strip(), cfg["round-deadline"] or None,
-                     cfg["server-evaluate"], cfg["synthetic-samples"], cfg["image-size"])
+                     cfg["server-evaluate"], cfg["synthetic-samples"], cfg["image-size"], private)
+
+
+@functools.lru_cache(maxsize=8)
+def _has_buffers(model: str) -> bool:
+    """Whether the model keeps statistics beside its parameters (BatchNorm), which the privacy options refuse."""
+    return any(True for _ in build_model(model).buffers())
 
 
 def _typed(key: str, value):
@@ -291,6 +301,8 @@ def save_client_state(state: RecordDict, memory: Memory, own_control: torch.Tens
 def train(msg: Message, context: Context, overrides: dict | None = None) -> Message:
     """The device's round: the global model, ``local-steps`` steps on its partition, its encoded update back."""
     spec = fleet_spec({**context.run_config, **(overrides or {})})
+    if spec.privacy.secure_aggregation:
+        return secure_train(msg, context, spec)
     data = load_data(spec)
     partition_id, partition = client_partition(spec, data, context.node_config)
     model = global_model(spec, data)
@@ -302,6 +314,10 @@ def train(msg: Message, context: Context, overrides: dict | None = None) -> Mess
     control = as_tensor(msg.content["arrays"][CONTROL]) if spec.scaffold else None
     result = local_update(spec, model, data, partition, server_round, partition_id, control,
                           own_control if spec.scaffold else None)
+    if spec.privacy.dp:  # the trained model itself: Flower's fixedclipping_mod clips it against the global one
+        return Message(content=RecordDict({"arrays": model_record(model), "metrics": MetricRecord({
+            "num-examples": len(partition), "train-loss": result.loss,
+            "payload-bytes": sum(p.numel() * p.element_size() for p in model.parameters())})}), reply_to=msg)
     payloads = {UPDATE: to_wire(compressor, result.update, memory, UPDATE)}
     if spec.scaffold:
         payloads[CONTROL_CHANGE] = to_wire(compressor, result.mean_gradient - own_control, memory, CONTROL_CHANGE)
@@ -312,6 +328,26 @@ def train(msg: Message, context: Context, overrides: dict | None = None) -> Mess
                           "metrics": MetricRecord({"num-examples": len(partition), "train-loss": result.loss,
                                                    "payload-bytes": sum(int(v.nbytes) for v in payloads.values())})})
     return Message(content=content, reply_to=msg)
+
+
+def secure_train(msg: Message, context: Context, spec: FleetSpec) -> Message:
+    """The device's round under SecAgg+ (Flower's legacy fit messages, which ``secaggplus_mod`` masks): its
+    update ``x - y_i`` back, one array per parameter, weight 1 (the fleet's mean is unweighted)."""
+    from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
+    from flwr.compat.common import recorddict_compat as compat
+
+    fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
+    data = load_data(spec)
+    partition_id, partition = client_partition(spec, data, context.node_config)
+    model = global_model(spec, data)
+    params = list(model.parameters())
+    unflatten(flatten([torch.from_numpy(np.array(a)) for a in parameters_to_ndarrays(fitins.parameters)]), params)
+    result = local_update(spec, model, data, partition, int(fitins.config["server-round"]), partition_id)
+    pieces = [torch.empty_like(p) for p in params]
+    unflatten(result.update, pieces)
+    fitres = FitRes(Status(Code.OK, ""), ndarrays_to_parameters([t.numpy() for t in pieces]), 1,
+                    {"train-loss": result.loss})
+    return Message(content=compat.fitres_to_recorddict(fitres, keep_input=True), reply_to=msg)
 
 
 def evaluate(msg: Message, context: Context, overrides: dict | None = None) -> Message:
@@ -331,7 +367,8 @@ def evaluate(msg: Message, context: Context, overrides: dict | None = None) -> M
 def make_client_app(overrides: dict | None = None) -> ClientApp:
     """A ClientApp whose run config is the run's with ``overrides`` on top (the Python API's simulation, which
     has no run config of its own, passes the whole config here)."""
-    app = ClientApp()
+    app = ClientApp(mods=[privacy.privacy_mod(lambda context: fleet_spec({**context.run_config,
+                                                                            **(overrides or {})}))])
     app.train()(lambda msg, context: train(msg, context, overrides))
     app.evaluate()(lambda msg, context: evaluate(msg, context, overrides))
     return app
@@ -357,12 +394,23 @@ class EdgetrainStrategy(FedAvg):
         self.sampled: tuple[list[int], int] = ([], 0)  # this round's (sampled node ids, devices online)
         self.records: list[dict] = []                 # one per round with a modelled clock
         self.round_started = 0.0
+        self.last_aggregated = 0                      # replies in the last aggregate (DP's accounting)
 
     def decode(self, wire) -> torch.Tensor:
         return from_wire(self.compressor, wire.numpy(), self.global_flat.numel())
 
+    def update_of(self, arrays: ArrayRecord) -> torch.Tensor:
+        """A reply's update ``x - y_i``: decoded, or (under DP, where the device sends its clipped model) taken."""
+        if not self.spec.privacy.dp:
+            return self.decode(arrays[UPDATE])
+        return self.global_flat.detach() - flatten([as_tensor(arrays[name]) for name in self.names])
+
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid):
         self.nodes = len(list(grid.get_node_ids()))  # SCAFFOLD's N
+        if self.spec.privacy.dp:  # the global model is the one Flower's DP wrapper noised, not our step's
+            state = arrays.to_torch_state_dict()
+            with torch.no_grad():
+                self.global_flat.copy_(flatten([state[name] for name in self.names]))
         if self.control is not None:
             arrays = ArrayRecord({**arrays.to_torch_state_dict(), CONTROL: self.control.clone()})
         if self.fleet is None:
@@ -381,7 +429,8 @@ class EdgetrainStrategy(FedAvg):
         if not valid:
             return None, None
         arrays = [reply.content["arrays"] for reply in valid]
-        server_step(self.global_flat, torch.stack([self.decode(a[UPDATE]) for a in arrays]).mean(0), self.optimizer)
+        self.last_aggregated = len(valid)
+        server_step(self.global_flat, torch.stack([self.update_of(a) for a in arrays]).mean(0), self.optimizer)
         unflatten(self.global_flat.detach(), self.global_tensors)
         if self.control is not None:  # c + |S|/N mean_S(c_i' - c_i)
             self.control += torch.stack([self.decode(a[CONTROL_CHANGE]) for a in arrays]).sum(0) / self.nodes
@@ -413,6 +462,14 @@ class EdgetrainStrategy(FedAvg):
         if metrics is not None:
             self.note_accuracy(server_round, "federated", metrics)
         return metrics
+
+    def note_round(self, server_round: int, figures: dict) -> None:
+        """Put ``figures`` into the round's record (a record of its own without a modelled clock)."""
+        record = next((r for r in self.records if r["round"] == server_round), None)
+        if record is None:
+            self.records.append(record := {"round": server_round})
+        record.update(figures)
+        self.write_records()
 
     def note_accuracy(self, server_round: int, where: str, metrics) -> None:
         """Put an evaluation's figures beside the round's modelled clock."""
@@ -470,18 +527,58 @@ def run_server(grid: Grid, run_config: dict) -> Result:
     strategy = EdgetrainStrategy(spec, model, fraction_train=spec.fraction_train, min_train_nodes=1,
                                  min_evaluate_nodes=1, min_available_nodes=spec.min_nodes)
     evaluate_fn = server_evaluation(spec, strategy, global_model(spec, data), data) if spec.server_evaluate else None
-    result = strategy.start(grid, model_record(model), num_rounds=spec.num_rounds, timeout=spec.round_timeout,
-                            train_config=ConfigRecord(), evaluate_fn=evaluate_fn)
+    wrapped = privacy.FleetDifferentialPrivacy(strategy, spec.privacy) if spec.privacy.dp else strategy
+    result = wrapped.start(grid, model_record(model), num_rounds=spec.num_rounds, timeout=spec.round_timeout,
+                           train_config=ConfigRecord(), evaluate_fn=evaluate_fn)
     if spec.output_dir is not None:  # the initial model if no round had a reply
         with atomic_write(spec.output_dir / MODEL_FILE, "wb") as f:
             torch.save((result.arrays if len(result.arrays) else model_record(model)).to_torch_state_dict(), f)
     return result
 
 
+def serve(grid: Grid, context: Context, run_config: dict) -> None:
+    """The ServerApp's run: Flower's SecAgg+ workflow with secure aggregation, else ``run_server``."""
+    spec = fleet_spec(run_config)
+    if not spec.privacy.secure_aggregation:
+        run_server(grid, run_config)
+        return
+    privacy.run_secure_server(grid, context, secure_strategy(spec))
+
+
+def secure_strategy(spec: FleetSpec):
+    """Flower's legacy FedAvg for SecAgg+ (which sums what it samples and hands the strategy only the mean),
+    edgetrain's server step, each round's record and the server's evaluation."""
+    data = load_data(spec)
+    model = global_model(spec, data)
+    records: list[dict] = []
+
+    def on_round(server_round: int, figures: dict) -> None:
+        if not records or records[-1]["round"] != server_round:
+            records.append({"round": server_round})
+        records[-1].update(figures)
+        if spec.output_dir is not None:
+            write_rounds(spec.output_dir / ROUNDS_FILE, records)
+    def evaluate_fn(server_round: int, arrays, config):
+        if server_round == 0:
+            return None
+        evaluated = global_model(spec, data)
+        unflatten(flatten([torch.from_numpy(np.array(a)) for a in arrays]), list(evaluated.parameters()))
+        metrics = evaluate_task(evaluated, data.test, 0, 1, fleet_task(spec, data))
+        records[-1].update({f"server_{key}": float(value) for key, value in metrics.items()})
+        on_round(server_round, {})
+        return metrics["loss"], metrics
+    strategy = privacy.secure_strategy_class()(spec, model, on_round, fraction_fit=spec.fraction_train,
+                                               fraction_evaluate=0.0, min_fit_clients=2,
+                                               min_available_clients=spec.min_nodes,
+                                               evaluate_fn=evaluate_fn if spec.server_evaluate else None)
+    strategy.records = records  # the rounds so far (also in output-dir when set)
+    return strategy
+
+
 def make_server_app(overrides: dict | None = None) -> ServerApp:
     """A ServerApp whose run config is the run's with ``overrides`` on top (see ``make_client_app``)."""
     app = ServerApp()
-    app.main()(lambda grid, context: run_server(grid, {**context.run_config, **(overrides or {})}))
+    app.main()(lambda grid, context: serve(grid, context, {**context.run_config, **(overrides or {})}))
     return app
 
 
