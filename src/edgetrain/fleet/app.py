@@ -542,7 +542,12 @@ def serve(grid: Grid, context: Context, run_config: dict) -> None:
     if not spec.privacy.secure_aggregation:
         run_server(grid, run_config)
         return
-    privacy.run_secure_server(grid, context, secure_strategy(spec))
+    strategy = secure_strategy(spec)
+    privacy.run_secure_server(grid, context, strategy)
+    if spec.output_dir is not None:
+        names = [name for name, _ in global_model(spec, load_data(spec)).named_parameters()]
+        with atomic_write(spec.output_dir / MODEL_FILE, "wb") as f:
+            torch.save(dict(zip(names, strategy.params)), f)
 
 
 def secure_strategy(spec: FleetSpec):
