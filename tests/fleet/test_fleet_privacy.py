@@ -117,7 +117,7 @@ def test_bad_privacy_run_config_is_one_clear_error(run_config, message):
         fleet.fleet_spec(run_config)
 
 
-@pytest.mark.slow  # two runs of Ray with 4 virtual devices, one round each: about 40 s on a quiet 2-core machine
+@pytest.mark.slow  # two runs of Ray with 4 virtual devices, one round each: 46 s at load 5 (2-core machine)
 def test_secagg_plus_on_the_simulation_engine_equals_the_plain_aggregate(tmp_path):
     pytest.importorskip("ray", reason="the simulation runtime is not installed (pip install edgetrain[fleet])")
     from edgetrain.fleet.simulation import SimulationResources, simulate

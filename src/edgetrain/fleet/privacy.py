@@ -12,11 +12,15 @@ import torch
 
 from edgetrain.errors import EdgetrainError
 
-from flwr.app import ArrayRecord, Context, Message, MessageType
-from flwr.clientapp.mod import fixedclipping_mod
-from flwr.client.mod import secaggplus_mod
-from flwr.serverapp import Grid
-from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping
+try:
+    from flwr.app import ArrayRecord, Context, Message, MessageType
+    from flwr.clientapp.mod import fixedclipping_mod
+    from flwr.client.mod import secaggplus_mod
+    from flwr.serverapp import Grid
+    from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping
+except ImportError:  # one line through the CLI, not a traceback
+    raise EdgetrainError("edgetrain.fleet needs Flower (flwr), which is not installed; "
+                         "install it with: pip install edgetrain[fleet]") from None
 
 # run-config keys of the privacy options and their defaults (fleet.app.DEFAULTS takes them in)
 DEFAULTS: dict[str, bool | float | int] = {
