@@ -255,8 +255,9 @@ def test_ctrl_c_under_launch_is_one_line(test_hosts, tmp_path):
 def test_flower_recipe_across_hosts_bounds_a_dead_node(test_hosts, tmp_path):
     """The tutorial's Flower fleet: a SuperLink on host 0 (--host its address), a SuperNode on each host,
     `flwr run` from host 0. Host 2's link goes down after its SuperNode registered: the round ends within
-    round-timeout (60 s here, the tutorial's 120: the first round includes the app's start on a loaded
-    2-core machine) with the other two hosts' results, and the run finishes."""
+    round-timeout (30 s here, the tutorial's 120: the round includes the ClientApp's start, about 10 s on a
+    quiet 2-core machine) with the other two hosts' results, and the run finishes. Flower's own bound would
+    be 600 s."""
     pytest.importorskip("flwr", reason="the fleet extra is not installed (pip install edgetrain[fleet])")
     hosts = test_hosts(3, ssh=False)
     flwr_home = tmp_path / "flwr"
@@ -277,8 +278,9 @@ def test_flower_recipe_across_hosts_bounds_a_dead_node(test_hosts, tmp_path):
     hosts.cut(2)
     script = recipe("flwr-run")
     assert "num-rounds=2" in script and "round-timeout=120.0" in script
-    script = script.replace("num-rounds=2", "num-rounds=1").replace("round-timeout=120.0",
-                                                                    "round-timeout=60.0 fraction-evaluate=0.0")
+    round_timeout = 30
+    script = script.replace("num-rounds=2", "num-rounds=1").replace(
+        "round-timeout=120.0", f"round-timeout={round_timeout:.1f} fraction-evaluate=0.0")
     started = time.monotonic()
     run = hosts.run(0, ["bash", "-euc", script], timeout=200, env=dict(recipe_env(hosts, tmp_path, 0),
                                                                       FLWR_HOME=str(flwr_home)), cwd=REPO)
@@ -286,4 +288,4 @@ def test_flower_recipe_across_hosts_bounds_a_dead_node(test_hosts, tmp_path):
     log = run.stdout + run.stderr
     assert "Strategy execution finished" in log, log[-3000:]
     assert "aggregate_train: Received 2 results" in log, log[-3000:]
-    assert took < 150, f"flwr run took {took:.0f} s"
+    assert took < round_timeout + 60, f"flwr run took {took:.0f} s for round-timeout {round_timeout} s"
