@@ -188,11 +188,13 @@ def metric_lines(runs):
 def test_launch_ends_after_a_partition(test_hosts, tmp_path):
     """Three hosts, --min-hosts 2; host 2's link goes down mid-run (no FIN, no RST). The other two re-form
     and finish; the launcher notices the dead SSH connection by its keepalives, leaves host 2 out and
-    ends with the run (before: it waited on TCP's two-hour keepalive). The two regroup after torchrun's
-    last call, 10 s here (--rdzv-last-call; 30 s by default), as all three met at the start well within it."""
+    ends with the run (before: it waited on TCP's two-hour keepalive). The two regroup once torchrun's
+    rendezvous has dropped host 2 (3 missed heartbeats, 1 s apart here: --rdzv-keepalive; 5 s by default)
+    and after its last call, 5 s here (--rdzv-last-call; 30 s by default), as all three met at the start
+    well within it."""
     hosts = test_hosts(3)
     proc = launch(hosts, tmp_path, "--min-hosts", "2", "--max-restarts", "1", "--connect-timeout", "5",
-                  "--rdzv-last-call", "10", train=["--steps", "16", "--timeout", "10"])
+                  "--rdzv-last-call", "5", "--rdzv-keepalive", "1", train=["--steps", "16", "--timeout", "10"])
     lines = Lines(proc)
     deadline = time.monotonic() + 120
     while metric_lines(tmp_path / "runs") < 4 and proc.poll() is None and time.monotonic() < deadline:
