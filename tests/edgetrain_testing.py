@@ -27,6 +27,29 @@ def run_cli(*args: str, timeout: float = 120, cwd=None) -> subprocess.CompletedP
                           timeout=timeout, cwd=cwd)
 
 
+def run_main(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    """``edgetrain ARGS`` through the CLI's ``main`` in this process, as ``run_cli`` runs it less a fresh
+    interpreter's start (torch's import, and a fork server's for a training run: 5-8 s of CPU): its exit
+    status and what it printed to stdout and stderr. For tests not about the process; what the devices
+    print themselves (``epoch 1/2: ...``) goes to their own stdout, not here."""
+    import contextlib
+    import io
+    import os
+
+    from edgetrain.cli import main
+
+    out, err, here = io.StringIO(), io.StringIO(), os.getcwd()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            os.chdir(cwd or here)
+            code = main(list(args))
+        except SystemExit as e:  # argparse exits from inside parse_args
+            code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        finally:
+            os.chdir(here)
+    return subprocess.CompletedProcess(["edgetrain", *args], code, out.getvalue(), err.getvalue())
+
+
 # Quiet, fast defaults for training runs in tests.
 FAST = dict(progress=False, eval=False, throttle=False, timeout=30)
 

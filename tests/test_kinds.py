@@ -13,7 +13,7 @@ from edgetrain.kinds import (COMPRESS_KINDS, SERVER_OPT_KINDS, STRATEGY_KINDS, S
                              ServerOptKind, StrategyKind, TaskKind, all_kinds, strategy_kind, task_kind)
 from edgetrain.spec import KINDS, LaunchSpec, parse_compress, parse_server_opt, parse_sync
 
-from edgetrain_testing import FAST, _pooled_unsupported, run_cli
+from edgetrain_testing import FAST, _pooled_unsupported, run_main
 
 # each family's parser, from how a kind is written back to its descriptor
 PARSERS = {"strategy": strategy_kind, "task": task_kind, "sync": lambda text: parse_sync(text).kind,
@@ -159,8 +159,7 @@ def test_fedavg_is_planned_as_rounds_of_local_steps(tmp_path):
     config = tmp_path / "fed.yaml"
     config.write_text("sync: fedavg:1\npartition: dirichlet:0.5\ndevices: 4\n")
     # once a ZeroDivisionError traceback: fedavg was planned as async with a staleness of 0
-    proc = run_cli("plan", "--config", str(config), *FED, "--output", str(tmp_path), "--run-name", "fed",
-                   timeout=120)
+    proc = run_main("plan", "--config", str(config), *FED, "--output", str(tmp_path), "--run-name", "fed")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "exchange every 8 steps" in proc.stdout  # a round: one epoch of 256 // 32 local steps
     cfg = load_config(str(config), model="small_cnn", dataset="synthetic", synthetic_samples=256, image_size=8,
@@ -181,7 +180,7 @@ def test_fedavg_is_planned_as_rounds_of_local_steps(tmp_path):
 def test_sampled_federated_rounds_are_refused_by_the_planner_in_one_line(tmp_path):
     config = tmp_path / "fed.yaml"
     config.write_text("sync: fedavg:steps=4\npartition: iid\nparticipation: 0.5\n")
-    proc = run_cli("plan", "--config", str(config), *FED, "--output", str(tmp_path), timeout=120)
+    proc = run_main("plan", "--config", str(config), *FED, "--output", str(tmp_path))
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith("edgetrain: error: edgetrain plan models federated rounds in which every device "
                                   "takes part, not participation 0.5;")
@@ -191,7 +190,7 @@ def test_a_strategy_without_a_planner_model_is_refused_never_planned_as_another(
     from edgetrain.plan.config import plan_inputs, predict_inputs
     from edgetrain.plan.strategies import compare
 
-    proc = run_cli("plan", *FED, "--strategy", "tiled", "--output", str(tmp_path), timeout=120)
+    proc = run_main("plan", *FED, "--strategy", "tiled", "--output", str(tmp_path))
     assert proc.returncode == 2 and proc.stderr == f"edgetrain: error: {STRATEGY_KINDS['tiled'].unplanned}\n"
     assert not list(tmp_path.iterdir())
     cfg = load_config(None, model="small_cnn", dataset="synthetic", synthetic_samples=64, image_size=8, devices=2,

@@ -16,7 +16,7 @@ from edgetrain.config import TrainConfig, load_config, resolve
 from edgetrain.errors import EdgetrainError
 from edgetrain.spec import PRESETS, RunSpec, TilingSpec, parse_compress, parse_tiling
 
-from edgetrain_testing import FAST, run_cli
+from edgetrain_testing import FAST, run_cli, run_main
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "edgetrain"
 
@@ -261,9 +261,9 @@ def test_cli_refuses_tiled_with_a_link_in_one_line(tmp_path):
 def test_cli_trains_with_compression_on_two_devices(tmp_path):
     flags = [f"--{k.replace('_', '-')}" if v is True else f"--no-{k}" if v is False else f"--{k}={v}"
              for k, v in FAST.items()]
-    proc = run_cli("train", "--devices", "2", "--steps", "3", "--compress", "topk:0.01", "--sync", "sync",
-                   "--dataset", "synthetic", "--synthetic-samples", "128", "--batch-size", "16", *flags,
-                   "--output", str(tmp_path), "--run-name", "topk", timeout=120)
+    proc = run_main("train", "--devices", "2", "--steps", "3", "--compress", "topk:0.01", "--sync", "sync",
+                    "--dataset", "synthetic", "--synthetic-samples", "128", "--batch-size", "16", *flags,
+                    "--output", str(tmp_path), "--run-name", "topk")
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads((tmp_path / "topk" / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["compress"] == "topk:0.01" and summary["compression_ratio"] > 10

@@ -36,27 +36,33 @@ def test_batch_sweep_numbers_are_consistent(tmp_path):
 
 @pytest.mark.slow
 def test_memory_limit_is_reported_not_a_crash(tmp_path):
-    # Peak RSS depends on the installation, so measure batches 1024 and 8192 first (no limit; each batch is
-    # measured in a process of its own, so the two alone give the same peaks as a sweep) and put the limit
-    # halfway between their peaks: 1024 must fit, and the sweep must stop at a batch reported as the limit
-    # hit. Not between 1024 and 2048: their peaks are about 110 MB apart, and one batch's peak RSS moved by
-    # more than half that between two runs on this host (a fresh-clone failure).
-    args = ["bench", "batch", "--model", "small_cnn", "--dataset", "digits", "--steps", "1",
-            "--warmup", "0", "--threads", "1", "--peak-size", "128", "--output", str(tmp_path)]
-    free = {}
-    for batch_size in (1024, 8192):
-        assert main([*args, "--start-batch", str(batch_size), "--max-batch", str(batch_size),
-                     "--name", f"free{batch_size}"]) == 0
-        free.update({r["batch_size"]: r["peak_rss_mb"] for r in read_result(tmp_path / f"free{batch_size}")["rows"]})
-    assert free[8192] > free[1024] + 200
-    limit = int((free[1024] + free[8192]) / 2)
-    assert main(["bench", "batch", "--model", "small_cnn", "--dataset", "digits", "--start-batch", "1024",
+    # Peak RSS depends on the installation, so measure batches 2048 and 8192 first (no limit; each batch is
+    # measured in a process of its own, as the sweep does, so the two alone give the same peaks as a sweep;
+    # side by side, to take one process's time) and put the limit halfway between their peaks: 2048 must
+    # fit, and the sweep must stop at a batch reported as the limit hit. Not between two neighbours: 1024's
+    # and 2048's peaks are about 110 MB apart, and one batch's peak RSS moved by more than half that between
+    # two runs on this host (a fresh-clone failure).
+    from concurrent.futures import ThreadPoolExecutor
+
+    from edgetrain.bench import workload
+
+    def free_peak(batch_size):  # what the sweep's child measures, with bench batch's defaults and no limit
+        r = workload.measure_steps_isolated("small_cnn", batch_size, dataset="digits", steps=1, warmup=0, threads=1,
+                                            memory_limit_mb=workload.host_memory_cap_mb(), peak_n=128, min_time_s=1.0)
+        assert r["status"] == "ok", r
+        return r["peak_rss_mb"]
+
+    with ThreadPoolExecutor(2) as pool:
+        free = dict(zip((2048, 8192), pool.map(free_peak, (2048, 8192))))
+    assert free[8192] > free[2048] + 200
+    limit = int((free[2048] + free[8192]) / 2)
+    assert main(["bench", "batch", "--model", "small_cnn", "--dataset", "digits", "--start-batch", "2048",
                  "--max-batch", "65536",
                  "--steps", "1", "--warmup", "0", "--threads", "1", "--peak-size", "128",
                  "--memory-limit-mb", str(limit), "--output", str(tmp_path), "--name", "m"]) == 0
     result = read_result(tmp_path / "m")
     ok = [r for r in result["rows"] if r["status"] == "ok"]
-    assert ok and ok[0]["batch_size"] == 1024
+    assert ok and ok[0]["batch_size"] == 2048
     assert all(r["peak_rss_mb"] <= limit for r in ok)
     hit = result["limit_hit"]
     assert hit["status"] == "memory_limit" and hit["rss_mb"] > limit and hit["limit_mb"] == limit

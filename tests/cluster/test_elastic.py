@@ -21,7 +21,7 @@ from edgetrain.errors import EdgetrainError
 from edgetrain.records import RunSummary
 from edgetrain.spec import FaultSpec, parse_fault
 from edgetrain.train.strategy import DataParallel
-from edgetrain_testing import FAST, run_cli
+from edgetrain_testing import FAST, run_main
 
 KILL_STEP, STEPS = 5, 24
 SMALL = dict(dataset="synthetic", image_size=8, synthetic_samples=1024, batch_size=30, steps=STEPS, lr=0.05,
@@ -184,15 +184,15 @@ def test_a_comeback_is_checked_against_the_cluster_files_device_count(tmp_path, 
     run = ["train", "--cluster", str(cluster), "--steps", "3", "--batch-size", "30", "--no-eval", "--no-progress",
            "--no-throttle", "--output", str(tmp_path / "runs")]
     # 2 of the file's 3 devices (--devices is left at its default, 1): elastic, so the comeback is accepted
-    done = run_cli(*run, "--min-devices", "2")
+    done = run_main(*run, "--min-devices", "2")
     assert done.returncode == 0, done.stderr
     assert json.loads(next((tmp_path / "runs").glob("*/summary.json")).read_text())["steps"] == 3
     # all 3: fail-stop, where no device comes back
-    refused = run_cli(*run, "--min-devices", "3")
+    refused = run_main(*run, "--min-devices", "3")
     assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1] == (
         f"edgetrain: error: EDGETRAIN_FAULT brings device 1 back after 3 s, which needs an elastic run; add "
         f"--min-devices below the 3 devices of cluster file {cluster} or drop :back=")
-    too_many = run_cli(*run, "--min-devices", "4")
+    too_many = run_main(*run, "--min-devices", "4")
     assert too_many.returncode == 2 and "--min-devices 4 is more than the 3 devices of the run" in too_many.stderr
     assert len(list((tmp_path / "runs").iterdir())) == 1  # the refused runs left nothing behind
 

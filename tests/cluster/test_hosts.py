@@ -190,11 +190,13 @@ def metric_lines(runs):
 def test_launch_ends_after_a_partition(test_hosts, tmp_path):
     """Three hosts, --min-hosts 2; host 2's link goes down mid-run (no FIN, no RST). The other two re-form
     and finish; the launcher notices the dead SSH connection by its keepalives, leaves host 2 out and
-    ends with the run (before: it waited on TCP's two-hour keepalive). The two regroup after torchrun's
-    last call, 10 s here (--rdzv-last-call; 30 s by default), as all three met at the start well within it."""
+    ends with the run (before: it waited on TCP's two-hour keepalive). The two regroup once torchrun's
+    rendezvous has dropped host 2 (3 missed heartbeats, 1 s apart here: --rdzv-keepalive; 5 s by default)
+    and after its last call, 5 s here (--rdzv-last-call; 30 s by default), as all three met at the start
+    well within it."""
     hosts = test_hosts(3)
     proc = launch(hosts, tmp_path, "--min-hosts", "2", "--max-restarts", "1", "--connect-timeout", "5",
-                  "--rdzv-last-call", "10", train=["--steps", "16", "--timeout", "10"])
+                  "--rdzv-last-call", "5", "--rdzv-keepalive", "1", train=["--steps", "16", "--timeout", "10"])
     lines = Lines(proc)
     deadline = time.monotonic() + 120
     while metric_lines(tmp_path / "runs") < 4 and proc.poll() is None and time.monotonic() < deadline:
@@ -278,8 +280,9 @@ def test_flower_recipe_across_hosts_bounds_a_dead_node(test_hosts, tmp_path):
     supernode register`, a SuperNode on each host, `flwr run` from host 0. Beside them on host 1, a SuperNode
     with an unregistered key and one given another CA are both refused, and no plaintext HTTP crosses host
     1's link. Host 2's link goes down after its SuperNode registered: the round ends within round-timeout
-    (60 s here, the tutorial's 120: the first round includes the app's start on a loaded 2-core machine)
-    with the other two hosts' results, and the run finishes."""
+    (30 s here, the tutorial's 120: a live node's ClientApp needs about 7 s of CPU, so it replies in about
+    12 s on a quiet 2-core machine; Flower's own bound would be 600 s) with the other two hosts' results,
+    and the run finishes."""
     pytest.importorskip("flwr", reason="the fleet extra is not installed (pip install edgetrain[fleet])")
     from edgetrain.certs import make_files, write_new_directory
 
@@ -320,8 +323,9 @@ def test_flower_recipe_across_hosts_bounds_a_dead_node(test_hosts, tmp_path):
     hosts.cut(2)
     script = recipe("flwr-run")
     assert "num-rounds=2" in script and "round-timeout=120.0" in script
-    script = script.replace("num-rounds=2", "num-rounds=1").replace("round-timeout=120.0",
-                                                                    "round-timeout=60.0 fraction-evaluate=0.0")
+    round_timeout = 30
+    script = script.replace("num-rounds=2", "num-rounds=1").replace(
+        "round-timeout=120.0", f"round-timeout={round_timeout:.1f} fraction-evaluate=0.0")
     started = time.monotonic()
     run = hosts.run(0, ["bash", "-euc", script], timeout=200, env=flwr_env[0], cwd=REPO)
     took = time.monotonic() - started
@@ -329,7 +333,7 @@ def test_flower_recipe_across_hosts_bounds_a_dead_node(test_hosts, tmp_path):
     log = run.stdout + run.stderr
     assert "Strategy execution finished" in log, log[-3000:]
     assert "aggregate_train: Received 2 results" in log, log[-3000:]
-    assert took < 150, f"flwr run took {took:.0f} s"
+    assert took < round_timeout + 60, f"flwr run took {took:.0f} s for round-timeout {round_timeout} s"
     assert link_log.read_text().count("Activated node_id") == 3, link_log.read_text()[-2000:]
     assert wire.drops == 0 and len(seen) > 100_000, (wire.drops, len(seen))
     assert b"/v1/fleet/" not in seen and b"HTTP/1.1" not in seen

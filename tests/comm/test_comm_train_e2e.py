@@ -2,26 +2,16 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[2] / "src"
-
-
-def edgetrain(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    return subprocess.run([sys.executable, "-m", "edgetrain", *args], capture_output=True, text=True, env=env,
-                          timeout=timeout)
+from edgetrain_testing import run_main
 
 
 def test_train_topk_local_sgd_on_lte(tmp_path):
-    run = edgetrain("train", "--devices", "2", "--dataset", "digits", "--epochs", "2",
-                    "--steps", "24", "--batch-size", "64", "--compress", "topk:0.01", "--sync", "local:8",
-                    "--link", "lte-10m", "--output", str(tmp_path), "--run-name", "e2e", "--no-progress")
+    run = run_main("train", "--devices", "2", "--dataset", "digits", "--epochs", "2",
+                   "--steps", "24", "--batch-size", "64", "--compress", "topk:0.01", "--sync", "local:8",
+                   "--link", "lte-10m", "--output", str(tmp_path), "--run-name", "e2e", "--no-progress")
     assert run.returncode == 0, run.stderr[-3000:]
     summary = json.loads((tmp_path / "e2e" / "summary.json").read_text())
     assert summary["sync"] == "local:8" and summary["compress"] == "topk:0.01"

@@ -228,11 +228,11 @@ def test_coco_image_file_missing_and_no_json(tmp_path):
 
 
 def test_a_bad_label_stops_the_cli_in_one_line_before_any_device_starts(tmp_path):
-    from edgetrain_testing import run_cli
+    from edgetrain_testing import run_main
 
     root = write_yolo(tmp_path / "set", dict(GOOD, img5="0 0.5 0.5 0.2 0.2\n2 0.5 1.2 0.1 0.1\n"))
-    done = run_cli("train", "--dataset", "yolo", "--data-dir", str(root), "--devices", "2",
-                   "--output", str(tmp_path / "runs"), timeout=60)
+    done = run_main("train", "--dataset", "yolo", "--data-dir", str(root), "--devices", "2",
+                    "--output", str(tmp_path / "runs"))
     assert done.returncode == 2
     assert done.stderr.startswith("edgetrain: error: label file ") and done.stderr.count("\n") == 1, done.stderr
     assert "img5.txt line 2: box (cx 0.5, cy 1.2, w 0.1, h 0.1) has a value outside [0, 1]" in done.stderr

@@ -10,7 +10,7 @@ from edgetrain.data import digits
 from edgetrain.data.device_data import build_training_data, check_device_data
 from edgetrain.errors import EdgetrainError
 from edgetrain.spec import parse_partition
-from edgetrain_testing import FAST, run_cli
+from edgetrain_testing import FAST, run_main
 
 SAMPLES = 40  # 8x8 grey images, as the run's dataset (digits)
 
@@ -52,7 +52,7 @@ def test_a_missing_device_file_is_one_line_before_any_device_starts(tmp_path):
     cluster = write_device_files(tmp_path)
     (tmp_path / "device1.npz").unlink()
     out = tmp_path / "runs"
-    result = run_cli("train", "--cluster", str(cluster), "--output", str(out), "--no-progress", timeout=60)
+    result = run_main("train", "--cluster", str(cluster), "--output", str(out), "--no-progress")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"edgetrain: error: device 1 (host): its data {tmp_path / 'device1.npz'} does not exist; put the device's "

@@ -15,7 +15,7 @@ from edgetrain.data.datasets import DATASETS, DataSplit, TensorImages
 from edgetrain.data.partition import split_dataset
 from edgetrain.errors import EdgetrainError
 from edgetrain.spec import parse_partition
-from edgetrain_testing import FAST, run_cli
+from edgetrain_testing import FAST, run_main
 
 
 def data(dataset, path, **extra):
@@ -93,7 +93,7 @@ def test_bad_npz_files_are_named(tmp_path, arrays, message):
 def test_bad_npz_on_the_command_line_is_one_line_and_writes_nothing(tmp_path):
     (tmp_path / "junk.npz").write_bytes(b"not a zip")
     out = tmp_path / "runs"
-    result = run_cli("train", "--dataset", "npz", "--data-dir", str(tmp_path / "junk.npz"), "--output", str(out))
+    result = run_main("train", "--dataset", "npz", "--data-dir", str(tmp_path / "junk.npz"), "--output", str(out))
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"edgetrain: error: npz file {tmp_path / 'junk.npz'} cannot be read")

@@ -10,7 +10,7 @@ from edgetrain.data import digits
 from edgetrain.data.partition import PartitionSampler, build_sampler, label_entropy, split_dataset
 from edgetrain.errors import EdgetrainError
 from edgetrain.spec import parse_partition
-from edgetrain_testing import run_cli
+from edgetrain_testing import run_main
 
 LABELS = np.repeat(np.arange(10), 100)  # 1000 samples, 100 per class
 SPECS = ["iid", "dirichlet:0.1", "dirichlet:1", "dirichlet:100", "shards:1", "shards:3"]
@@ -107,8 +107,8 @@ def test_partition_does_not_apply_to_tiled_training():
 def test_a_device_left_short_of_a_batch_is_refused_before_any_device_starts(tmp_path):
     # alpha 0.001 gives each of the 10 classes almost wholly to one device: 6 of 16 devices get nothing
     out = tmp_path / "runs"
-    result = run_cli("train", "--devices", "16", "--batch-size", "256", "--partition", "dirichlet:0.001",
-                     "--output", str(out), "--no-progress", "--no-throttle", timeout=60)
+    result = run_main("train", "--devices", "16", "--batch-size", "256", "--partition", "dirichlet:0.001",
+                      "--output", str(out), "--no-progress", "--no-throttle")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "edgetrain: error: --partition dirichlet:0.001 left a device fewer samples than its local batch in 100 "

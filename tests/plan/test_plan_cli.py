@@ -7,14 +7,14 @@ from edgetrain.cli import main
 from edgetrain.errors import EdgetrainError
 from edgetrain.plan.cli import parse_scale, parse_stragglers
 
-from edgetrain_testing import run_cli
+from edgetrain_testing import run_main
 
 
 def test_plan_prints_tables_and_writes_json_and_png(tmp_path):
-    proc = run_cli("plan", "--model", "small_cnn", "--dataset", "synthetic", "--image-size", "8", "--devices", "4",
-                   "--profile", "rpi4", "--link", "lte-10m", "--batch-size", "64", "--compress", "topk:0.01",
-                   "--sync", "local:4", "--scale", "1,2,4,...,64", "--runtime-mb", "200", "--sim-steps", "18",
-                   "--output", str(tmp_path), "--run-name", "p")
+    proc = run_main("plan", "--model", "small_cnn", "--dataset", "synthetic", "--image-size", "8", "--devices", "4",
+                    "--profile", "rpi4", "--link", "lte-10m", "--batch-size", "64", "--compress", "topk:0.01",
+                    "--sync", "local:4", "--scale", "1,2,4,...,64", "--runtime-mb", "200", "--sim-steps", "18",
+                    "--output", str(tmp_path), "--run-name", "p")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "per device, modelled" in out and "simulated" in out and "scaling, modelled" in out

@@ -18,7 +18,7 @@ from edgetrain.report.plan_page import plan_section
 from edgetrain.spec import get_link
 from edgetrain.results import PlanResult
 
-from edgetrain_testing import run_cli
+from edgetrain_testing import run_main
 
 RUNTIME_MB = 150.0  # given, not measured: the tests do not start a process to measure it
 
@@ -132,18 +132,18 @@ def test_compare_refuses_a_model_that_cannot_be_cut_and_plans_the_others(wide):
 
 
 def test_plan_fsdp_alone_ignores_the_pipelines_microbatches(tmp_path):
-    proc = run_cli("plan", "--model", "small_cnn", "--dataset", "synthetic", "--image-size", "8", "--devices", "2",
-                   "--link", "lan-1g", "--batch-size", "6", "--strategy", "fsdp", "--runtime-mb", "200",
-                   "--sim-steps", "2", "--output", str(tmp_path))
+    proc = run_main("plan", "--model", "small_cnn", "--dataset", "synthetic", "--image-size", "8", "--devices", "2",
+                    "--link", "lan-1g", "--batch-size", "6", "--strategy", "fsdp", "--runtime-mb", "200",
+                    "--sim-steps", "2", "--output", str(tmp_path))
     assert proc.returncode == 0, proc.stderr  # the default 4 micro-batches do not divide 6, and need not
     assert "fsdp, modelled on link lan-1g" in proc.stdout
 
 
 def test_plan_compare_writes_the_comparison_and_the_report_renders_it(tmp_path):
-    proc = run_cli("plan", "--model", "small_cnn", "--dataset", "synthetic", "--image-size", "8", "--devices", "2",
-                   "--profile", "smart-speaker-2g", "--link", "lte-10m", "--batch-size", "16", "--strategy", "compare",
-                   "--microbatches", "2", "--runtime-mb", "200", "--sim-steps", "4", "--output", str(tmp_path),
-                   "--run-name", "p")
+    proc = run_main("plan", "--model", "small_cnn", "--dataset", "synthetic", "--image-size", "8", "--devices", "2",
+                    "--profile", "smart-speaker-2g", "--link", "lte-10m", "--batch-size", "16", "--strategy", "compare",
+                    "--microbatches", "2", "--runtime-mb", "200", "--sim-steps", "4", "--output", str(tmp_path),
+                    "--run-name", "p")
     assert proc.returncode == 0, proc.stderr
     # on lte-10m the planner cuts small_cnn where its activation is smallest: faster than ddp's all-reduce
     assert "recommended (modelled): pipeline: it fits every device" in " ".join(proc.stdout.split())

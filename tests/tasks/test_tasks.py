@@ -17,7 +17,7 @@ from edgetrain.tasks.base import Evaluator, Metric, Task
 from edgetrain.tasks.classification import ClassificationTask
 from edgetrain.tasks.regression import RegressionTask
 
-from edgetrain_testing import FAST, run_cli
+from edgetrain_testing import FAST, run_main
 
 
 def sensors(n=96, t=12, c=3, k=2, seed=0, dtype=np.float64):
@@ -117,8 +117,8 @@ def test_bad_npz_targets_and_a_model_that_does_not_fit_are_refused_before_any_de
     x, y = sensors(n=20, k=2)
     y[7, 1] = np.inf
     np.savez(tmp_path / "inf.npz", x=x, y=y)
-    proc = run_cli("train", "--task", "regression", "--dataset", "npz", "--data-dir", str(tmp_path / "inf.npz"),
-                   "--model", "conv1d", "--output", str(tmp_path / "runs"), "--no-progress")
+    proc = run_main("train", "--task", "regression", "--dataset", "npz", "--data-dir", str(tmp_path / "inf.npz"),
+                    "--model", "conv1d", "--output", str(tmp_path / "runs"), "--no-progress")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "target y is [" in proc.stderr and "at sample 7" in proc.stderr, proc.stderr
     y[7, 1] = 0.0

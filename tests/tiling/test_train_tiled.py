@@ -8,7 +8,7 @@ import torch
 from edgetrain.models import register_model
 from edgetrain.train import train
 
-from edgetrain_testing import FAST, run_cli
+from edgetrain_testing import FAST, run_main
 from .models import rel_err, resnet18_w4
 
 RUN = dict(FAST, model="tiling_resnet18_w4", dataset="synthetic", image_size=12, synthetic_samples=48,
@@ -34,9 +34,9 @@ def test_tiled_training_run_equals_one_device(tmp_path):
 
 
 def test_cli_strategy_tiled(tmp_path):
-    r = run_cli("train", "--strategy", "tiled", "--grid", "1x2", "--groups", "auto", "--devices", "2",
-                "--steps", "2", "--batch-size", "8", "--no-progress", "--no-eval", "--no-throttle",
-                "--output", str(tmp_path), "--run-name", "tiled")
+    r = run_main("train", "--strategy", "tiled", "--grid", "1x2", "--groups", "auto", "--devices", "2",
+                 "--steps", "2", "--batch-size", "8", "--no-progress", "--no-eval", "--no-throttle",
+                 "--output", str(tmp_path), "--run-name", "tiled")
     assert r.returncode == 0, r.stderr
     summary = json.loads((tmp_path / "tiled" / "summary.json").read_text())
     assert summary["sync"] == "tiled" and summary["steps"] == 2

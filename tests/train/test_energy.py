@@ -17,7 +17,7 @@ from edgetrain.records import DeviceSummary, EnergyRecord, RunSummary
 from edgetrain.report.html import headline
 from edgetrain.report.tables import print_train_summary
 from edgetrain.train.energy import Clocks, EnergyMeter, Sensors
-from edgetrain_testing import FAST, run_cli
+from edgetrain_testing import FAST, run_main
 
 PI = DeviceProfile("pi", cores=4, idle_w=2.7, core_w=1.2)
 
@@ -94,8 +94,8 @@ def test_unreadable_power_file_is_one_clear_error(tmp_path):
     (tmp_path / "watts").write_text("n/a\n")
     with pytest.raises(EdgetrainError, match="cannot read watts from --power-file"):
         EnergyMeter(PI, 4, shared=False, sensors=no_sensors(tmp_path, power_file=str(tmp_path / "watts")))
-    done = run_cli("train", "--power-file", str(tmp_path / "watts"), "--steps", "1", "--output",
-                   str(tmp_path / "runs"), timeout=120)
+    done = run_main("train", "--power-file", str(tmp_path / "watts"), "--steps", "1", "--output",
+                    str(tmp_path / "runs"))
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert done.stderr.startswith("edgetrain: error: cannot read watts from --power-file")
     assert not (tmp_path / "runs").exists()
