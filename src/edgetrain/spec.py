@@ -805,7 +805,10 @@ class RunSpec:
     checks: data/device_data.py); ``server_opt`` or ``participation`` without ``sync: fedavg``;
     ``round_deadline`` without ``sync: local`` or ``fedavg`` (no rounds to bound);
     ``tensorboard`` where the tensorboard package is not installed; ``secure_aggregation`` with what it cannot mask
-    (``kinds.check_secure_aggregation``).
+    (``kinds.check_secure_aggregation``); ``dp`` with strategy tiled, fsdp or pipeline
+    (a sample's gradient is never whole on one device), with ``sync: sync`` and a compressor (the noise is
+    added once to the plain sum), at level device without a sync mode of ``device_dp`` (fedavg) or with
+    SCAFFOLD, weights or a compressor, and with ``min_devices``.
     """
 
     compress: CompressSpec

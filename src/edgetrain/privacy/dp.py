@@ -9,7 +9,7 @@
 * ``PrivacyPlan``: the noise multiplier (given, or derived from a target epsilon with Opacus's
   ``get_noise_multiplier``) and epsilon at delta after so many steps or rounds, by Opacus's RDP accountant.
 
-Design, guarantees and their assumptions: docs/how-to/privacy.md.
+Design, guarantees and their assumptions: docs/how-to/differential-privacy.md.
 """
 from __future__ import annotations
 
