@@ -55,8 +55,8 @@ def run(label: str, dp: str, args, seed: int) -> dict:
 def table(rows: list[dict], labels: list[str]) -> str:
     base = statistics.mean(r["accuracy"] for r in rows if r["label"] == "no-dp") if any(
         r["label"] == "no-dp" for r in rows) else None
-    lines = ["| run | --dp | epsilon (delta 1e-5) | noise multiplier | test accuracy (mean of seeds) | sd | vs no DP |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| run | --dp | epsilon (delta 1e-5) | noise multiplier | seeds | test accuracy (mean) | sd | vs no DP |",
+             "|---|---|---|---|---|---|---|---|"]
     for label in labels:
         mine = [r for r in rows if r["label"] == label]
         if not mine:
@@ -67,7 +67,7 @@ def table(rows: list[dict], labels: list[str]) -> str:
         noise = mine[0]["noise_multiplier"]
         vs = "-" if base is None or label == "no-dp" else f"{100 * (statistics.mean(acc) - base):+.2f} pp"
         lines.append(f"| {label} | {mine[0]['dp']} | {'-' if eps is None else f'{eps:.2f}'} | "
-                     f"{'-' if noise is None else f'{noise:.3f}'} | {100 * statistics.mean(acc):.2f}% | "
+                     f"{'-' if noise is None else f'{noise:.3f}'} | {len(acc)} | {100 * statistics.mean(acc):.2f}% | "
                      f"{100 * sd:.2f} | {vs} |")
     return "\n".join(lines)
 
@@ -83,8 +83,20 @@ def main() -> None:
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--data-dir", type=Path, default=DATA)
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-dp")
+    p.add_argument("--no-baseline", action="store_true", help="leave out the run without DP")
+    p.add_argument("--table-from", nargs="*", type=Path,
+                   help="train nothing: the table of the JSON lines earlier runs of this script printed")
     args = p.parse_args()
-    configs = [("no-dp", "off")] + [(f"eps-{e}", f"clip={args.clip:g},epsilon={e}") for e in args.epsilons.split(",")]
+    configs = [] if args.no_baseline else [("no-dp", "off")]
+    configs += [(f"eps-{e}", f"clip={args.clip:g},epsilon={e}") for e in args.epsilons.split(",")]
+    if args.table_from:
+        printed = {}  # one row per (configuration, seed): a rerun of a seed gives the same run
+        for line in (line for path in args.table_from for line in path.read_text().splitlines()):
+            if line.startswith('{"label"'):
+                row = json.loads(line)
+                printed.setdefault((row["label"], row["seed"]), row)
+        print(table(list(printed.values()), ["no-dp"] + [f"eps-{e}" for e in args.epsilons.split(",")]))
+        return
     rows = []
     for seed in (int(s) for s in args.seeds.split(",")):
         for label, dp in configs:

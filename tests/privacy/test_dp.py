@@ -135,3 +135,16 @@ def test_a_model_with_batchnorm_is_refused_in_one_line_with_the_fix_before_any_d
     line = str(refused.value)
     assert "\n" not in line and "BatchNorm2d" in line and "--model small_cnn_gn" in line, line
     assert not any(tmp_path.iterdir())
+
+
+def test_dp_fedavg_clips_a_device_update_and_only_one_device_adds_the_noise():
+    from edgetrain.comm.federated import clipped_update
+
+    update = torch.full((4000,), 0.1)   # norm 6.32
+    quiet, shortened = clipped_update(update, 0.5, 2.0, torch.Generator().manual_seed(0), noise_here=False)
+    assert shortened and float(quiet.norm()) == pytest.approx(0.5, rel=1e-5) and torch.allclose(quiet, update * 0.5 / 6.3246,
+                                                                                       rtol=1e-4)
+    small, shortened = clipped_update(update * 0.01, 0.5, 2.0, torch.Generator().manual_seed(0), noise_here=False)
+    assert not shortened and torch.equal(small, update * 0.01)
+    noised, _ = clipped_update(update, 0.5, 2.0, torch.Generator().manual_seed(0), noise_here=True)
+    assert float((noised - quiet).std()) == pytest.approx(2.0 * 0.5, rel=0.05)
