@@ -123,6 +123,9 @@ def test_a_run_records_its_epsilon_in_every_evaluation_and_the_summary(tmp_path)
     evals = [json.loads(line) for line in (tmp_path / "dp" / "evals.jsonl").read_text().splitlines()]
     assert len(evals) == 2 and 0 < evals[0]["epsilon"] < evals[1]["epsilon"] == pytest.approx(privacy["epsilon"])
     assert [e["epsilon"] for e in summary["evals"]] == [e["epsilon"] for e in evals]
+    from edgetrain.report.html import render  # the report shows the guarantee
+
+    assert f"epsilon {privacy['epsilon']:.3g} at delta 1e-05 after 4 steps" in render([tmp_path / "dp"])
 
 
 def test_a_model_with_batchnorm_is_refused_in_one_line_with_the_fix_before_any_device(tmp_path):
