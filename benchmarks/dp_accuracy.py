@@ -39,7 +39,7 @@ DATA = ROOT.parent / "shared/data/cifar10-subset/cifar-10-batches-py"
 def run(label: str, dp: str, args, seed: int) -> dict:
     cfg = dict(dataset="cifar10", data_dir=str(args.data_dir), augment=False, devices=args.devices,
                epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, schedule="cosine", seed=seed, dp=dp,
-               output=str(args.out / "runs"), run_name=f"{label}-seed{seed}", progress=False)
+               output=str(args.out / "runs"), run_name=f"{label}-seed{seed}", progress=False, timeout=args.timeout)
     started = time.perf_counter()
     torch.manual_seed(seed)  # the same initial model for every configuration with this seed
     summary = train(cfg, model=EdgeCNN())
@@ -81,6 +81,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=128, help="global batch")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--timeout", type=float, default=600.0, help="--timeout of each run (a loaded host stalls)")
     p.add_argument("--data-dir", type=Path, default=DATA)
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-dp")
     p.add_argument("--no-baseline", action="store_true", help="leave out the run without DP")
