@@ -151,7 +151,8 @@ def clipped_update(update: torch.Tensor, clip: float, noise_multiplier: float, g
     norm = float(update.norm())
     out = update * min(1.0, clip / (norm + 1e-12))
     if noise_here and noise_multiplier > 0:
-        out = out + noise_multiplier * clip * torch.randn(out.shape, generator=generator, dtype=out.dtype)
+        drawn = torch.randn(out.shape, generator=generator, dtype=out.dtype)  # a CPU generator: drawn there
+        out = out + noise_multiplier * clip * drawn.to(out.device)
     return out, norm > clip
 
 

@@ -136,7 +136,9 @@ class SampleDP:
                                           "to module outputs since no inputs require gradients")
         self.clip, self.noise_multiplier, self.noise_here = clip, noise_multiplier, noise_here
         self.expected_batch = expected_batch
-        self.generator = torch.Generator().manual_seed(seed)
+        # on the parameters' device: Opacus draws the noise there with this generator
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self.generator = torch.Generator(device=device).manual_seed(seed)
         self._optimizer = None
         self._wrapped = None
 
