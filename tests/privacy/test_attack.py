@@ -71,6 +71,7 @@ def test_a_gradient_drowned_in_gaussian_noise_stays_near_the_floor(target):
 DP_SETTING = ("clip=1.0,epsilon=8", 1 / 39, 78)
 
 
+@pytest.mark.slow  # as long as the plain leak test: DLG's full budget against the noise (the new tests' time budget)
 def test_the_dp_sgd_update_at_epsilon_8_does_not_leak_the_image(target):
     model, image, label, _ = target
     spec, rate, steps = DP_SETTING
