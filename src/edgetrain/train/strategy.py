@@ -208,8 +208,10 @@ class DataParallel(Strategy):
         c = self.context
         if dp.per_sample:
             once = self.sync.kind.lockstep
+            who = ("each device's share masked (--secure-aggregation)" if c.spec.secure_aggregation else
+                   "trusts the devices that sum the gradients")
             guarantee = ("each training sample, the devices' steps together one DP-SGD run of the global batch "
-                         "(noise added once per step); trusts the devices that sum the gradients"
+                         f"(noise added once per step); {who}"
                          if once and c.world > 1 else
                          "each training sample, against anyone who sees a device's updates or the model (each "
                          "device's steps are DP-SGD on its own batch, with its own noise)")
@@ -219,8 +221,9 @@ class DataParallel(Strategy):
             return plan
         rounds = math.ceil(total_steps / self.sync.period)
         sampled = len(self.sync.sampled_ranks()) / c.world
-        guarantee = ("each device's whole data (DP-FedAvg: updates clipped, noise added once to the round's sum); "
-                     "trusts the devices that sum the updates")
+        who = ("each device's update masked (--secure-aggregation)" if c.spec.secure_aggregation else
+               "trusts the devices that sum the updates")
+        guarantee = f"each device's whole data (DP-FedAvg: updates clipped, noise added once to the round's sum); {who}"
         plan = plan_privacy(dp, sampled, rounds, guarantee)
         self.sync.privatise_updates(dp.clip, plan.noise_multiplier, _noise_seed(c.spec.seed, c.rank))
         return plan
