@@ -21,10 +21,7 @@ The views here:
   at the members' shared scale as a peer on the ring would;
 * ``aggregate_view``: what secure aggregation reveals, the mean of the members'
   updates: one device's batch hidden in a batch of N;
-* ``dp_view``: one DP-SGD step's gradient (``--dp``, ``privacy/dp.py``'s ``SampleDP``:
-  Opacus's per-sample gradients, each clipped, summed, Gaussian noise added, divided
-  by the batch), as a device that adds its own noise sends it (local modes, one device),
-  or as the sum of all devices' reaches anyone with ``--sync sync``.
+* ``dp_view``: one DP-SGD step's gradient (``--dp``, ``privacy/dp.py``'s ``SampleDP``).
 """
 from __future__ import annotations
 
