@@ -18,7 +18,12 @@ images (``edgetrain.privacy.metrics``: PSNR, SSIM, the noise floor). Views:
 * ``secagg``: one step's fp32 gradient as ``--secure-aggregation`` sends it among ``--members`` devices (the
   others on the next images), masked, decoded at the shared scale as a peer reads it;
 * ``aggregate``: what secure aggregation reveals, the mean of the ``--members`` devices' gradients, each on its
-  own B images: attacked as one batch of B x members images, scored against all of them.
+  own B images: attacked as one batch of B x members images, scored against all of them;
+* ``dp``: one DP-SGD step's gradient (``--dp``: Opacus's per-sample gradients, each
+  clipped, summed, Gaussian noise added, divided by the batch), the noise multiplier
+  derived by the RDP accountant for ``--dp`` (default ``clip=1.0,epsilon=8``, delta
+  1e-5) over ``--dp-steps`` steps at sampling rate ``--dp-sample-rate`` (default: the
+  accuracy benchmark's run, ``benchmarks/dp_accuracy.py``: 78 steps at 1/39).
 
 Writes ``results.json``, ``table.md`` and one PNG per model and batch (true
 images in the first row, each view's reconstructions below) into ``--out``.
@@ -49,12 +54,13 @@ from edgetrain.data.cifar import MEAN, STD, read_batch  # noqa: E402
 from edgetrain.models import build_model  # noqa: E402
 from edgetrain.privacy.attack import AttackConfig, invert  # noqa: E402
 from edgetrain.privacy.metrics import noise_floor, scores  # noqa: E402
+from edgetrain.privacy.dp import plan_privacy  # noqa: E402
 from edgetrain.privacy.observe import (LocalTraining, Normalized, aggregate_view, compressed_view,  # noqa: E402
-                                       gradient_view, local_update_view, secagg_view)
-from edgetrain.spec import parse_compress  # noqa: E402
+                                       dp_view, gradient_view, local_update_view, secagg_view)
+from edgetrain.spec import parse_compress, parse_dp  # noqa: E402
 
 DATA = ROOT.parent / "shared/data/cifar10-subset/cifar-10-batches-py"
-VIEWS = ("fp32", "topk", "diloco", "sparseloco", "fedavg", "secagg", "aggregate")
+VIEWS = ("fp32", "topk", "diloco", "sparseloco", "fedavg", "secagg", "aggregate", "dp")
 SPREAD = ("aggregate",)  # views whose observer sees the images of every member, not one device's
 
 
@@ -77,6 +83,8 @@ def build_view(name: str, model, images, labels, args):
         every = [gradient_view(model, pool_x[i * batch:(i + 1) * batch], pool_y[i * batch:(i + 1) * batch])
                  for i in range(args.members)]
         return secagg_view(every, rank=0, seed=args.seed) if name == "secagg" else aggregate_view(every)
+    if name == "dp":
+        return dp_view(model, images, labels, args.dp_plan.spec.clip, args.dp_plan.noise_multiplier, args.seed)
     raise ValueError(f"unknown view {name!r}")
 
 
@@ -144,6 +152,9 @@ def main() -> None:
     parser.add_argument("--topk-ratio", type=float, default=0.01)
     parser.add_argument("--local-steps", type=int, default=4, help="H of diloco, E of fedavg")
     parser.add_argument("--members", type=int, default=4, help="devices of secagg's and aggregate's sums")
+    parser.add_argument("--dp", default="clip=1.0,epsilon=8", help="the dp view's --dp")
+    parser.add_argument("--dp-sample-rate", type=float, default=1 / 39)
+    parser.add_argument("--dp-steps", type=int, default=78)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--data", type=Path, default=DATA)
@@ -160,6 +171,9 @@ def main() -> None:
         print(f"privacy_attack: {err}; pass --data DIR", file=sys.stderr)
         raise SystemExit(2) from None
     args.pool = (x, y)
+    args.dp_plan = plan_privacy(parse_dp(args.dp), args.dp_sample_rate, args.dp_steps, "")
+    if "dp" in args.views.split(","):
+        print(args.dp_plan.describe(), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for model_name in args.models.split(","):
@@ -175,7 +189,8 @@ def main() -> None:
             save_grid(args.out / f"{model_name}_b{batch}.png", images, pictures,
                       f"{model_name}, batch {batch}, {args.method}, {args.iterations} iterations")
     meta = {"command": " ".join(sys.argv), "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "loadavg": os.getloadavg(), "threads": args.threads, "rows": rows}
+            "loadavg": os.getloadavg(), "threads": args.threads, "rows": rows,
+            **({"dp_noise_multiplier": args.dp_plan.noise_multiplier} if "dp" in args.views.split(",") else {})}
     (args.out / "results.json").write_text(json.dumps(meta, indent=1) + "\n")
 
 

@@ -80,7 +80,12 @@ EXTRAS: dict[str, Extra] = {
     "pipeline_replicas": Extra({"pipeline_replicas": 2, "devices": 4}, ("pipeline_replicas", "pipeline-replicas"),
                                cost=2, needs={"strategy": "pipeline"}),
     "secagg": Extra({"secure_aggregation": True}, ("secure-aggregation",)),
+    "dp": Extra({"dp": "clip=1.0,noise=1.0"}, ("'dp'", "--dp"), cost=1),  # per-sample gradients
 }
+# --dp computes per-sample gradients, which BatchNorm has none of: a task's default model with it is refused before
+# any device starts (a line of its own, preflight), so a classifier trains the registry's GroupNorm model instead.
+# Regression's mlp has no BatchNorm; detection's YOLO models have it and are refused so.
+DP_MODELS = {"classification": "small_cnn_gn"}
 
 BASE = {"devices": 2, "steps": 3, "batch_size": 16, "progress": False, "eval": True, "throttle": False,
         "timeout": 60.0, "seed": 0}
@@ -131,6 +136,8 @@ def row_config(row: dict, paths: dict[str, str] | None = None) -> dict:
         cfg.update(example_config(KINDS[family][levels[family]]))
     for name, extra in EXTRAS.items():
         cfg.update(extra.on if levels[name] == "on" else extra.off)
+    if levels["dp"] == "on" and task in DP_MODELS:
+        cfg["model"] = DP_MODELS[task]
     if paths is not None and "data_dir" in cfg:
         cfg["data_dir"] = cfg["data_dir"].format(**paths)
     return cfg

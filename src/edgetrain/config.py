@@ -37,8 +37,8 @@ from edgetrain.kinds import (STRATEGIES, STRATEGY_KINDS, SYNC_KINDS, Draft, chec
                              is_user_task, owner, run_task, strategy_kind, task_kind)
 from edgetrain.spec import (DEDUP_DEFAULT_THRESHOLD, DEDUP_HASH_BITS, DEDUP_MAX_THRESHOLD, FAULT_ENV, LINK_MODES,
                             PIPELINE_SCHEDULES, CheckpointSpec, LaunchSpec, RunSpec, get_link, launch_spec,
-                            parse_compress, parse_dedup, parse_local_batch, parse_partition, parse_round_deadline,
-                            parse_server_opt, parse_sync, usage)
+                            parse_compress, parse_dedup, parse_dp, parse_local_batch, parse_partition,
+                            parse_round_deadline, parse_server_opt, parse_sync, usage)
 from edgetrain.yamlfile import read_yaml_mapping
 
 
@@ -115,6 +115,10 @@ class TrainConfig:
     batchnorm: str = _opt("local", "BatchNorm statistics: local (per device, DDP's default) or sync (over all devices: "
                           "same result as one device)", choices=("local", "sync"))
     seed: int = _opt(0, "seed for weights, shuffling and augmentation", minimum=0)
+    dp: str = _opt("off", "differential privacy: off, or clip=C with epsilon=E (a target for the run, the noise "
+                   "derived) or noise=SIGMA (a noise multiplier), [delta=1e-5], [level=sample (DP-SGD, default) or "
+                   "device (DP-FedAvg: clip each device's round update, with --sync fedavg:E)]; e.g. "
+                   "clip=1.0,epsilon=8")
 
     # communication over edge links
     compress: str = _opt("none", "gradient compression, e.g. none, fp16, topk:0.01, powersgd:2")
@@ -365,7 +369,8 @@ def resolve(cfg: TrainConfig, launch: LaunchSpec | None = None) -> RunSpec:
     task = run_task(cfg.task, cfg.dataset)
     # a task passed from Python has no descriptor: preflight checks it with the object
     task_of = None if is_user_task(task) else task_kind(task)
-    draft = Draft(cfg, compress, sync, partition, link, launch, task_of)
+    dp = parse_dp(cfg.dp)
+    draft = Draft(cfg, compress, sync, partition, link, launch, task_of, dp)
     strategy = strategy_kind(cfg.strategy)
     for kind in (compress.kind, strategy, sync.kind, task_of):
         if kind is not None:
@@ -375,6 +380,10 @@ def resolve(cfg: TrainConfig, launch: LaunchSpec | None = None) -> RunSpec:
         _check_secure_aggregation(draft)
     own = strategy.spec(draft)
     round_deadline = _check_run_wide(cfg, strategy, sync, partition)
+    if dp is not None and not dp.per_sample and not sync.kind.device_dp:
+        rounds = " or ".join(k.usage for k in SYNC_KINDS.values() if k.device_dp)
+        raise EdgetrainError(f"config key 'dp' {dp.text} clips and noises each device's round update (DP-FedAvg), "
+                             f"which --sync {sync.text} does not send; use --sync {rounds}, or --dp level=sample")
     spec = RunSpec(compress, sync, link, cfg.link_mode, cfg.strategy, own.get("tiling"), cfg.timeout, cfg.seed,
                    cfg.accelerator, cfg.batchnorm, pipeline=own.get("pipeline"),
                    fsdp_replicas=own.get("fsdp_replicas", 1), partition=partition, server_opt=server_opt,
@@ -383,7 +392,7 @@ def resolve(cfg: TrainConfig, launch: LaunchSpec | None = None) -> RunSpec:
                                              cfg.checkpoint_every_s),
                    faults=launch.faults, torchrun=launch.torchrun, tensorboard=cfg.tensorboard,
                    dedup=parse_dedup(cfg.dedup), min_devices=cfg.min_devices, task=task, local_batch=local_batch,
-                   secure_aggregation=cfg.secure_aggregation)
+                   secure_aggregation=cfg.secure_aggregation, dp=dp)
     # A cluster file's device count (or torchrun's) is only known once the devices are planned: train applies
     # with_device_count then, with the count the run will have.
     return with_device_count(cfg, spec, cfg.devices, launch) if draft.devices_known else spec
@@ -470,6 +479,8 @@ def with_device_count(cfg: TrainConfig, spec: RunSpec, n: int, launch: LaunchSpe
         (partition.local, f"--partition {partition.text} would lose a departed device's data; drop --partition"),
         (isinstance(spec.local_batch, tuple), f"local_batch {cfg.local_batch} cannot be re-split over the "
                                               f"devices that remain; use even or balanced"),
+        (spec.dp is not None, f"--dp {cfg.dp}'s noise and accountant are set up once for the devices of the start "
+                              "(re-forming the group with them is not built); drop --dp or --min-devices"),
     )
     for refused, why in refusals:
         if refused:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
 from edgetrain.errors import EdgetrainError
-from edgetrain.spec import (KINDS, CompressSpec, LaunchSpec, Link, PartitionSpec, PipelineSpec, SyncSpec,
+from edgetrain.spec import (KINDS, CompressSpec, DPSpec, LaunchSpec, Link, PartitionSpec, PipelineSpec, SyncSpec,
                             _float, _int, parse_stages, parse_tiling)
 
 
@@ -39,6 +39,7 @@ class Draft:
     link: Link | None
     launch: LaunchSpec
     task: TaskKind | None = None   # the run's task (None: one passed from Python, which has no descriptor)
+    dp: DPSpec | None = None       # --dp (None: off)
 
     @property
     def strategy(self) -> StrategyKind:
@@ -285,6 +286,7 @@ class SyncKind(Kind):
     options_hint: str = ""
     # why --secure-aggregation cannot mask its exchanges ("": each is one sum of every member's dense update)
     unmasked: str = ""
+    device_dp: bool = False         # rounds whose device updates --dp level=device clips and noises (DP-FedAvg)
 
     @property
     def lockstep(self) -> bool:
@@ -471,9 +473,38 @@ def _own_data(d: Draft) -> None:
                              "add --partition iid, dirichlet:ALPHA or shards:K")
 
 
+# --dp (privacy/dp.py): noise added once to a sum protects every device's share only if that share enters the sum
+# as it is, its norm bounded by the clipping: a compressor (top-k's choice, a quantiser's rounding, error feedback
+# carrying a device's earlier updates into later ones) would leave the devices without noise unprotected.
+
+def _dp_noise_once_on_the_plain_sum(d: Draft) -> None:
+    """Synchronous steps: DP-SGD's noise is added once to the global batch's clipped sum (on rank 0)."""
+    if d.dp is not None and d.dp.per_sample and not d.compress.kind.plain:
+        raise EdgetrainError(f"config key 'dp' {d.dp.text} adds its noise once to the sum of every device's clipped "
+                             f"gradients, which --compress {d.compress.text} would change on the devices that add "
+                             f"none; use --compress none, or --sync local:H / fedavg:E (each device noises its own "
+                             f"steps, and any compressor then only post-processes them)")
+
+
+def _device_dp_on_plain_updates(d: Draft) -> None:
+    """DP-FedAvg: each member's clipped update enters the round's sum as it is, once."""
+    if d.dp is None or d.dp.per_sample:
+        return
+    if not d.compress.kind.plain:
+        raise EdgetrainError(f"config key 'dp' {d.dp.text} adds its noise once to the round's sum of clipped "
+                             f"updates, which --compress {d.compress.text} would change on the devices that add "
+                             f"none; use --compress none")
+    if d.sync.scaffold or d.sync.weighted:
+        what = "SCAFFOLD's control variates travel unclipped and un-noised" if d.sync.scaffold else \
+            "weighting by sample counts scales a device's clipped update past the clipping norm"
+        raise EdgetrainError(f"config key 'dp' {d.dp.text} (device level) does not apply to --sync {d.sync.text}: "
+                             f"{what}; drop :{'scaffold' if d.sync.scaffold else 'weighted'}")
+
+
 _T = "edgetrain.plan.traffic:"
 SyncKind(name="sync", usage="sync", summary="synchronous DDP (default); every compressor",
          parse=_parse_sync, accepts=_any_compressor, timing="lockstep", elastic=True,
+         checks=(_dp_noise_once_on_the_plain_sum,),
          runtime="edgetrain.comm.sync:build", planner=_T + "synchronous")
 SyncKind(name="local", usage="local:H", example="local:2",
          summary="local SGD, average every H steps; local:H:nesterov[:lr=0.7][:momentum=0.9] (or diloco:H[:lr=]"
@@ -506,7 +537,8 @@ SyncKind(name="fedavg", usage="fedavg:E", example="fedavg:steps=2",
                  "--partition",
          parse=_parse_fedavg, accepts=_model_deltas, timing="periodic", rounds=True, needs_partition=True,
          options=("server_opt", "participation"), options_hint="applies to federated rounds only; add --sync fedavg:E",
-         checks=(_own_data,), runtime="edgetrain.comm.federated:build", planner=_T + "federated")
+         device_dp=True, checks=(_own_data, _device_dp_on_plain_updates), runtime="edgetrain.comm.federated:build",
+         planner=_T + "federated")
 
 
 def check_secure_aggregation(d: Draft) -> None:
@@ -661,6 +693,21 @@ def _pipeline(d: Draft) -> dict:
     return {"pipeline": pipeline}
 
 
+def _refuses_dp(why: str) -> Check:
+    """``--dp`` clips each sample's whole gradient: a strategy whose devices each hold part of it refuses it."""
+    def check(d: Draft) -> None:
+        if d.dp is not None:
+            raise EdgetrainError(f"config key 'dp' {d.dp.text} does not apply to strategy {d.cfg.strategy}: {why}; "
+                                 f"use --strategy ddp")
+    return check
+
+
+_DP_TILED = _refuses_dp("a sample's gradient is summed over its tiles on every device, never whole on one, so it "
+                        "cannot be clipped per sample")
+_DP_POOLED = _refuses_dp("each device holds part of the parameters, so a sample's gradient norm spans devices and "
+                         "per-sample clipping would need an exchange per sample (not built)")
+
+
 _S = "edgetrain.plan.strategies:"
 StrategyKind(name="ddp", usage="ddp", summary="data parallel: every device a replica on its share of the batch, "
                                               "replicas agreeing as --sync and --compress say",
@@ -670,7 +717,7 @@ StrategyKind(name="tiled", usage="tiled", example="tiled --grid 1x2",
                      "them; every device reads the whole batch",
              runtime="edgetrain.train.strategy:Tiled", shards_batch=False,
              own_exchanges="halo, feature-map and gradient exchanges", options=("grid", "groups"),
-             checks=(_tiled_checks,), spec=_tiling,
+             checks=(_tiled_checks, _DP_TILED), spec=_tiling,
              unplanned="edgetrain plan has no model of strategy tiled (its halo and feature-map exchanges are not "
                        "modelled); measure it with edgetrain train --strategy tiled, or plan ddp, fsdp or pipeline")
 StrategyKind(name="fsdp", usage="fsdp", summary="parameters, gradients and optimizer state sharded over the devices "
@@ -678,13 +725,13 @@ StrategyKind(name="fsdp", usage="fsdp", summary="parameters, gradients and optim
                                                 "diloco:H between them",
              runtime="edgetrain.train.fsdp:FullyShardedDataParallel", planner=_S + "fsdp_strategy", pooled=True,
              own_exchanges="parameter all-gathers and gradient reduce-scatters", options=("fsdp_replicas",),
-             checks=(_fsdp_checks,), spec=_fsdp)
+             checks=(_fsdp_checks, _DP_POOLED), spec=_fsdp)
 StrategyKind(name="pipeline", usage="pipeline",
              summary="the model's layers split into stages, one per device (--stages, --microbatches, "
                      "--pipeline-schedule, --pipeline-replicas); every device reads the whole batch",
              runtime="edgetrain.train.pipeline:Pipeline", planner=_S + "pipeline_strategy", shards_batch=False,
              pooled=True, own_exchanges="activation and gradient sends between stages",
-             options=("stages", "pipeline_replicas"), checks=(_pipeline_checks,), spec=_pipeline)
+             options=("stages", "pipeline_replicas"), checks=(_pipeline_checks, _DP_POOLED), spec=_pipeline)
 
 
 # ---------------------------------------------------------------- tasks

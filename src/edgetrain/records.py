@@ -6,6 +6,8 @@ Files of a run directory and the record each line or file holds:
   (step, rank) when the run ends; while it runs each device appends its own
   lines to ``metrics-<rank>.jsonl`` (see ``train.loop``);
 - ``evals.jsonl``: one ``EvalRecord`` per evaluation, appended as it happens;
+- ``evals.jsonl`` of a ``--dp`` run: each evaluation's epsilon so far, and ``summary.json`` the run's
+  ``PrivacyRecord``;
 - ``membership.jsonl``: one ``MembershipRecord`` per membership change of an
   elastic run (``--min-devices``, train/elastic.py), appended as it happens;
 - ``summary.json``: one ``RunSummary`` (with a ``DeviceSummary`` per device,
@@ -271,14 +273,43 @@ class EvalRecord(Record):
     test_loss: float
     test_accuracy: float | None = None
     metrics: dict[str, float] | None = None   # None: a run before tasks (its test_accuracy says it all)
+    epsilon: float | None = None   # --dp: the privacy spent so far, at the run's delta (PrivacyRecord)
 
-    omit_when_none: ClassVar[tuple[str, ...]] = ("metrics",)
+    omit_when_none: ClassVar[tuple[str, ...]] = ("metrics", "epsilon")
 
     def values(self) -> dict[str, float]:
         """Every metric of the evaluation by name (a run before tasks: its accuracy)."""
         if self.metrics is not None:
             return dict(self.metrics)
         return {} if self.test_accuracy is None else {"accuracy": self.test_accuracy}
+
+
+@dataclass
+class PrivacyRecord(Record):
+    """``--dp`` (privacy/dp.py): the guarantee a run's training gives, as its accountant reports it.
+
+    ``level``: ``sample`` (DP-SGD: a training sample's influence) or ``device`` (DP-FedAvg: a device's whole
+    data). ``events``: the steps (sample) or rounds (device) accounted; ``sample_rate``: the chance of a sample
+    (a device) to be in one; ``epsilon``: at ``delta`` after them (None: no noise, no guarantee);
+    ``guarantee``: who it protects against what, in words."""
+
+    level: str
+    clip: float
+    noise_multiplier: float
+    delta: float
+    epsilon: float | None
+    sample_rate: float
+    events: int
+    accountant: str
+    guarantee: str
+    target_epsilon: float | None = None   # --dp epsilon=E: the target the noise multiplier was derived for
+
+    def describe(self) -> str:
+        eps = "infinite (no noise)" if self.epsilon is None else f"{self.epsilon:.3g}"
+        unit = "steps" if self.level == "sample" else "rounds"
+        return (f"differential privacy ({self.level} level): epsilon {eps} at delta {self.delta:g} after "
+                f"{self.events} {unit} (noise multiplier {self.noise_multiplier:.4g}, clip {self.clip:g}, sampling "
+                f"rate {self.sample_rate:.4g}, {self.accountant.upper()} accountant); {self.guarantee}")
 
 
 @dataclass
@@ -431,10 +462,11 @@ class RunSummary(Record):
     details: dict = field(default_factory=dict)
     checkpoint: str | None = None
     clipped_boxes: int | None = None    # detection labels whose box passed the image's edge, clipped to it
+    privacy: PrivacyRecord | None = None  # --dp: the guarantee of the run
 
     details_field: ClassVar[str | None] = "details"
     omit_when_none: ClassVar[tuple[str, ...]] = ("energy_j_per_epoch", "task", "train_metrics", "test_metrics",
-                                                 "clipped_boxes")
+                                                 "clipped_boxes", "privacy")
 
 
 def modelled_throughput(s: RunSummary) -> dict | None:

@@ -41,6 +41,8 @@ pipeline stages 1, 2, ... start), ``--microbatches M``, ``--pipeline-schedule gp
 indices) make a ``TilingSpec``; whether they fit a model is checked on the
 model (``tiling.strategy.plan_section``), not here.
 
+``--dp clip=C,epsilon=E|noise=SIGMA[,delta=D][,level=sample|device]`` makes a ``DPSpec`` (privacy/dp.py runs it).
+
 ``--checkpoint-every``, ``--checkpoint-every-s``, ``--keep-checkpoints`` and ``--resume`` make a
 ``CheckpointSpec`` (train/checkpoint.py); the ``EDGETRAIN_FAULT``
 environment variable (``kill|stop|disconnect:rank=R:step=S``, several
@@ -644,6 +646,73 @@ def launch_spec(environ: Mapping[str, str]) -> LaunchSpec:
     return LaunchSpec("WORLD_SIZE" in environ, parse_faults(environ.get(FAULT_ENV)))
 
 
+# ---------------------------------------------------------------- --dp
+
+DP_LEVELS = ("sample", "device")
+DP_DEFAULT_DELTA = 1e-5
+DP_USAGE = ("--dp clip=C,epsilon=E or clip=C,noise=SIGMA[,delta=D][,level=sample|device], e.g. --dp clip=1.0,"
+            "epsilon=8 (the noise derived for the run) or --dp clip=1.0,noise=1.1")
+
+
+@dataclass(frozen=True)
+class DPSpec:
+    """``--dp``: differential privacy (privacy/dp.py). ``level`` ``sample``: DP-SGD, each sample's gradient
+    clipped to ``clip`` and Gaussian noise of ``noise`` x ``clip`` added to each step's sum; ``device``:
+    DP-FedAvg, each device's round update clipped to ``clip`` and the noise added once to the round's sum.
+    Exactly one of ``epsilon`` (the target: the noise multiplier is derived for the run) and ``noise`` (the
+    multiplier) is set; ``delta`` is the guarantee's delta."""
+
+    clip: float
+    epsilon: float | None = None
+    noise: float | None = None
+    delta: float = DP_DEFAULT_DELTA
+    level: str = "sample"
+    text: str = ""
+
+    @property
+    def per_sample(self) -> bool:
+        return self.level == "sample"
+
+
+def parse_dp(text: str | None) -> DPSpec | None:
+    """``off`` (or None) -> None; else ``clip=C`` and ``epsilon=E`` or ``noise=SIGMA``, optionally ``delta=D`` and
+    ``level=sample|device``, comma- or colon-separated."""
+    value = str(text if text is not None else "off").strip().lower()
+    if value in ("off", "none", "no", "false", ""):
+        return None
+    fields: dict[str, str] = {}
+    for token in re.split(r"[,:]", value):
+        key, eq, number = token.strip().partition("=")
+        if not eq or key not in ("clip", "epsilon", "noise", "delta", "level") or key in fields:
+            raise EdgetrainError(f"--dp {text!r}: {'repeated' if key in fields else 'unknown'} option {token!r}; "
+                                 f"write {DP_USAGE}")
+        fields[key] = number.strip()
+    level = fields.pop("level", "sample")
+    if level not in DP_LEVELS:
+        raise EdgetrainError(f"--dp level={level} is neither sample (DP-SGD) nor device (DP-FedAvg); e.g. --dp "
+                             "level=device,clip=0.5,noise=1.0 with --sync fedavg:E")
+    numbers = {k: _dp_number(k, v, text) for k, v in fields.items()}
+    if "clip" not in numbers or ("epsilon" in numbers) == ("noise" in numbers):
+        raise EdgetrainError(f"--dp {text!r} needs a clipping norm and exactly one of epsilon= (a target) and noise= "
+                             f"(a noise multiplier); write {DP_USAGE}")
+    if numbers["clip"] <= 0 or numbers.get("epsilon", 1.0) <= 0 or numbers.get("noise", 1.0) < 0 \
+            or not 0 < numbers.get("delta", DP_DEFAULT_DELTA) < 1:
+        raise EdgetrainError(f"--dp {text!r} is out of range: clip > 0, epsilon > 0, noise >= 0 and delta in (0, 1); "
+                             f"e.g. --dp clip=1.0,epsilon=8")
+    return DPSpec(numbers["clip"], numbers.get("epsilon"), numbers.get("noise"),
+                  numbers.get("delta", DP_DEFAULT_DELTA), level, value)
+
+
+def _dp_number(key: str, value: str, text: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
+    if not math.isfinite(number):
+        raise EdgetrainError(f"--dp {key}= needs a finite number, got {value!r} in {text!r}; write {DP_USAGE}")
+    return number
+
+
 # ---------------------------------------------------------------- dedup
 
 # ``--dedup``: a perceptual hash of HASH_BITS bits per image (data/dedup.py); images whose hashes differ in at
@@ -736,7 +805,10 @@ class RunSpec:
     checks: data/device_data.py); ``server_opt`` or ``participation`` without ``sync: fedavg``;
     ``round_deadline`` without ``sync: local`` or ``fedavg`` (no rounds to bound);
     ``tensorboard`` where the tensorboard package is not installed; ``secure_aggregation`` with what it cannot mask
-    (``kinds.check_secure_aggregation``).
+    (``kinds.check_secure_aggregation``); ``dp`` with strategy tiled, fsdp or pipeline
+    (a sample's gradient is never whole on one device), with ``sync: sync`` and a compressor (the noise is
+    added once to the plain sum), at level device without a sync mode of ``device_dp`` (fedavg) or with
+    SCAFFOLD, weights or a compressor, and with ``min_devices``.
     """
 
     compress: CompressSpec
@@ -765,3 +837,4 @@ class RunSpec:
                                  # a task passed from Python as ``module:QualName``. Set by ``config.resolve``
     local_batch: str | tuple[int, ...] = "even"   # --local-batch: even, balanced or every device's batch
     secure_aggregation: bool = False  # mask every device's update in the sums of --sync (comm/secagg.py)
+    dp: DPSpec | None = None     # --dp: differential privacy (DP-SGD or DP-FedAvg); None: off

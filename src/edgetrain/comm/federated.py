@@ -142,6 +142,20 @@ def corrected_gradient(gradient: torch.Tensor, local: torch.Tensor, global_model
     return out
 
 
+def clipped_update(update: torch.Tensor, clip: float, noise_multiplier: float, generator: torch.Generator,
+                   noise_here: bool) -> tuple[torch.Tensor, bool]:
+    """DP-FedAvg's device side (McMahan et al., "Learning Differentially Private Recurrent Language Models",
+    ICLR 2018): ``update`` scaled to norm ``clip`` at most, plus ``N(0, (noise_multiplier clip)^2)`` per
+    coordinate where ``noise_here`` (one device of the round: the noise enters the sum once); and whether the
+    clip shortened it."""
+    norm = float(update.norm())
+    out = update * min(1.0, clip / (norm + 1e-12))
+    if noise_here and noise_multiplier > 0:
+        drawn = torch.randn(out.shape, generator=generator, dtype=out.dtype)  # a CPU generator: drawn there
+        out = out + noise_multiplier * clip * drawn.to(out.device)
+    return out, norm > clip
+
+
 @named_by_kind("sync", builder="build")
 class FederatedAveraging(LocalSGD):
 
@@ -164,6 +178,8 @@ class FederatedAveraging(LocalSGD):
         self.members_per_round: list[int] = []
         self.weighted = weighted
         self.reset_client_optimizer = reset  # the strategy clears its state when ``averages`` moves on
+        self.dp: tuple[float, float, torch.Generator] | None = None   # DP-FedAvg: clip, noise, generator
+        self.dp_clipped = 0                                            # this device's updates the clip shortened
         self.own_samples: tuple[int, float] | None = None   # (n_i, s_i), set by the loop once the data is built
         self.samples: list[int] | None = None                # every device's n_i, gathered at the first round
         self.loss_scales: list[float] | None = None
@@ -200,8 +216,17 @@ class FederatedAveraging(LocalSGD):
             p.grad = g
         unflatten(corrected, [p.grad for p in self.params])
 
+    def privatise_updates(self, clip: float, noise_multiplier: float, seed: int) -> None:
+        """DP-FedAvg (``--dp level=device``): from now on each member's update is clipped to norm ``clip`` and
+        the round's lowest-ranked member adds ``N(0, (noise_multiplier clip)^2)`` to its own, so the round's sum
+        holds the noise once (``clipped_update``)."""
+        self.dp = (clip, noise_multiplier, torch.Generator().manual_seed(seed))
+
     def _average(self, members: list[int]) -> None:
         update = self.ref.detach() - flatten(self.params)
+        if self.dp is not None and self.rank in members:
+            update, shortened = clipped_update(update, *self.dp, noise_here=self.rank == members[0])
+            self.dp_clipped += int(shortened)
         if self.weighted:
             self._gather_samples()
             if self.rank in members:
@@ -232,7 +257,8 @@ class FederatedAveraging(LocalSGD):
                 "participants_per_round_mean": (float(np.mean(self.members_per_round)) if self.members_per_round
                                                 else None),
                 "prox_mu": self.prox_mu, "scaffold": self.scaffold, "weighted": self.weighted,
-                "client_optimizer_reset": self.reset_client_optimizer}
+                "client_optimizer_reset": self.reset_client_optimizer,
+                **({"dp_updates_clipped": self.dp_clipped} if self.dp is not None else {})}
 
 
 def build(setup: SyncSetup) -> FederatedAveraging:

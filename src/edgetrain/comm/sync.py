@@ -64,7 +64,8 @@ from edgetrain.comm.allreduce import allreduce_hook
 from edgetrain.comm.compress.powersgd import PowerSGDHookState
 from edgetrain.comm.emulation import LinkEmulator
 from edgetrain.comm.hook import CompressionState
-from edgetrain.comm.params import average_buffers, broadcast_model
+from edgetrain.comm.exchange import average
+from edgetrain.comm.params import average_buffers, broadcast_model, flatten, unflatten
 from edgetrain.kinds import named_by_kind
 
 if TYPE_CHECKING:
@@ -252,10 +253,24 @@ class Synchronous(SyncMode):
     def __init__(self, model: nn.Module, world_size: int, stats: CommStats | None = None, hook=None,
                  hook_state=None, broadcast_buffers: bool = True, bucket_cap_mb: float = 25.0,
                  emulator: LinkEmulator | None = None, clock_group=None, spec: str = "sync",
-                 compress: str = "none", secure=None):
+                 compress: str = "none", secure=None, after_backward_codec: tuple | None = None, group=None):
         if emulator is None:
             emulator = LinkEmulator(None, dist.get_rank() if dist.is_initialized() else 0, stats)
         super().__init__(model, world_size, emulator, clock_group, spec, compress)
+        # DP-SGD (--dp): the gradients are averaged once backward is over and each sample's has been clipped and
+        # the noise added (train/strategy.py), through ``exchange.average`` with this (compressor, memory), not
+        # by DDP during backward
+        self.after_backward_codec = after_backward_codec if world_size > 1 else None
+        self.secure = secure
+        self._buffer_group = clock_group
+        if self.after_backward_codec is not None:
+            self.group = group
+            self._start_together(model, group)
+            self.model = model
+            self.ddp_allreduce = self.overlapping = False
+            self.hook_state = None
+            self._watch(self.model)
+            return
         self.ddp_allreduce = world_size > 1 and hook is None
         # collectives that run during backward instead of blocking in the hook
         self.overlapping = self.ddp_allreduce or (world_size > 1 and hook is allreduce_hook)
@@ -309,10 +324,22 @@ class Synchronous(SyncMode):
         self._last_gradient_s = time.perf_counter()
 
     def after_backward(self, step: int) -> None:
+        if self.after_backward_codec is not None:
+            self._average_gradients()
         if self.ddp_allreduce:
             self.stats.counted(self._ddp_step_bytes, launched_at=self._last_gradient_s)
         if self.overlapping:  # the clock's blocked time: the wait backward did not hide, from the last launch
             self.emulator.blocked(max(0.0, time.perf_counter() - self.stats.last_launch))
+
+    def _average_gradients(self) -> None:
+        """Every device's gradients replaced by their mean over the devices (fp32, one exchange)."""
+        compressor, memory = self.after_backward_codec
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        mean = average(flatten(grads), compressor, memory, self.emulator, key="gradients", group=self.group,
+                       segments=self.segments, secure=self.secure)
+        for p, g in zip(self.params, grads):
+            p.grad = g
+        unflatten(mean, grads)
 
     def step_metrics(self) -> dict:
         metrics = super().step_metrics()
@@ -327,6 +354,10 @@ def build(setup: SyncSetup) -> Synchronous:
 
     spec, hook, state = setup.spec, None, None
     secure = setup.secure_sum()
+    if spec.dp is not None and spec.dp.per_sample and setup.distributed:
+        # DP-SGD: the gradients are averaged after per-sample clipping and noise, not by DDP during backward
+        return Synchronous(setup.model, setup.world_size, emulator=setup.emulator, secure=secure,
+                           after_backward_codec=setup.compressor(), group=setup.averaging_group(), **setup.common)
     # uncompressed, no link to charge and nothing to mask: no hook, DDP's own all-reduce (Synchronous counts its
     # bytes)
     if setup.distributed and (not spec.compress.kind.plain or setup.emulator.links is not None or secure):

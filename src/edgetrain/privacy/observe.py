@@ -20,7 +20,8 @@ The views here:
   (``comm/secagg.py``), masked with the other members' pairwise masks, decoded
   at the members' shared scale as a peer on the ring would;
 * ``aggregate_view``: what secure aggregation reveals, the mean of the members'
-  updates: one device's batch hidden in a batch of N.
+  updates: one device's batch hidden in a batch of N;
+* ``dp_view``: one DP-SGD step's gradient (``--dp``, ``privacy/dp.py``'s ``SampleDP``).
 """
 from __future__ import annotations
 
@@ -90,6 +91,21 @@ def compressed_view(observed: ObservedUpdate, compressor: Compressor, memory) ->
     decoded = compressor.decode(received)
     memory.update(compensated, decoded)
     return ObservedUpdate(decoded, observed.training, decoded != 0)
+
+
+def dp_view(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, clip: float, noise_multiplier: float,
+            seed: int = 0) -> ObservedUpdate:
+    """One DP-SGD step's gradient of the batch: each sample's clipped to ``clip``, summed, ``N(0, (noise_multiplier
+    clip)^2)`` added, divided by the batch (the trainer's ``SampleDP``, on a copy of ``model``)."""
+    from edgetrain.privacy.dp import SampleDP  # Opacus: imported for this view only
+
+    local = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(local.parameters(), lr=1.0)
+    private = SampleDP(local, clip, noise_multiplier, noise_here=True, expected_batch=len(images), seed=seed)
+    private.zero_grad(optimizer)
+    nn.functional.cross_entropy(local(images), labels, reduction="sum").backward()
+    private.privatise(optimizer)
+    return ObservedUpdate(flatten([p.grad for p in local.parameters()]))
 
 
 def local_update_view(model: nn.Module, images: torch.Tensor, labels: torch.Tensor,

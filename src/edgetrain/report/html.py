@@ -159,6 +159,7 @@ def headline(d: RunSummary | BenchResult, peak: tuple[float, str] | None = None
                          f"samples/s, communication+waiting {modelled['comm_fraction']:.0%} of the step; "
                          f"the other figures are this host's")
         notes += [clipped_note(d.clipped_boxes)] if d.clipped_boxes else []
+        notes += [d.privacy.describe()] if d.privacy is not None else []
         notes += stall_lines(d)  # each device's data stall and DS-Analyzer's what-ifs (modelled)
         achieved = achieved_note(d, peak)
         notes += [achieved] if achieved else []

@@ -59,6 +59,8 @@ def print_train_summary(summary: dict | RunSummary, console: Console | None = No
                       f"are this host's", highlight=False)
     if s.clipped_boxes:
         console.print(clipped_note(s.clipped_boxes), highlight=False)
+    if s.privacy is not None:
+        console.print(s.privacy.describe(), highlight=False)
     headline = s.task.headline_metric if s.task else None
     if headline is not None and s.test_accuracy is None:  # not a classifier: the headline its task record names
         value = (s.test_metrics or {}).get(headline.name)

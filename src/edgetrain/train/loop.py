@@ -29,7 +29,8 @@ from edgetrain.cluster.faults import inject_fault
 from edgetrain.cluster.launch import loader_worker_init
 from edgetrain.cluster.limits import DeviceLimits, device_limits
 from edgetrain.cluster.network import choose_gloo_interface, deadline, describe_gloo_interface
-from edgetrain.cluster.peers import admit_peers, check_rank_environment, gather_json, local_placement
+from edgetrain.cluster.peers import (admit_peers, all_gather_json, check_rank_environment, gather_json,
+                                    local_placement)
 from edgetrain.cluster.profiles import DeviceSpec
 from edgetrain.cluster.throttle import Throttle, assign_cores, keep_freed_memory, page_faults, peak_rss_mb, pin
 from edgetrain.comm.accounting import CommStats
@@ -44,7 +45,9 @@ from edgetrain.errors import EdgetrainError, Terminated
 from edgetrain.models import build_model, count_parameters, register_model
 from edgetrain.models.batchnorm import local_batchnorm
 from edgetrain.models.init import build_on_meta
-from edgetrain.records import DeviceSummary, EnergyRecord, EvalRecord, MembershipRecord, RunSummary, StepRecord
+from edgetrain.privacy.dp import PrivacyPlan
+from edgetrain.records import (DeviceSummary, EnergyRecord, EvalRecord, MembershipRecord, PrivacyRecord, RunSummary,
+                               StepRecord)
 from edgetrain.report.files import atomic_write, save_torch, write_json
 from edgetrain.tasks import Task, build_task, task_record
 from edgetrain.tasks.base import sum_totals
@@ -217,6 +220,7 @@ class RunOutcome:
     wall_s: float
     evals: list[EvalRecord]
     membership: list[MembershipRecord]
+    privacy: PrivacyRecord | None = None
 
 
 class RunWriter:
@@ -319,7 +323,7 @@ class RunWriter:
             peak_rss_mb_max=max(d.peak_rss_mb for d in per_device),
             wall_time_s=run.wall_s, batchnorm=strategy.context.spec.batchnorm, per_device=per_device,
             checkpoint=FINAL_DIR if strategy.pooled else FINAL_FILE,
-            clipped_boxes=data.details.get("clipped_boxes"),
+            clipped_boxes=data.details.get("clipped_boxes"), privacy=run.privacy,
             details={**strategy.summary(), **{k: v for k, v in data.details.items() if k != "clipped_boxes"},
                      **({"partition": run.partition.to_dict()} if run.partition else {})},
         ).to_dict()
@@ -474,6 +478,7 @@ class DeviceRun:
         self.total_steps = int(min(cfg.steps or math.inf, cfg.epochs * len(self.sampler)))
         self.epochs = math.ceil(self.total_steps / len(self.sampler))
         self.optimizer, self.scheduler = make_optimizer(cfg, self.strategy.parameters(), self.total_steps)
+        self.privacy = self._make_private()
         self.writer = RunWriter(self.plan.run_dir, at.device_id, self.spec.tensorboard)
         phase(cfg, rank, f"training: {self.total_steps} steps, {self.epochs} epoch(s)")
         self.recorder = StepRecorder(self.stats, at.device_id)
@@ -489,6 +494,20 @@ class DeviceRun:
                                   sensors=Sensors(power_file=cfg.power_file))
         self.energy.start()
         self.first_record = len(state.records)
+
+    def _make_private(self) -> PrivacyPlan | None:
+        """``--dp``: the strategy trains privately; the plan says the noise and counts epsilon (privacy/dp.py).
+        A sample's chance to be in a step's batch is ``1 / steps per epoch`` on its device, the largest over the
+        devices (a collective: every device agrees on it, hence on a derived noise multiplier)."""
+        dp = self.spec.dp
+        if dp is None:
+            return None
+        rate = 1 / len(self.sampler)
+        if self.world > 1:
+            rate = max(all_gather_json(rate))
+        plan = self.strategy.make_private(dp, min(rate, 1.0), self.total_steps)
+        phase(self.cfg, self.rank, plan.describe())
+        return plan
 
     def memory_limit_mb(self) -> int | None:
         """Checked against peak RSS unless the kernel holds the device to its memory (--device-limits cgroup):
@@ -560,13 +579,16 @@ class DeviceRun:
         if isinstance(metrics, tuple):  # a strategy of one's own may give a classifier's (loss, accuracy)
             metrics = {"loss": metrics[0], "accuracy": metrics[1]}
         test_loss = metrics.pop("loss")
+        epsilon = self.privacy.epsilon(self.strategy.privacy_events()) if self.privacy else math.nan
         state.evals.append(EvalRecord(epoch=epoch, step=state.step, test_loss=test_loss,
-                                      test_accuracy=metrics.get("accuracy"), metrics=metrics))
+                                      test_accuracy=metrics.get("accuracy"), metrics=metrics,
+                                      epsilon=epsilon if math.isfinite(epsilon) else None))
         if self.rank == 0:
             self.writer.evaluation(state.evals[-1])
         headline = self.task.headline
+        spent = "" if self.privacy is None else f", epsilon {epsilon:.3g} (delta {self.privacy.spec.delta:g})"
         _note(self.bar, self.rank, f"epoch {epoch + 1}/{self.epochs}: test {headline.label or headline.name} "
-                                   f"{headline.format(metrics[headline.name])}, loss {test_loss:.3f}")
+                                   f"{headline.format(metrics[headline.name])}, loss {test_loss:.3f}{spent}")
 
     def finish(self) -> dict | None:
         """The final exchange and model, every device's records and summary to rank 0, the group left."""
@@ -631,7 +653,8 @@ class DeviceRun:
         return RunOutcome(self.cfg, self.strategy, self.optimizer, self.data, self.params, self.flops_per_sample,
                           self.partition, self.spec.task, self.world, self.local_batches, state.step,
                           state.planned_steps, time.perf_counter() - state.started, state.evals,
-                          self.membership.history() or [])
+                          self.membership.history() or [],
+                          self.privacy.record(self.strategy.privacy_events()) if self.privacy else None)
 
 
 def _note(bar, rank: int, text: str) -> None:

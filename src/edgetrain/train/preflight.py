@@ -56,6 +56,8 @@ def check_before_launch(cfg: TrainConfig, spec: RunSpec, model: Any = None, task
             raise EdgetrainError(f"--partition {spec.partition.text} skews class labels, which task {kind.name} "
                                  f"does not have; use --partition iid")
     data = check_task(cfg, model, task, name) if kind is None or kind.check_batch else built
+    if spec.dp is not None:
+        check_private(cfg, model)
     if spec.tiling is None and spec.pipeline is None:
         return data
     if data is None and cfg.dataset not in DATASET_SHAPES:  # the user's data: its shape is its own
@@ -75,6 +77,19 @@ def check_before_launch(cfg: TrainConfig, spec: RunSpec, model: Any = None, task
         if not cfg.cluster and not spec.torchrun:  # else the devices check it, knowing their number
             stage_bounds(spec.pipeline, pipeline_layers(model), cfg.devices // spec.pipeline.replicas)
     return data
+
+
+def check_private(cfg: TrainConfig, model: Any) -> None:
+    """``--dp``: a model whose per-sample gradients Opacus can compute (no BatchNorm), built on the meta device."""
+    from edgetrain.privacy.dp import batchnorm_refusal  # here: its Opacus import is for --dp runs only
+
+    name = cfg.model if model is None else type(model).__name__
+    if model is None:
+        with torch.device("meta"):
+            model = build_model(cfg.model)
+    refusal = batchnorm_refusal(model, name)
+    if refusal:
+        raise EdgetrainError(refusal)
 
 
 def check_task(cfg: TrainConfig, model: Any, task: Any, name: str):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import gc
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +23,8 @@ from edgetrain.errors import EdgetrainError
 from edgetrain.kinds import named_by_kind, strategy_kind
 from edgetrain.models.batchnorm import convert_batchnorm
 from edgetrain.models.init import materialise
-from edgetrain.spec import RunSpec
+from edgetrain.privacy.dp import PrivacyPlan, SampleDP, plan_privacy
+from edgetrain.spec import DPSpec, RunSpec
 from edgetrain.tasks.base import Task
 from edgetrain.tasks.classification import ClassificationTask
 from edgetrain.tiling import TiledTraining
@@ -123,6 +125,16 @@ class Strategy(abc.ABC):
     def summary(self) -> dict:
         return {}
 
+    def make_private(self, dp: DPSpec, sample_rate: float, total_steps: int) -> PrivacyPlan:
+        """``--dp``, after ``setup``, every device: train privately from the next step on and return the run's
+        ``PrivacyPlan`` (``sample_rate``: a sample's chance to be in one step's batch, the largest over the
+        devices). The built-in strategies that cannot refuse it beside their kind (edgetrain.kinds)."""
+        raise EdgetrainError(f"strategy {self.name} does not train with --dp; use --strategy ddp, or drop --dp")
+
+    def privacy_events(self) -> int:
+        """The steps (or rounds) the accountant has counted so far."""
+        raise NotImplementedError
+
     def state_dict(self) -> dict:
         """This device's part of a checkpoint (train/checkpoint.py), beside optimizer and RNG: the model,
         and whatever else the strategy keeps between steps (override both methods to add it)."""
@@ -186,6 +198,38 @@ class DataParallel(Strategy):
         self.model = model
         self.sync = build_sync(self.model, c.spec, c.rank, c.world, c.stats, c.link, c.steps_per_epoch)
         self.steps = 0
+        self.dp: SampleDP | None = None
+
+    def make_private(self, dp: DPSpec, sample_rate: float, total_steps: int) -> PrivacyPlan:
+        """DP-SGD (``dp.per_sample``) or DP-FedAvg. DP-SGD with steps in lockstep adds the noise once, on rank 0,
+        to the global batch's clipped sum, which the devices then average (``sync.after_backward``): N devices
+        are one DP-SGD run of the global batch. Modes that step each device alone add it on every device:
+        each device's steps are DP-SGD of its own batch (a device's data is protected by its own noise)."""
+        c = self.context
+        if dp.per_sample:
+            once = self.sync.kind.lockstep
+            who = ("each device's share masked (--secure-aggregation)" if c.spec.secure_aggregation else
+                   "trusts the devices that sum the gradients")
+            guarantee = ("each training sample, the devices' steps together one DP-SGD run of the global batch "
+                         f"(noise added once per step); {who}"
+                         if once and c.world > 1 else
+                         "each training sample, against anyone who sees a device's updates or the model (each "
+                         "device's steps are DP-SGD on its own batch, with its own noise)")
+            plan = plan_privacy(dp, sample_rate, total_steps, guarantee)
+            self.dp = SampleDP(self.model, dp.clip, plan.noise_multiplier, noise_here=not once or c.rank == 0,
+                               expected_batch=c.cfg.batch_size / c.world, seed=_noise_seed(c.spec.seed, c.rank))
+            return plan
+        rounds = math.ceil(total_steps / self.sync.period)
+        sampled = len(self.sync.sampled_ranks()) / c.world
+        who = ("each device's update masked (--secure-aggregation)" if c.spec.secure_aggregation else
+               "trusts the devices that sum the updates")
+        guarantee = f"each device's whole data (DP-FedAvg: updates clipped, noise added once to the round's sum); {who}"
+        plan = plan_privacy(dp, sampled, rounds, guarantee)
+        self.sync.privatise_updates(dp.clip, plan.noise_multiplier, _noise_seed(c.spec.seed, c.rank))
+        return plan
+
+    def privacy_events(self) -> int:
+        return self.steps if self.dp is not None else self.sync.averages
 
     def data_ready(self, samples: int) -> None:
         # federated rounds weighted by sample counts (fedavg:E:weighted) need every device's
@@ -204,9 +248,15 @@ class DataParallel(Strategy):
             return StepResult(0.0, {}, 0, time.perf_counter() - started, self.sync.step_metrics())
         collectives = c.stats.snapshot()["collectives"]
         optimizer.zero_grad(set_to_none=True)
+        if self.dp is not None:
+            self.dp.zero_grad(optimizer)
         out = self.sync.model(x)
         loss_sum = c.task.loss(out, y)
-        (loss_sum * (c.world / c.cfg.batch_size)).backward()
+        if self.dp is None:
+            (loss_sum * (c.world / c.cfg.batch_size)).backward()
+        else:  # each sample's own gradient, clipped and noised: the loss scaling is DP-SGD's division
+            loss_sum.backward()
+            self.dp.privatise(optimizer)
         t_backward = time.perf_counter()
         self.sync.after_backward(self.steps)
         t_after_backward = time.perf_counter()
@@ -261,6 +311,11 @@ class DataParallel(Strategy):
         super().load_state_dict(state)
         self.sync.load_state_dict(state["sync"])
         self.steps = state["steps"]
+
+
+def _noise_seed(seed: int, rank: int) -> int:
+    """The seed of a device's DP noise: its own, apart from the run's other random streams."""
+    return (seed + 1) * 1_000_003 + rank
 
 
 @named_by_kind("strategy")
