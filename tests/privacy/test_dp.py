@@ -91,14 +91,17 @@ def noised_steps(rank: int, world: int, noise: float) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def two_runs(rank: int, world: int) -> tuple:
-    return noised_steps(rank, world, SIGMA), noised_steps(rank, world, 0.0)
+def three_runs(rank: int, world: int) -> tuple:
+    return noised_steps(rank, world, SIGMA), noised_steps(rank, world, 0.0), noised_steps(rank, world, SIGMA)
 
 
 def test_two_devices_add_the_noise_once_for_the_global_batch():
     """The devices' models stay identical, and the noise in the step is one draw of N(0, (sigma clip)^2) over the
-    global batch of 8: twice that variance would be noise added on both devices."""
-    (noised0, plain0), (noised1, plain1) = on_devices(two_runs, 2)
+    global batch of 8: twice that variance would be noise added on both devices. A second run of the same config
+    (same --seed) draws other noise: the seed in config.yaml, which every peer knows, must not give it away."""
+    (noised0, plain0, again0), (noised1, plain1, again1) = on_devices(three_runs, 2)
+    assert all(torch.equal(a, b) for a, b in zip(again0, again1))
+    assert not any(torch.equal(a, b) for a, b in zip(noised0, again0))
     assert all(torch.equal(a, b) for a, b in zip(noised0, noised1))
     assert all(torch.equal(a, b) for a, b in zip(plain0, plain1))
     # the same data, initial model and clipping: the difference of the two runs is the noise alone, - z / 8

@@ -8,6 +8,7 @@ import abc
 import dataclasses
 import gc
 import math
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -217,7 +218,7 @@ class DataParallel(Strategy):
                          "device's steps are DP-SGD on its own batch, with its own noise)")
             plan = plan_privacy(dp, sample_rate, total_steps, guarantee)
             self.dp = SampleDP(self.model, dp.clip, plan.noise_multiplier, noise_here=not once or c.rank == 0,
-                               expected_batch=c.cfg.batch_size / c.world, seed=_noise_seed(c.spec.seed, c.rank))
+                               expected_batch=c.cfg.batch_size / c.world, seed=_noise_seed())
             return plan
         rounds = math.ceil(total_steps / self.sync.period)
         sampled = len(self.sync.sampled_ranks()) / c.world
@@ -225,7 +226,7 @@ class DataParallel(Strategy):
                "trusts the devices that sum the updates")
         guarantee = f"each device's whole data (DP-FedAvg: updates clipped, noise added once to the round's sum); {who}"
         plan = plan_privacy(dp, sampled, rounds, guarantee)
-        self.sync.privatise_updates(dp.clip, plan.noise_multiplier, _noise_seed(c.spec.seed, c.rank))
+        self.sync.privatise_updates(dp.clip, plan.noise_multiplier, _noise_seed())
         return plan
 
     def privacy_events(self) -> int:
@@ -313,9 +314,11 @@ class DataParallel(Strategy):
         self.steps = state["steps"]
 
 
-def _noise_seed(seed: int, rank: int) -> int:
-    """The seed of a device's DP noise: its own, apart from the run's other random streams."""
-    return (seed + 1) * 1_000_003 + rank
+def _noise_seed() -> int:
+    """The seed of a device's DP noise: drawn from the operating system's secure randomness, never from the run's
+    ``--seed`` (config.yaml is no secret: peers that knew it could subtract the noise). A resumed run draws fresh
+    noise, which the guarantee allows."""
+    return secrets.randbits(63)
 
 
 @named_by_kind("strategy")
