@@ -11,14 +11,15 @@ from edgetrain.config import load_config, resolve
 from edgetrain.errors import EdgetrainError
 from edgetrain.kinds import (COMPRESS_KINDS, SERVER_OPT_KINDS, STRATEGY_KINDS, SYNC_KINDS, TASK_KINDS, CompressKind,
                              ServerOptKind, StrategyKind, TaskKind, all_kinds, strategy_kind, task_kind)
-from edgetrain.spec import KINDS, LaunchSpec, parse_compress, parse_server_opt, parse_sync
+from edgetrain.spec import KINDS, LaunchSpec, availability_spec, parse_compress, parse_server_opt, parse_sync
 
 from edgetrain_testing import FAST, _pooled_unsupported, run_main
 
 # each family's parser, from how a kind is written back to its descriptor
 PARSERS = {"strategy": strategy_kind, "task": task_kind, "sync": lambda text: parse_sync(text).kind,
            "compress": lambda text: parse_compress(text).kind,
-           "server_optimizer": lambda text: parse_server_opt(text).kind}
+           "server_optimizer": lambda text: parse_server_opt(text).kind,
+           "availability": lambda text: availability_spec(text).kind}
 # the parameters of each family's builder (a strategy's and a task's runtime is its class)
 BUILDERS = {"sync": ["setup"], "compress": ["spec", "link", "seed", "rank"], "server_optimizer": ["global_model", "spec"]}
 
@@ -26,7 +27,8 @@ BUILDERS = {"sync": ["setup"], "compress": ["spec", "link", "seed", "rank"], "se
 def written(kind) -> str:
     """``kind.usage`` with its numbers given and its optional parts left out: ``local:H`` -> ``local:2``."""
     text = re.sub(r"\[.*\]", "", kind.usage)
-    return re.sub(r":(RATIO|H|S|E)\b", lambda m: ":0.1" if m.group(1) == "RATIO" else ":2", text)
+    text = re.sub(r":(RATIO|H|S|E)\b", lambda m: ":0.1" if m.group(1) == "RATIO" else ":2", text)
+    return kind.example if re.search(r"[A-Z]", text) else text  # values of its own (durations): its example
 
 
 def test_every_family_is_in_the_contract():

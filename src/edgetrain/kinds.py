@@ -1,4 +1,4 @@
-"""Every strategy, sync mode, compressor, task and server optimiser, declared once: one descriptor each
+"""Every strategy, sync mode, compressor, task, server optimiser and fleet availability, declared once: one descriptor each
 (docs/design/kinds.md).
 
 A descriptor holds what the rest of edgetrain asks of a kind: its name and
@@ -24,7 +24,7 @@ from typing import Any, Callable, ClassVar
 
 from edgetrain.errors import EdgetrainError
 from edgetrain.spec import (KINDS, CompressSpec, DPSpec, LaunchSpec, Link, PartitionSpec, PipelineSpec, SyncSpec,
-                            _float, _int, parse_stages, parse_tiling)
+                            _float, _int, parse_duration, parse_stages, parse_tiling)
 
 
 @dataclass(frozen=True)
@@ -882,6 +882,68 @@ ServerOptKind(name="fedadam", usage="fedadam[:lr=0.01:beta1=0.9:beta2=0.99:eps=0
               defaults=(("lr", 0.01), ("beta1", 0.9), ("beta2", 0.99), ("eps", 0.001)), state_copies=2)
 
 
+# ---------------------------------------------------------------- availability of a simulated fleet
+
+def _no_arguments(rest: str, text: str) -> tuple:
+    if rest:
+        raise EdgetrainError(f"availability {text!r}: always takes no argument; write always")
+    return ()
+
+
+def _two(rest: str, text: str, example: str) -> tuple[str, str]:
+    parts = rest.split(":")
+    if len(parts) != 2 or not all(p.strip() for p in parts):
+        raise EdgetrainError(f"availability {text!r} needs two values, e.g. {example}")
+    return parts[0], parts[1]
+
+
+def _diurnal_arguments(rest: str, text: str) -> tuple[float, float]:
+    period, fraction = _two(rest, text, "diurnal:24h:0.4")
+    share = float(fraction) if re.fullmatch(r"\s*[0-9]*\.?[0-9]+\s*", fraction) else -1.0
+    if not 0.0 < share <= 1.0:
+        raise EdgetrainError(f"availability {text!r}: the online fraction must be in (0, 1], e.g. diurnal:24h:0.4")
+    return parse_duration(period, "diurnal period"), share
+
+
+def _onoff_arguments(rest: str, text: str) -> tuple[float, float]:
+    on, off = _two(rest, text, "onoff:30m:10m")
+    return parse_duration(on, "mean online time"), parse_duration(off, "mean offline time")
+
+
+def _trace_arguments(rest: str, text: str) -> tuple[str]:
+    if not rest.strip():
+        raise EdgetrainError(f"availability {text!r} needs the trace file: trace:PATH (CSV device,start_s,end_s)")
+    return (rest.strip(),)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AvailabilityKind(Kind):
+    """``availability`` (a simulated fleet, ``fleet/devices.py``): when each virtual device is online. Its
+    ``runtime`` is the class that answers "online at modelled time t?", built from the parsed spec and the seed
+    (``from_spec``); ``parse_arguments`` checks what follows its name, one line for a bad value."""
+
+    family: ClassVar[str] = "availability"
+    parse_arguments: Callable[[str, str], tuple] = _no_arguments
+    churns: bool = True   # devices go offline (so a modelled clock, a population, is needed to say when)
+
+
+_AVAILABILITY = "edgetrain.fleet.devices:"
+_UNPLANNED_AVAILABILITY = ("edgetrain plan models every device online; simulate availability with the fleet on "
+                           "Flower's simulation runtime (edgetrain.fleet.simulation, run-config availability)")
+AvailabilityKind(name="always", usage="always", summary="every device online all the time (default)",
+                 runtime=_AVAILABILITY + "Always", unplanned=_UNPLANNED_AVAILABILITY, churns=False)
+AvailabilityKind(name="diurnal", usage="diurnal:PERIOD:FRACTION", example="diurnal:24h:0.4",
+                 summary="online for FRACTION of each PERIOD, at a phase of its own per device",
+                 runtime=_AVAILABILITY + "Diurnal", unplanned=_UNPLANNED_AVAILABILITY,
+                 parse_arguments=_diurnal_arguments)
+AvailabilityKind(name="onoff", usage="onoff:MEAN_ON:MEAN_OFF", example="onoff:30m:10m",
+                 summary="alternating online and offline spells of exponential lengths",
+                 runtime=_AVAILABILITY + "OnOff", unplanned=_UNPLANNED_AVAILABILITY, parse_arguments=_onoff_arguments)
+AvailabilityKind(name="trace", usage="trace:PATH", example="trace:windows.csv",
+                 summary="online windows read from a CSV file of device,start_s,end_s lines",
+                 runtime=_AVAILABILITY + "Trace", unplanned=_UNPLANNED_AVAILABILITY, parse_arguments=_trace_arguments)
+
+
 # ---------------------------------------------------------------- runtime classes
 
 def named_by_kind(family: str, builder: str | None = None) -> Callable[[type], type]:
@@ -909,6 +971,7 @@ SYNC_KINDS: dict[str, SyncKind] = KINDS["sync"]
 COMPRESS_KINDS: dict[str, CompressKind] = KINDS["compress"]
 TASK_KINDS: dict[str, TaskKind] = KINDS["task"]
 SERVER_OPT_KINDS: dict[str, ServerOptKind] = KINDS["server_optimizer"]
+AVAILABILITY_KINDS: dict[str, AvailabilityKind] = KINDS["availability"]
 
 
 def strategy_kind(name: str) -> StrategyKind:

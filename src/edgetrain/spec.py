@@ -64,7 +64,8 @@ from edgetrain.errors import EdgetrainError
 # Each strategy, sync mode, compressor, task and server optimiser is declared once, as a descriptor in
 # ``edgetrain.kinds``, which fills these tables when ``edgetrain`` is imported (the package's __init__ imports it): the parsers here
 # look a name up in them and know no kind by name (docs/design/kinds.md).
-KINDS: dict[str, dict] = {"strategy": {}, "sync": {}, "compress": {}, "task": {}, "server_optimizer": {}}
+KINDS: dict[str, dict] = {"strategy": {}, "sync": {}, "compress": {}, "task": {}, "server_optimizer": {},
+                          "availability": {}}
 
 
 def usage(family: str) -> str:
@@ -300,6 +301,45 @@ def parse_partition(text: str | None) -> PartitionSpec:
         raise EdgetrainError(f"shards:K needs a whole number K >= 1 of shards per device, got {rest[0]!r}; "
                              "e.g. shards:2")
     return PartitionSpec(kind, shards=shards, text=text)
+
+
+# ---------------------------------------------------------------- availability (a simulated fleet's devices)
+
+_DURATION = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(text: str, what: str) -> float:
+    """``"90s"``, ``"20m"``, ``"12h"`` or plain seconds -> seconds (> 0)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([smhd]?)\s*", text)
+    if not m or float(m.group(1)) <= 0:
+        raise EdgetrainError(f"bad {what} {text!r}; write a positive duration like 90s, 20m or 12h")
+    return float(m.group(1)) * _DURATION[m.group(2) or "s"]
+
+
+@dataclass(frozen=True)
+class AvailabilitySpec:
+    """A parsed ``availability`` (when a simulated fleet's devices are online): its kind's name and the arguments
+    its kind parsed (durations in seconds, a fraction, a trace file's path)."""
+
+    name: str = "always"
+    args: tuple = ()
+    text: str = "always"
+
+    @property
+    def kind(self):
+        """The availability's descriptor (``edgetrain.kinds``)."""
+        return KINDS["availability"][self.name]
+
+
+def availability_spec(text: str | None) -> AvailabilitySpec:
+    """Parse ``always``, ``diurnal:PERIOD:FRACTION``, ``onoff:MEAN_ON:MEAN_OFF`` or ``trace:PATH``: the kind by its
+    name, its arguments by the kind (``AvailabilityKind.parse_arguments``)."""
+    text = (text or "always").strip()
+    name, _, rest = text.partition(":")
+    kind = _lookup("availability", name.lower())
+    if kind is None:
+        raise EdgetrainError(f"bad availability {text!r}; use {usage('availability')}")
+    return AvailabilitySpec(kind.name, kind.parse_arguments(rest, text), text)
 
 
 # ---------------------------------------------------------------- links

@@ -134,10 +134,10 @@ def fleet_spec(run_config: dict) -> FleetSpec:
                              f"{compress.kind.server_cannot_decode}; use {', '.join(decodable[:-1])} or "
                              f"{decodable[-1]}")
     population = parse_population(cfg["population"])
-    parse_availability(cfg["availability"], cfg["seed"])  # one line for a bad one, before any round
+    availability = parse_availability(cfg["availability"], cfg["seed"])  # one line for a bad one, before any round
     if cfg["round-deadline"] < 0:
         raise EdgetrainError(f"run-config round-deadline must be >= 0 seconds (0: none), got {cfg['round-deadline']!r}")
-    if not population and (cfg["availability"].strip() != "always" or cfg["round-deadline"]):
+    if not population and (availability.kind.churns or cfg["round-deadline"]):
         raise EdgetrainError("run-config availability and round-deadline need a modelled clock; set population, "
                              "e.g. population='60% rpi4@wifi-20m, 40% jetson-orin-nano'")
     server_opt = parse_server_opt(cfg["server-opt"])

@@ -14,19 +14,11 @@ import numpy as np
 from edgetrain.cluster.links import collective_time
 from edgetrain.cluster.profiles import DeviceProfile, get_profile, split_by_weights
 from edgetrain.errors import EdgetrainError
-from edgetrain.spec import Link, get_link
+from edgetrain.kinds import named_by_kind
+from edgetrain.spec import AvailabilitySpec, Link, availability_spec, get_link
 
-_DURATION = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 # the modelled wait of a round in which no sampled device is online and no --round-deadline bounds it
 IDLE_ROUND_S = 60.0
-
-
-def parse_duration(text: str, what: str) -> float:
-    """``"90s"``, ``"20m"``, ``"12h"`` or plain seconds -> seconds (> 0)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([smhd]?)\s*", text)
-    if not m or float(m.group(1)) <= 0:
-        raise EdgetrainError(f"bad {what} {text!r}; write a positive duration like 90s, 20m or 12h")
-    return float(m.group(1)) * _DURATION[m.group(2) or "s"]
 
 
 @dataclass(frozen=True)
@@ -88,12 +80,15 @@ def device_round_s(group: DeviceGroup, train_flops: float, down_bytes: int, up_b
 
 class Availability:
     """When each device is online: ``window(device, t)`` is the online window ``(start, end)`` holding modelled
-    time ``t``, or None while the device is offline."""
+    time ``t``, or None while the device is offline. Each subclass is an availability kind's runtime
+    (``kinds.AvailabilityKind``), built by ``from_spec``."""
 
-    text = "always"
+    name: str
+    kind: object
+    text: str = ""
 
     def window(self, device: int, t: float) -> tuple[float, float] | None:
-        return (-math.inf, math.inf)
+        raise NotImplementedError
 
     def online(self, device: int, t: float) -> bool:
         return self.window(device, t) is not None
@@ -106,6 +101,22 @@ class Availability:
         return window[1] if window[1] < end else None
 
 
+@named_by_kind("availability")
+@dataclass
+class Always(Availability):
+    """Every device online all the time."""
+
+    text: str = "always"
+
+    @classmethod
+    def from_spec(cls, spec: AvailabilitySpec, seed: int) -> "Always":
+        return cls(spec.text)
+
+    def window(self, device, t):
+        return (-math.inf, math.inf)
+
+
+@named_by_kind("availability")
 @dataclass
 class Diurnal(Availability):
     """Online for ``fraction`` of each ``period``, at a phase of its own per device (drawn from the seed)."""
@@ -115,6 +126,11 @@ class Diurnal(Availability):
     seed: int
     text: str = "diurnal"
     phases: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_spec(cls, spec: AvailabilitySpec, seed: int) -> "Diurnal":
+        period_s, fraction = spec.args
+        return cls(period_s, fraction, seed, spec.text)
 
     def phase(self, device: int) -> float:
         if device not in self.phases:
@@ -129,6 +145,7 @@ class Diurnal(Availability):
         return (start, start + self.fraction * self.period_s)
 
 
+@named_by_kind("availability")
 @dataclass
 class OnOff(Availability):
     """Alternating online and offline spells of exponential lengths (means ``on_s``, ``off_s``) per device, from
@@ -139,6 +156,11 @@ class OnOff(Availability):
     seed: int
     text: str = "onoff"
     spells: dict = field(default_factory=dict)  # device -> (window starts, window ends, generator)
+
+    @classmethod
+    def from_spec(cls, spec: AvailabilitySpec, seed: int) -> "OnOff":
+        on_s, off_s = spec.args
+        return cls(on_s, off_s, seed, spec.text)
 
     def _windows(self, device: int, until: float):
         if device not in self.spells:
@@ -160,6 +182,7 @@ class OnOff(Availability):
         return (-math.inf if i == 0 and starts[0] == 0.0 else starts[i], ends[i])
 
 
+@named_by_kind("availability")
 @dataclass
 class Trace(Availability):
     """Online windows read from a file: CSV lines ``device,start_s,end_s`` (``#`` comments); a device is offline
@@ -167,6 +190,12 @@ class Trace(Availability):
 
     windows: dict[int, tuple[list[float], list[float]]]
     text: str = "trace"
+
+    @classmethod
+    def from_spec(cls, spec: AvailabilitySpec, seed: int) -> "Trace":
+        trace = read_trace(spec.args[0])
+        trace.text = spec.text
+        return trace
 
     def window(self, device, t):
         starts, ends = self.windows.get(device, ([], []))
@@ -201,29 +230,10 @@ def read_trace(path: str) -> Trace:
 
 
 def parse_availability(text: str, seed: int) -> Availability:
-    """``always``, ``diurnal:PERIOD:FRACTION`` (e.g. ``diurnal:24h:0.4``), ``onoff:MEAN_ON:MEAN_OFF`` (e.g.
-    ``onoff:30m:10m``) or ``trace:PATH``."""
-    kind, _, rest = text.strip().partition(":")
-    if kind == "always" and not rest:
-        return Availability()
-    if kind == "diurnal" and rest.count(":") == 1:
-        period, fraction = rest.split(":")
-        try:
-            share = float(fraction)
-        except ValueError:
-            share = -1.0
-        if not 0.0 < share <= 1.0:
-            raise EdgetrainError(f"availability {text!r}: the online fraction must be in (0, 1], e.g. diurnal:24h:0.4")
-        return Diurnal(parse_duration(period, "diurnal period"), share, seed, text)
-    if kind == "onoff" and rest.count(":") == 1:
-        on, off = rest.split(":")
-        return OnOff(parse_duration(on, "mean online time"), parse_duration(off, "mean offline time"), seed, text)
-    if kind == "trace" and rest:
-        trace = read_trace(rest)
-        trace.text = text
-        return trace
-    raise EdgetrainError(f"bad availability {text!r}; use always, diurnal:PERIOD:FRACTION (diurnal:24h:0.4), "
-                         "onoff:MEAN_ON:MEAN_OFF (onoff:30m:10m) or trace:PATH (CSV device,start_s,end_s)")
+    """The availability ``text`` names (``kinds.AvailabilityKind``: ``always``, ``diurnal:24h:0.4``,
+    ``onoff:30m:10m``, ``trace:PATH``), parsed by its kind and built by its runtime class for ``seed``."""
+    spec = availability_spec(text)
+    return spec.kind.load_runtime().from_spec(spec, seed)
 
 
 @dataclass(frozen=True)
