@@ -29,18 +29,64 @@ import psutil
 from edgetrain.fleet.simulation import SimulationResources, simulate
 
 
-def tree_sample(root: psutil.Process, cpu: dict[int, float]) -> int:
+def tree_sample(root: psutil.Process, cpu: dict[int, float], names: dict[int, str], niceness: dict[str, int]) -> int:
     """Bytes resident in ``root`` and all its descendants now (processes that end meanwhile count zero); each
-    one's CPU seconds so far (user + system) into ``cpu`` by pid."""
+    one's CPU seconds so far (user + system) into ``cpu`` and its role into ``names``, by pid; the highest
+    niceness seen of each role into ``niceness``."""
     total = 0
     for proc in [root, *root.children(recursive=True)]:
         try:
             total += proc.memory_info().rss
             times = proc.cpu_times()
             cpu[proc.pid] = times.user + times.system
+            names[proc.pid] = process_role(proc, root)
+            niceness[names[proc.pid]] = max(niceness.get(names[proc.pid], -20), proc.nice())
         except psutil.Error:
             pass
     return total
+
+
+def process_role(proc: psutil.Process, root: psutil.Process) -> str:
+    """What a process of the run is: the driver, a Ray actor (its title ``ray::ClientAppActor``, or
+    ``ray::IDLE`` before its first task) or one of Ray's own processes (named by its program)."""
+    if proc.pid == root.pid:
+        return "driver (ServerApp, Flower's simulation engine)"
+    cmdline = proc.cmdline()
+    title = " ".join(cmdline)
+    if title.startswith("ray::"):
+        return "Ray worker / ClientApp actor"
+    for part in cmdline:
+        for name in ("gcs_server", "raylet", "dashboard", "log_monitor", "monitor.py", "runtime_env", "agent"):
+            if name in part:
+                return f"Ray: {name}"
+    return "other: " + Path(cmdline[0]).name if cmdline else "other"
+
+
+def cpu_by_role(cpu: dict[int, float], names: dict[int, str]) -> dict[str, float]:
+    """The run's CPU seconds summed by process role."""
+    roles: dict[str, float] = {}
+    for pid, seconds in cpu.items():
+        roles[names.get(pid, "other")] = roles.get(names.get(pid, "other"), 0.0) + seconds
+    return dict(sorted(roles.items(), key=lambda item: -item[1]))
+
+
+class PollTimer:
+    """The CPU seconds of Flower's simulation engine looking for messages: its loop asks the in-memory state for
+    each node's waiting message every 0.1 s (``vce_api.add_messages_to_queue``); ``get_message_ins`` is wrapped
+    with a thread-CPU timer (measured, the call itself unchanged)."""
+
+    def __init__(self):
+        from flwr.server.superlink.linkstate.in_memory_linkstate import InMemoryLinkState
+        self.cpu_s, self.calls, original = 0.0, 0, InMemoryLinkState.get_message_ins
+
+        def timed(state, *args, **kwargs):
+            start = time.thread_time()
+            try:
+                return original(state, *args, **kwargs)
+            finally:
+                self.cpu_s += time.thread_time() - start
+                self.calls += 1
+        InMemoryLinkState.get_message_ins = timed
 
 
 class Sampler(threading.Thread):
@@ -50,11 +96,11 @@ class Sampler(threading.Thread):
     def __init__(self, interval: float = 1.0):
         super().__init__(daemon=True)
         self.interval, self.stop, self.peak, self.loads = interval, threading.Event(), 0, []
-        self.root, self.cpu = psutil.Process(), {}
+        self.root, self.cpu, self.names, self.niceness = psutil.Process(), {}, {}, {}
 
     def run(self):
         while not self.stop.wait(self.interval):
-            self.peak = max(self.peak, tree_sample(self.root, self.cpu))
+            self.peak = max(self.peak, tree_sample(self.root, self.cpu, self.names, self.niceness))
             self.loads.append(os.getloadavg()[0])
             if len(self.loads) % 60 == 0:  # a long run's progress, readable from its log
                 print(f"PROGRESS peak_rss_mb={self.peak / 2**20:.0f} cpu_s={sum(self.cpu.values()):.0f} "
@@ -70,6 +116,8 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--image-size", type=int, default=16)
     ap.add_argument("--cpus-per-device", type=float, default=1.0)
+    ap.add_argument("--worker-niceness", type=int, default=0,
+                    help="added to the Ray actors' niceness (Ray's own default is 15; SimulationResources')")
     ap.add_argument("--population", default="60% rpi4@wifi-20m, 30% smart-speaker-2g@lte-10m, 10% jetson-orin-nano")
     ap.add_argument("--availability", default="always")
     ap.add_argument("--config", default="", help="more run-config keys, as JSON")
@@ -88,16 +136,19 @@ def main() -> None:
               "fraction-train": args.per_round / args.devices, "fraction-evaluate": 0.0, "server-evaluate": True,
               "min-nodes": args.devices, "population": args.population, "availability": args.availability,
               "round-timeout": 600.0, "output-dir": str(out), **json.loads(args.config or "{}")}
+    poll = PollTimer()
     sampler = Sampler()
     sampler.start()
     start = time.perf_counter()
-    simulate(config, args.devices, SimulationResources(cpus_per_device=args.cpus_per_device))
+    simulate(config, args.devices, SimulationResources(cpus_per_device=args.cpus_per_device,
+                                                          worker_niceness=args.worker_niceness))
     wall = time.perf_counter() - start
     sampler.stop.set()
     sampler.join()
     records = [json.loads(line) for line in (out / "fleet-rounds.jsonl").read_text().splitlines()]
     train_walls = [r["measured_train_wall_s"] for r in records]
     result = {"devices": args.devices, "per_round": args.per_round, "rounds": args.rounds,
+              "worker_niceness": args.worker_niceness, "nice": os.nice(0),
               "local_steps": args.local_steps, "batch_size": args.batch_size, "image_size": args.image_size,
               "cpus_per_device": args.cpus_per_device, "cores": os.cpu_count(), "measured_wall_s": wall,
               "measured_rounds_per_hour": args.rounds / wall * 3600,
@@ -105,11 +156,15 @@ def main() -> None:
               "measured_first_round_train_s": train_walls[0],
               "measured_peak_rss_mb": sampler.peak / 2**20,
               "measured_cpu_s": sum(sampler.cpu.values()),
+              "measured_cpu_s_by_process": cpu_by_role(sampler.cpu, sampler.names),
+              "niceness_by_process": sampler.niceness, "measured_flower_poll_cpu_s": poll.cpu_s, "flower_poll_calls": poll.calls,
+              "measured_round_train_s": train_walls,
               "load_average_1min_mean": sum(sampler.loads) / max(len(sampler.loads), 1),
               "load_average_1min_max": max(sampler.loads, default=0.0),
               "final_server_accuracy": records[-1].get("server_accuracy"),
               "modelled_clock_s": records[-1]["modelled_clock_s"], "config": config, "records": records}
-    print(json.dumps({k: v for k, v in result.items() if k not in ("records", "config")}, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("records", "config", "measured_round_train_s")},
+                     indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
 
@@ -133,6 +188,7 @@ def own_mode(args) -> None:
     result = {"mode": "edgetrain train --sync fedavg", "devices": args.devices, "rounds": args.rounds,
               "local_steps": args.local_steps, "batch_size": args.batch_size, "measured_wall_s": wall,
               "measured_cpu_s": sum(sampler.cpu.values()), "measured_peak_rss_mb": sampler.peak / 2**20,
+              "measured_cpu_s_by_process": cpu_by_role(sampler.cpu, sampler.names),
               "load_average_1min_mean": sum(sampler.loads) / max(len(sampler.loads), 1), "command": cmd}
     print(json.dumps(result, indent=1))
     if args.json:

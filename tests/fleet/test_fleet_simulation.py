@@ -2,6 +2,7 @@
 3 rounds, through ``edgetrain.fleet.simulation.simulate`` in a process of its own; every Ray process it
 started must be gone soon after it returns."""
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -23,15 +24,19 @@ RUN = {"num-rounds": 3, "local-steps": 2, "batch-size": 8, "fraction-train": 0.5
        "availability": "onoff:60s:30s", "round-timeout": 120.0}
 
 
-def run_watching_descendants(cmd: list[str], timeout: float) -> tuple[subprocess.CompletedProcess, list]:
+def run_watching_descendants(cmd: list[str], timeout: float,
+                             niceness: dict[int, int] | None = None) -> tuple[subprocess.CompletedProcess, list]:
     """Run ``cmd``; return its result and every process below it seen while it ran (Ray's GCS, raylet and
     actors, whose titles do not name the run) that has not ended 60 s after it (Ray's teardown is
-    asynchronous: actors end a few seconds after ``ray.shutdown``)."""
+    asynchronous: actors end a few seconds after ``ray.shutdown``). ``niceness``: each Ray worker's seen."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen, deadline = {}, time.monotonic() + timeout
     while proc.poll() is None:
         try:
             seen.update({child.pid: child for child in psutil.Process(proc.pid).children(recursive=True)})
+            if niceness is not None:
+                niceness.update({pid: child.nice() for pid, child in seen.items()
+                                 if child.name().startswith(("ray::IDLE", "ray::ClientAppActor"))})
         except psutil.Error:
             pass
         if time.monotonic() > deadline:
@@ -53,7 +58,8 @@ def test_a_small_simulated_fleet_trains_with_availability_and_leaves_no_process(
             simulate({run!r}, 20,
                      SimulationResources(cpus_per_device=1.0, object_store_mb=100, temp_dir={ray_dir!r}))
         """)
-        done, left = run_watching_descendants([sys.executable, "-c", code], timeout=300)
+        workers: dict[int, int] = {}
+        done, left = run_watching_descendants([sys.executable, "-c", code], timeout=300, niceness=workers)
         assert done.returncode == 0, done.stderr[-3000:]
         records = [json.loads(line) for line in (tmp_path / "fleet-rounds.jsonl").read_text().splitlines()]
         assert [r["round"] for r in records] == [1, 2, 3]
@@ -64,6 +70,7 @@ def test_a_small_simulated_fleet_trains_with_availability_and_leaves_no_process(
         assert (tmp_path / "global_model.pt").is_file()
         assert records[-1]["server_loss"] < 2.30  # from ln(10) = 2.3026 at the start
         assert left == []
+        assert workers and set(workers.values()) == {os.nice(0)}  # the actors run as the run does (Ray's own: +15)
     finally:
         shutil.rmtree(ray_dir, ignore_errors=True)
 
@@ -77,3 +84,5 @@ def test_a_bad_simulation_is_refused_before_ray_starts():
         simulate({}, 0)
     with pytest.raises(EdgetrainError, match="cpus per device"):
         SimulationResources(cpus_per_device=0).backend_config()
+    with pytest.raises(EdgetrainError, match="worker niceness must be 0..19"):
+        SimulationResources(worker_niceness=-5).backend_config()
