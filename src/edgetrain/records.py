@@ -13,6 +13,8 @@ Files of a run directory and the record each line or file holds:
 - ``summary.json``: one ``RunSummary`` (with a ``DeviceSummary`` per device,
   its energy an ``EnergyRecord``, and the run's task as a ``TaskRecord``: its
   metrics' names, labels, units).
+- a Flower fleet's ``fleet-rounds.jsonl`` (``fleet/app.py``): one ``FleetRoundRecord`` per round, its
+  modelled clock beside its measured wall time and its evaluations.
 
 An evaluation's figures are ``EvalRecord.metrics``, keyed by the names the
 run's ``TaskRecord`` declares (``MetricRecord``): the report takes a metric's
@@ -507,3 +509,28 @@ def stall_what_ifs(d: DeviceSummary, cores: int | None = None) -> dict | None:
     return {"stall_share": d.data_s / d.step_s if d.step_s else 0.0, "step_s": d.step_s,
             "cached_step_s": step(0.0, d.workers), "more_workers": more,
             "more_workers_step_s": step(d.read_s, more)}
+
+
+@dataclass
+class FleetRoundRecord(Record):
+    """One round of a Flower fleet with a modelled clock (a line of ``fleet-rounds.jsonl``): who was online,
+    sampled, aggregated, dropped out or late, the round's modelled time and the clock after it, the bytes (down:
+    modelled, the global model to each sampled device; up: the payloads delivered), this machine's measured wall
+    time of the round's training, and its evaluations in ``scores``: ``server_<metric>`` (the global model on
+    the whole test set, on the server), ``federated_eval-<metric>`` (the devices' own test splits)."""
+
+    round: int
+    modelled_round_s: float
+    modelled_clock_s: float
+    devices: int
+    online: int
+    sampled: int
+    aggregated: int
+    dropouts: int
+    late: int
+    modelled_bytes_down: int
+    bytes_up: int
+    measured_train_wall_s: float | None = None
+    scores: dict[str, float] = field(default_factory=dict)
+
+    details_field: ClassVar[str | None] = "scores"

@@ -14,6 +14,7 @@ from typing import Any
 from edgetrain.errors import EdgetrainError
 from edgetrain.records import RunSummary, modelled_throughput
 from edgetrain.report import training
+from edgetrain.report.fleet import ROUNDS_FILE, FleetRounds, fleet_section, load_fleet
 from edgetrain.report.cells import (ABOVE_PEAK_NOTE, NOISY_NOTE, ROUNDS_COLUMN, ROUNDS_NOTE, efficiency_cell,
                                     energy_cells, energy_note, flag_notes, img, kv, percent_of_peak,
                                     round_cells, spread_cell, table)
@@ -64,7 +65,7 @@ class Run:
     """One run directory, read: its typed result (a bench's, a training run's or a plan) and its images;
     a training run also its step records, evaluations and config."""
     dir: Path
-    data: BenchResult | RunSummary | PlanResult
+    data: BenchResult | RunSummary | PlanResult | FleetRounds
     pngs: tuple[Path, ...] = ()
     training: training.TrainingFiles | None = None
 
@@ -81,6 +82,8 @@ def load_run(run_dir: str | Path) -> Run:
             result = schema.from_dict(data, str(path))
             files = training.load_training(d, result) if isinstance(result, RunSummary) else None  # checked here too
             return Run(d, result, tuple(sorted(d.glob("*.png"))), files)
+    if (d / ROUNDS_FILE).is_file():
+        return Run(d, load_fleet(d))
     if (d / "config.yaml").is_file():
         from edgetrain.report.files import remove_stale_temps
 
@@ -88,7 +91,8 @@ def load_run(run_dir: str | Path) -> Run:
         note = f"; removed {len(removed)} partial file(s) it left" if removed else ""
         raise EdgetrainError(f"{run_dir} is an incomplete run: config.yaml but no summary.json, so the run was stopped "
                              f"before it ended{note}; rerun it to get a report")
-    raise EdgetrainError(f"{run_dir} is not an edgetrain run directory (no result.json, summary.json or plan.json)")
+    raise EdgetrainError(f"{run_dir} is not an edgetrain run directory (no result.json, summary.json, plan.json or "
+                         f"{ROUNDS_FILE})")
 
 
 # ---- what each kind of run shows ----
@@ -313,7 +317,8 @@ def _not_compared(d: Any, name: str) -> Configurations:
 RADAR_CONFIGURATIONS = {RunSummary: _train_configurations, PlanResult: _not_compared,
                         BatchResult: _batch_configurations, PowerResult: _power_configurations,
                         ScalingResult: _scaling_configurations, PeakResult: _not_compared,
-                        StallsResult: _not_compared, CountersResult: _not_compared, VariabilityResult: _not_compared}
+                        StallsResult: _not_compared, CountersResult: _not_compared, VariabilityResult: _not_compared,
+                        FleetRounds: _not_compared}
 
 
 def best_configuration(configs: list[tuple[str, dict]]) -> tuple[str, dict]:
@@ -437,7 +442,10 @@ def render(run_dirs: list[str | Path]) -> str:
     runs = [load_run(d) for d in run_dirs]
     when = _dt.datetime.now().strftime("%Y-%m-%d %H:%M")
     peak = peak_reference(runs)
-    body = comparison(runs) + training_curves(runs) + "".join(run_section(r, peak) for r in runs)
+    fleets = [(r.dir.name, r.data) for r in runs if isinstance(r.data, FleetRounds)]  # a section of their own
+    others = [r for r in runs if not isinstance(r.data, FleetRounds)]
+    body = (comparison(runs) + training_curves(others) + fleet_section(fleets)
+            + "".join(run_section(r, peak) for r in others))
     return (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>edgetrain report</title>"
             f"<meta name='viewport' content='width=device-width,initial-scale=1'><style>{CSS}</style></head>"
             f"<body><header><h1>edgetrain report</h1><p>{len(runs)} run(s) · generated {when}</p></header>"

@@ -423,3 +423,27 @@ def plot_device_split(ranks: Sequence[str], split_ms: dict[str, Sequence[float]]
     if bytes_per_step:
         bytes_ax.legend(fontsize=8)
     return fig
+
+
+def plot_fleet_rounds(runs: Sequence[tuple[str, Sequence[Any], Sequence[float]]]):
+    """Fleet runs (name, ``FleetRoundRecord`` per round, accuracy per round): accuracy against rounds and against
+    the modelled clock, and the devices each round aggregated of those sampled; one colour per run."""
+    fig, (by_round, by_time, kept) = plt.subplots(1, 3, figsize=(16.5, 4.2))
+    for i, (name, rounds, accuracy) in enumerate(runs):
+        color, style = COLORS[i % 10], LINE_STYLES[(i // 10) % 4]
+        numbers = [r.round for r in rounds]
+        percent = [100 * a for a in accuracy]
+        by_round.plot(numbers, percent, color=color, ls=style, lw=1.4, label=name)
+        by_time.plot([r.modelled_clock_s for r in rounds], percent, color=color, ls=style, lw=1.4, label=name)
+        kept.plot(numbers, [r.aggregated for r in rounds], color=color, ls=style, lw=1.2, label=f"{name}: aggregated")
+        kept.plot(numbers, [r.sampled for r in rounds], color=color, ls=":", lw=0.8)
+    by_round.set(xlabel="round", ylabel="test accuracy (%)", title="Accuracy vs round")
+    by_time.set(xlabel="fleet clock (s, MODELLED: device profiles and links)", ylabel="test accuracy (%)",
+                title="Accuracy vs modelled time")
+    kept.set(xlabel="round", ylabel="devices", title="Devices aggregated (solid) of those sampled (dotted)")
+    kept.set_ylim(bottom=0)
+    for ax in (by_round, by_time, kept):
+        ax.set_xlim(left=0)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    return fig
