@@ -129,13 +129,13 @@ def main() -> None:
     if args.own_mode:
         return own_mode(args)
     out = Path(tempfile.mkdtemp(prefix="fleet-sim-"))
-    print(f"records: {out / 'fleet-rounds.jsonl'}", flush=True)
     config = {"model": "small_cnn", "dataset": "synthetic", "image-size": args.image_size,
               "synthetic-samples": args.devices * args.batch_size * 2, "partition": "iid",
               "num-rounds": args.rounds, "local-steps": args.local_steps, "batch-size": args.batch_size,
               "fraction-train": args.per_round / args.devices, "fraction-evaluate": 0.0, "server-evaluate": True,
               "min-nodes": args.devices, "population": args.population, "availability": args.availability,
               "round-timeout": 600.0, "output-dir": str(out), **json.loads(args.config or "{}")}
+    print(f"records: {Path(config['output-dir']) / 'fleet-rounds.jsonl'}", flush=True)
     poll = PollTimer()
     sampler = Sampler()
     sampler.start()
@@ -145,7 +145,8 @@ def main() -> None:
     wall = time.perf_counter() - start
     sampler.stop.set()
     sampler.join()
-    records = [json.loads(line) for line in (out / "fleet-rounds.jsonl").read_text().splitlines()]
+    rounds_file = Path(config["output-dir"]) / "fleet-rounds.jsonl"  # --config may name its own output-dir
+    records = [json.loads(line) for line in rounds_file.read_text().splitlines()]
     train_walls = [r["measured_train_wall_s"] for r in records]
     result = {"devices": args.devices, "per_round": args.per_round, "rounds": args.rounds,
               "worker_niceness": args.worker_niceness, "nice": os.nice(0),

@@ -317,8 +317,7 @@ def _not_compared(d: Any, name: str) -> Configurations:
 RADAR_CONFIGURATIONS = {RunSummary: _train_configurations, PlanResult: _not_compared,
                         BatchResult: _batch_configurations, PowerResult: _power_configurations,
                         ScalingResult: _scaling_configurations, PeakResult: _not_compared,
-                        StallsResult: _not_compared, CountersResult: _not_compared, VariabilityResult: _not_compared,
-                        FleetRounds: _not_compared}
+                        StallsResult: _not_compared, CountersResult: _not_compared, VariabilityResult: _not_compared}
 
 
 def best_configuration(configs: list[tuple[str, dict]]) -> tuple[str, dict]:
@@ -444,7 +443,7 @@ def render(run_dirs: list[str | Path]) -> str:
     peak = peak_reference(runs)
     fleets = [(r.dir.name, r.data) for r in runs if isinstance(r.data, FleetRounds)]  # a section of their own
     others = [r for r in runs if not isinstance(r.data, FleetRounds)]
-    body = (comparison(runs) + training_curves(others) + fleet_section(fleets)
+    body = (comparison(others) + training_curves(others) + fleet_section(fleets)
             + "".join(run_section(r, peak) for r in others))
     return (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>edgetrain report</title>"
             f"<meta name='viewport' content='width=device-width,initial-scale=1'><style>{CSS}</style></head>"
