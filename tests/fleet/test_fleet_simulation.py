@@ -35,8 +35,8 @@ def run_watching_descendants(cmd: list[str], timeout: float,
         try:
             seen.update({child.pid: child for child in psutil.Process(proc.pid).children(recursive=True)})
             if niceness is not None:
-                niceness.update({pid: child.nice() for pid, child in seen.items()
-                                 if child.name().startswith(("ray::IDLE", "ray::ClientAppActor"))})
+                niceness.update({pid: child.nice() for pid, child in seen.items()  # titles, not names
+                                 if " ".join(child.cmdline()).startswith(("ray::IDLE", "ray::ClientAppActor"))})
         except psutil.Error:
             pass
         if time.monotonic() > deadline:
