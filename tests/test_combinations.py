@@ -32,7 +32,9 @@ from edgetrain.spec import KINDS, LaunchSpec
 # Every family of kinds but the tasks (a factor of their own, with their data) is a factor; its levels are its
 # kinds, written in the config key of the family's name, or the one named here.
 CONFIG_KEY = {"server_optimizer": "server_opt"}
-FAMILIES = tuple(family for family in KINDS if family != "task")
+# Kinds of the Flower fleet's run config, not options of `edgetrain train`: the fleet's own tests combine them
+FLEET_ONLY = ("availability",)
+FAMILIES = tuple(family for family in KINDS if family != "task" and family not in FLEET_ONLY)
 SOURCES = ("memory", "storage", "shards")
 
 # What each task trains on from each source. A source a task has no data of is not a combination (edgetrain data
