@@ -97,13 +97,13 @@ def epsilon(rounds: list[tuple[float, float]], delta: float) -> float:
     """Epsilon after ``rounds`` of (noise multiplier, sampling rate), by Opacus's RDP accountant (which assumes
     Poisson sampling; Flower samples a fixed number of devices, the usual approximation of DP-FedAvg)."""
     try:
-        from opacus.accountants import RDPAccountant
+        import opacus  # noqa: F401
     except ImportError:
         raise EdgetrainError("run-config dp-noise reports epsilon with Opacus, which is not installed; install it "
                              "with: pip install edgetrain[privacy]") from None
-    accountant = RDPAccountant()
-    accountant.history = [(z, q, 1) for z, q in rounds]
-    return float(accountant.get_epsilon(delta))
+    from edgetrain.privacy.dp import rdp_epsilon
+
+    return rdp_epsilon([(z, q, 1) for z, q in rounds], delta)
 
 
 class FleetDifferentialPrivacy(DifferentialPrivacyClientSideFixedClipping):

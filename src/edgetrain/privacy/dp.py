@@ -54,13 +54,7 @@ class PrivacyPlan:
             return 0.0
         if self.noise_multiplier <= 0:
             return math.inf
-        from opacus.accountants import RDPAccountant
-
-        accountant = RDPAccountant()
-        accountant.history = [(self.noise_multiplier, self.sample_rate, events)]
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", _LARGEST_ALPHA)
-            return float(accountant.get_epsilon(delta=self.spec.delta))
+        return rdp_epsilon([(self.noise_multiplier, self.sample_rate, events)], self.spec.delta)
 
     def record(self, events: int) -> PrivacyRecord:
         eps = self.epsilon(events)
@@ -76,6 +70,18 @@ class PrivacyPlan:
         return (f"differential privacy: {what}, clip {self.spec.clip:g}, noise multiplier "
                 f"{self.noise_multiplier:.4g} ({derived} at delta {self.spec.delta:g} over {self.events} {unit} at "
                 f"sampling rate {self.sample_rate:.4g}); {self.guarantee}")
+
+
+def rdp_epsilon(history: list[tuple[float, float, int]], delta: float) -> float:
+    """Epsilon at ``delta`` after ``history``'s (noise multiplier, sampling rate, events) by Opacus's RDP accountant
+    (which assumes Poisson sampling: fixed-size batches or device samples are the usual approximation)."""
+    from opacus.accountants import RDPAccountant
+
+    accountant = RDPAccountant()
+    accountant.history = list(history)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", _LARGEST_ALPHA)
+        return float(accountant.get_epsilon(delta=delta))
 
 
 def plan_privacy(spec: DPSpec, sample_rate: float, events: int, guarantee: str) -> PrivacyPlan:
