@@ -49,7 +49,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from edgetrain.report.files import atomic_write, write_json  # noqa: E402
+from edgetrain.files import atomic_write, write_json  # noqa: E402
 from edgetrain.train import train  # noqa: E402
 
 DATA = ROOT.parent / "shared/data/cifar10-subset/cifar-10-batches-py"

@@ -80,7 +80,7 @@ def main() -> int:
               "of 1x1")
     print(f"total benchmark time {time.time() - started:.0f} s")
     if args.out:
-        from edgetrain.report.files import write_json
+        from edgetrain.files import write_json
 
         write_json(args.out, {"batch": args.batch, "shape": list(SHAPE), "model": "yolov2_tiny",
                               "ratios": ratios, "memory": memory,

@@ -61,7 +61,7 @@ from compression import EdgeCNN  # noqa: E402
 from paired import lower_bound  # noqa: E402
 
 from edgetrain.models import build_model  # noqa: E402
-from edgetrain.report.files import atomic_write, write_json  # noqa: E402
+from edgetrain.files import atomic_write, write_json  # noqa: E402
 from edgetrain.train import train  # noqa: E402
 
 DATA = ROOT.parent / "shared/data/cifar10-subset/cifar-10-batches-py"

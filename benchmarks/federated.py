@@ -60,7 +60,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from edgetrain.report.files import write_json  # noqa: E402
+from edgetrain.files import write_json  # noqa: E402
 from edgetrain.train import train  # noqa: E402
 from paired import lower_bound  # noqa: E402  (benchmarks/paired.py)
 

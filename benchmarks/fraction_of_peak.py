@@ -16,7 +16,8 @@ import statistics
 
 import torch
 
-from edgetrain.bench import flops, peak, workload
+from edgetrain.bench import peak, workload
+from edgetrain.tasks import flops
 
 
 def main() -> None:

@@ -224,7 +224,7 @@ def largest_trained(name: str, cfg_at, start: int, grow: float = 1.125) -> tuple
 
 def memory_benchmark(data_dir: str, steps: int, scratch: str, pooled: tuple[str, ...], start_one: int,
                      widths: tuple[int, ...] = ()) -> None:
-    from edgetrain.plan.model import idle_process_mb
+    from edgetrain.cluster.launch import idle_process_mb
 
     runtime_mb = idle_process_mb()
     print(f"idle device process (measured): {runtime_mb:,.0f} MiB; limit per smart-speaker-2g: {LIMIT_MB:,} MiB; "

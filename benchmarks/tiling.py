@@ -252,7 +252,7 @@ def main() -> int:
     }
     print(f"\ntotal benchmark time {time.time() - started:.0f} s")
     if args.out:
-        from edgetrain.report.files import write_json
+        from edgetrain.files import write_json
 
         write_json(args.out, {"batch": args.batch, "memory": memory, "timing": timing, "groupings": groupings})
     return 0

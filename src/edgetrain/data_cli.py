@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     from edgetrain.data import build_data
     from edgetrain.data.dedup import find_near_duplicates, images_of
     from edgetrain.train.preflight import check_data
-    from edgetrain.report.files import write_json
+    from edgetrain.files import write_json
 
     cfg = load_config(TrainConfig(), **{k: v for k, v in vars(args).items() if k in DATASET_OPTIONS})
     checked = check_data(cfg)

@@ -373,8 +373,8 @@ class EnergyRecord(Record):
 class DeviceSummary(Record):
     """One device's means per step after the first (which pays one-off costs), and its totals.
 
-    ``details``: its rated peak (``bench.flops.device_peak``) and what it
-    achieved against it (``bench.flops.achieved``), where known.
+    ``details``: its rated peak (``tasks.flops.device_peak``) and what it
+    achieved against it (``tasks.flops.achieved``), where known.
 
     ``peak_rss_mb``: the highest peak resident set (VmHWM) at the end of a
     training step, what a profile's memory limit is checked against during

@@ -34,7 +34,7 @@ What a ``Link`` costs in time is ``cluster.links``' model, not parsing.
 pipeline stages 1, 2, ... start), ``--microbatches M``, ``--pipeline-schedule gpipe|1f1b`` and
 ``--pipeline-replicas D`` (D pipelines of S stages each, devices = S x D) make a
 ``PipelineSpec``; whether the model can be cut there is checked on the model
-(``plan.stages``).
+(``pipelining.stages``).
 ``--fsdp-replicas R`` (R sharded copies of S devices each, devices = S x R) is ``RunSpec.fsdp_replicas``.
 
 ``--grid ROWSxCOLS`` and ``--groups auto|E1,E2,...`` (group ends as layer
@@ -545,7 +545,7 @@ PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 class PipelineSpec:
     """``--strategy pipeline``: where stages start (``None``: split evenly, or planned), micro-batches, schedule.
 
-    ``starts`` are layer indices (the model's layers in forward order, ``plan.stages.pipeline_layers``):
+    ``starts`` are layer indices (the model's layers in forward order, ``pipelining.stages.pipeline_layers``):
     ``--stages 4,8`` gives stage 0 the layers 0-3, stage 1 the layers 4-7 and stage 2 the rest.
     ``replicas`` D > 1 runs D such pipelines side by side (hybrid: devices = stages x D, device ``rank`` is
     stage ``rank % S`` of replica ``rank // S``), each on ``B / D`` of the global batch, the D devices of a
@@ -555,7 +555,7 @@ class PipelineSpec:
     starts: tuple[int, ...] | None
     microbatches: int
     schedule: str               # PIPELINE_SCHEDULES
-    planned: bool = False       # --stages auto: the split planner (plan.split) chooses ``starts`` on the devices
+    planned: bool = False       # --stages auto: the split planner (pipelining.split) chooses ``starts`` on the devices
     replicas: int = 1           # --pipeline-replicas: pipelines side by side, each stage's gradients all-reduced
 
     @property
@@ -783,6 +783,22 @@ def parse_dedup(text: str | int | None) -> DedupSpec | None:
 
 
 # ---------------------------------------------------------------- --local-batch
+
+# The nominal input shape (channels, height, width) and classes of the built-in image sets, known without
+# reading them: benches feed synthetic tensors of that shape, pre-launch checks size a split with it.
+DATASET_SHAPES: dict[str, tuple[tuple[int, int, int], int]] = {
+    "cifar10": ((3, 32, 32), 10),
+    "synthetic": ((3, 32, 32), 10),
+    "digits": ((1, 8, 8), 10),
+}
+
+
+def dataset_shape(dataset: str) -> tuple[tuple[int, int, int], int]:
+    try:
+        return DATASET_SHAPES[dataset]
+    except KeyError:
+        raise EdgetrainError(f"unknown dataset {dataset!r}; choose one of {sorted(DATASET_SHAPES)}") from None
+
 
 LOCAL_BATCH_RULES = ("even", "balanced")
 

@@ -1,7 +1,7 @@
 import pytest
 from torch import nn
 
-from edgetrain.bench import flops
+from edgetrain.tasks import flops
 
 
 def test_training_flops_of_an_mlp_match_the_formula():

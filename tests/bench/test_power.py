@@ -1,6 +1,7 @@
 import pytest
 
 from edgetrain.bench import power
+from edgetrain.cluster import sensors
 from edgetrain.cli import main
 
 from bench_helpers import assert_png, read_result
@@ -46,13 +47,13 @@ def test_rapl_counter_detection_and_wraparound(tmp_path):
     (d / "energy_uj").write_text("1000\n")
     (d / "max_energy_range_uj").write_text("5000\n")
     (tmp_path / "intel-rapl:0:0").mkdir()  # a sub-domain: not counted twice
-    assert power.rapl_domains(str(tmp_path)) == [d]
+    assert sensors.rapl_domains(str(tmp_path)) == [d]
     src = power.energy_source(str(tmp_path), (str(tmp_path / "none"),), None)
     assert src["kind"].startswith("Intel RAPL") and not src["modelled"]
-    with power.rapl_meter([d]) as joules:
+    with sensors.rapl_meter([d]) as joules:
         (d / "energy_uj").write_text("500\n")  # wrapped past 5000
         assert joules() == pytest.approx((5000 - 1000 + 500) / 1e6)
-    assert power.rapl_delta_uj(100, 400, 5000) == 300
+    assert sensors.rapl_delta_uj(100, 400, 5000) == 300
 
 
 def test_pareto_front():

@@ -132,19 +132,20 @@ def test_efficiency_and_overlap_are_checked():
 
 
 def test_host_profile_devices_share_this_machines_cores_and_plan_says_what_it_leaves_out(monkeypatch):
-    from edgetrain.cluster.profiles import BUILTIN_PROFILES, host_core_gflops
+    from edgetrain.cluster import profiles
+    from edgetrain.cluster.profiles import BUILTIN_PROFILES, device_gflops, host_core_gflops
     from edgetrain.plan import model as plan_model
 
     host = BUILTIN_PROFILES["host"]
     core = host_core_gflops()
-    monkeypatch.setattr(plan_model.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(profiles.os, "cpu_count", lambda: 4)
     # as the training loop pins them (cluster.throttle.assign_cores): 4 cores // n each, a time share beyond 4
-    assert plan_model.device_gflops(host, 1)[0] == pytest.approx(4 * core)
-    assert plan_model.device_gflops(host, 2)[0] == pytest.approx(2 * core)
-    assert plan_model.device_gflops(host, 3)[0] == pytest.approx(1 * core)
-    assert plan_model.device_gflops(host, 8)[0] == pytest.approx(0.5 * core)
+    assert device_gflops(host, 1)[0] == pytest.approx(4 * core)
+    assert device_gflops(host, 2)[0] == pytest.approx(2 * core)
+    assert device_gflops(host, 3)[0] == pytest.approx(1 * core)
+    assert device_gflops(host, 8)[0] == pytest.approx(0.5 * core)
     # a profile with its own rate is not shared
-    assert plan_model.device_gflops(PI, 8)[0] == pytest.approx(plan_model.device_gflops(PI)[0])
+    assert device_gflops(PI, 8)[0] == pytest.approx(device_gflops(PI)[0])
     pred = plan(2, devices=[DeviceSpec(r, host, None, LTE) for r in range(2)])
     assert pred.devices[0].gflops == pytest.approx(2 * core)
     assert plan_model.HOST_PROFILE_ERROR in pred.assumptions

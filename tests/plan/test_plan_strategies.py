@@ -11,8 +11,8 @@ from edgetrain.config import load_config
 from edgetrain.models import MODELS
 from edgetrain.plan import plan_inputs, predict_inputs
 from edgetrain.plan.model import MIB
-from edgetrain.plan.split import StageDevice, layer_costs, p2p_seconds, plan_split
-from edgetrain.plan.stages import pipeline_layers
+from edgetrain.pipelining.split import StageDevice, layer_costs, p2p_seconds, plan_split
+from edgetrain.pipelining.stages import pipeline_layers
 from edgetrain.plan.strategies import _shard_bytes, compare, fsdp_gathered_bytes, fsdp_units
 from edgetrain.report.plan_page import plan_section
 from edgetrain.spec import get_link

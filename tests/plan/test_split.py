@@ -1,4 +1,4 @@
-"""The split planner (plan/split.py): memory limits respected, slow devices get less, clear refusals."""
+"""The split planner (pipelining/split.py): memory limits respected, slow devices get less, clear refusals."""
 import pytest
 from torch import nn
 
@@ -6,8 +6,8 @@ from edgetrain.cluster.profiles import BUILTIN_PROFILES
 from edgetrain.errors import EdgetrainError
 from edgetrain.models import build_model
 from edgetrain.plan.costs import count_activation_bytes, count_flops
-from edgetrain.plan.split import MIB, LayerCost, StageDevice, layer_costs, plan_split
-from edgetrain.plan.stages import pipeline_layers
+from edgetrain.pipelining.split import MIB, LayerCost, StageDevice, layer_costs, plan_split
+from edgetrain.pipelining.stages import pipeline_layers
 
 
 def _layers(count, flops=1e9, param_mib=10.0, activation_kib=0.0):

@@ -35,7 +35,8 @@ def runs(tmp_path_factory) -> list[Path]:
 
 
 def _small_cnn_flops() -> dict:
-    from edgetrain.bench import flops, workload
+    from edgetrain.bench import workload
+    from edgetrain.tasks import flops
 
     return flops.training_flops_per_sample(workload.build_model("small_cnn", "digits"), "digits")
 

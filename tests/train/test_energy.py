@@ -10,7 +10,7 @@ import yaml
 from rich.console import Console
 
 from edgetrain import train
-from edgetrain.bench.power import hwmon_watts, ina_hwmon_rails
+from edgetrain.cluster.sensors import hwmon_watts, ina_hwmon_rails
 from edgetrain.cluster.profiles import BUILTIN_PROFILES, DeviceProfile, load_cluster
 from edgetrain.errors import EdgetrainError
 from edgetrain.records import DeviceSummary, EnergyRecord, RunSummary

@@ -1,4 +1,4 @@
-"""``--strategy pipeline`` (train/pipeline.py, plan/stages.py): one device's parameters, counted bytes, the
+"""``--strategy pipeline`` (train/pipeline.py, pipelining/stages.py): one device's parameters, counted bytes, the
 link-charged timeline, refusals."""
 import json
 from pathlib import Path
@@ -15,7 +15,7 @@ from edgetrain.cluster.links import round_seconds
 from edgetrain.config import TrainConfig, resolve
 from edgetrain.errors import EdgetrainError
 from edgetrain.models import register_model
-from edgetrain.plan.stages import (BACKWARD, FORWARD, check_sequential, pipeline_layers, pipeline_timeline,
+from edgetrain.pipelining.stages import (BACKWARD, FORWARD, check_sequential, pipeline_layers, pipeline_timeline,
                                    schedule_order, stage_bounds)
 from edgetrain.spec import PipelineSpec
 

@@ -8,7 +8,7 @@ from torch import nn
 
 from edgetrain_testing import FAST, run_cli
 from edgetrain import train
-from edgetrain.bench import flops
+from edgetrain.tasks import flops
 from edgetrain.cluster import throttle
 from edgetrain.models import build_model
 from edgetrain.models.init import build_on_meta, materialise

@@ -35,6 +35,7 @@ from edgetrain.bench.common import (ABOVE_PEAK_NOTE, NOISY_NOTE, percent_of_peak
                                     spread_cell, start_run)
 from edgetrain.errors import EdgetrainError
 from edgetrain.results import BatchResult
+from edgetrain.spec import DATASET_SHAPES
 
 
 def batch_sizes(start: int, max_batch: int) -> list[int]:
@@ -57,7 +58,7 @@ def run(model: str = "resnet18", dataset: str = "cifar10", profile: str = "host"
     prof = get_profile(profile)
     speed, threads, peak_source, notes = _device(prof, throttle, threads, peak_size)
     limit, limit_source = _memory_limit(prof, memory_limit_mb)
-    from edgetrain.bench import flops  # torch: after the checks, and bench's flags and --help answer without it
+    from edgetrain.tasks import flops  # torch: after the checks, and bench's flags and --help answer without it
 
     counted = flops.training_flops_per_sample(workload.build_model(model, dataset), dataset)
     rows, limit_hit = _sweep(counted, batch_sizes(start_batch, max_batch), dict(
@@ -128,7 +129,7 @@ def _memory_limit(prof, memory_limit_mb: float | None) -> tuple[float, str]:
 def _sweep(counted: dict, sizes: list[int], measure: dict[str, Any]) -> tuple[list[dict[str, Any]], dict | None]:
     """Each batch size in its own process (``workload.measure_steps_isolated`` with ``measure``), up to the first
     that does not fit: (rows, that batch's row or None)."""
-    from edgetrain.bench import flops
+    from edgetrain.tasks import flops
 
     rows: list[dict[str, Any]] = []
     for b in sizes:
@@ -175,7 +176,7 @@ def _print(result: BatchResult, title: str, limit_source: str) -> None:
 def add_parser(sub) -> None:
     p = sub.add_parser("batch", help="throughput and peak memory versus batch size, up to the memory limit")
     p.add_argument("--model", default="resnet18")
-    p.add_argument("--dataset", default="cifar10", choices=sorted(workload.DATASET_SHAPES), help="input shape to feed (synthetic data)")
+    p.add_argument("--dataset", default="cifar10", choices=sorted(DATASET_SHAPES), help="input shape to feed (synthetic data)")
     p.add_argument("--profile", default="host", help="device profile: host, rpi4, jetson-nano")
     p.add_argument("--start-batch", type=positive_int, default=1)
     p.add_argument("--max-batch", type=positive_int, default=512)

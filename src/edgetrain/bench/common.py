@@ -26,7 +26,7 @@ from typing import Any, Iterable, Sequence
 
 from edgetrain.report.cells import (ABOVE_PEAK_NOTE, NOISY_NOTE, NOISY_SPREAD, fmt,  # noqa: F401  (benches' names)
                                     percent_of_peak, spread_cell)
-from edgetrain.report.files import new_run_dir, write_json
+from edgetrain.files import new_run_dir, write_json
 from edgetrain.results import BENCH_FILE, BenchResult
 
 

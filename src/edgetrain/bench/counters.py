@@ -27,6 +27,7 @@ from edgetrain.arguments import non_negative_int, positive_int
 from edgetrain.bench import workload
 from edgetrain.bench.common import print_table, save_result, say, start_run
 from edgetrain.results import CountersResult
+from edgetrain.spec import DATASET_SHAPES
 
 HARDWARE_EVENTS = ["instructions", "cycles", "cache-references", "cache-misses", "branches",
                    "branch-misses", "L1-dcache-loads", "L1-dcache-load-misses"]
@@ -168,7 +169,7 @@ def run(model: str = "resnet18", dataset: str = "cifar10", *, batch_size: int = 
 def add_parser(sub) -> None:
     p = sub.add_parser("counters", help="instructions, cycles, IPC, cache and branch misses via Linux perf")
     p.add_argument("--model", default="resnet18")
-    p.add_argument("--dataset", default="cifar10", choices=sorted(workload.DATASET_SHAPES))
+    p.add_argument("--dataset", default="cifar10", choices=sorted(DATASET_SHAPES))
     p.add_argument("--batch-size", type=positive_int, default=32)
     p.add_argument("--steps", type=positive_int, default=3)
     p.add_argument("--warmup", type=non_negative_int, default=1)

@@ -2,8 +2,7 @@
 
 ``scaling`` and multi-device ``variability`` measure the real trainer (its
 data loading, all-reduce and waiting included), not a stand-in. Bench sits
-below ``train`` in the layering (the trainer uses ``bench.flops`` and
-``bench.workload``), so it never imports the trainer: ``train_in_subprocess``
+beside ``train`` in the layering and never imports it: ``train_in_subprocess``
 writes the run's config as YAML and runs ``python -m edgetrain train
 --config`` on it, as a user would, then reads the run directory through the
 typed records (``records.RunSummary`` from ``summary.json``, one
@@ -43,7 +42,7 @@ def train_in_subprocess(config: dict[str, Any]) -> RunSummary:
     """
     from edgetrain.bench.workload import child_env
     from edgetrain.cluster.launch import _die_with_parent
-    from edgetrain.report.files import write_yaml
+    from edgetrain.files import write_yaml
 
     run_dir = Path(config["output"]) / config["run_name"]
     config_path = run_dir.with_name(f"{run_dir.name}.yaml")

@@ -24,6 +24,7 @@ from edgetrain.bench import trainer_runs, workload
 from edgetrain.bench.common import print_table, save_result, start_run
 from edgetrain.errors import EdgetrainError
 from edgetrain.results import VariabilityResult
+from edgetrain.spec import DATASET_SHAPES
 
 
 def cv(values: list[float]) -> float | None:
@@ -112,7 +113,7 @@ def run(model: str = "resnet18", dataset: str = "cifar10", *, repeats: int = 3, 
 def add_parser(sub) -> None:
     p = sub.add_parser("variability", help="coefficient of variation of step time, per device and across")
     p.add_argument("--model", default="resnet18")
-    p.add_argument("--dataset", default="cifar10", choices=sorted(workload.DATASET_SHAPES))
+    p.add_argument("--dataset", default="cifar10", choices=sorted(DATASET_SHAPES))
     p.add_argument("--repeats", type=positive_int, default=3)
     p.add_argument("--devices", type=positive_int, default=1, help="more than 1 runs the trainer on emulated devices")
     p.add_argument("--batch-size", type=positive_int, default=32, help="per device")

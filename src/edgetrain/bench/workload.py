@@ -26,14 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from edgetrain.errors import EdgetrainError
+from edgetrain.spec import dataset_shape
 
-# Input shape and classes of each data set the trainer knows; benches feed
-# synthetic tensors of that shape.
-DATASET_SHAPES: dict[str, tuple[tuple[int, int, int], int]] = {
-    "cifar10": ((3, 32, 32), 10),
-    "synthetic": ((3, 32, 32), 10),
-    "digits": ((1, 8, 8), 10),
-}
 MEMORY_LIMIT_EXIT = 3
 _POLL_S = 0.005
 
@@ -45,19 +39,12 @@ def host_memory_cap_mb(fraction: float = 0.8) -> float:
     return psutil.virtual_memory().available / 2**20 * fraction
 
 
-def dataset_shape(dataset: str) -> tuple[tuple[int, int, int], int]:
-    try:
-        return DATASET_SHAPES[dataset]
-    except KeyError:
-        raise EdgetrainError(f"unknown dataset {dataset!r}; choose one of {sorted(DATASET_SHAPES)}") from None
-
-
 def build_model(name: str, dataset: str = "cifar10"):
     """A model from ``edgetrain.models`` sized for ``dataset``."""
-    from edgetrain import models
+    from edgetrain.models import build_model as build_registered
 
     (channels, _, _), classes = dataset_shape(dataset)
-    return models.build_model(name, in_channels=channels, num_classes=classes)
+    return build_registered(name, in_channels=channels, num_classes=classes)
 
 
 def time_steps(model, batch_size: int, steps: int, warmup: int, dataset: str = "cifar10",
@@ -161,10 +148,8 @@ def _child_main(spec: dict) -> dict:
 
 def child_env(threads: int | None) -> dict[str, str]:
     """Environment for a child process: finds this package; uses exactly ``threads`` threads if given."""
-    import edgetrain
-
     env = dict(os.environ)
-    src = str(Path(edgetrain.__file__).resolve().parents[1])
+    src = str(Path(__file__).resolve().parents[2])  # src/edgetrain/bench/workload.py -> src
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import functools
 import gc
 import io
 import multiprocessing as mp
@@ -15,6 +16,7 @@ import pickle
 import queue
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -294,8 +296,27 @@ def _loopback_store(world: int):
 # device's measured memory is what it would be on its own; not scikit-learn (digits: the launcher loads
 # it, train/__init__.py). Nothing here may start a thread or OpenMP's pool: the devices are forked from it.
 DEVICE_IMPORTS = ["torch", "torch._dynamo", "torch.distributed", "edgetrain.train.loop", "edgetrain.train.pipeline",
-                  "edgetrain.train.fsdp", "edgetrain.comm"]  # also plan.model.idle_process_mb's baseline
+                  "edgetrain.train.fsdp", "edgetrain.comm"]  # also idle_process_mb's baseline
 _PRELOAD = ["edgetrain.cluster.fork_server", *DEVICE_IMPORTS]
+
+
+@functools.lru_cache(maxsize=1)
+def idle_process_mb() -> float:
+    """RSS (MiB) of an idle device process, measured now: a fresh Python process that imported what the
+    devices' fork server imports (``cluster.launch.DEVICE_IMPORTS``: torch, torch._dynamo, which torch's
+    optimizers import on first use, and edgetrain's training code)."""
+    # what imports here (an older torch lacks FSDP2: train/fsdp.py does not import, the fork server skips it too)
+    code = (f"import importlib, psutil\nfor m in {DEVICE_IMPORTS!r}:\n    try: importlib.import_module(m)\n"
+            f"    except ImportError: pass\nprint(psutil.Process().memory_info().rss / 2**20)")
+    env = dict(os.environ)
+    src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+        return float(out.stdout.strip().splitlines()[-1])
+    except (subprocess.TimeoutExpired, ValueError, IndexError):
+        raise EdgetrainError("could not measure the RSS of an idle edgetrain process; "
+                             "pass --runtime-mb to give the runtime baseline yourself") from None
 
 
 def _device_context():

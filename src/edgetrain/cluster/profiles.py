@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from edgetrain.errors import EdgetrainError
-from edgetrain.spec import get_link, parse_local_batch
+from edgetrain.spec import PRESETS as LINK_PRESETS, Link, get_link, parse_local_batch
 
 
 @dataclass(frozen=True)
@@ -145,6 +145,36 @@ def host_core_gflops(seconds: float = 0.3, n: int = 384) -> float:
     finally:
         torch.set_num_threads(threads)
     return 2 * n**3 * reps / elapsed / 1e9
+
+
+def device_gflops(profile: DeviceProfile, sharing: int = 1) -> tuple[float, str]:
+    """(GFLOPS, where the number comes from) of a profile. ``sharing``: how many devices of an unthrottled
+    profile without ``cores`` (``host``: this machine) the plan puts on this machine; they split its cores
+    as the training loop pins them (``throttle.assign_cores``: ``cores // n`` each, a time share of
+    one core when there are more devices than cores)."""
+    if profile.speed is not None:
+        return profile.speed * host_core_gflops(), "speed x measured host core"
+    if profile.gflops is not None:
+        return float(profile.gflops), "profile"
+    if profile.cores:
+        return host_core_gflops() * profile.cores, "measured host cores"
+    cores = os.cpu_count() or 1
+    share = cores // sharing if sharing <= cores else cores / sharing
+    return host_core_gflops() * share, f"measured host core x {share:g} ({sharing} device(s) on {cores} cores)"
+
+
+def device_links(devices: list[DeviceSpec]) -> list[Link | None]:
+    """Every device's link; as ``comm.gather_links``, a device without one among devices with one is on lan-1g."""
+    cache: dict = {}
+    links = []
+    for d in devices:
+        key = d.link if not isinstance(d.link, dict) else repr(sorted(d.link.items()))
+        if key not in cache:
+            cache[key] = get_link(d.link)
+        links.append(cache[key])
+    if any(link is not None for link in links):
+        links = [LINK_PRESETS["lan-1g"] if link is None else link for link in links]
+    return links
 
 
 def device_speed(profile: DeviceProfile) -> float | None:

@@ -31,7 +31,7 @@ from edgetrain.errors import EdgetrainError
 from edgetrain.fleet.devices import DeviceGroup, ModelledFleet, RoundModel, parse_availability, parse_population
 from edgetrain.tasks.flops import count_training_flops
 from edgetrain.models import build_model, check_model
-from edgetrain.report.files import atomic_write
+from edgetrain.files import atomic_write
 from edgetrain.spec import CompressSpec, PartitionSpec, ServerOptSpec, parse_compress, parse_partition, \
     parse_server_opt
 from edgetrain.data.device_data import class_labels

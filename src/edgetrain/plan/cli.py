@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     from edgetrain.plan.model import step_timing
     from edgetrain.plan.simulate import scaling, simulate
     from edgetrain.plan.strategies import compare
-    from edgetrain.report.files import new_run_dir, write_json
+    from edgetrain.files import new_run_dir, write_json
     sim_options = dict(compute_cv=args.compute_cv, straggler_prob=straggler_prob, straggler_factor=straggler_factor,
                        jitter=args.jitter, seed=cfg.seed)
 

@@ -5,15 +5,12 @@ Design: docs/design/planner.md ("The analytic model").
 from __future__ import annotations
 
 import dataclasses
-import functools
-import os
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from edgetrain.cluster.links import PRESETS, Link, collective_time, get_link
-from edgetrain.cluster.profiles import DeviceProfile, DeviceSpec, host_core_gflops
+from edgetrain.cluster.links import PRESETS, Link, collective_time
+from edgetrain.cluster.launch import idle_process_mb
+from edgetrain.cluster.profiles import DeviceProfile, DeviceSpec, device_gflops, device_links
 from edgetrain.errors import EdgetrainError
 from edgetrain.kinds import SYNC_KINDS
 from edgetrain.results import PlanDevice
@@ -27,43 +24,6 @@ TIMINGS = ("lockstep", "periodic", "bounded")  # the step rules below (a sync ki
 MIB = 2**20
 
 
-@functools.lru_cache(maxsize=1)
-def idle_process_mb() -> float:
-    """RSS (MiB) of an idle device process, measured now: a fresh Python process that imported what the
-    devices' fork server imports (``cluster.launch.DEVICE_IMPORTS``: torch, torch._dynamo, which torch's
-    optimizers import on first use, and edgetrain's training code)."""
-    from edgetrain.cluster.launch import DEVICE_IMPORTS
-
-    # what imports here (an older torch lacks FSDP2: train/fsdp.py does not import, the fork server skips it too)
-    code = (f"import importlib, psutil\nfor m in {DEVICE_IMPORTS!r}:\n    try: importlib.import_module(m)\n"
-            f"    except ImportError: pass\nprint(psutil.Process().memory_info().rss / 2**20)")
-    env = dict(os.environ)
-    src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
-    try:
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
-        return float(out.stdout.strip().splitlines()[-1])
-    except (subprocess.TimeoutExpired, ValueError, IndexError):
-        raise EdgetrainError("could not measure the RSS of an idle edgetrain process; "
-                             "pass --runtime-mb to give the runtime baseline yourself") from None
-
-
-def device_gflops(profile: DeviceProfile, sharing: int = 1) -> tuple[float, str]:
-    """(GFLOPS, where the number comes from) of a profile. ``sharing``: how many devices of an unthrottled
-    profile without ``cores`` (``host``: this machine) the plan puts on this machine; they split its cores
-    as the training loop pins them (``cluster.throttle.assign_cores``: ``cores // n`` each, a time share of
-    one core when there are more devices than cores)."""
-    if profile.speed is not None:
-        return profile.speed * host_core_gflops(), "speed x measured host core"
-    if profile.gflops is not None:
-        return float(profile.gflops), "profile"
-    if profile.cores:
-        return host_core_gflops() * profile.cores, "measured host cores"
-    cores = os.cpu_count() or 1
-    share = cores // sharing if sharing <= cores else cores / sharing
-    return host_core_gflops() * share, f"measured host core x {share:g} ({sharing} device(s) on {cores} cores)"
-
-
 # What the host profile's compute leaves out, said in plan's output where a device uses it.
 HOST_PROFILE_ERROR = (
     "host profile: one host core's GEMM rate x the device's share of this machine's cores; other processes' "
@@ -71,20 +31,6 @@ HOST_PROFILE_ERROR = (
     "small models: one-thread small_cnn steps (batch 32, digits) measured 6-10x this compute time on the "
     "development host (docs/benchmarks/real-links.md); give a profile with the device's own measured GFLOPS "
     "(edgetrain bench peak) or measure with edgetrain train")
-
-
-def device_links(devices: list[DeviceSpec]) -> list[Link | None]:
-    """Every device's link; as ``comm.gather_links``, a device without one among devices with one is on lan-1g."""
-    cache: dict = {}
-    links = []
-    for d in devices:
-        key = d.link if not isinstance(d.link, dict) else repr(sorted(d.link.items()))
-        if key not in cache:
-            cache[key] = get_link(d.link)
-        links.append(cache[key])
-    if any(link is not None for link in links):
-        links = [PRESETS["lan-1g"] if link is None else link for link in links]
-    return links
 
 
 def exchange_seconds(traffic: Traffic, links: list[Link]) -> float:

@@ -10,7 +10,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from edgetrain.plan.model import HOST_PROFILE_ERROR, DevicePrediction, Prediction, step_timing
-from edgetrain.report.files import atomic_write
+from edgetrain.files import atomic_write
 from edgetrain.results import PlanComparison, PlanDevice, PlanDeviceGroup, PlanScalingRow, PlanSimulation
 
 

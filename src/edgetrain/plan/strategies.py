@@ -14,8 +14,8 @@ from edgetrain.errors import EdgetrainError
 from edgetrain.kinds import STRATEGY_KINDS, strategy_kind
 from edgetrain.plan.config import PlanInputs
 from edgetrain.plan.model import MIB, Prediction, exchange_seconds
-from edgetrain.plan.split import StageDevice, layer_costs, p2p_seconds, plan_split
-from edgetrain.plan.stages import FORWARD, check_sequential, pipeline_layers, pipeline_timeline, schedule_order
+from edgetrain.pipelining.split import StageDevice, layer_costs, p2p_seconds, plan_split
+from edgetrain.pipelining.stages import FORWARD, check_sequential, pipeline_layers, pipeline_timeline, schedule_order
 from edgetrain.plan.traffic import Traffic
 from edgetrain.results import PlanComparison, PlanStrategy, PlanStrategyDevice
 
@@ -143,7 +143,7 @@ def pipeline_strategy(inputs: PlanInputs, pred: Prediction, microbatches: int, s
         params = sum(layer.param_bytes for layer in layers[first:end])
         memory.append({"weights": (params + sum(layer.buffer_bytes for layer in layers[first:end])) / MIB,
                        "gradients": (params + (max(layer.param_bytes for layer in layers[first:end])
-                                               if microbatches > 1 else 0.0)) / MIB,  # + accumulation (plan/split.py)
+                                               if microbatches > 1 else 0.0)) / MIB,  # + accumulation (pipelining/split.py)
                        "optimizer": copies * params / MIB,
                        "activations": sum(layer.activation_bytes for layer in layers[first:end]) * in_flight / MIB,
                        "dataset": costs.dataset_bytes / MIB, "runtime": pred.runtime_mb})

@@ -4,7 +4,7 @@ Benches print their tables with these (``bench.common.print_table``) and
 ``report.html`` renders the result files with them, so a cell and its
 ``!`` flag read the same everywhere. They sit here, under both, so that
 ``report`` never imports ``bench`` (``bench`` writes results with
-``report.files`` and plots them with ``report.plots``).
+``files.py`` and plots them with ``report.plots``).
 
 A ``!`` on a spread marks a timing whose interquartile range over its median
 is above ``NOISY_SPREAD``; a ``!`` on a percentage of peak marks a rate above

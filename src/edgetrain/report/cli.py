@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from edgetrain.report.files import atomic_write
+from edgetrain.files import atomic_write
 
 
 def register(subparsers) -> None:

@@ -85,7 +85,7 @@ def load_run(run_dir: str | Path) -> Run:
     if (d / ROUNDS_FILE).is_file():
         return Run(d, load_fleet(d))
     if (d / "config.yaml").is_file():
-        from edgetrain.report.files import remove_stale_temps
+        from edgetrain.files import remove_stale_temps
 
         removed = remove_stale_temps(d)
         note = f"; removed {len(removed)} partial file(s) it left" if removed else ""

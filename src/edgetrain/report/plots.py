@@ -18,7 +18,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from edgetrain.report.files import atomic_write  # noqa: E402
+from edgetrain.files import atomic_write  # noqa: E402
 
 plt.rcParams.update({"figure.dpi": 110, "axes.grid": True, "grid.alpha": 0.3, "font.size": 10,
                      "axes.spines.top": False, "axes.spines.right": False})

@@ -1,25 +1,6 @@
-"""The one FLOP counter: training FLOPs per sample of a model, forward and backward, counted by PyTorch.
-
-``torch.utils.flop_counter.FlopCounterMode`` intercepts every aten operator
-during one real training step and sums the flops of the ones it has formulas
-for: matrix products and convolutions (a multiply-add counts 2), which is
-where almost all of a CNN's arithmetic is and exactly what a GEMM peak
-measures. Element-wise work (BatchNorm, ReLU, the optimizer) is not counted:
-it costs time, not flops. Backward is roughly twice forward (gradients for
-inputs and weights).
-
-Every FLOP figure in edgetrain comes from here: the trainer's
-``summary.json``, ``bench batch`` (through ``bench.flops``, which adds the
-peaks a count is rated against) and ``plan``'s model costs. It lives with
-the tasks, whose loss a training step takes, so that all three can use it without importing one another.
-
-The count is taken at the input shape given (a 416x416 tiled run costs 169
-times a 32x32 one) on a deep copy of the model, with the global RNG state
-saved and restored, so it changes neither the weights, the BatchNorm
-statistics, the gradients nor the random stream of the run that asks.
-A model on the meta device (models/init.py) is counted there: the formulas
-need shapes only, so the count is the same and nothing is allocated.
-"""
+"""FLOPs of training: one counter (PyTorch's ``FlopCounterMode`` over one real training step, forward and
+backward), what a device achieved, and the peak it is rated against. Every FLOP figure in edgetrain comes from
+here; what is counted and why: docs/design/flops.md."""
 from __future__ import annotations
 
 import copy
@@ -28,6 +9,7 @@ from typing import Any, Sequence
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from edgetrain.spec import dataset_shape
 from edgetrain.tasks.base import Task
 from edgetrain.tasks.classification import ClassificationTask
 
@@ -62,3 +44,45 @@ def count_training_flops(model: torch.nn.Module, input_shape: Sequence[int], num
             "model": type(model).__name__,
             "counted_ops": "matmul and convolution (multiply-add = 2 flops)",
             "counter": "torch.utils.flop_counter.FlopCounterMode"}
+
+
+def training_flops_per_sample(model: torch.nn.Module, dataset: str = "cifar10", batch_size: int = 2, *,
+                              input_shape: Sequence[int] | None = None,
+                              num_classes: int | None = None, task=None, example=None) -> dict[str, Any]:
+    """Forward, backward and total flops of one training sample (``count_training_flops``).
+
+    ``input_shape`` (channels, height, width) and ``num_classes`` override ``dataset``'s nominal ones:
+    pass the run's real shape. ``model`` itself is left untouched (a deep copy is counted).
+    """
+    if input_shape is None or num_classes is None:
+        nominal_shape, nominal_classes = dataset_shape(dataset)
+        input_shape, num_classes = input_shape or nominal_shape, num_classes or nominal_classes
+    return count_training_flops(model, input_shape, num_classes, batch_size, task=task, example=example)
+
+
+def achieved(flops_per_sample: float, samples_per_s: float, peak_gflops: float | None) -> dict[str, Any]:
+    """Achieved GFLOPS and the fraction of ``peak_gflops``; ``above_peak`` flags a fraction over 1."""
+    gflops = flops_per_sample * samples_per_s / 1e9
+    fraction = gflops / peak_gflops if peak_gflops else None
+    return {"achieved_gflops": gflops, "fraction_of_peak": fraction,
+            "above_peak": fraction is not None and fraction > 1}
+
+
+def device_peak(profile, speed: float | None, host_core_gflops=None) -> dict[str, Any] | None:
+    """The peak an emulated device is rated against, from its profile, or None (rate it against the host's).
+
+    ``speed`` is the device's emulated speed (None: it ran unthrottled, at host speed, so its profile's
+    rating does not apply). ``host_core_gflops`` is called only for a profile that gives ``speed`` alone.
+    """
+    if speed is None:
+        return None
+    if profile.gflops is not None:
+        return {"peak_gflops": float(profile.gflops), "peak_modelled": True,
+                "peak_source": f"profile {profile.name}: {profile.gflops:g} GFLOPS as the profile declares it "
+                               f"(nominal, not measured here)"}
+    if host_core_gflops is None:
+        from edgetrain.cluster.profiles import host_core_gflops
+    core = host_core_gflops()
+    return {"peak_gflops": speed * core, "peak_modelled": True,
+            "peak_source": f"modelled: profile {profile.name}'s speed {speed:.3g} x one host core's "
+                           f"{core:.1f} GEMM GFLOPS"}

@@ -31,8 +31,8 @@ import torch.distributed as dist
 from edgetrain.cluster.peers import all_gather_json
 from edgetrain.comm.exchange import wait
 from edgetrain.errors import EdgetrainError
+from edgetrain.files import atomic_write, remove_stale_temps
 from edgetrain.records import MembershipRecord
-from edgetrain.report.files import remove_stale_temps, save_torch
 from edgetrain.spec import CheckpointSpec
 from edgetrain.tasks.base import sum_totals
 
@@ -42,6 +42,12 @@ FINAL_DIR = "checkpoint"      # the final model of a pooled run (pipeline, fsdp)
 RUN_FILE = "run.pt"           # in a directory of parts: the run's state, written by rank 0 last
 _NAME = re.compile(r"step-(\d+)(\.pt)?")
 _PARTS_TEMPORARY = ".tmp"     # .step-<N>.tmp/, .checkpoint.tmp/: parts being written, renamed when all are there
+
+
+def save_torch(path: str | os.PathLike, obj: Any) -> None:
+    """``torch.save`` through ``files.atomic_write``: the old file or the new one, never half of one."""
+    with atomic_write(path, "wb") as f:
+        torch.save(obj, f)
 
 
 def checkpoint_files(run_dir: str | Path) -> list[Path]:

@@ -3,7 +3,7 @@
 Sources, first found first (design and limits: docs/how-to/energy.md):
 
 1. ``--power-file PATH``: a file holding the device's watts (a USB meter's logger), sampled and integrated;
-2. Intel RAPL package counters (``bench.power.rapl_domains``, wrap-around handled);
+2. Intel RAPL package counters (``cluster.sensors.rapl_domains``, wrap-around handled);
 3. a Jetson's INA3221 rails (iio ``in_power*_input`` or hwmon ``inN_input`` x ``currN_input``), sampled;
 4. the device profile's power model (``DeviceProfile.power_w``: idle + per busy core), labelled modelled.
 
@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from edgetrain.bench.power import (INA_ROOTS, RAPL_ROOT, HWMON_ROOT, hwmon_watts, ina_hwmon_rails, ina_power_files,
-                                   rapl_domains, rapl_meter, read_watts_file, sampled_meter)
 from edgetrain.cluster.profiles import DeviceProfile
+from edgetrain.cluster.sensors import (HWMON_ROOT, INA_ROOTS, RAPL_ROOT, hwmon_watts, ina_hwmon_rails, ina_power_files,
+                                       rapl_domains, rapl_meter, read_watts_file, sampled_meter)
 from edgetrain.records import EnergyRecord
 
 PROC_STAT = "/proc/stat"

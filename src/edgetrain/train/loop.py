@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from edgetrain.bench.flops import achieved, device_peak, training_flops_per_sample
 from edgetrain.cluster.faults import inject_fault
 from edgetrain.cluster.launch import loader_worker_init
 from edgetrain.cluster.limits import DeviceLimits, device_limits
@@ -48,10 +47,12 @@ from edgetrain.models.init import build_on_meta
 from edgetrain.privacy.dp import PrivacyPlan
 from edgetrain.records import (DeviceSummary, EnergyRecord, EvalRecord, MembershipRecord, PrivacyRecord, RunSummary,
                                StepRecord)
-from edgetrain.report.files import atomic_write, save_torch, write_json
+from edgetrain.files import atomic_write, write_json
 from edgetrain.tasks import Task, build_task, task_record
 from edgetrain.tasks.base import sum_totals
-from edgetrain.train.checkpoint import FINAL_DIR, FINAL_FILE, Checkpointer, Writers, resume_hint, save_final_parts
+from edgetrain.tasks.flops import achieved, device_peak, training_flops_per_sample
+from edgetrain.train.checkpoint import (FINAL_DIR, FINAL_FILE, Checkpointer, Writers, resume_hint, save_final_parts,
+                                       save_torch)
 from edgetrain.train.elastic import Elastic, FailStop
 from edgetrain.train.energy import EnergyMeter, Sensors
 from edgetrain.train.evaluation import evaluate  # noqa: F401  (imported from here: fleet/app.py, tests)
@@ -697,7 +698,7 @@ def _device_summary(records: list[StepRecord], at: DeviceSetup, local_batch: int
         throttle_inflation=statistics.median(throttle.inflations) if throttle and throttle.inflations else None,
         read_s=mean("read_s") if loaded else None, decode_s=mean("decode_s") if loaded else None, workers=workers,
         storage_items_per_epoch=per_epoch("storage_items"), cache_items_per_epoch=per_epoch("cache_items"),
-        # The peak this device is rated against: its profile's where it emulated one (see bench.flops).
+        # The peak this device is rated against: its profile's where it emulated one (see tasks/flops.py).
         details=dict(device_peak(at.me.profile, at.speed) or {}))
 
 

@@ -22,16 +22,16 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.utils.data import DataLoader, Subset
 
 from edgetrain.cluster.peers import all_gather_json
-from edgetrain.cluster.profiles import plan_devices
+from edgetrain.cluster.launch import idle_process_mb
+from edgetrain.cluster.profiles import device_gflops, device_links, plan_devices
 from edgetrain.comm import device_clock
 from edgetrain.comm.compress.spec import build_compressor
 from edgetrain.data import shard_indices
 from edgetrain.errors import EdgetrainError
 from edgetrain.kinds import named_by_kind
 from edgetrain.models.init import META, is_meta, materialise
-from edgetrain.plan.model import device_gflops, device_links, idle_process_mb
-from edgetrain.plan.split import StageDevice, layer_costs, p2p_seconds, plan_split
-from edgetrain.plan.stages import (BACKWARD, FORWARD, describe_stages, pipeline_layers, pipeline_timeline,
+from edgetrain.pipelining.split import StageDevice, layer_costs, p2p_seconds, plan_split
+from edgetrain.pipelining.stages import (BACKWARD, FORWARD, describe_stages, pipeline_layers, pipeline_timeline,
                                    stage_bounds)
 from edgetrain.spec import get_link
 from edgetrain.train.evaluation import gathered_metrics
@@ -191,7 +191,7 @@ class Pipeline(Strategy):
         self.stage_ranks = [r * stages + self.stage_index for r in range(replicas)]
 
     def _planned_starts(self) -> tuple[int, ...]:
-        """Rank 0 plans the split (plan.split) and prints why; every device receives the same stage starts.
+        """Rank 0 plans the split (pipelining.split) and prints why; every device receives the same stage starts.
 
         With replicas, every pipeline gets the same split: stage s is planned for the weakest of its D devices
         (least GFLOPS, memory and memory bandwidth) and each cut for the slowest of the D links across it, on a
@@ -215,7 +215,7 @@ class Pipeline(Strategy):
                               transfer_s=lambda s, nbytes: max(p2p_seconds(links, r * S + s - 1, r * S + s, nbytes)
                                                                for r in range(D)))
             self.plan = plan.explain()
-            print("pipeline stages planned (plan/split.py):\n  " + "\n  ".join(self.plan), flush=True)
+            print("pipeline stages planned (pipelining/split.py):\n  " + "\n  ".join(self.plan), flush=True)
             starts = torch.tensor(plan.starts, dtype=torch.int64)
         dist.broadcast(starts, src=0)
         return tuple(int(v) for v in starts)

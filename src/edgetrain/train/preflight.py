@@ -4,7 +4,7 @@ The output directory can be written, the model and the dataset are
 registered, the CIFAR-10 files are there, an image folder or ``.npz`` reads
 (every file; on storage, every header), a tiling grid fits the feature maps of the data's own shape
 (``tiling.strategy.plan_section`` on the model, built here once), a pipeline
-can cut the model where ``--stages`` says (``plan.stages``), this torch has what the strategy needs (FSDP2 for fsdp and
+can cut the model where ``--stages`` says (``pipelining.stages``), this torch has what the strategy needs (FSDP2 for fsdp and
 pipeline: refused in one line on an older torch) and, for a task whose descriptor
 asks it (or one passed from Python), fits the data and the model's output on
 one batch (``Task.check_data``, ``Task.check``). ``train``
@@ -19,15 +19,14 @@ from typing import Any
 
 import torch
 
-from edgetrain.bench.workload import DATASET_SHAPES, dataset_shape
 from edgetrain.config import TrainConfig, check_output_dir
 from edgetrain.data import build_data
 from edgetrain.data.cifar import check_cifar10_dir
 from edgetrain.data.datasets import check_dataset
 from edgetrain.errors import EdgetrainError
 from edgetrain.models import build_model, check_model
-from edgetrain.plan.stages import check_sequential, pipeline_layers, stage_bounds
-from edgetrain.spec import RunSpec
+from edgetrain.pipelining.stages import check_sequential, pipeline_layers, stage_bounds
+from edgetrain.spec import DATASET_SHAPES, RunSpec, dataset_shape
 from edgetrain.kinds import task_kind
 from edgetrain.tiling.strategy import plan_section
 from edgetrain.train.checkpoint import check_resumable

@@ -162,7 +162,7 @@ def _host_cores() -> tuple[int, ...] | None:
 
 def _check_before_launch(cfg: TrainConfig, spec: RunSpec, user: UserParts):
     """What the values cannot say, before the run directory; returns the dataset where a check built it."""
-    from edgetrain.bench.power import read_watts_file
+    from edgetrain.cluster.sensors import read_watts_file
     from edgetrain.train.preflight import check_before_launch
     if cfg.power_file:  # unreadable: one line now, not one per device after the run directory is made
         read_watts_file(cfg.power_file)
@@ -215,7 +215,7 @@ def _speeds(plan: RunPlan) -> tuple[float | None, ...]:
 
 def _run_dir(plan: RunPlan) -> str | None:
     """Rank 0's: a resumed run's own (its config.yaml as it was), else a new one with the config in it."""
-    from edgetrain.report.files import new_run_dir, write_yaml
+    from edgetrain.files import new_run_dir, write_yaml
 
     cfg, started = plan.cfg, plan.started
     if started.rank != 0:

@@ -79,13 +79,6 @@ def write_yaml(path: str | os.PathLike, obj: Any) -> None:
         yaml.safe_dump(obj, f, sort_keys=False)
 
 
-def save_torch(path: str | os.PathLike, obj: Any) -> None:
-    import torch
-
-    with atomic_write(path, "wb") as f:
-        torch.save(obj, f)
-
-
 def _jsonable(o: Any) -> Any:
     if hasattr(o, "item"):
         return o.item()

@@ -8,7 +8,7 @@ import pytest
 
 from edgetrain.cli import main
 from edgetrain.errors import EdgetrainError
-from edgetrain.report.files import atomic_write, new_run_dir, remove_stale_temps, write_json, write_yaml
+from edgetrain.files import atomic_write, new_run_dir, remove_stale_temps, write_json, write_yaml
 from edgetrain_testing import run_cli
 
 
@@ -34,7 +34,7 @@ def test_clis_refuse_a_run_name_outside_output(tmp_path, cli):
 
 def test_written_files_have_the_umask_mode_not_0600(tmp_path):
     # A fresh interpreter, so the umask set here does not leak into other tests.
-    code = ("import os, sys; os.umask(0o022); from edgetrain.report.files import write_json, write_yaml; "
+    code = ("import os, sys; os.umask(0o022); from edgetrain.files import write_json, write_yaml; "
             "write_json(sys.argv[1] + '/summary.json', {}); write_yaml(sys.argv[1] + '/config.yaml', {})")
     subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, timeout=60)
     for name in ("summary.json", "config.yaml"):
