@@ -52,7 +52,7 @@ from edgetrain.config import load_config
 from edgetrain.models import build_model
 from edgetrain.plan.config import plan_inputs, predict_inputs
 from edgetrain.plan.model import DEFAULT_EFFICIENCY
-from edgetrain.plan.simulate import simulate
+from edgetrain.plan.simulation import simulate
 
 LOCAL_BATCH = 32
 MODEL = "small_cnn_w16"

@@ -125,7 +125,7 @@ def _load(where: str) -> Any:
 class CompressKind(Kind):
     """``--compress``: ``runtime`` builds ``(Compressor, memory)`` from ``(spec, link, seed, rank)``, or, for a
     ``hook``, the DDP ``(state, hook)`` from ``(spec, emulator, group)``; ``planner`` gives its traffic
-    (``plan/traffic.py``)."""
+    (``plan/exchanges.py``)."""
 
     family: ClassVar[str] = "compress"
     options: frozenset[str] = frozenset()
@@ -210,7 +210,7 @@ def _dgc_without_optimizer_momentum(d: Draft) -> None:
                              "correction); set --momentum 0 so that it is not applied twice")
 
 
-_PAYLOAD = "edgetrain.plan.traffic:encoded_buckets"   # the real compressor's payload, encoded and measured
+_PAYLOAD = "edgetrain.plan.exchanges:encoded_buckets"   # the real compressor's payload, encoded and measured
 _C = "edgetrain.comm.compress."
 
 CompressKind(name="none", usage="none", aliases=("fp32",), summary="fp32 all-reduce, as plain DDP",
@@ -250,7 +250,7 @@ CompressKind(name="sign", usage="sign", summary="EF-signSGD (scaled sign, error 
 CompressKind(name="powersgd", usage="powersgd[:RANK]",
              summary="PyTorch's PowerSGD hook (default rank 2); start=ITER vanilla all-reduce iterations first "
                      "(default 10)",
-             runtime=_C + "powersgd:build_hook", planner="edgetrain.plan.traffic:powersgd_buckets",
+             runtime=_C + "powersgd:build_hook", planner="edgetrain.plan.exchanges:powersgd_buckets",
              check_arguments=_check_powersgd, options=frozenset({"start"}), hook=True,
              server_cannot_decode="its low-rank state (a DDP hook)",
              unmasked="is a DDP hook of its own whose low-rank factors are computed from each device's gradients "
@@ -271,8 +271,8 @@ CompressKind(name="threshold", usage="threshold[:TAU]",
 @dataclass(frozen=True, kw_only=True)
 class SyncKind(Kind):
     """``--sync``: ``runtime`` builds the ``SyncMode`` from a ``comm.setup.SyncSetup``; ``planner`` gives one
-    device's ``Traffic`` (``plan/traffic.py``), whose ``timing`` says how ``plan/model.py`` and
-    ``plan/simulate.py`` turn it into step times: ``lockstep`` (every step waits for the exchange),
+    device's ``Traffic`` (``plan/exchanges.py``), whose ``timing`` says how ``plan/model.py`` and
+    ``plan/simulation.py`` turn it into step times: ``lockstep`` (every step waits for the exchange),
     ``periodic`` (an exchange every ``period`` steps) or ``bounded`` (background rounds, staleness bound)."""
 
     family: ClassVar[str] = "sync"
@@ -501,7 +501,7 @@ def _device_dp_on_plain_updates(d: Draft) -> None:
                              f"{what}; drop :{'scaffold' if d.sync.scaffold else 'weighted'}")
 
 
-_T = "edgetrain.plan.traffic:"
+_T = "edgetrain.plan.exchanges:"
 SyncKind(name="sync", usage="sync", summary="synchronous DDP (default); every compressor",
          parse=_parse_sync, accepts=_any_compressor, timing="lockstep", elastic=True,
          checks=(_dp_noise_once_on_the_plain_sum,),
@@ -861,7 +861,7 @@ def target_kind(cfg) -> str:
 class ServerOptKind(Kind):
     """``--server-opt`` (federated rounds): how the server steps the global model with the pseudo-gradient
     ``global - mean(client models)``. ``runtime`` builds the ``torch.optim.Optimizer`` over the flat global model
-    from ``(global_model, ServerOptSpec)``; ``planner`` counts its state (``plan/traffic.py``)."""
+    from ``(global_model, ServerOptSpec)``; ``planner`` counts its state (``plan/exchanges.py``)."""
 
     family: ClassVar[str] = "server_optimizer"
     defaults: tuple[tuple[str, float], ...] = ()   # its options (``lr=``, ...) and their values when not given
@@ -869,7 +869,7 @@ class ServerOptKind(Kind):
 
 
 _SERVER = "edgetrain.comm.federated:"
-_SERVER_STATE = "edgetrain.plan.traffic:server_state_copies"
+_SERVER_STATE = "edgetrain.plan.exchanges:server_state_copies"
 ServerOptKind(name="fedavg", usage="fedavg", summary="the mean of the client models (default)",
               runtime=_SERVER + "sgd_server", planner=_SERVER_STATE)
 ServerOptKind(name="fedavgm", usage="fedavgm[:lr=1:momentum=0.9]",

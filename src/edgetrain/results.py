@@ -193,7 +193,7 @@ class PlanPrediction(Record):
 
 @dataclass(kw_only=True)
 class PlanSimulation(Record):
-    """The step simulator's summary (``plan.simulate.SimResult.to_dict``)."""
+    """The step simulator's summary (``plan.simulation.SimResult.to_dict``)."""
 
     kind: str = "modelled (simulated)"
     steps: int

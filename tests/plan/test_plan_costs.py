@@ -7,7 +7,7 @@ from torch import nn
 from edgetrain.config import load_config
 from edgetrain.data import build_data
 from edgetrain.plan.costs import count_costs, data_footprint, ddp_buckets
-from edgetrain.plan.traffic import traffic
+from edgetrain.plan.exchanges import traffic
 from edgetrain.spec import parse_compress, parse_sync
 
 SYNC = parse_sync("sync")

@@ -11,7 +11,7 @@ from edgetrain.errors import EdgetrainError
 from edgetrain.plan.config import plan_inputs
 from edgetrain.plan.costs import ModelCosts
 from edgetrain.plan.model import predict
-from edgetrain.plan.traffic import traffic
+from edgetrain.plan.exchanges import traffic
 from edgetrain.spec import parse_compress, parse_sync
 
 N = 1_000_000  # parameters of the fake model: one 1000 x 1000 matrix, one DDP bucket

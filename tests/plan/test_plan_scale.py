@@ -18,7 +18,7 @@ from edgetrain.cluster.profiles import plan_devices, split_batch
 from edgetrain.config import load_config
 from edgetrain.plan.config import plan_inputs, predict_inputs
 from edgetrain.plan.report import device_groups
-from edgetrain.plan.simulate import scaling, simulate
+from edgetrain.plan.simulation import scaling, simulate
 
 from test_plan_model import COSTS
 

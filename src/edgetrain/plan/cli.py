@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     from edgetrain.plan.report import (console, device_groups, plot_scaling, print_prediction, print_scaling,
                                        print_simulation, print_strategies)
     from edgetrain.plan.model import step_timing
-    from edgetrain.plan.simulate import scaling, simulate
+    from edgetrain.plan.simulation import scaling, simulate
     from edgetrain.plan.strategies import compare
     from edgetrain.files import new_run_dir, write_json
     sim_options = dict(compute_cv=args.compute_cv, straggler_prob=straggler_prob, straggler_factor=straggler_factor,

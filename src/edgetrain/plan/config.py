@@ -21,7 +21,7 @@ from edgetrain.cluster.profiles import DeviceSpec, plan_devices, split_batch
 from edgetrain.config import TrainConfig, resolve
 from edgetrain.plan.costs import ModelCosts, count_costs, data_footprint, run_task_of
 from edgetrain.plan.model import DEFAULT_EFFICIENCY, Prediction, predict
-from edgetrain.plan.traffic import TrafficOptions, traffic
+from edgetrain.plan.exchanges import TrafficOptions, traffic
 from edgetrain.spec import RunSpec
 
 

@@ -17,7 +17,7 @@ from edgetrain.results import PlanDevice
 
 if TYPE_CHECKING:  # annotations only: costs and traffic import torch, and plan's flags read DEFAULT_EFFICIENCY
     from edgetrain.plan.costs import ModelCosts
-    from edgetrain.plan.traffic import Traffic
+    from edgetrain.plan.exchanges import Traffic
 
 DEFAULT_EFFICIENCY = 0.6
 TIMINGS = ("lockstep", "periodic", "bounded")  # the step rules below (a sync kind's ``timing``)

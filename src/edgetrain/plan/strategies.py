@@ -16,7 +16,7 @@ from edgetrain.plan.config import PlanInputs
 from edgetrain.plan.model import MIB, Prediction, exchange_seconds
 from edgetrain.pipelining.split import StageDevice, layer_costs, p2p_seconds, plan_split
 from edgetrain.pipelining.stages import FORWARD, check_sequential, pipeline_layers, pipeline_timeline, schedule_order
-from edgetrain.plan.traffic import Traffic
+from edgetrain.plan.exchanges import Traffic
 from edgetrain.results import PlanComparison, PlanStrategy, PlanStrategyDevice
 
 # the preference among equally fast strategies: their order of declaration (edgetrain.kinds)

@@ -7,7 +7,7 @@ import pytest
 from edgetrain.cluster.links import Link, collective_time
 from edgetrain.cluster.profiles import DeviceSpec
 from edgetrain.comm.accounting import ring_allreduce_bytes
-from edgetrain.plan.simulate import _exchange_times, scaling, simulate
+from edgetrain.plan.simulation import _exchange_times, scaling, simulate
 
 from test_plan_model import LTE, PI, plan
 
