@@ -148,7 +148,7 @@ OVER_SEVEN_PARAMETERS = {
     "comm/asynchronous.py:__init__", "comm/exchange.py:average", "comm/exchange.py:_secure_allreduce",
     "comm/federated.py:__init__",
     "comm/gossip.py:__init__", "comm/local_sgd.py:__init__", "comm/streaming.py:__init__", "comm/sync.py:__init__",
-    "data/storage.py:__init__", "fleet/app.py:local_update", "plan/model.py:predict", "pipelining/split.py:plan_split",
+    "data/storage.py:__init__", "fleet/app.py:local_update", "pipelining/split.py:plan_split",
 }
 
 

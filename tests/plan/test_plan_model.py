@@ -10,7 +10,7 @@ from edgetrain.config import load_config
 from edgetrain.errors import EdgetrainError
 from edgetrain.plan.config import plan_inputs
 from edgetrain.plan.costs import ModelCosts
-from edgetrain.plan.model import predict
+from edgetrain.plan.model import PredictOptions, predict
 from edgetrain.plan.exchanges import traffic
 from edgetrain.spec import parse_compress, parse_sync
 
@@ -29,7 +29,8 @@ def cluster(n: int, profile: DeviceProfile = PI, link: str | None = LTE) -> list
 def plan(n: int, sync: str = "sync", compress: str = "none", devices=None, batches=None, **kw):
     devices = devices or cluster(n)
     batches = batches or [16] * len(devices)
-    return predict(COSTS, devices, batches, traffic(COSTS, len(devices), parse_sync(sync), parse_compress(compress)), runtime_mb=100, **kw)
+    return predict(COSTS, devices, batches, traffic(COSTS, len(devices), parse_sync(sync), parse_compress(compress)),
+                   PredictOptions(runtime_mb=100, **kw))
 
 
 def test_compute_time_is_flops_over_gflops_and_doubling_gflops_halves_it():
@@ -121,7 +122,7 @@ def test_bad_input_is_one_clear_error(overrides, message):
     with pytest.raises(EdgetrainError, match=message):
         inputs = plan_inputs(load_config(None, **cfg))
         predict(inputs.costs, inputs.devices, inputs.batches, traffic(inputs.costs, len(inputs.devices),
-                inputs.spec.sync, inputs.spec.compress), runtime_mb=100)
+                inputs.spec.sync, inputs.spec.compress), PredictOptions(runtime_mb=100))
 
 
 def test_efficiency_and_overlap_are_checked():

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from edgetrain.cluster.profiles import DeviceSpec, plan_devices, split_batch
 from edgetrain.config import TrainConfig, resolve
 from edgetrain.plan.costs import ModelCosts, count_costs, data_footprint, run_task_of
-from edgetrain.plan.model import DEFAULT_EFFICIENCY, Prediction, predict
+from edgetrain.plan.model import DEFAULT_EFFICIENCY, Prediction, PredictOptions, predict
 from edgetrain.plan.exchanges import TrafficOptions, traffic
 from edgetrain.spec import RunSpec
 
@@ -84,5 +84,5 @@ def predict_inputs(inputs: PlanInputs, n: int | None = None, efficiency: float =
                              server_opt=spec.server_opt, participation=spec.participation)
     return predict(inputs.costs, devices, batches, traffic(inputs.costs, len(devices), spec.sync, spec.compress,
                                                            options),
-                   efficiency=efficiency, overlap=overlap, optimizer=cfg.optimizer, momentum=cfg.momentum,
-                   runtime_mb=runtime_mb)
+                   PredictOptions(efficiency=efficiency, overlap=overlap, optimizer=cfg.optimizer,
+                                  momentum=cfg.momentum, runtime_mb=runtime_mb))

@@ -113,10 +113,23 @@ ASSUMPTIONS = [
 ]
 
 
-def predict(costs: ModelCosts, devices: list[DeviceSpec], batches: list[int], traffic: Traffic, *,
-            efficiency: float = DEFAULT_EFFICIENCY, overlap: float = 0.0, optimizer: str = "sgd",
-            momentum: float = 0.9, runtime_mb: float | None = None) -> Prediction:
+@dataclass(frozen=True)
+class PredictOptions:
+    """What the model assumes beside the cluster: the fraction of a profile's GFLOPS training reaches, the share
+    of the exchange hidden behind compute, the optimizer's state, and an idle device process's memory (None:
+    measured now, ``idle_process_mb``)."""
+
+    efficiency: float = DEFAULT_EFFICIENCY
+    overlap: float = 0.0
+    optimizer: str = "sgd"
+    momentum: float = 0.9
+    runtime_mb: float | None = None
+
+
+def predict(costs: ModelCosts, devices: list[DeviceSpec], batches: list[int], traffic: Traffic,
+            options: PredictOptions = PredictOptions()) -> Prediction:
     """Model one cluster: ``devices`` with local ``batches``, exchanging ``traffic``."""
+    efficiency, overlap, optimizer, momentum = options.efficiency, options.overlap, options.optimizer, options.momentum
     if not efficiency > 0:
         raise EdgetrainError(f"efficiency must be a positive fraction of the profile's GFLOPS (usually below 1), "
                              f"got {efficiency:g}")
@@ -124,7 +137,7 @@ def predict(costs: ModelCosts, devices: list[DeviceSpec], batches: list[int], tr
         raise EdgetrainError(f"overlap must be a fraction in [0, 1], got {overlap:g}")
     if len(batches) != len(devices):
         raise EdgetrainError(f"{len(batches)} local batches for {len(devices)} devices")
-    runtime_mb = idle_process_mb() if runtime_mb is None else float(runtime_mb)
+    runtime_mb = idle_process_mb() if options.runtime_mb is None else float(options.runtime_mb)
     p = len(devices)
     links = device_links(devices)
     if p > 1 and traffic.collectives and links[0] is None:
