@@ -1,53 +1,9 @@
-"""The bottom layer: every string option of a run parsed once into frozen, typed specs.
+"""The bottom layer: every string option of a run parsed once into frozen, typed specs (``SyncSpec``,
+``CompressSpec``, ``Link``, ``PipelineSpec``, ``TilingSpec``, ``DPSpec``, ``CheckpointSpec``, ``RunSpec``...).
 
-Torch-free and importing nothing of edgetrain but ``errors``, so that the
-config, the CLI, the planner and the report can check and describe a run
-without loading torch; ``comm``, ``tiling``, ``cluster`` and ``plan`` take
-these specs, never option strings, and never read a config with defaults of
-their own. ``config.resolve`` builds a ``RunSpec`` from a ``TrainConfig``
-(which stays the flat, user-facing set of options) and is the one place that
-refuses combinations that cannot run (``RunSpec``'s docstring lists them).
-
-``--compress NAME[:ARG][:OPTION]...`` and ``--sync MODE[:ARG]...``: each method
-and mode is declared once in ``edgetrain.kinds`` (how it is written, its
-options and checks, which compressors a mode carries, where it runs and is
-planned); ``parse_compress`` and ``parse_sync`` here look the name up there.
-
-``--server-opt`` (federated rounds only, each optimiser declared in
-``edgetrain.kinds``): ``fedavg`` (the mean of the models),
-``fedavgm[:lr=1.0][:momentum=0.9]`` (Hsu et al. 2019) or
-``fedadam[:lr=0.01][:beta1=0.9][:beta2=0.99][:eps=0.001]`` (Reddi et al.
-2021), applied to the pseudo-gradient ``global - mean(client models)``.
-
-``--round-deadline off|auto|SECONDS`` (rounds of ``local:H`` and ``fedavg:E`` only): a
-``DeadlineSpec``; what it does is ``comm/deadline.py``'s docstring.
-
-``--partition none|iid|dirichlet:ALPHA|shards:K``: ``none`` shares one
-globally shuffled dataset (data parallel); the others give each device its
-own part of the training set (``data.partition``).
-
-``--link``: a preset (``PRESETS``) or ``BANDWIDTH:LATENCY[:jitter=T][:loss=P]``,
-e.g. ``20mbit:5ms:jitter=1ms:loss=0.01``; a cluster file may give a mapping.
-What a ``Link`` costs in time is ``cluster.links``' model, not parsing.
-
-``--stages auto|even|S1,S2,...`` (planned, even, or the layers at which
-pipeline stages 1, 2, ... start), ``--microbatches M``, ``--pipeline-schedule gpipe|1f1b`` and
-``--pipeline-replicas D`` (D pipelines of S stages each, devices = S x D) make a
-``PipelineSpec``; whether the model can be cut there is checked on the model
-(``pipelining.stages``).
-``--fsdp-replicas R`` (R sharded copies of S devices each, devices = S x R) is ``RunSpec.fsdp_replicas``.
-
-``--grid ROWSxCOLS`` and ``--groups auto|E1,E2,...`` (group ends as layer
-indices) make a ``TilingSpec``; whether they fit a model is checked on the
-model (``tiling.strategy.plan_section``), not here.
-
-``--dp clip=C,epsilon=E|noise=SIGMA[,delta=D][,level=sample|device]`` makes a ``DPSpec`` (privacy/dp.py runs it).
-
-``--checkpoint-every``, ``--checkpoint-every-s``, ``--keep-checkpoints`` and ``--resume`` make a
-``CheckpointSpec`` (train/checkpoint.py); the ``EDGETRAIN_FAULT``
-environment variable (``kill|stop|disconnect:rank=R:step=S``, several
-separated by ``;``, a test and chaos hook, cluster/faults.py) a tuple of
-``FaultSpec``.
+Torch-free, importing nothing of edgetrain but ``errors``; the parsers look kinds up in the tables
+``edgetrain.kinds`` fills and know none by name. ``config.resolve`` builds the ``RunSpec`` and is the one
+place that refuses combinations that cannot run. Each option's syntax and where it goes: docs/design/specs.md.
 """
 from __future__ import annotations
 
