@@ -86,3 +86,14 @@ def test_a_bad_simulation_is_refused_before_ray_starts():
         SimulationResources(cpus_per_device=0).backend_config()
     with pytest.raises(EdgetrainError, match="worker niceness must be 0..19"):
         SimulationResources(worker_niceness=-5).backend_config()
+
+
+def test_joining_a_cluster_keeps_its_temp_dir_and_refuses_what_its_nodes_decide():
+    joined = SimulationResources(address="auto", temp_dir="/tmp/rc1/n0").backend_config()["init_args"]
+    # "auto" finds the cluster whose `ray start --temp-dir` this is, not /tmp/ray's or any GCS on the machine
+    assert joined == {"address": "auto", "_temp_dir": "/tmp/rc1/n0", "logging_level": "warning", "log_to_driver": True}
+    assert "_temp_dir" not in SimulationResources(address="10.213.1.1:6379").backend_config()["init_args"]
+    with pytest.raises(EdgetrainError, match="ray start --num-cpus"):
+        SimulationResources(address="10.213.1.1:6379", num_cpus=4).backend_config()
+    with pytest.raises(EdgetrainError, match="RAY_worker_niceness=5 ray start"):
+        SimulationResources(address="10.213.1.1:6379", worker_niceness=5).backend_config()

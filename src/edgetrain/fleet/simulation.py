@@ -19,7 +19,9 @@ class SimulationResources:
     num_cpus: int | None = None
     object_store_mb: int = 256
     temp_dir: str | None = None  # Ray's session files and sockets (default /tmp/ray); keep the path short
-    address: str | None = None   # a running Ray cluster ("auto", "HEAD:6379") instead of one of its own
+    # a running Ray cluster ("HEAD:6379", or "auto": the one whose `ray start --temp-dir` is temp_dir) instead of
+    # one of its own; the nodes' CPUs, store and actors' niceness are then their own `ray start`'s
+    address: str | None = None
     # added to the actors' niceness. Ray's own default, 15, leaves the processes that train every device at
     # the bottom of a shared machine's queue (nice 19 under a nice-5 run): 0 runs them as this process runs
     worker_niceness: int = 0
@@ -28,9 +30,9 @@ class SimulationResources:
         if self.cpus_per_device <= 0:
             raise EdgetrainError(f"cpus per device must be > 0 (e.g. 0.5: two devices a core), got "
                                  f"{self.cpus_per_device!r}")
-        if self.address:  # the cluster's own resources; ray.init refuses num_cpus and the store's size then
+        if self.address:
             return {"client_resources": {"num_cpus": self.cpus_per_device, "num_gpus": 0.0},
-                    "init_args": {"address": self.address, "logging_level": "warning", "log_to_driver": True}}
+                    "init_args": self.cluster_init_args()}
         cpus = self.num_cpus or os.cpu_count() or 1
         if self.cpus_per_device > cpus:
             raise EdgetrainError(f"cpus per device {self.cpus_per_device:g} exceeds the {cpus} CPUs Ray has; "
@@ -43,6 +45,23 @@ class SimulationResources:
         if self.temp_dir:
             init["_temp_dir"] = self.temp_dir
         return {"client_resources": {"num_cpus": self.cpus_per_device, "num_gpus": 0.0}, "init_args": init}
+
+    def cluster_init_args(self) -> dict:
+        """``ray.init``'s arguments to join the cluster at ``address``. What its nodes were started with is
+        theirs (``ray.init`` refuses CPUs and a store size when joining): asking for it here is refused rather
+        than dropped. The temp dir goes along: with ``"auto"`` Ray reads the address of the cluster started
+        with that ``--temp-dir``; without it, the default one's, or any GCS process on the machine."""
+        if self.num_cpus is not None:
+            raise EdgetrainError(f"num_cpus {self.num_cpus} with address {self.address!r}: a cluster's CPUs are its "
+                                 "nodes' own; give them to each node's `ray start --num-cpus N` and leave num_cpus unset")
+        if self.worker_niceness:
+            raise EdgetrainError(f"worker_niceness {self.worker_niceness} with address {self.address!r}: a cluster's "
+                                 f"actors take their nodes' niceness; start each node with "
+                                 f"RAY_worker_niceness={self.worker_niceness} ray start ... and leave it 0 here")
+        init = {"address": self.address, "logging_level": "warning", "log_to_driver": True}
+        if self.temp_dir:
+            init["_temp_dir"] = self.temp_dir
+        return init
 
 
 def simulate(run_config: dict, devices: int, resources: SimulationResources = SimulationResources()) -> None:
