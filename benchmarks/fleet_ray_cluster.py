@@ -153,9 +153,10 @@ def role(proc: psutil.Process) -> str:
         return "driver"
     if len(cmdline) > 2 and cmdline[1].endswith("/ray"):
         return f"ray {cmdline[2]}"  # the CLI itself, `ray start`
-    for name in ("gcs_server", "raylet", "ray.util.client.server"):
-        if name in title:
-            return name
+    if cmdline and Path(cmdline[0]).name in ("gcs_server", "raylet"):
+        return Path(cmdline[0]).name
+    if "ray.util.client.server" in cmdline:
+        return "ray client server"
     scripts = [Path(part).name for part in cmdline if part.endswith(".py")]  # log_monitor.py, default_worker.py ...
     return scripts[-1] if scripts else Path(cmdline[0]).name if cmdline else "?"
 
@@ -269,6 +270,27 @@ def left_behind(temp_root: Path, names: list[str]) -> list[str]:
     return found
 
 
+def teardown(hosts, temp_root: Path, keep_logs: bool) -> list[str]:
+    """End every process of the hosts, delete them, remove the temp files (a failed run keeps Ray's logs);
+    signals are ignored meanwhile, so a second Ctrl-C cannot cut it short (each step is bounded). What this run
+    left running: printed and returned."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    names = list(hosts.names) if hosts else []
+    if hosts:
+        end_host_processes(hosts)
+    leftovers = left_behind(temp_root, names)
+    if hosts:
+        hosts.close()
+    if keep_logs:
+        print(f"Ray's logs kept: {temp_root}/n*/session_latest/logs (remove {temp_root} when read)", file=sys.stderr)
+    else:
+        shutil.rmtree(temp_root, ignore_errors=True)
+    print(f"torn down: {len(names)} host(s) deleted; processes left behind: {leftovers or 'none'}; "
+          f"namespaces left: {[n for n in names if Path(f'/run/netns/{n}').exists()] or 'none'}")
+    return leftovers
+
+
 def raise_on_sigterm(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -295,8 +317,8 @@ def report(args, result: dict, sampler: HostSampler, bytes_moved: list[int], hos
               f"{entry['link_mb']} MB over its link, {entry['actors']} ClientApp actor(s), "
               f"{entry['clientapp_calls']} ClientApp call(s); CPU-s by process {entry['cpu_s_by_process']}; "
               f"niceness {entry['niceness']}")
-    return {"args": {k: v for k, v in vars(args).items() if k not in ("driver", "head", "head_temp_dir")}, "hosts": per_host,
-            "load_average_1min_end": os.getloadavg()[0], **result}
+    return {"args": {k: v for k, v in vars(args).items() if k not in ("driver", "head", "head_temp_dir")},
+            "hosts": per_host, "load_average_1min_end": os.getloadavg()[0], **result}
 
 
 def run_cluster(args: argparse.Namespace, hosts, temp_root: Path) -> dict:
@@ -308,10 +330,10 @@ def run_cluster(args: argparse.Namespace, hosts, temp_root: Path) -> dict:
         print(f"ray start on host {i} ({hosts.addresses[i]}) done at {time.perf_counter() - start:.1f} s", flush=True)
     out = temp_root / "driver.json"
     before = [link_bytes(hosts, i) for i in range(len(hosts.names))]
+    passed = ("workers", "devices", "per_round", "rounds", "local_steps", "batch_size", "join")
     driver_proc = hosts.popen(0, [sys.executable, __file__, "--driver", str(out), "--head", hosts.addresses[0],
                                   "--head-temp-dir", str(temp_root / "n0"),
-                                  *[f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in
-                                    ("workers", "devices", "per_round", "rounds", "local_steps", "batch_size", "join")]])
+                                  *[f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in passed]])
     try:
         code = driver_proc.wait(timeout=args.timeout)
     except subprocess.TimeoutExpired:
@@ -319,7 +341,7 @@ def run_cluster(args: argparse.Namespace, hosts, temp_root: Path) -> dict:
     sampler.sample()
     sampler.stop.set()
     if code != 0:
-        raise RuntimeError(f"the driver failed (exit {code}); Ray's logs: {temp_root}/n*/session_latest/logs")
+        raise RuntimeError(f"the driver failed (exit {code})")
     moved = [link_bytes(hosts, i) - before[i] for i in range(len(hosts.names))]
     result = json.loads(out.read_text())
     result["total_wall_s"] = time.perf_counter() - start
@@ -341,28 +363,16 @@ def main() -> int:
     signal.signal(signal.SIGTERM, raise_on_sigterm)
     temp_root = Path(f"/tmp/rc{os.getpid()}")  # short: Ray's sockets live below it (108-byte limit)
     temp_root.mkdir()
-    hosts = None
-    summary, failed = None, None
+    hosts, summary, failed, keep_logs = None, None, None, False
     try:
         hosts = test_hosts.Hosts(1 + args.workers, temp_root / "hosts", ssh=False)
         summary = run_cluster(args, hosts, temp_root)
-    except (RuntimeError, KeyboardInterrupt) as exc:
-        failed = f"fleet_ray_cluster: {exc}"
+    except RuntimeError as exc:
+        failed, keep_logs = f"fleet_ray_cluster: {exc}", True
+    except KeyboardInterrupt as exc:
+        failed = f"fleet_ray_cluster: interrupted ({exc or 'Ctrl-C'}); torn down"
     finally:
-        names = list(hosts.names) if hosts else []
-        if hosts:
-            end_host_processes(hosts)
-            leftovers = left_behind(temp_root, names)
-            hosts.close()
-        else:
-            leftovers = left_behind(temp_root, [])
-        logs = sorted(str(p) for p in temp_root.glob("n*/session_latest/logs/*.err") if p.stat().st_size)
-        if failed and logs:
-            print(f"Ray's error logs: {logs}", file=sys.stderr)
-        if not failed:  # a failed run keeps Ray's logs to read
-            shutil.rmtree(temp_root, ignore_errors=True)
-    print(f"torn down: {len(names)} host(s) deleted; processes left behind: {leftovers or 'none'}; "
-          f"namespaces left: {[n for n in names if Path(f'/run/netns/{n}').exists()] or 'none'}")
+        leftovers = teardown(hosts, temp_root, keep_logs)
     if failed:
         print(failed, file=sys.stderr)
         return 1

@@ -47,13 +47,15 @@ class SimulationResources:
         return {"client_resources": {"num_cpus": self.cpus_per_device, "num_gpus": 0.0}, "init_args": init}
 
     def cluster_init_args(self) -> dict:
-        """``ray.init``'s arguments to join the cluster at ``address``. What its nodes were started with is
-        theirs (``ray.init`` refuses CPUs and a store size when joining): asking for it here is refused rather
-        than dropped. The temp dir goes along: with ``"auto"`` Ray reads the address of the cluster started
-        with that ``--temp-dir``; without it, the default one's, or any GCS process on the machine."""
+        """``ray.init``'s arguments to join the cluster at ``address``. Its CPUs, store size and actors'
+        niceness are what its nodes were started with (``ray.init`` refuses CPUs and a store size when joining):
+        CPUs or a niceness asked for here are refused rather than dropped (``object_store_mb``, which has a
+        default, is left out). The temp dir goes along: with ``"auto"`` Ray reads the address of the cluster
+        started with that ``--temp-dir``; without it, the default one's, or failing that any GCS process on
+        the machine (another user's included)."""
         if self.num_cpus is not None:
-            raise EdgetrainError(f"num_cpus {self.num_cpus} with address {self.address!r}: a cluster's CPUs are its "
-                                 "nodes' own; give them to each node's `ray start --num-cpus N` and leave num_cpus unset")
+            raise EdgetrainError(f"num_cpus {self.num_cpus} with address {self.address!r}: a cluster's CPUs are "
+                                 "its nodes' own; give each node's `ray start --num-cpus N` and leave num_cpus unset")
         if self.worker_niceness:
             raise EdgetrainError(f"worker_niceness {self.worker_niceness} with address {self.address!r}: a cluster's "
                                  f"actors take their nodes' niceness; start each node with "
