@@ -163,7 +163,8 @@ def role(proc: psutil.Process) -> str:
 
 class HostSampler(threading.Thread):
     """Every ``interval`` s: each host's processes (found by their network namespace), their CPU seconds so far
-    (a process that ends loses what it spent after its last sample), resident memory and niceness."""
+    (a process that ends loses what it spent after its last sample), resident memory (the host's total, and
+    the largest of each kind of process) and niceness."""
 
     def __init__(self, names: list[str], interval: float = 1.0):
         super().__init__(daemon=True)
@@ -172,6 +173,7 @@ class HostSampler(threading.Thread):
         self.cpu: list[dict[int, tuple[str, float]]] = [{} for _ in names]
         self.peak_rss = [0] * len(names)
         self.niceness: list[dict[str, int]] = [{} for _ in names]
+        self.peak_rss_by_role: list[dict[str, int]] = [{} for _ in names]
 
     def host_of(self, pid: int) -> int | None:
         try:
@@ -189,7 +191,10 @@ class HostSampler(threading.Thread):
                 proc = psutil.Process(pid)
                 with proc.oneshot():
                     times, name = proc.cpu_times(), role(proc)
-                    rss[host] += proc.memory_info().rss
+                    resident = proc.memory_info().rss
+                    rss[host] += resident
+                    peaks = self.peak_rss_by_role[host]
+                    peaks[name] = max(peaks.get(name, 0), resident)  # the largest one process of the role had
                     self.cpu[host][pid] = (name, times.user + times.system)
                     self.niceness[host][name] = proc.nice()
             except psutil.Error:
@@ -309,13 +314,17 @@ def report(args, result: dict, sampler: HostSampler, bytes_moved: list[int], hos
         entry = {"host": i, "ip": ip, "role": "head + driver" if i == 0 else "worker",
                  "cpu_s": round(sum(sampler.cpu_by_role(i).values()), 1),
                  "cpu_s_by_process": {k: round(v, 1) for k, v in sampler.cpu_by_role(i).items()},
-                 "peak_rss_mb": round(sampler.peak_rss[i] / 2**20), "link_mb": round(bytes_moved[i] / 1e6, 2),
+                 "peak_rss_mb": round(sampler.peak_rss[i] / 2**20),
+                 "peak_rss_mb_by_process": {k: round(v / 2**20) for k, v in sorted(
+                     sampler.peak_rss_by_role[i].items(), key=lambda item: -item[1]) if v >= 2**20},
+                 "link_mb": round(bytes_moved[i] / 1e6, 2),
                  "actors": result["actors_by_node"].get(ip, 0), "clientapp_calls": result["calls_by_node"].get(ip, 0),
                  "niceness": sampler.niceness[i]}
         per_host.append(entry)
         print(f"host {i} {ip} ({entry['role']}): {entry['cpu_s']} CPU-s, peak {entry['peak_rss_mb']} MB, "
               f"{entry['link_mb']} MB over its link, {entry['actors']} ClientApp actor(s), "
               f"{entry['clientapp_calls']} ClientApp call(s); CPU-s by process {entry['cpu_s_by_process']}; "
+              f"peak MB by process {entry['peak_rss_mb_by_process']}; "
               f"niceness {entry['niceness']}")
     return {"args": {k: v for k, v in vars(args).items() if k not in ("driver", "head", "head_temp_dir")},
             "hosts": per_host, "load_average_1min_end": os.getloadavg()[0], **result}
