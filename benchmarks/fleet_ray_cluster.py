@@ -126,6 +126,8 @@ def driver(args: argparse.Namespace) -> None:
     address = f"{args.head}:{PORT}"
     nodes = wait_for_nodes(address, 1 + args.workers)
     print(f"driver: {len(nodes)} Ray node(s): {nodes}", flush=True)
+    if len(nodes) < 1 + args.workers:
+        sys.exit(f"driver: {len(nodes)} of {1 + args.workers} Ray nodes registered in {NODES_TIMEOUT_S} s")
     output_dir = str(Path(args.driver).with_name("records"))
     start = time.perf_counter()
     joined = (SimulationResources(cpus_per_device=1.0, address=address) if args.join == "explicit" else
@@ -392,7 +394,9 @@ def main() -> int:
         print(f"fleet_ray_cluster: the ClientApp calls ran on {spread or 'no node'}, not on more than one",
               file=sys.stderr)
         return 1
-    print(f"the ClientApp calls ran on {len(spread)} nodes: {summary['calls_by_node']}")
+    sampled = sum(r["sampled"] for r in summary["rounds"])
+    print(f"the ClientApp calls ran on {len(spread)} nodes: {summary['calls_by_node']} "
+          f"({sum(summary['calls_by_node'].values())} calls for {sampled} devices sampled)")
     return 1 if leftovers else 0
 
 
