@@ -11,6 +11,7 @@ from edgetrain.comm.compress.spec import build_compressor
 from edgetrain.comm.emulation import LinkEmulator
 from edgetrain.comm.federated import (FederatedAveraging, control_weights, corrected_gradient, sample_participants,
                                       server_optimizer, server_step, update_weights)
+from edgetrain.comm.mode import Averaging
 from edgetrain.config import load_config, resolve
 from edgetrain.errors import EdgetrainError
 from edgetrain.spec import parse_compress, parse_server_opt, parse_sync
@@ -63,7 +64,8 @@ def test_scaffold_control_is_the_mean_raw_gradient_of_the_round():
     model = nn.Linear(3, 2)
     emulator = LinkEmulator(None, 0, CommStats())
     compressor, memory = build_compressor(parse_compress("none"), None, 0, 0)
-    fed = FederatedAveraging(model, 1, 0, emulator, 2, compressor, memory, parse_server_opt("fedavg"), scaffold=True)
+    fed = FederatedAveraging(model, 1, emulator, Averaging(0, None, compressor, memory), 2, parse_server_opt("fedavg"),
+                             scaffold=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     grads = []
     for step in range(2):

@@ -106,9 +106,10 @@ def lone_round(secure) -> tuple[torch.Tensor, torch.Tensor, dict]:
     from edgetrain.comm.compress import NoCompression, NoMemory
     from edgetrain.comm.emulation import LinkEmulator
     from edgetrain.comm.local_sgd import LocalSGD
+    from edgetrain.comm.mode import Averaging
 
     model = torch.nn.Linear(3, 2)
-    mode = LocalSGD(model, 1, LinkEmulator(None, 0), 1, NoCompression(), NoMemory(), secure=secure)
+    mode = LocalSGD(model, 1, LinkEmulator(None, 0), Averaging(0, None, NoCompression(), NoMemory(), secure), 1)
     start = model.weight.detach().clone()
     assert mode.trains(0)
     model(torch.ones(1, 3))

@@ -2,7 +2,7 @@
 
 The training loop needs one function from here: ``build_sync(model, spec,
 rank, world_size, stats, link)``, in each worker, the sync object the loop
-drives (interface in ``sync.py``). Its options come parsed and checked in a
+drives (interface in ``mode.py``). Its options come parsed and checked in a
 ``RunSpec`` (``edgetrain.spec``, built once by ``config.resolve``, which also
 refuses the combinations that cannot run); nothing here reads a config.
 
@@ -15,7 +15,7 @@ A user's own DDP script needs only ``make_hook``::
 Map: ``cluster/links.py`` (link model), ``emulation.py`` (enforced / virtual
 clock), ``compress/`` (one module per method, ``memory.py`` for error
 feedback), ``exchange.py`` (the compressed average every mode uses),
-``hook.py`` (DDP hook), ``sync.py`` / ``local_sgd.py`` / ``asynchronous.py`` /
+``hook.py`` (DDP hook), ``mode.py`` (the interface), ``sync.py`` / ``local_sgd.py`` / ``asynchronous.py`` /
 ``gossip.py``, ``federated.py``, ``streaming.py`` (modes), ``deadline.py`` (round deadlines of local SGD and
 federated rounds); the specs themselves are parsed in ``edgetrain.spec``.
 """
@@ -31,13 +31,14 @@ from edgetrain.comm.emulation import LinkEmulator
 from edgetrain.comm.federated import FederatedAveraging
 from edgetrain.comm.gossip import Gossip
 from edgetrain.comm.local_sgd import LocalSGD
+from edgetrain.comm.mode import Averaging, DeviceClock, SyncMode
 from edgetrain.comm.setup import SyncSetup, build_hook
 from edgetrain.comm.streaming import StreamingDiLoCo
-from edgetrain.comm.sync import Synchronous, SyncMode
+from edgetrain.comm.sync import Synchronous
 from edgetrain.spec import PRESETS, CompressSpec, Link, RunSpec, get_link, parse_compress, parse_sync
 
 __all__ = ["build_sync", "device_clock", "link_emulator", "make_hook", "build_hook", "parse_compress", "parse_sync",
-           "CommStats", "LinkEmulator", "SyncMode", "Synchronous", "LocalSGD", "BoundedStaleness", "Gossip",
+           "CommStats", "LinkEmulator", "Averaging", "DeviceClock", "SyncMode", "Synchronous", "LocalSGD", "BoundedStaleness", "Gossip",
            "FederatedAveraging", "StreamingDiLoCo"]
 
 
@@ -77,12 +78,12 @@ def link_emulator(spec: RunSpec, rank: int, world_size: int, stats: CommStats | 
 
 
 def device_clock(model: nn.Module, spec: RunSpec, rank: int, world_size: int, stats: CommStats,
-                 link: str | Link | dict | None, name: str) -> SyncMode:
+                 link: str | Link | dict | None, name: str) -> DeviceClock:
     """The clock, byte tally and summary every sync mode keeps, for a strategy whose exchanges are its own
     (fsdp, pipeline): it charges them to ``.emulator`` and closes each step itself (every device calls it)."""
     emulator = link_emulator(spec, rank, world_size, stats, link)
     group = dist.new_group(backend="gloo") if world_size > 1 and dist.is_initialized() else None
-    return SyncMode(model, world_size, emulator, group, spec=name)
+    return DeviceClock(model, world_size, emulator, group, spec=name)
 
 
 def build_sync(model: nn.Module, spec: RunSpec, rank: int, world_size: int, stats: CommStats | None = None,

@@ -67,11 +67,11 @@ import torch.distributed as dist
 from torch import nn
 
 from edgetrain.cluster.peers import wait
-from edgetrain.comm.compress.base import Compressor, Payload, unpack
+from edgetrain.comm.compress.base import Payload, unpack
 from edgetrain.comm.emulation import LinkEmulator
 from edgetrain.comm.exchange import start_exchange
+from edgetrain.comm.mode import Averaging, SyncMode
 from edgetrain.comm.params import average_buffers, flatten, unflatten
-from edgetrain.comm.sync import SyncMode
 from edgetrain.kinds import named_by_kind
 
 if TYPE_CHECKING:
@@ -95,21 +95,17 @@ class _Round:
 
 @named_by_kind("sync", builder="build")
 class BoundedStaleness(SyncMode):
+    """Averaging rounds in the background, one in flight per device; a device waits for its round only once
+    it is ``staleness`` steps old."""
 
-    def __init__(self, model: nn.Module, world_size: int, rank: int, emulator: LinkEmulator, staleness: int,
-                 compressor: Compressor, memory, group=None, clock_group=None, spec: str = "async",
-                 compress: str = "none"):
+    def __init__(self, model: nn.Module, world_size: int, emulator: LinkEmulator, averaging: Averaging,
+                 staleness: int, **common):
         if staleness < 1:
             raise ValueError(f"staleness bound must be >= 1, got {staleness}")
-        if not compressor.fixed_size:
-            raise ValueError(f"{compressor.name} has a variable payload size; async mode needs a fixed one")
-        super().__init__(model, world_size, emulator, clock_group, spec, compress)
-        self.model = model
-        self.rank = rank
+        if not averaging.compressor.fixed_size:
+            raise ValueError(f"{averaging.compressor.name} has a variable payload size; async mode needs a fixed one")
+        super().__init__(model, world_size, emulator, averaging, **common)
         self.staleness = staleness
-        self.compressor, self.memory = compressor, memory
-        self.group = group
-        self._start_together(model, group)
         self.ref = flatten(self.params)
         self.round: _Round | None = None
         self.steps = 0
@@ -118,7 +114,6 @@ class BoundedStaleness(SyncMode):
         self.blocking_waits = 0
         self.wait_real_s = 0.0
         self._settled_at: int | None = None  # the step count at the last settle (module docstring)
-        self._watch(model)
 
     # -- rounds ---------------------------------------------------------------------
     def _launch(self, clock_s: float, done: bool) -> None:
@@ -286,7 +281,5 @@ class BoundedStaleness(SyncMode):
 
 def build(setup: SyncSetup) -> BoundedStaleness:
     """``--sync async:S``."""
-    group = setup.averaging_group()
-    compressor, memory = setup.compressor()
-    return BoundedStaleness(setup.model, setup.world_size, setup.rank, setup.emulator, setup.spec.sync.staleness,
-                            compressor, memory, group=group, **setup.common)
+    return BoundedStaleness(setup.model, setup.world_size, setup.emulator, setup.averaging(),
+                            setup.spec.sync.staleness, **setup.common)

@@ -74,10 +74,10 @@ import torch
 from torch import nn
 
 from edgetrain.cluster.peers import all_gather_json
-from edgetrain.comm.compress.base import Compressor
 from edgetrain.comm.emulation import LinkEmulator
 from edgetrain.comm.exchange import average
 from edgetrain.comm.local_sgd import LocalSGD
+from edgetrain.comm.mode import Averaging
 from edgetrain.comm.params import flatten, unflatten
 from edgetrain.kinds import named_by_kind
 from edgetrain.spec import ServerOptSpec
@@ -159,11 +159,10 @@ def clipped_update(update: torch.Tensor, clip: float, noise_multiplier: float, g
 @named_by_kind("sync", builder="build")
 class FederatedAveraging(LocalSGD):
 
-    def __init__(self, model: nn.Module, world_size: int, rank: int, emulator: LinkEmulator, period: int,
-                 compressor: Compressor, memory, server: ServerOptSpec, participation: float = 1.0,
-                 prox_mu: float | None = None, scaffold: bool = False, seed: int = 0, weighted: bool = False,
-                 reset: bool = False, group=None, **common):
-        super().__init__(model, world_size, emulator, period, compressor, memory, group=group, rank=rank, **common)
+    def __init__(self, model: nn.Module, world_size: int, emulator: LinkEmulator, averaging: Averaging, period: int,
+                 server: ServerOptSpec, participation: float = 1.0, prox_mu: float | None = None,
+                 scaffold: bool = False, seed: int = 0, weighted: bool = False, reset: bool = False, **common):
+        super().__init__(model, world_size, emulator, averaging, period, **common)
         self.participation, self.seed = participation, seed
         self.server = server
         self.ref.requires_grad_(True)
@@ -264,12 +263,9 @@ class FederatedAveraging(LocalSGD):
 def build(setup: SyncSetup) -> FederatedAveraging:
     """``--sync fedavg:E`` (or ``fedavg:steps=H``): a round is ``E`` epochs of ``steps_per_epoch`` local steps."""
     spec, sync = setup.spec, setup.spec.sync
-    group = setup.averaging_group()
-    compressor, memory = setup.compressor()
     period = sync.period or sync.local_epochs * setup.steps_per_epoch
     if period < 1:
         raise ValueError(f"--sync {sync.text} needs steps_per_epoch to count its local epochs in steps")
-    return FederatedAveraging(setup.model, setup.world_size, setup.rank, setup.emulator, period, compressor, memory,
+    return FederatedAveraging(setup.model, setup.world_size, setup.emulator, setup.averaging(masked=True), period,
                               spec.server_opt, spec.participation, sync.prox_mu, sync.scaffold, spec.seed,
-                              sync.weighted, sync.reset, group=group, deadline=spec.round_deadline,
-                              secure=setup.secure_sum(), **setup.common)
+                              sync.weighted, sync.reset, deadline=spec.round_deadline, **setup.common)

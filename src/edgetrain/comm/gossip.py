@@ -30,8 +30,8 @@ from torch import nn
 from edgetrain.cluster.peers import wait
 from edgetrain.comm.accounting import ring_allreduce_bytes
 from edgetrain.comm.emulation import LinkEmulator
+from edgetrain.comm.mode import Averaging, SyncMode
 from edgetrain.comm.params import average_buffers, flatten, unflatten
-from edgetrain.comm.sync import SyncMode
 from edgetrain.kinds import named_by_kind
 
 if TYPE_CHECKING:
@@ -46,20 +46,15 @@ def ring_neighbours(rank: int, world_size: int) -> list[int]:
 @named_by_kind("sync", builder="build")
 class Gossip(SyncMode):
 
-    def __init__(self, model: nn.Module, world_size: int, rank: int, emulator: LinkEmulator, period: int = 1,
-                 group=None, clock_group=None, spec: str = "gossip", compress: str = "none"):
+    def __init__(self, model: nn.Module, world_size: int, emulator: LinkEmulator, averaging: Averaging,
+                 period: int = 1, **common):
         if period < 1:
             raise ValueError(f"gossip period must be >= 1, got {period}")
-        super().__init__(model, world_size, emulator, clock_group, spec, compress)
-        self.model = model
-        self.rank = rank
+        super().__init__(model, world_size, emulator, averaging, **common)
         self.period = period
-        self.group = group
-        self.neighbours = ring_neighbours(rank, world_size)
-        self._start_together(model, group)
+        self.neighbours = ring_neighbours(self.rank, world_size)
         self.steps = 0
         self.exchanges = 0
-        self._watch(model)
 
     def _peer(self, rank: int) -> int:
         """Global rank of group member ``rank`` (p2p ops take global ranks)."""
@@ -123,6 +118,5 @@ class Gossip(SyncMode):
 
 def build(setup: SyncSetup) -> Gossip:
     """``--sync gossip[:H]``."""
-    group = setup.averaging_group()
-    return Gossip(setup.model, setup.world_size, setup.rank, setup.emulator, setup.spec.sync.period, group=group,
+    return Gossip(setup.model, setup.world_size, setup.emulator, setup.averaging(), setup.spec.sync.period,
                   **setup.common)

@@ -52,12 +52,11 @@ import torch.distributed as dist
 from torch import nn
 
 from edgetrain.cluster.peers import all_gather_json, wait
-from edgetrain.comm.compress.base import Compressor
 from edgetrain.comm.deadline import RoundDeadline, RoundReport, projected_round_time
 from edgetrain.comm.emulation import LinkEmulator
 from edgetrain.comm.exchange import average
+from edgetrain.comm.mode import Averaging, SyncMode
 from edgetrain.comm.params import average_buffers, flatten, unflatten
-from edgetrain.comm.sync import SyncMode
 from edgetrain.kinds import named_by_kind
 from edgetrain.spec import DeadlineSpec
 
@@ -81,32 +80,28 @@ def outer_step(ref: torch.Tensor, pseudo_grad: torch.Tensor, outer: torch.optim.
         ref.grad = None
 
 
+def outer_optimizer(ref: torch.Tensor, lr: float, momentum: float) -> torch.optim.Optimizer:
+    """DiLoCo's outer optimiser over the flat reference ``ref`` (which requires grad): SGD with Nesterov momentum;
+    momentum 0 is a plain outer SGD step (torch refuses Nesterov without momentum)."""
+    return torch.optim.SGD([ref], lr=lr, momentum=momentum, nesterov=momentum > 0)
+
+
 @named_by_kind("sync", builder="build")
 class LocalSGD(SyncMode):
+    """Local SGD and DiLoCo (``nesterov``: the outer optimiser) in rounds of ``period`` steps, whose members
+    (``sampled_ranks``, minus those past the deadline) average their pseudo-gradients ``ref - x``."""
 
-    def __init__(self, model: nn.Module, world_size: int, emulator: LinkEmulator, period: int,
-                 compressor: Compressor, memory, nesterov: bool = False, outer_lr: float = 0.7,
-                 outer_momentum: float = 0.9, group=None, clock_group=None, spec: str = "local",
-                 compress: str = "none", rank: int = 0, deadline: DeadlineSpec | None = None, secure=None):
+    def __init__(self, model: nn.Module, world_size: int, emulator: LinkEmulator, averaging: Averaging, period: int,
+                 nesterov: bool = False, outer_lr: float = 0.7, outer_momentum: float = 0.9,
+                 deadline: DeadlineSpec | None = None, **common):
         if period < 1:
             raise ValueError(f"local SGD period must be >= 1, got {period}")
-        super().__init__(model, world_size, emulator, clock_group, spec, compress)
-        self.model = model
+        super().__init__(model, world_size, emulator, averaging, **common)
         self.period = period
-        self.compressor, self.memory = compressor, memory
-        self.group = group
-        self.secure = secure
-        self._start_together(model, group)
         self.ref = flatten(self.params)
-        self.outer = None
-        if nesterov:
-            self.ref.requires_grad_(True)
-            # momentum 0 is a plain outer SGD step (torch refuses Nesterov without momentum)
-            self.outer = torch.optim.SGD([self.ref], lr=outer_lr, momentum=outer_momentum,
-                                         nesterov=outer_momentum > 0)
+        self.outer = outer_optimizer(self.ref.requires_grad_(True), outer_lr, outer_momentum) if nesterov else None
         self.local_steps = 0
         self.averages = 0
-        self.rank = rank
         self.deadline = RoundDeadline(deadline) if deadline is not None else None
         self.round_start_s = self.emulator.virtual_s   # this device's clock when the current round began
         self.round_trained = 0                          # steps it trained in the current round
@@ -116,7 +111,6 @@ class LocalSGD(SyncMode):
         self._round_counts_all: list[dict] | None = None
         self._member_groups: dict[tuple[int, ...], object] = {}
         self._sitting_out = False
-        self._watch(model)
 
     # -- rounds ---------------------------------------------------------------------
     def sampled_ranks(self) -> list[int]:
@@ -273,8 +267,6 @@ class LocalSGD(SyncMode):
 def build(setup: SyncSetup) -> LocalSGD:
     """``--sync local:H[:nesterov...]``."""
     sync = setup.spec.sync
-    group = setup.averaging_group()
-    compressor, memory = setup.compressor()
-    return LocalSGD(setup.model, setup.world_size, setup.emulator, sync.period, compressor, memory, sync.nesterov,
-                    sync.outer_lr, sync.outer_momentum, group=group, rank=setup.rank,
-                    deadline=setup.spec.round_deadline, secure=setup.secure_sum(), **setup.common)
+    return LocalSGD(setup.model, setup.world_size, setup.emulator, setup.averaging(masked=True), sync.period,
+                    sync.nesterov, sync.outer_lr, sync.outer_momentum, deadline=setup.spec.round_deadline,
+                    **setup.common)

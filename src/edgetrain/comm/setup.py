@@ -15,6 +15,7 @@ from edgetrain.comm.compress.memory import NoMemory
 from edgetrain.comm.compress.spec import build_compressor
 from edgetrain.comm.emulation import LinkEmulator
 from edgetrain.comm.hook import CompressionState, compression_hook
+from edgetrain.comm.mode import Averaging
 from edgetrain.spec import CompressSpec, Link, RunSpec
 
 
@@ -50,8 +51,16 @@ class SyncSetup:
 
     @property
     def common(self) -> dict:
-        """The keyword arguments every ``SyncMode`` takes."""
+        """The keyword arguments every ``SyncMode`` takes (besides the model, device count and emulator)."""
         return dict(clock_group=self.clock_group, spec=self.spec.sync, compress=self.spec.compress.text)
+
+    def averaging(self, masked: bool = False) -> Averaging:
+        """How a mode that averages the model sends it (``mode.Averaging``): a group of its own, ``--compress``'s
+        compressor and memory, and (``masked``: a mode whose sums --secure-aggregation masks) the secure sum.
+        Setup collectives: every device calls it, once per mode."""
+        group = self.averaging_group()
+        compressor, memory = self.compressor()
+        return Averaging(self.rank, group, compressor, memory, self.secure_sum() if masked else None)
 
     def averaging_group(self):
         """A group of its own for the averaging traffic, so that it never interleaves with other collectives."""

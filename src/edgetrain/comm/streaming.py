@@ -51,11 +51,12 @@ import torch.distributed as dist
 from torch import nn
 
 from edgetrain.cluster.peers import wait
-from edgetrain.comm.compress.base import Compressor, Payload, unpack
+from edgetrain.comm.compress.base import Payload, unpack
 from edgetrain.comm.emulation import LinkEmulator
 from edgetrain.comm.exchange import average, compress, start_exchange
+from edgetrain.comm.local_sgd import outer_optimizer, outer_step
+from edgetrain.comm.mode import Averaging, SyncMode
 from edgetrain.comm.params import average_buffers, flatten, unflatten
-from edgetrain.comm.sync import SyncMode
 from edgetrain.kinds import named_by_kind
 
 if TYPE_CHECKING:
@@ -105,35 +106,29 @@ class _Exchange:
 
 @named_by_kind("sync", builder="build")
 class StreamingDiLoCo(SyncMode):
+    """DiLoCo over ``fragments`` of the model, each exchanged at its own step of the period in the background
+    and applied ``overlap`` steps later, keeping ``mix`` of the local fragment."""
 
-    def __init__(self, model: nn.Module, world_size: int, rank: int, emulator: LinkEmulator, period: int,
-                 fragments: int, overlap: int, mix: float, compressor: Compressor, memory, outer_lr: float = 0.7,
-                 outer_momentum: float = 0.9, group=None, clock_group=None, spec: str = "streaming",
-                 compress: str = "none"):
+    def __init__(self, model: nn.Module, world_size: int, emulator: LinkEmulator, averaging: Averaging, period: int,
+                 fragments: int, overlap: int, mix: float, outer_lr: float = 0.7, outer_momentum: float = 0.9,
+                 **common):
         if not 0 <= overlap < period:
             raise ValueError(f"overlap must be in [0, {period}), got {overlap}")
-        if not compressor.fixed_size:
-            raise ValueError(f"{compressor.name} has a variable payload size; streaming exchanges need a fixed one")
-        super().__init__(model, world_size, emulator, clock_group, spec, compress)
-        self.model = model
-        self.rank = rank
+        if not averaging.compressor.fixed_size:
+            raise ValueError(f"{averaging.compressor.name} has a variable payload size; streaming exchanges need a "
+                             "fixed one")
+        super().__init__(model, world_size, emulator, averaging, **common)
         self.period, self.overlap, self.mix = period, overlap, mix
-        self.compressor, self.memory = compressor, memory
-        self.group = group
-        self._start_together(model, group)
         self.bounds = fragment_bounds(self.segments, fragments)
         self.offsets = [p * period // fragments for p in range(fragments)]
         self.refs = [flatten(self.params[a:b]).requires_grad_(True) for a, b in self.bounds]
-        # momentum 0 is a plain outer SGD step (torch refuses Nesterov without momentum)
-        self.outers = [torch.optim.SGD([ref], lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0)
-                       for ref in self.refs]
+        self.outers = [outer_optimizer(ref, outer_lr, outer_momentum) for ref in self.refs]
         self.local_steps = 0
         self.exchanges = 0                           # exchanges applied
         self.applied_at = [0] * fragments            # the local step count of each fragment's last application
         self.inflight: dict[int, _Exchange] = {}
         self.link_free_s = 0.0                       # virtual clock at which the link finishes its queued exchanges
         self.wait_s = 0.0                            # real seconds spent waiting for exchanges at apply steps
-        self._watch(model)
 
     # -- fragments --------------------------------------------------------------------
     def _fragment(self, p: int) -> list[nn.Parameter]:
@@ -199,10 +194,8 @@ class StreamingDiLoCo(SyncMode):
                 time.sleep(remaining)
                 self.emulator.blocked(remaining)
         p = x.fragment
+        outer_step(self.refs[p], x.mean, self.outers[p])
         with torch.no_grad():
-            self.refs[p].grad = x.mean.to(self.refs[p].dtype)
-            self.outers[p].step()
-            self.refs[p].grad = None
             fragment = self._fragment(p)
             mixed = self.refs[p].detach() if mix == 0 else mix * flatten(fragment) + (1 - mix) * self.refs[p].detach()
             unflatten(mixed, fragment)
@@ -234,10 +227,7 @@ class StreamingDiLoCo(SyncMode):
                 delta = self.refs[p].detach() - flatten(self._fragment(p))
                 mean = average(delta, self.compressor, self.memory, self.emulator, key=f"fragment{p}",
                                group=self.group, segments=self._segments(p))
-                with torch.no_grad():
-                    self.refs[p].grad = mean.to(self.refs[p].dtype)
-                    self.outers[p].step()
-                    self.refs[p].grad = None
+                outer_step(self.refs[p], mean, self.outers[p])
                 self.exchanges += 1
             unflatten(self.refs[p].detach(), self._fragment(p))
         average_buffers(self.model, self.emulator, self.world_size, self.group)
@@ -281,8 +271,5 @@ class StreamingDiLoCo(SyncMode):
 def build(setup: SyncSetup) -> StreamingDiLoCo:
     """``--sync streaming:H[:fragments=F][:overlap=T][:mix=A][:lr=][:momentum=]``."""
     sync = setup.spec.sync
-    group = setup.averaging_group()
-    compressor, memory = setup.compressor()
-    return StreamingDiLoCo(setup.model, setup.world_size, setup.rank, setup.emulator, sync.period, sync.fragments,
-                           sync.overlap, sync.mix, compressor, memory, sync.outer_lr, sync.outer_momentum, group=group,
-                           **setup.common)
+    return StreamingDiLoCo(setup.model, setup.world_size, setup.emulator, setup.averaging(), sync.period,
+                           sync.fragments, sync.overlap, sync.mix, sync.outer_lr, sync.outer_momentum, **setup.common)
