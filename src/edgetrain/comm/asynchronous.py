@@ -1,59 +1,13 @@
-"""Bounded-staleness asynchronous training: average in the background, wait only when too stale.
+"""Bounded-staleness asynchronous training (``--sync async:S``): average in the background, wait only when
+too stale.
 
-There is no parameter server: the devices average their models with
-non-blocking collectives (``async_op=True``) while they keep training. One
-averaging *round* is in flight per device at a time:
+No parameter server: each device averages its model with the others' in non-blocking collectives while it
+trains on, one round in flight at a time, and folds a completed round into its model (the average plus its
+local progress since the round's launch). A device whose round is ``S`` steps old waits for it, so no device
+trains on information older than ``S`` steps (stale synchronous parallel, Ho et al., NeurIPS 2013).
+``settle`` ends the rounds in flight on every device before evaluation, a checkpoint and the end.
 
-1. launch: snapshot the model ``s_i``, send ``s_i - ref`` (compressed, with
-   error feedback) in a non-blocking all-reduce or all-gather, and go on
-   training. ``ref`` is the result of the last round, identical on every
-   device;
-2. at every later step, if the round has completed, apply it::
-
-       ref_new = ref + mean_j decode(s_j - ref)
-       x       = x + (ref_new - s_i)      # the average, plus local progress since s_i
-
-   and launch the next round at once;
-3. a device whose round is ``s`` steps old (launched ``s`` steps ago) blocks
-   until it completes (with a timeout). So a device never trains on
-   information older than ``s`` steps, and never waits for a fresher one:
-   a fast device runs up to ``s`` steps ahead of the slowest (stale
-   synchronous parallel, Ho et al., NeurIPS 2013), and a slow link delays
-   averages without stalling compute until the bound is hit.
-
-Staleness statistics (steps between a round's launch and its application)
-go into the summary.
-
-Completion per mode. The real collective completes once every device has
-launched the round. ``enforced``: the round is complete ``Tc`` (the link
-model's time) after that, in wall time. ``virtual``: it is complete when the
-device's clock reaches ``max(launch clocks) + Tc``; the launch clocks ride
-along in a small float64 all-reduce (emulation bookkeeping, not counted as
-traffic). A round that has not completed on the host yet counts as not
-complete, so host scheduling can only delay an application, never skip
-the bound.
-
-Settling. Devices may have launched different numbers of rounds at any
-moment: a device that applied round ``k`` launches ``k + 1`` at once, and
-its peer may not have looked at ``k`` yet. So a device must never enter
-another collective (evaluation's gathers, a checkpoint) with a round in
-flight: it could wait there for a peer that waits, at its staleness bound,
-for the round this device will never launch (a fast and a slow device did,
-every time). Before evaluation and checkpoints, and in ``finish``, every
-device calls ``settle``: it keeps completing and launching rounds with an
-*arrived* flag set until a round shows every flag set. All devices see the
-same round results, so they stop on the same round, with nothing in flight;
-as no device trained since that round's launch, every device then holds its
-average, the same model everywhere. ``finish`` also takes that model as final.
-
-Checkpoints hold ``ref``, the counters and the error-feedback memory, taken
-after settling (every device checkpoints at the same step), so there is no
-round in flight to keep, and a resumed run equals an uninterrupted one with
-the same checkpoints (tested with ``async:1``).
-
-Compressors: any with a fixed payload size (all but ``threshold``, whose
-length varies and would need a second, chained collective); PowerSGD and DGC
-are gradient hooks and do not apply.
+Design: docs/design/strategies.md ("Bounded staleness"): completion per link mode, settling, checkpoints.
 """
 from __future__ import annotations
 
@@ -113,7 +67,7 @@ class BoundedStaleness(SyncMode):
         self.staleness_seen: list[int] = []
         self.blocking_waits = 0
         self.wait_real_s = 0.0
-        self._settled_at: int | None = None  # the step count at the last settle (module docstring)
+        self._settled_at: int | None = None  # the step count at the last settle (design: Settling)
 
     # -- rounds ---------------------------------------------------------------------
     def _launch(self, clock_s: float, done: bool) -> None:
@@ -228,7 +182,7 @@ class BoundedStaleness(SyncMode):
 
     def settle(self, before: str) -> None:
         """Every device, before a collective outside this mode's rounds (``before``: evaluation, a
-        checkpoint): the rounds in flight completed and applied, none left (module docstring, Settling)."""
+        checkpoint): the rounds in flight completed and applied, none left (docs/design/strategies.md, "Bounded staleness": Settling)."""
         # alone, finished, or settled at this step already (every device alike: the same step count)
         if self.world_size == 1 or self._devices is not None or self._settled_at == self.steps:
             return

@@ -1,69 +1,13 @@
 """Federated rounds (``--sync fedavg:E``): FedAvg, FedAvgM, FedAdam, FedProx and SCAFFOLD as a sync mode.
 
-A round (McMahan et al., "Communication-Efficient Learning of Deep Networks
-from Decentralized Data", 2017): the devices sampled for it start from the
-global model ``x``, train ``E`` local epochs (``fedavg:E``; ``fedavg:steps=H``
-for ``H`` steps) on their own partition (``--partition``, which fedavg
-requires), and send their update ``x - y_i``; the server steps ``x`` with the
-mean update as a pseudo-gradient, and every device continues from the new
-``x``. It is local SGD (``local_sgd.py``, which this class extends) with
-client sampling, a choice of server step and two client-side corrections:
+A round (McMahan et al., 2017): the devices sampled for it start from the global model ``x``, train ``E``
+local epochs (``fedavg:steps=H``: ``H`` steps) on their own partition (``--partition``), and send their
+update ``x - y_i``; the server steps ``x`` with the mean update as a pseudo-gradient (``--server-opt``), and
+every device continues from the new ``x``. It is local SGD (``local_sgd.py``, which ``FederatedAveraging``
+extends) with client sampling (``--participation``), a choice of server step, FedProx's and SCAFFOLD's
+client-side corrections, weights by sample count (``:weighted``) and DP-FedAvg's clipped updates.
 
-- server step (``--server-opt``), on ``g = mean_S(x - y_i)``:
-  ``fedavg``: ``x = x - g`` (the mean of the client models);
-  ``fedavgm``: ``v = momentum v + g; x = x - lr v`` (Hsu et al. 2019), which is
-  ``torch.optim.SGD`` with momentum; ``fedadam``: ``torch.optim.Adam`` on
-  ``g`` (Reddi et al., "Adaptive Federated Optimization", 2021; their
-  algorithm has no bias correction, Adam's has; ``eps`` is their ``tau``).
-- participation ``F`` (``--participation``): each round ``max(1, round(F N))``
-  of the ``N`` devices are sampled, with a generator seeded by (seed, round)
-  that every device shares (``sample_participants``). A device not sampled
-  trains no step of the round and sends nothing; the sampled ones average in
-  a group of their own and every other device receives the mean
-  (``local_sgd.py``, "Rounds and their members"). With ``--round-deadline``
-  (``deadline.py``) a sampled device that is late is left out too: the mean
-  is over the sampled devices that made it.
-- FedProx (``:prox=MU``; Li et al., MLSys 2020): each local gradient gets
-  ``MU (y - x)``, the gradient of ``MU/2 ||y - x||^2``.
-- SCAFFOLD (``:scaffold``; Karimireddy et al., ICML 2020): each local gradient
-  gets ``c - c_i``; after the round a participant sets ``c_i`` to the mean of
-  its raw gradients over the round (their option II, ``c_i - c + (x - y_i) /
-  (K lr)``, is exactly that for plain SGD at a constant lr, and needs no lr),
-  and ``c = c + mean_N(c_i' - c_i)`` over all ``N`` devices (non-participants
-  add zero), computed as the paper's ``|S|/N mean_S`` over the round's
-  members ``S``. The controls travel in a second exchange per round, so
-  SCAFFOLD sends twice the bytes of FedAvg.
-
-Weights: the loop's loss scaling (``train/strategy.py``) already weights
-device ``i``'s local step by its share ``s_i = b_i world / B`` of the global
-batch, so by default the server takes the plain mean over participants: with
-one local step, full participation and IID partitions, a round is exactly
-one data-parallel step (``tests/comm/test_federated.py``), for equal and
-unequal local batches. But every device takes the same number of local
-steps whatever its partition's size ``n_i``, so with the plain mean each
-device's data counts equally, not each sample: on Dirichlet partitions
-(sizes 195 to 942 of CIFAR-10's 5,085 at alpha 0.5, seed 0) the model then
-minimises a loss whose class mix is the mean of the devices' mixes (one
-class 15% instead of 10% there), not the whole training set's.
-``fedavg:E:weighted`` weights as McMahan et al. do (``n_k / n``): the mean
-update is ``sum_S (n_i / s_i)(x - y_i) / sum_S n_i`` (``update_weights``;
-dividing by ``s_i`` undoes the loss scaling, so unequal local batches do not
-weight twice) and SCAFFOLD's control ``c = sum_N (n_i / n) c_i``
-(``control_weights``). The counts (and loss scales) are gathered once, at
-the first round.
-
-Updates go through the compressor and error feedback of ``--compress``
-(``exchange.average``), as in local SGD; a device's error-feedback memory
-changes only in the rounds it is a member of. Bytes per device are what it
-sent as a member plus the fp32 mean it received when it was not one (every
-device keeps the global model and the server optimizer's state, which a
-real server would keep alone and send only to the next round's clients).
-Client optimizers (momentum) keep their state across rounds, as in local SGD,
-unless ``fedavg:E:reset``: then every device starts each round with a fresh
-optimizer (no momentum buffer), as a federated client that builds its
-optimizer per round does (Flower's examples, FedML), so momentum gathered on
-one device's own data does not carry its drift into the next round's start
-from the new global model.
+Design: docs/design/strategies.md ("Federated rounds"): the server steps, weights, bytes, client optimizers.
 """
 from __future__ import annotations
 

@@ -1,44 +1,16 @@
-"""Local SGD: every device trains alone for ``H`` steps, then the devices average their models.
+"""Local SGD (``--sync local:H``) and DiLoCo (``diloco:H``): every device trains alone for ``H`` steps, then the
+devices average their models.
 
-Local SGD (Stich, ICLR 2019; Lin et al., "Don't Use Large Mini-Batches, Use
-Local SGD", ICLR 2020) communicates ``H`` times less often than DDP. Every
-device keeps ``ref``, the model of the last average (identical on all
-devices). At an averaging step each device sends its *pseudo-gradient*
-``ref - x`` through any compressor of ``edgetrain.comm.compress`` (with its
-error feedback), and the devices step ``ref`` with the mean::
+Every device keeps ``ref``, the model of the last average (the same on all devices); at an averaging step it
+sends its pseudo-gradient ``ref - x`` through ``--compress`` (with error feedback), and the devices step
+``ref`` with the mean: plain local SGD subtracts it (the mean of the models), DiLoCo takes an outer SGD step
+with Nesterov momentum (``outer_step``). Every device then continues from ``ref``.
 
-    plain:     ref = ref - mean(ref - x_i)          (= mean of the models)
-    nesterov:  ref = outer SGD step on ref with gradient mean(ref - x_i),
-               lr 0.7, momentum 0.9, Nesterov      (DiLoCo, Douillard et al. 2023;
-               ``--sync diloco:H[:lr=][:momentum=]``, momentum 0: plain outer SGD)
+The ``H`` steps between two averages are a round; its members are every device, unless a round deadline
+(``deadline.py``) leaves a late one out or federated rounds (``federated.py``) sample only some. A device that
+is no member trains no step of the round (``trains``), and receives the members' mean.
 
-then every device continues from ``ref``. Each device's optimizer keeps its
-own state (momentum) across averages, as in the papers.
-
-Parameters are averaged; floating-point buffers (BatchNorm running
-statistics) stay local until ``finish``, which averages them once in fp32.
-PowerSGD (a DDP gradient hook) and DGC momentum correction (a gradient
-method) do not apply to model deltas and are refused by ``build_sync``.
-
-Rounds and their members. The ``H`` steps between two averages are a
-*round*. Its *members* are the devices whose update is averaged: every
-device, unless a round deadline (``--round-deadline``, ``deadline.py``)
-leaves a late one out or federated rounds (``federated.py``) sample only some.
-A device that is no member of a round trains no step of it once it knows
-(``trains`` is False: the strategy skips forward and backward and records 0
-samples) and sends nothing. The members average in a process group of their
-own (``dist.new_group``, created the first time a member set occurs, at the
-same round on every device as torch requires, and kept for later rounds;
-all devices in one group when all are members), and the lowest-ranked
-member then sends the decoded mean, in fp32, to each device that was not one
-(point to point, standing in for the server's download: counted as bytes
-received by that device, nothing sent by it, and its link's modelled time;
-the sender's side is the server's, not counted). So every device applies the
-same mean to the same global model and outer optimizer, and leaves the round
-with the same model. A round with no member leaves the global model as it was.
-What each device did in each round is its ``round_status`` at the round's
-last step (``joined``, ``missed_deadline``, ``not_sampled``), and the
-summary's ``round_participation`` counts them per device.
+Design: docs/design/strategies.md ("Local SGD, DiLoCo and rounds")
 """
 from __future__ import annotations
 
@@ -182,7 +154,8 @@ class LocalSGD(SyncMode):
         return self._member_groups[key]
 
     def _members_mean(self, x: torch.Tensor, members: list[int], key: str) -> torch.Tensor | None:
-        """The mean of the members' ``x`` on every device (None if the round has no member); see the docstring."""
+        """The mean of the members' ``x`` on every device (None if the round has no member); see
+        docs/design/strategies.md ("Rounds and their members")."""
         if not members:
             return None
         group = self._members_group(members)

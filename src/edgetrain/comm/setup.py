@@ -55,16 +55,13 @@ class SyncSetup:
         return dict(clock_group=self.clock_group, spec=self.spec.sync, compress=self.spec.compress.text)
 
     def averaging(self, masked: bool = False) -> Averaging:
-        """How a mode that averages the model sends it (``mode.Averaging``): a group of its own, ``--compress``'s
-        compressor and memory, and (``masked``: a mode whose sums --secure-aggregation masks) the secure sum.
-        Setup collectives: every device calls it, once per mode."""
-        group = self.averaging_group()
-        compressor, memory = self.compressor()
+        """How a mode that averages the model sends it (``mode.Averaging``): a gloo group of its own for the
+        averaging traffic (so that it never interleaves with other collectives), ``--compress``'s compressor and
+        memory, and (``masked``: a mode whose sums --secure-aggregation masks) the secure sum. Setup
+        collectives: every device calls it, once per mode."""
+        group = dist.new_group(backend="gloo") if self.distributed else None
+        compressor, memory = build_compressor(self.spec.compress, self.link, self.spec.seed, self.rank)
         return Averaging(self.rank, group, compressor, memory, self.secure_sum() if masked else None)
-
-    def averaging_group(self):
-        """A group of its own for the averaging traffic, so that it never interleaves with other collectives."""
-        return dist.new_group(backend="gloo") if self.distributed else None
 
     def secure_sum(self):
         """The ``secagg.SecureSum`` of ``--secure-aggregation`` (keys agreed over the clock group: every device
@@ -76,7 +73,3 @@ class SyncSetup:
 
             self._secure = SecureSum.agree(self.rank, self.world_size, self.clock_group, self.spec.timeout_s)
         return self._secure
-
-    def compressor(self) -> tuple[object, object]:
-        """The (compressor, memory) pair of ``--compress`` for this device."""
-        return build_compressor(self.spec.compress, self.link, self.spec.seed, self.rank)

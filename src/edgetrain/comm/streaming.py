@@ -1,44 +1,13 @@
-"""Streaming DiLoCo: the model in fragments, each averaged at its own step, in the background.
+"""Streaming DiLoCo (``--sync streaming:H``): the model in fragments, each averaged at its own step, in the
+background.
 
-DiLoCo (``local_sgd.py`` with ``nesterov``) sends the whole model's
-pseudo-gradient every ``H`` steps and waits for it. Streaming DiLoCo
-(Douillard et al., "Streaming DiLoCo with overlapping communication", 2025)
-splits the parameters into ``F`` fragments (whole parameters, in model order,
-about equal in size: ``fragment_bounds``) and gives fragment ``p`` its own
-slot in the period: it is sent at the local steps ``s`` with
-``(s + p H // F) % H == 0``. So the link carries ``1/F`` of the model at a
-time, ``F`` times as often, and each exchange can hide behind compute:
+DiLoCo (``local_sgd.py``) sends the whole model's pseudo-gradient every ``H`` steps and waits for it.
+Streaming DiLoCo (Douillard et al., "Streaming DiLoCo with overlapping communication", 2025) splits the
+parameters into ``F`` fragments (``fragment_bounds``), sends each at its own step of the period in a
+non-blocking collective, and applies it ``T`` steps later (``overlap``) with the fragment's outer optimiser,
+keeping ``A`` (``mix``) of the local fragment. With ``F = 1``, ``T = 0`` and ``A = 0`` it is DiLoCo step for step.
 
-1. launch (end of step ``s``): fragment ``p``'s pseudo-gradient
-   ``ref_p - x_p`` goes through ``--compress`` (with its error feedback) into a
-   non-blocking all-reduce or all-gather (``async_op=True``: gloo runs it on
-   its own threads while the device trains on);
-2. apply (end of step ``s + T``, ``T`` = ``overlap``): wait for that work
-   handle (bounded by ``--timeout``), step ``ref_p`` with the outer optimizer
-   (SGD with Nesterov momentum, one per fragment) on the mean, and set
-   ``x_p = A x_p + (1 - A) ref_p`` (``A`` = ``mix``: what the ``T`` local steps
-   since the launch leave of the device's own fragment).
-
-With ``F = 1``, ``T = 0`` and ``A = 0`` this is DiLoCo step for step (a test
-checks it). ``--compress`` quantises the outer gradients (``quant:4`` is the
-paper's 4 bits); the payloads' bytes are counted at launch.
-
-Clock: an exchange is ready at ``max(launch clocks of all devices) + Tc``
-(virtual mode; ``Tc`` the link model's time, the launch clocks ride in a
-small float64 all-reduce that is not counted as traffic), where exchanges
-queue on the link one after another; a device that reaches the apply step
-before then waits for it. In enforced mode the device sleeps until ``Tc``
-after the real collective completed. Without a link the exchange costs what
-it costs on the host's network, measured: the wait at the apply step.
-
-Finishing: every exchange in flight is applied, then each fragment trained
-since its last exchange (or mixed with ``A > 0``) has one blocking round,
-after which every device holds ``ref``, as local SGD's final round.
-
-Checkpoints wait for the exchanges in flight and keep their decoded means,
-ready clocks and apply steps, so a resumed run applies them where the
-uninterrupted run did (a test checks resumed == uninterrupted). Round
-deadlines and elastic membership are refused by ``config.resolve``.
+Design: docs/design/strategies.md ("Streaming DiLoCo"): the clock, finishing, checkpoints.
 """
 from __future__ import annotations
 
@@ -235,7 +204,7 @@ class StreamingDiLoCo(SyncMode):
         self.emulator.finish_step(max(clocks), count=False)
 
     def state_dict(self) -> dict:
-        """The mode's state with the exchanges in flight completed first (see the module docstring)."""
+        """The mode's state with the exchanges in flight completed first (design: Checkpoints)."""
         for x in self.inflight.values():
             self._complete(x)
         return {**super().state_dict(), "codec": self._codec_state(self.compressor, self.memory),

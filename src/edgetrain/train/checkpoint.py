@@ -334,7 +334,7 @@ def device_state_for(saved: list[dict], rank: int, world: int) -> tuple[dict, li
 
 def _without_error_feedback(state: Any) -> tuple[Any, bool]:
     """``state`` with every error-feedback store emptied (whether any held something). Every sync mode keeps
-    its residuals under ``codec`` -> ``memory`` (comm/sync.py ``_codec_state``), PowerSGD under ``powersgd``
+    its residuals under ``codec`` -> ``memory`` (comm/mode.py ``_codec_state``), PowerSGD under ``powersgd``
     -> ``errors`` (comm/compress/powersgd.py): residuals are one device's unsent gradient."""
     if not isinstance(state, dict):
         return state, False

@@ -16,7 +16,7 @@ import torch
 
 from edgetrain.comm.emulation import LinkEmulator
 from edgetrain.comm.exchange import average
-from edgetrain.comm.local_sgd import outer_step
+from edgetrain.comm.local_sgd import outer_optimizer, outer_step
 from edgetrain.comm.params import flatten, unflatten
 from edgetrain.spec import SyncSpec
 
@@ -57,9 +57,8 @@ class ReplicaExchange:
         self.outer = None
         if not self.every_step_gradients:
             self.ref = flatten(self._tensors()).requires_grad_(sync.nesterov)
-            if sync.nesterov:  # DiLoCo's outer step; momentum 0 is a plain outer SGD step (torch refuses Nesterov)
-                self.outer = torch.optim.SGD([self.ref], lr=sync.outer_lr, momentum=sync.outer_momentum,
-                                             nesterov=sync.outer_momentum > 0)
+            if sync.nesterov:  # DiLoCo's outer step
+                self.outer = outer_optimizer(self.ref, sync.outer_lr, sync.outer_momentum)
 
     def _tensors(self) -> list[torch.Tensor]:
         return [self.local(p) for p in self.params]

@@ -171,7 +171,7 @@ class Strategy(abc.ABC):
 @named_by_kind("strategy")
 class DataParallel(Strategy):
     """Every device trains a replica on its share of the batch; ``comm.build_sync`` picks how replicas agree
-    (sync, local:H, async:S, gossip, fedavg:E; see comm/sync.py for the calls made here).
+    (sync, local:H, async:S, gossip, fedavg:E; comm/mode.py is the interface it calls).
 
     Loss scaling: device ``r`` with local batch ``b_r`` back-propagates
     ``sum(losses_r) * world / B``; DDP averages over devices, so every device

@@ -34,7 +34,7 @@ length changes starts afresh.
 
 Checkpoints: ``state_dict()`` is the stored pieces by name (the caller turns
 names that are parameter identities into parameter names, see
-``comm/sync.py``); ``load_state_dict`` puts them back.
+``comm/mode.py``); ``load_state_dict`` puts them back.
 """
 from __future__ import annotations
 
