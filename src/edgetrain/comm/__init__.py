@@ -38,8 +38,8 @@ from edgetrain.comm.sync import Synchronous
 from edgetrain.spec import PRESETS, CompressSpec, Link, RunSpec, get_link, parse_compress, parse_sync
 
 __all__ = ["build_sync", "device_clock", "link_emulator", "make_hook", "build_hook", "parse_compress", "parse_sync",
-           "CommStats", "LinkEmulator", "Averaging", "DeviceClock", "SyncMode", "Synchronous", "LocalSGD", "BoundedStaleness", "Gossip",
-           "FederatedAveraging", "StreamingDiLoCo"]
+           "CommStats", "LinkEmulator", "Averaging", "DeviceClock", "SyncMode", "Synchronous", "LocalSGD",
+           "BoundedStaleness", "Gossip", "FederatedAveraging", "StreamingDiLoCo"]
 
 
 def make_hook(compress: str = "none", link: str | Link | None = None, mode: str = "virtual",

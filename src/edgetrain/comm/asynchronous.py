@@ -182,7 +182,8 @@ class BoundedStaleness(SyncMode):
 
     def settle(self, before: str) -> None:
         """Every device, before a collective outside this mode's rounds (``before``: evaluation, a
-        checkpoint): the rounds in flight completed and applied, none left (docs/design/strategies.md, "Bounded staleness": Settling)."""
+        checkpoint): the rounds in flight completed and applied, none left (docs/design/strategies.md,
+        "Bounded staleness": Settling)."""
         # alone, finished, or settled at this step already (every device alike: the same step count)
         if self.world_size == 1 or self._devices is not None or self._settled_at == self.steps:
             return

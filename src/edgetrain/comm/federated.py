@@ -19,7 +19,6 @@ from torch import nn
 
 from edgetrain.cluster.peers import all_gather_json
 from edgetrain.comm.emulation import LinkEmulator
-from edgetrain.comm.exchange import average
 from edgetrain.comm.local_sgd import LocalSGD
 from edgetrain.comm.mode import Averaging
 from edgetrain.comm.params import flatten, unflatten

@@ -20,7 +20,6 @@ error feedback of CHOCO-SGD (Koloskova et al., ICML 2019), not implemented.
 """
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING
 
 import torch
