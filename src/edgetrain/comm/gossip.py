@@ -55,10 +55,6 @@ class Gossip(SyncMode):
         self.steps = 0
         self.exchanges = 0
 
-    def _peer(self, rank: int) -> int:
-        """Global rank of group member ``rank`` (p2p ops take global ranks)."""
-        return rank if self.group is None else dist.get_global_rank(self.group, rank)
-
     def after_step(self, step: int) -> None:
         self.steps += 1
         if self.world_size == 1 or self.steps % self.period != 0:
@@ -75,10 +71,9 @@ class Gossip(SyncMode):
         their_clocks = [torch.empty_like(my_clock) for _ in self.neighbours]
         ops = []
         for peer, buf, clk in zip(self.neighbours, theirs, their_clocks):
-            ops += [dist.P2POp(dist.isend, wire, self._peer(peer), self.group),
-                    dist.P2POp(dist.irecv, buf, self._peer(peer), self.group),
-                    dist.P2POp(dist.isend, my_clock, self._peer(peer), self.group),
-                    dist.P2POp(dist.irecv, clk, self._peer(peer), self.group)]
+            other = self._global_rank(peer)
+            ops += [dist.P2POp(dist.isend, wire, other, self.group), dist.P2POp(dist.irecv, buf, other, self.group),
+                    dist.P2POp(dist.isend, my_clock, other, self.group), dist.P2POp(dist.irecv, clk, other, self.group)]
 
         def collective() -> None:
             for work in dist.batch_isend_irecv(ops):

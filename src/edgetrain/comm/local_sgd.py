@@ -170,22 +170,18 @@ class LocalSGD(SyncMode):
         if self.rank == members[0]:
             started = time.perf_counter()
             for r in others:
-                wait(dist.isend(mean, self._global(r), group=self.group), self.emulator.timeout_s,
+                wait(dist.isend(mean, self._global_rank(r), group=self.group), self.emulator.timeout_s,
                      f"sending the round's mean to device {r}")
             self.emulator.blocked(time.perf_counter() - started)
         elif mean is None:
             mean = torch.empty_like(x, dtype=torch.float32)
             started = self.emulator.begin()
-            wait(dist.irecv(mean, self._global(members[0]), group=self.group), self.emulator.timeout_s,
+            wait(dist.irecv(mean, self._global_rank(members[0]), group=self.group), self.emulator.timeout_s,
                  f"the round's mean from device {members[0]}")
             nbytes = mean.numel() * mean.element_size()
             self.emulator.end(started, [("p2p", nbytes)], peers=[self.rank], bytes_recv=nbytes,
                               download=True)
         return mean
-
-    def _global(self, rank: int) -> int:
-        """Global rank of ``self.group``'s member ``rank`` (point-to-point operations take global ranks)."""
-        return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
     def _average(self, members: list[int]) -> None:
         pseudo_grad = self._members_mean(self.ref.detach() - flatten(self.params), members, "params")

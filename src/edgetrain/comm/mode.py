@@ -221,6 +221,10 @@ class SyncMode(DeviceClock, abc.ABC):
         if module.training and torch.is_grad_enabled():
             self.emulator.start_step()
 
+    def _global_rank(self, rank: int) -> int:
+        """The global rank of ``self.group``'s member ``rank`` (point-to-point operations take global ranks)."""
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
     def _codec_state(self, compressor, memory) -> dict:
         """The compressor's counters and the memory's state, keyed by parameter name."""
         kept = {store: {_renamed(k, self._param_names): v for k, v in parts.items()}
