@@ -1,13 +1,20 @@
-"""The fleet on Flower's simulation runtime at scale: rounds per hour and memory for N virtual devices.
+"""The fleet on Flower's simulation runtime at scale: rounds per hour, memory and CPU for N virtual devices.
 
 One run of ``edgetrain.fleet.simulation.simulate`` (Flower's ``run_simulation`` on Ray) with ``--devices``
 virtual SuperNodes, ``--per-round`` sampled per round, ``--local-steps`` steps of small_cnn on the synthetic
-dataset (enough samples for every device's partition). While it runs a thread samples, every second, the
-resident memory (RSS) of this process and every process below it (Ray's GCS, raylet and actors), and the
-1-minute load average; it prints and writes (``--json``) the wall time of the whole run and of each round's
-training (measured), the peak memory (measured) and the records' modelled clock.
+dataset (enough samples for every device's partition); or, with ``--own-mode``, the same rounds on
+``edgetrain train --sync fedavg``. The run is a child process of this one, measured from outside:
 
-Usage (from the repository root; the machine is shared, so run it niced)::
+- its CPU seconds, exactly: the child joins a cgroup v1 ``cpuacct`` group of its own before it starts anything,
+  so every process below it counts, those that end before it too (Ray's workers, the emulated devices); where
+  no such group can be made, the sum of ``wait4``'s usage of every process of the tree (this process their
+  subreaper), said once in the output;
+- the CPU seconds at each round's end (the group's, read when the round's record appears), so that a round's
+  cost is the slope over the rounds after ``--warmup-rounds``, without the start and the end;
+- every second, the resident memory (RSS) and the CPU seconds of each process of the tree by role: a sampled
+  breakdown, which misses what a process spends after its last sample; and the 1-minute load average.
+
+Usage (from the repository root; the machine is shared, so run it niced: CPU seconds are the figure)::
 
     PYTHONPATH=src nice -n 10 python benchmarks/fleet_sim.py --devices 1000 --per-round 50 --rounds 100 \\
         --json benchmarks/results/fleet_sim_1000.json
@@ -15,42 +22,170 @@ Usage (from the repository root; the machine is shared, so run it niced)::
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import psutil
 
-from edgetrain.fleet.simulation import SimulationResources, simulate
+CGROUP_ROOTS = ("/sys/fs/cgroup/cpuacct", "/sys/fs/cgroup/cpu,cpuacct")
+PR_SET_CHILD_SUBREAPER = 36  # prctl(2)
+LEFT_BEHIND_WAIT_S = 30.0    # how long the tree's last processes may take to end after the child
 
 
-def tree_sample(root: psutil.Process, cpu: dict[int, float], names: dict[int, str], niceness: dict[str, int]) -> int:
+class TreeCpu:
+    """Every CPU second of a child process and of all it starts, those that end before it too: a cgroup v1
+    ``cpuacct`` group of its own, which the child joins before it runs anything (so the live figure can be read
+    at any moment); where no such group can be made, the sum of ``wait4``'s usage of every process of the tree
+    as it ends (this process their subreaper, so orphans come back to it; a figure only at the end)."""
+
+    def __init__(self):
+        self.group = make_group()
+        self.reaped_user_s = self.reaped_system_s = 0.0
+        if self.group is None:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+            self.method = "wait4 rusage of every process of the tree (no cgroup v1 cpuacct group could be made)"
+        else:
+            self.method = f"cgroup v1 cpuacct group {self.group}"
+
+    def join(self) -> None:
+        """In the child, before it runs anything (``preexec_fn``): into the group."""
+        if self.group is not None:
+            (self.group / "cgroup.procs").write_text(str(os.getpid()))
+
+    def usage_s(self) -> float | None:
+        """The tree's CPU seconds so far (None under the fallback, which knows them only at the end)."""
+        if self.group is None:
+            return None
+        return int((self.group / "cpuacct.usage").read_text()) / 1e9
+
+    def ended(self, child: subprocess.Popen) -> bool:
+        if self.group is not None:
+            return child.poll() is not None
+        self.reap(child)
+        return child.returncode is not None
+
+    def reap(self, child: subprocess.Popen | None = None) -> bool:
+        """Under the fallback: the usage of every process of the tree that has ended, added (the child's exit
+        status put into ``child``, which must not wait for itself: its usage would be lost); whether any is left."""
+        while True:
+            try:
+                pid, status, usage = os.wait4(-1, os.WNOHANG)
+            except ChildProcessError:
+                return False
+            if pid == 0:
+                return True
+            self.reaped_user_s += usage.ru_utime
+            self.reaped_system_s += usage.ru_stime
+            if child is not None and pid == child.pid:
+                child.returncode = os.waitstatus_to_exitcode(status)
+
+    def finish(self, child: subprocess.Popen) -> dict:
+        """The tree's CPU seconds, once all of it has ended (what is still running after ``LEFT_BEHIND_WAIT_S``
+        is ended, and counted); the group removed."""
+        left = self.end_the_rest(child)
+        if self.group is None:
+            return {"method": self.method, "cpu_s": self.reaped_user_s + self.reaped_system_s,
+                    "user_s": self.reaped_user_s, "system_s": self.reaped_system_s, "left_behind": left}
+        ticks = dict(line.split() for line in (self.group / "cpuacct.stat").read_text().splitlines())
+        hz = os.sysconf("SC_CLK_TCK")
+        result = {"method": self.method, "cpu_s": self.usage_s(), "user_s": int(ticks["user"]) / hz,
+                  "system_s": int(ticks["system"]) / hz, "left_behind": left}
+        self.group.rmdir()
+        return result
+
+    def end_the_rest(self, child: subprocess.Popen) -> int:
+        """Wait for the processes the child left behind; end those still there after the wait; how many."""
+        deadline, pids = time.monotonic() + LEFT_BEHIND_WAIT_S, self.members()
+        while pids and time.monotonic() < deadline:
+            time.sleep(0.2)
+            pids = self.members()
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)  # every one of them started under this run's child
+        while self.members():
+            time.sleep(0.1)
+        return len(pids)
+
+    def members(self) -> list[int]:
+        if self.group is not None:
+            return [int(pid) for pid in (self.group / "cgroup.procs").read_text().split()]
+        return [proc.pid for proc in psutil.Process().children(recursive=True)] if self.reap() else []
+
+
+def make_group() -> Path | None:
+    """A fresh cpuacct group (None where there is no cgroup v1 cpuacct hierarchy or no right to make one)."""
+    for root in CGROUP_ROOTS:
+        group = Path(root) / f"edgetrain-fleet-sim-{os.getpid()}"
+        try:
+            group.mkdir()
+            return group
+        except OSError:
+            continue
+    return None
+
+
+class RoundClock:
+    """The tree's CPU seconds and the wall time at each round's end, as soon as the round shows in the run's
+    files (``rounds_done``, polled every ``interval`` seconds)."""
+
+    def __init__(self, rounds_done: Callable[[], int], cpu: TreeCpu, interval: float = 0.02):
+        self.rounds_done, self.cpu, self.interval, self.start = rounds_done, cpu, interval, time.perf_counter()
+        self.points: list[dict] = []  # {"round", "cpu_s", "wall_s"}
+
+    def poll(self) -> None:
+        done = self.rounds_done()
+        while len(self.points) < done:
+            self.points.append({"round": len(self.points) + 1, "cpu_s": self.cpu.usage_s(),
+                                "wall_s": time.perf_counter() - self.start})
+
+    def per_round(self, warmup: int, key: str) -> float | None:
+        """The least-squares slope of ``key`` against the round, over the rounds' ends from ``warmup`` on."""
+        points = [(p["round"], p[key]) for p in self.points if p["round"] >= warmup and p[key] is not None]
+        if len(points) < 2:
+            return None
+        mean_x = sum(x for x, _ in points) / len(points)
+        mean_y = sum(y for _, y in points) / len(points)
+        return (sum((x - mean_x) * (y - mean_y) for x, y in points)
+                / sum((x - mean_x) ** 2 for x, _ in points))
+
+
+def lines_in(path: Path) -> int:
+    try:
+        return path.read_bytes().count(b"\n")
+    except OSError:
+        return 0
+
+
+def tree_sample(root: psutil.Process, root_role: str, cpu: dict[int, float], names: dict[int, str],
+                niceness: dict[str, int]) -> int:
     """Bytes resident in ``root`` and all its descendants now (processes that end meanwhile count zero); each
-    one's CPU seconds so far (user + system) into ``cpu`` and its role into ``names``, by pid; the highest
-    niceness seen of each role into ``niceness``."""
+    one's CPU seconds so far (user + system) into ``cpu`` and its role into ``names``, by pid (``root_role``
+    the root's); the highest niceness seen of each role into ``niceness``."""
     total = 0
     for proc in [root, *root.children(recursive=True)]:
         try:
             total += proc.memory_info().rss
             times = proc.cpu_times()
             cpu[proc.pid] = times.user + times.system
-            names[proc.pid] = process_role(proc, root)
+            names[proc.pid] = root_role if proc.pid == root.pid else process_role(proc)
             niceness[names[proc.pid]] = max(niceness.get(names[proc.pid], -20), proc.nice())
         except psutil.Error:
             pass
     return total
 
 
-def process_role(proc: psutil.Process, root: psutil.Process) -> str:
-    """What a process of the run is: the driver, a Ray actor (its title ``ray::ClientAppActor``, or
-    ``ray::IDLE`` before its first task) or one of Ray's own processes (named by its program)."""
-    if proc.pid == root.pid:
-        return "driver (ServerApp, Flower's simulation engine)"
+def process_role(proc: psutil.Process) -> str:
+    """What a process below the run's first is: a Ray actor (its title ``ray::ClientAppActor``, or
+    ``ray::IDLE`` before its first task), one of Ray's own processes (named by its program), or another
+    (the own mode's emulated devices and their fork server: ``other: python``)."""
     cmdline = proc.cmdline()
     title = " ".join(cmdline)
     if title.startswith("ray::"):
@@ -89,25 +224,31 @@ class PollTimer:
         InMemoryLinkState.get_message_ins = timed
 
 
-class Sampler(threading.Thread):
-    """Peak tree RSS, the tree's CPU seconds and the load averages seen, sampled every ``interval`` seconds (CPU
-    seconds: what the run cost, nearly independent of the other load on a shared machine)."""
 
-    def __init__(self, interval: float = 1.0):
+
+class Sampler(threading.Thread):
+    """Peak tree RSS, the tree's CPU seconds by process and the load averages seen, sampled every ``interval``
+    seconds (a breakdown: what a process spends after its last sample is missed; ``TreeCpu`` is the total)."""
+
+    def __init__(self, root: psutil.Process, root_role: str, interval: float = 1.0):
         super().__init__(daemon=True)
         self.interval, self.stop, self.peak, self.loads = interval, threading.Event(), 0, []
-        self.root, self.cpu, self.names, self.niceness = psutil.Process(), {}, {}, {}
+        self.root, self.root_role, self.cpu, self.names, self.niceness = root, root_role, {}, {}, {}
 
     def run(self):
         while not self.stop.wait(self.interval):
-            self.peak = max(self.peak, tree_sample(self.root, self.cpu, self.names, self.niceness))
+            try:
+                rss = tree_sample(self.root, self.root_role, self.cpu, self.names, self.niceness)
+            except psutil.Error:  # the run's first process has ended
+                continue
+            self.peak = max(self.peak, rss)
             self.loads.append(os.getloadavg()[0])
             if len(self.loads) % 60 == 0:  # a long run's progress, readable from its log
-                print(f"PROGRESS peak_rss_mb={self.peak / 2**20:.0f} cpu_s={sum(self.cpu.values()):.0f} "
+                print(f"PROGRESS peak_rss_mb={self.peak / 2**20:.0f} sampled_cpu_s={sum(self.cpu.values()):.0f} "
                       f"load_1min={self.loads[-1]:.1f}", flush=True)
 
 
-def main() -> None:
+def arguments() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--devices", type=int, default=1000)
     ap.add_argument("--per-round", type=int, default=50)
@@ -124,10 +265,64 @@ def main() -> None:
     ap.add_argument("--own-mode", action="store_true",
                     help="instead: the same rounds on edgetrain's own federated mode (edgetrain train --sync "
                          "fedavg:steps=H, one emulated device process per device; --per-round must equal --devices)")
+    ap.add_argument("--warmup-rounds", type=int, default=2,
+                    help="the CPU seconds a round are the slope from this round's end on (the start left out)")
     ap.add_argument("--json", help="write the result here")
-    args = ap.parse_args()
-    if args.own_mode:
-        return own_mode(args)
+    ap.add_argument("--inner", help=argparse.SUPPRESS)  # the measured child: the simulation, config from this file
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = arguments()
+    if args.inner:
+        return run_inner(Path(args.inner), args)
+    if args.own_mode and args.per_round != args.devices:
+        raise SystemExit("--own-mode samples every device each round: give --per-round equal to --devices")
+    result = own_mode(args) if args.own_mode else simulation(args)
+    print(json.dumps({k: v for k, v in result.items()
+                      if k not in ("records", "config", "measured_round_train_s", "measured_round_ends", "command")},
+                     indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+def measure(cmd: list[str], root_role: str, rounds_done: Callable[[], int], args) -> dict:
+    """Run ``cmd`` as a child in a CPU account of its own; its CPU seconds (all, and a round's), wall time,
+    peak memory, sampled breakdown and the load."""
+    cpu = TreeCpu()
+    print(f"CPU accounting: {cpu.method}", flush=True)
+    child = subprocess.Popen(cmd, preexec_fn=cpu.join, stdout=subprocess.DEVNULL)
+    sampler = Sampler(psutil.Process(child.pid), root_role)
+    sampler.start()
+    clock = RoundClock(rounds_done, cpu)
+    while not cpu.ended(child):
+        clock.poll()
+        time.sleep(clock.interval)
+    wall = time.perf_counter() - clock.start
+    clock.poll()
+    sampler.stop.set()
+    sampler.join()
+    total = cpu.finish(child)
+    if child.returncode:
+        raise SystemExit(f"the measured run failed (exit {child.returncode}): {' '.join(cmd)}")
+    per_round = clock.per_round(args.warmup_rounds, "cpu_s")
+    return {"cpu_accounting": total["method"], "measured_cpu_s": total["cpu_s"],
+            "measured_cpu_user_s": total["user_s"], "measured_cpu_system_s": total["system_s"],
+            "processes_left_behind": total["left_behind"],
+            "measured_cpu_s_per_round": per_round, "measured_cpu_s_per_device_round":
+                per_round / args.per_round if per_round is not None else None,
+            "measured_wall_s_per_round": clock.per_round(args.warmup_rounds, "wall_s"),
+            "warmup_rounds": args.warmup_rounds, "measured_round_ends": clock.points,
+            "measured_wall_s": wall, "measured_peak_rss_mb": sampler.peak / 2**20,
+            "sampled_cpu_s": sum(sampler.cpu.values()),
+            "sampled_cpu_s_by_process": cpu_by_role(sampler.cpu, sampler.names),
+            "niceness_by_process": sampler.niceness, "nice": os.nice(0), "cores": os.cpu_count(),
+            "load_average_1min_mean": sum(sampler.loads) / max(len(sampler.loads), 1),
+            "load_average_1min_max": max(sampler.loads, default=0.0)}
+
+
+def simulation(args) -> dict:
+    """The simulation in a child process (this script, ``--inner``), measured by ``measure``."""
     out = Path(tempfile.mkdtemp(prefix="fleet-sim-"))
     config = {"model": "small_cnn", "dataset": "synthetic", "image-size": args.image_size,
               "synthetic-samples": args.devices * args.batch_size * 2, "partition": "iid",
@@ -135,65 +330,61 @@ def main() -> None:
               "fraction-train": args.per_round / args.devices, "fraction-evaluate": 0.0, "server-evaluate": True,
               "min-nodes": args.devices, "population": args.population, "availability": args.availability,
               "round-timeout": 600.0, "output-dir": str(out), **json.loads(args.config or "{}")}
-    print(f"records: {Path(config['output-dir']) / 'fleet-rounds.jsonl'}", flush=True)
+    rounds_file = Path(config["output-dir"]) / "fleet-rounds.jsonl"  # --config may name its own output-dir
+    print(f"records: {rounds_file}", flush=True)
+    (out / "config.json").write_text(json.dumps(config))
+    cmd = [sys.executable, __file__, "--inner", str(out / "config.json"), "--devices", str(args.devices),
+           "--cpus-per-device", str(args.cpus_per_device), "--worker-niceness", str(args.worker_niceness)]
+    measured = measure(cmd, "driver (ServerApp, Flower's simulation engine)", lambda: lines_in(rounds_file), args)
+    inner = json.loads((out / "inner.json").read_text())
+    records = [json.loads(line) for line in rounds_file.read_text().splitlines()]
+    train_walls = [r["measured_train_wall_s"] for r in records]
+    return {"mode": "Flower simulation (Ray)", "devices": args.devices, "per_round": args.per_round,
+            "rounds": args.rounds, "worker_niceness": args.worker_niceness, "local_steps": args.local_steps,
+            "batch_size": args.batch_size, "image_size": args.image_size, "cpus_per_device": args.cpus_per_device,
+            **measured, "measured_simulate_wall_s": inner["wall_s"],
+            "measured_rounds_per_hour": args.rounds / inner["wall_s"] * 3600,
+            "measured_mean_round_train_s": sum(train_walls) / len(train_walls),
+            "measured_first_round_train_s": train_walls[0], "measured_round_train_s": train_walls,
+            "measured_flower_poll_cpu_s": inner["flower_poll_cpu_s"], "flower_poll_calls": inner["flower_poll_calls"],
+            "final_server_accuracy": records[-1].get("server_accuracy"),
+            "modelled_clock_s": records[-1].get("modelled_clock_s"), "config": config, "records": records}
+
+
+def run_inner(config_file: Path, args) -> None:
+    """The measured child: the simulation itself, with Flower's polling timed; its figures beside the config."""
+    from edgetrain.fleet.simulation import SimulationResources, simulate
+
+    config = json.loads(config_file.read_text())
     poll = PollTimer()
-    sampler = Sampler()
-    sampler.start()
     start = time.perf_counter()
     simulate(config, args.devices, SimulationResources(cpus_per_device=args.cpus_per_device,
                                                           worker_niceness=args.worker_niceness))
-    wall = time.perf_counter() - start
-    sampler.stop.set()
-    sampler.join()
-    rounds_file = Path(config["output-dir"]) / "fleet-rounds.jsonl"  # --config may name its own output-dir
-    records = [json.loads(line) for line in rounds_file.read_text().splitlines()]
-    train_walls = [r["measured_train_wall_s"] for r in records]
-    result = {"devices": args.devices, "per_round": args.per_round, "rounds": args.rounds,
-              "worker_niceness": args.worker_niceness, "nice": os.nice(0),
-              "local_steps": args.local_steps, "batch_size": args.batch_size, "image_size": args.image_size,
-              "cpus_per_device": args.cpus_per_device, "cores": os.cpu_count(), "measured_wall_s": wall,
-              "measured_rounds_per_hour": args.rounds / wall * 3600,
-              "measured_mean_round_train_s": sum(train_walls) / len(train_walls),
-              "measured_first_round_train_s": train_walls[0],
-              "measured_peak_rss_mb": sampler.peak / 2**20,
-              "measured_cpu_s": sum(sampler.cpu.values()),
-              "measured_cpu_s_by_process": cpu_by_role(sampler.cpu, sampler.names),
-              "niceness_by_process": sampler.niceness, "measured_flower_poll_cpu_s": poll.cpu_s, "flower_poll_calls": poll.calls,
-              "measured_round_train_s": train_walls,
-              "load_average_1min_mean": sum(sampler.loads) / max(len(sampler.loads), 1),
-              "load_average_1min_max": max(sampler.loads, default=0.0),
-              "final_server_accuracy": records[-1].get("server_accuracy"),
-              "modelled_clock_s": records[-1]["modelled_clock_s"], "config": config, "records": records}
-    print(json.dumps({k: v for k, v in result.items() if k not in ("records", "config", "measured_round_train_s")},
-                     indent=1))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+    (config_file.parent / "inner.json").write_text(json.dumps({
+        "wall_s": time.perf_counter() - start, "flower_poll_cpu_s": poll.cpu_s, "flower_poll_calls": poll.calls}))
 
 
-def own_mode(args) -> None:
+def own_mode(args) -> dict:
     """``edgetrain train --sync fedavg:steps=H`` with ``--devices`` emulated devices, every one in every round
-    (the same per-device batch, steps and data), measured as ``main`` measures the simulation."""
+    (the same per-device batch, steps and data), measured as the simulation is; the devices' own CPU seconds
+    in their steps (``cpu_s`` of their step records) beside it."""
     out = Path(tempfile.mkdtemp(prefix="fleet-own-"))
     cmd = [sys.executable, "-m", "edgetrain", "train", "--devices", str(args.devices), "--model", "small_cnn",
            "--dataset", "synthetic", "--image-size", str(args.image_size),
            "--synthetic-samples", str(args.devices * args.batch_size * 2), "--partition", "iid",
            "--sync", f"fedavg:steps={args.local_steps}", "--steps", str(args.rounds * args.local_steps),
-           "--batch-size", str(args.batch_size * args.devices), "--output", str(out)]
-    sampler = Sampler()
-    sampler.start()
-    start = time.perf_counter()
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    wall = time.perf_counter() - start
-    sampler.stop.set()
-    sampler.join()
-    result = {"mode": "edgetrain train --sync fedavg", "devices": args.devices, "rounds": args.rounds,
-              "local_steps": args.local_steps, "batch_size": args.batch_size, "measured_wall_s": wall,
-              "measured_cpu_s": sum(sampler.cpu.values()), "measured_peak_rss_mb": sampler.peak / 2**20,
-              "measured_cpu_s_by_process": cpu_by_role(sampler.cpu, sampler.names),
-              "load_average_1min_mean": sum(sampler.loads) / max(len(sampler.loads), 1), "command": cmd}
-    print(json.dumps(result, indent=1))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+           "--batch-size", str(args.batch_size * args.devices), "--no-eval", "--output", str(out)]
+    def rounds_done() -> int:  # rank 0's steps as they happen (metrics.jsonl replaces its file at the end)
+        return sum(lines_in(live) for live in out.glob("*/metrics-0.jsonl")) // args.local_steps
+    measured = measure(cmd, "edgetrain train (launcher)", rounds_done, args)
+    steps = [json.loads(line) for line in next(out.rglob("metrics.jsonl")).read_text().splitlines()]
+    steady = [s for s in steps if s["step"] > args.warmup_rounds * args.local_steps]
+    return {"mode": "edgetrain train --sync fedavg", "devices": args.devices, "per_round": args.per_round,
+            "rounds": args.rounds, "local_steps": args.local_steps, "batch_size": args.batch_size, **measured,
+            "measured_device_step_cpu_s": sum(s["cpu_s"] for s in steps),
+            "measured_device_step_cpu_s_per_round_after_warmup":
+                sum(s["cpu_s"] for s in steady) / max(args.rounds - args.warmup_rounds, 1),
+            "command": cmd}
 
 
 if __name__ == "__main__":
