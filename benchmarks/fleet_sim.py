@@ -133,28 +133,37 @@ def make_group() -> Path | None:
 
 
 class RoundClock:
-    """The tree's CPU seconds and the wall time at each round's end, as soon as the round shows in the run's
-    files (``rounds_done``, polled every ``interval`` seconds)."""
+    """At each round's end, as soon as the round shows in the run's files (``rounds_done``, polled every
+    ``interval`` seconds): the tree's CPU seconds (exact), the wall time, and each process role's CPU seconds
+    (``by_role``: sampled, those of the processes alive then)."""
 
-    def __init__(self, rounds_done: Callable[[], int], cpu: TreeCpu, interval: float = 0.02):
-        self.rounds_done, self.cpu, self.interval, self.start = rounds_done, cpu, interval, time.perf_counter()
-        self.points: list[dict] = []  # {"round", "cpu_s", "wall_s"}
+    def __init__(self, rounds_done: Callable[[], int], cpu: TreeCpu, by_role: Callable[[], dict[str, float]],
+                 interval: float = 0.02):
+        self.rounds_done, self.cpu, self.by_role, self.interval = rounds_done, cpu, by_role, interval
+        self.start, self.points = time.perf_counter(), []  # {"round", "cpu_s", "wall_s", "cpu_s_by_process"}
 
     def poll(self) -> None:
         done = self.rounds_done()
         while len(self.points) < done:
             self.points.append({"round": len(self.points) + 1, "cpu_s": self.cpu.usage_s(),
-                                "wall_s": time.perf_counter() - self.start})
+                                "wall_s": time.perf_counter() - self.start, "cpu_s_by_process": self.by_role()})
 
-    def per_round(self, warmup: int, key: str) -> float | None:
-        """The least-squares slope of ``key`` against the round, over the rounds' ends from ``warmup`` on."""
-        points = [(p["round"], p[key]) for p in self.points if p["round"] >= warmup and p[key] is not None]
+    def per_round(self, warmup: int, value: Callable[[dict], float | None]) -> float | None:
+        """The least-squares slope of ``value`` (of a round's end) against the round, over the rounds' ends from
+        ``warmup`` on."""
+        points = [(p["round"], value(p)) for p in self.points if p["round"] >= warmup and value(p) is not None]
         if len(points) < 2:
             return None
         mean_x = sum(x for x, _ in points) / len(points)
         mean_y = sum(y for _, y in points) / len(points)
         return (sum((x - mean_x) * (y - mean_y) for x, y in points)
                 / sum((x - mean_x) ** 2 for x, _ in points))
+
+    def per_round_by_role(self, warmup: int) -> dict[str, float]:
+        roles = {role for p in self.points for role in p["cpu_s_by_process"]}
+        slopes = {role: self.per_round(warmup, lambda p, role=role: p["cpu_s_by_process"].get(role, 0.0))
+                  for role in roles}
+        return dict(sorted(((role, s) for role, s in slopes.items() if s is not None), key=lambda item: -item[1]))
 
 
 def lines_in(path: Path) -> int:
@@ -184,12 +193,18 @@ def tree_sample(root: psutil.Process, root_role: str, cpu: dict[int, float], nam
 
 def process_role(proc: psutil.Process) -> str:
     """What a process below the run's first is: a Ray actor (its title ``ray::ClientAppActor``, or
-    ``ray::IDLE`` before its first task), one of Ray's own processes (named by its program), or another
-    (the own mode's emulated devices and their fork server: ``other: python``)."""
+    ``ray::IDLE`` before its first task), one of Ray's own processes (named by its program), the own mode's
+    fork server and its emulated devices, or another."""
     cmdline = proc.cmdline()
     title = " ".join(cmdline)
     if title.startswith("ray::"):
         return "Ray worker / ClientApp actor"
+    if "multiprocessing.forkserver" in title:  # the own mode's: its devices are the fork server's children
+        parent = proc.parent()
+        return "emulated device" if parent is not None and "multiprocessing.forkserver" in " ".join(
+            parent.cmdline()) else "fork server"
+    if "multiprocessing.resource_tracker" in title:
+        return "multiprocessing resource tracker"
     for part in cmdline:
         for name in ("gcs_server", "raylet", "dashboard", "log_monitor", "monitor.py", "runtime_env", "agent"):
             if name in part:
@@ -294,7 +309,14 @@ def measure(cmd: list[str], root_role: str, rounds_done: Callable[[], int], args
     child = subprocess.Popen(cmd, preexec_fn=cpu.join, stdout=subprocess.DEVNULL)
     sampler = Sampler(psutil.Process(child.pid), root_role)
     sampler.start()
-    clock = RoundClock(rounds_done, cpu)
+    def by_role() -> dict[str, float]:
+        cpu_now, names = {}, {}
+        try:
+            tree_sample(sampler.root, root_role, cpu_now, names, {})
+        except psutil.Error:  # the run's first process has ended
+            return {}
+        return cpu_by_role(cpu_now, names)
+    clock = RoundClock(rounds_done, cpu, by_role)
     while not cpu.ended(child):
         clock.poll()
         time.sleep(clock.interval)
@@ -305,13 +327,14 @@ def measure(cmd: list[str], root_role: str, rounds_done: Callable[[], int], args
     total = cpu.finish(child)
     if child.returncode:
         raise SystemExit(f"the measured run failed (exit {child.returncode}): {' '.join(cmd)}")
-    per_round = clock.per_round(args.warmup_rounds, "cpu_s")
+    per_round = clock.per_round(args.warmup_rounds, lambda point: point["cpu_s"])
     return {"cpu_accounting": total["method"], "measured_cpu_s": total["cpu_s"],
             "measured_cpu_user_s": total["user_s"], "measured_cpu_system_s": total["system_s"],
             "processes_left_behind": total["left_behind"],
             "measured_cpu_s_per_round": per_round, "measured_cpu_s_per_device_round":
                 per_round / args.per_round if per_round is not None else None,
-            "measured_wall_s_per_round": clock.per_round(args.warmup_rounds, "wall_s"),
+            "measured_wall_s_per_round": clock.per_round(args.warmup_rounds, lambda point: point["wall_s"]),
+            "sampled_cpu_s_per_round_by_process": clock.per_round_by_role(args.warmup_rounds),
             "warmup_rounds": args.warmup_rounds, "measured_round_ends": clock.points,
             "measured_wall_s": wall, "measured_peak_rss_mb": sampler.peak / 2**20,
             "sampled_cpu_s": sum(sampler.cpu.values()),
@@ -338,6 +361,8 @@ def simulation(args) -> dict:
     measured = measure(cmd, "driver (ServerApp, Flower's simulation engine)", lambda: lines_in(rounds_file), args)
     inner = json.loads((out / "inner.json").read_text())
     records = [json.loads(line) for line in rounds_file.read_text().splitlines()]
+    if len(records) != args.rounds:
+        raise SystemExit(f"the simulation recorded {len(records)} rounds, not {args.rounds}: {rounds_file}")
     train_walls = [r["measured_train_wall_s"] for r in records]
     return {"mode": "Flower simulation (Ray)", "devices": args.devices, "per_round": args.per_round,
             "rounds": args.rounds, "worker_niceness": args.worker_niceness, "local_steps": args.local_steps,
@@ -373,11 +398,15 @@ def own_mode(args) -> dict:
            "--dataset", "synthetic", "--image-size", str(args.image_size),
            "--synthetic-samples", str(args.devices * args.batch_size * 2), "--partition", "iid",
            "--sync", f"fedavg:steps={args.local_steps}", "--steps", str(args.rounds * args.local_steps),
+           "--epochs", str(args.rounds * args.local_steps),  # --steps stops at --epochs' end (default 10) too
            "--batch-size", str(args.batch_size * args.devices), "--no-eval", "--output", str(out)]
     def rounds_done() -> int:  # rank 0's steps as they happen (metrics.jsonl replaces its file at the end)
         return sum(lines_in(live) for live in out.glob("*/metrics-0.jsonl")) // args.local_steps
     measured = measure(cmd, "edgetrain train (launcher)", rounds_done, args)
     steps = [json.loads(line) for line in next(out.rglob("metrics.jsonl")).read_text().splitlines()]
+    if len(steps) != args.rounds * args.local_steps * args.devices:
+        raise SystemExit(f"the own mode ran {len(steps)} device-steps, not {args.rounds} rounds' "
+                         f"{args.rounds * args.local_steps * args.devices}: {out}")
     steady = [s for s in steps if s["step"] > args.warmup_rounds * args.local_steps]
     return {"mode": "edgetrain train --sync fedavg", "devices": args.devices, "per_round": args.per_round,
             "rounds": args.rounds, "local_steps": args.local_steps, "batch_size": args.batch_size, **measured,
