@@ -310,3 +310,31 @@ def test_a_device_that_would_miss_the_round_deadline_is_left_out(tmp_path):
     torch.testing.assert_close(final, expected_global(run, lambda node, r: node in fast, nodes=4), rtol=0, atol=1e-6)
     (record,) = [json.loads(line) for line in (tmp_path / fleet.ROUNDS_FILE).read_text().splitlines()]
     assert (record["late"], record["aggregated"], record["modelled_round_s"]) == (2, 2, 0.05)
+
+
+def test_a_device_reuses_its_model_and_trains_as_on_a_fresh_one(monkeypatch):
+    """The model is built once per process, not per call (a simulation's actor runs many devices' rounds); a call
+    on the reused model, which the call before it trained, replies bit for bit as one on a freshly built model
+    and leaves torch's generator where a fresh build does."""
+    spec = fleet.fleet_spec(RUN)
+    data = fleet.load_data(spec)
+    content = RecordDict({"arrays": fleet.model_record(fleet.global_model(spec, data)),
+                          "config": ConfigRecord({"server-round": 1})})
+    builds, build = [], fleet.build_model
+    monkeypatch.setattr(fleet, "build_model", lambda *args: builds.append(args) or build(*args))
+    monkeypatch.setattr(fleet, "_IDLE_MODELS", {}, raising=False)  # this process's models so far: none
+    monkeypatch.setattr(fleet, "_RNG_AFTER_BUILD", {}, raising=False)
+
+    def call(node: int) -> tuple[dict, torch.Tensor]:
+        context = Context(run_id=1, node_id=node, state=RecordDict(), run_config=RUN,
+                          node_config={"partition-id": node, "num-partitions": 2})
+        reply = fleet.train(Message(content=content, dst_node_id=node, message_type=MessageType.TRAIN), context)
+        return {name: array.numpy() for name, array in reply.content["arrays"].items()}, torch.get_rng_state()
+
+    call(0)
+    reused, reused_rng = call(1)
+    assert len(builds) == 1
+    fleet._IDLE_MODELS.clear()
+    fresh, fresh_rng = call(1)
+    assert len(builds) == 2 and reused.keys() == fresh.keys()
+    assert all(np.array_equal(reused[name], fresh[name]) for name in fresh) and torch.equal(reused_rng, fresh_rng)
