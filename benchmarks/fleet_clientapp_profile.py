@@ -1,5 +1,6 @@
 """One fleet ClientApp call's CPU cost, in this process, as a simulation actor makes it (the steady state: the
-dataset and the partitions already built): the CPU milliseconds per call, then cProfile's top entries.
+dataset and the partitions already built): the CPU milliseconds per call; the same with the model reused and built
+anew for each call, alternating; then cProfile's top entries.
 
 Usage (from the repository root)::
 
@@ -42,5 +43,16 @@ if __name__ == "__main__":
     for device in range(calls):
         call(device)
     print(f"{(time.process_time() - start) / calls * 1000:.1f} ms CPU per call ({calls} calls)")
+    # the same calls with the model built anew for each (the process's pool emptied first), alternating with
+    # calls on the reused one, so that both meet the same load
+    spent = {"reused": 0.0, "built per call": 0.0}
+    for device in range(calls):
+        for way in spent:
+            if way == "built per call":
+                fleet._IDLE_MODELS.clear()
+            start = time.process_time()
+            call(device)
+            spent[way] += time.process_time() - start
+    print("ms CPU per call, alternating: " + ", ".join(f"model {way} {s / calls * 1000:.1f}" for way, s in spent.items()))
     cProfile.run(f"for device in range({calls}): call(device)", "/tmp/fleet_clientapp.prof")
     pstats.Stats("/tmp/fleet_clientapp.prof").sort_stats("cumulative").print_stats(25)
