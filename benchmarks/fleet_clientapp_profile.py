@@ -53,6 +53,7 @@ if __name__ == "__main__":
             start = time.process_time()
             call(device)
             spent[way] += time.process_time() - start
-    print("ms CPU per call, alternating: " + ", ".join(f"model {way} {s / calls * 1000:.1f}" for way, s in spent.items()))
+    print("ms CPU per call, alternating: "
+          + ", ".join(f"model {way} {s / calls * 1000:.1f}" for way, s in spent.items()))
     cProfile.run(f"for device in range({calls}): call(device)", "/tmp/fleet_clientapp.prof")
     pstats.Stats("/tmp/fleet_clientapp.prof").sort_stats("cumulative").print_stats(25)

@@ -22,6 +22,7 @@ Usage (from the repository root; the machine is shared, so run it niced: CPU sec
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import os
@@ -39,6 +40,7 @@ import psutil
 CGROUP_ROOTS = ("/sys/fs/cgroup/cpuacct", "/sys/fs/cgroup/cpu,cpuacct")
 PR_SET_CHILD_SUBREAPER = 36  # prctl(2)
 LEFT_BEHIND_WAIT_S = 30.0    # how long the tree's last processes may take to end after the child
+KILL_WAIT_S = 10.0           # ... and to go once killed
 
 
 class TreeCpu:
@@ -88,10 +90,10 @@ class TreeCpu:
             if child is not None and pid == child.pid:
                 child.returncode = os.waitstatus_to_exitcode(status)
 
-    def finish(self, child: subprocess.Popen) -> dict:
-        """The tree's CPU seconds, once all of it has ended (what is still running after ``LEFT_BEHIND_WAIT_S``
-        is ended, and counted); the group removed."""
-        left = self.end_the_rest(child)
+    def finish(self, child: subprocess.Popen, wait_s: float = LEFT_BEHIND_WAIT_S) -> dict:
+        """The tree's CPU seconds, once all of it has ended (what is still running after ``wait_s`` is ended,
+        and counted); the group removed."""
+        left = self.end_the_rest(child, wait_s)
         if self.group is None:
             return {"method": self.method, "cpu_s": self.reaped_user_s + self.reaped_system_s,
                     "user_s": self.reaped_user_s, "system_s": self.reaped_system_s, "left_behind": left}
@@ -102,17 +104,26 @@ class TreeCpu:
         self.group.rmdir()
         return result
 
-    def end_the_rest(self, child: subprocess.Popen) -> int:
-        """Wait for the processes the child left behind; end those still there after the wait; how many."""
-        deadline, pids = time.monotonic() + LEFT_BEHIND_WAIT_S, self.members()
-        while pids and time.monotonic() < deadline:
+    def end_the_rest(self, child: subprocess.Popen, wait_s: float) -> int:
+        """Wait for the processes the child left behind; end those still there after the wait (every one of
+        them started under this run's child; killed until none is left, since a parent may start another
+        meanwhile, for at most ``KILL_WAIT_S``); how many were ended."""
+        deadline = time.monotonic() + wait_s
+        while self.members() and time.monotonic() < deadline:
+            self.ended(child)
             time.sleep(0.2)
-            pids = self.members()
-        for pid in pids:
-            os.kill(pid, signal.SIGKILL)  # every one of them started under this run's child
-        while self.members():
+        ended: set[int] = set()
+        deadline = time.monotonic() + KILL_WAIT_S
+        while (pids := self.members()) and time.monotonic() < deadline:
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                ended.add(pid)
+            self.ended(child)  # reaps the child itself once it is gone
             time.sleep(0.1)
-        return len(pids)
+        if self.members():
+            raise SystemExit(f"processes of the run could not be ended: {self.members()} ({self.method})")
+        return len(ended)
 
     def members(self) -> list[int]:
         if self.group is not None:
@@ -306,6 +317,7 @@ def measure(cmd: list[str], root_role: str, rounds_done: Callable[[], int], args
     peak memory, sampled breakdown and the load."""
     cpu = TreeCpu()
     print(f"CPU accounting: {cpu.method}", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the run is ended with this process
     child = subprocess.Popen(cmd, preexec_fn=cpu.join, stdout=subprocess.DEVNULL)
     sampler = Sampler(psutil.Process(child.pid), root_role)
     sampler.start()
@@ -317,9 +329,13 @@ def measure(cmd: list[str], root_role: str, rounds_done: Callable[[], int], args
             return {}
         return cpu_by_role(cpu_now, names)
     clock = RoundClock(rounds_done, cpu, by_role)
-    while not cpu.ended(child):
-        clock.poll()
-        time.sleep(clock.interval)
+    try:
+        while not cpu.ended(child):
+            clock.poll()
+            time.sleep(clock.interval)
+    except BaseException:  # Ctrl-C or an error here: the run's processes ended and the group removed too
+        cpu.finish(child, wait_s=0.0)
+        raise
     wall = time.perf_counter() - clock.start
     clock.poll()
     sampler.stop.set()
