@@ -104,7 +104,7 @@ class TrainConfig:
 
     # optimisation
     epochs: int = _opt(10, "passes over the training set", minimum=1)
-    steps: int | None = _opt(None, "stop after this many steps (overrides epochs)", minimum=1)
+    steps: int | None = _opt(None, "stop after this many steps, or at the end of --epochs if that comes first", minimum=1)
     batch_size: int = _opt(64, "global batch: samples per step summed over all devices", minimum=1)
     local_batch: str = _opt("even", "split of the global batch: even, balanced (to device speed) or a list like 16,16,32")
     optimizer: str = _opt("sgd", "sgd (with momentum) or adam", choices=("sgd", "adam"))

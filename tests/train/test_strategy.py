@@ -88,11 +88,13 @@ def test_a_killed_run_keeps_the_steps_it_recorded(tmp_path):
 
 
 def test_evaluations_are_appended_as_they_happen_and_printed_without_a_bar(tmp_path):
-    proc = run_cli("train", "--devices", "1", "--epochs", "2", "--batch-size", "512",
+    proc = run_cli("train", "--devices", "1", "--epochs", "2", "--batch-size", "512", "--steps", "100",
                    "--no-progress", "--no-throttle", "--accelerator", "cpu", "--output", str(tmp_path),
                    "--run-name", "evals")
     assert proc.returncode == 0, proc.stderr
     assert "epoch 1/2: test accuracy" in proc.stdout and "epoch 2/2: test accuracy" in proc.stdout
+    # --steps beyond the epochs: the epochs end the run, and the user is told so once, even without progress
+    assert proc.stderr.count("edgetrain: note: --steps 100 ends with --epochs 2 after") == 1, proc.stderr
     evals = [EvalRecord.from_dict(json.loads(line))
              for line in (tmp_path / "evals" / "evals.jsonl").read_text().splitlines()]
     summary = json.loads((tmp_path / "evals" / "summary.json").read_text())

@@ -478,6 +478,9 @@ class DeviceRun:
         self._batches()
         self.total_steps = int(min(cfg.steps or math.inf, cfg.epochs * len(self.sampler)))
         self.epochs = math.ceil(self.total_steps / len(self.sampler))
+        if cfg.steps and cfg.steps > self.total_steps and rank == 0:  # said even with --no-progress: fewer steps
+            print(f"edgetrain: note: --steps {cfg.steps} ends with --epochs {cfg.epochs} after {self.total_steps} "
+                  f"steps ({len(self.sampler)} an epoch); raise --epochs to run them all", file=sys.stderr, flush=True)
         self.optimizer, self.scheduler = make_optimizer(cfg, self.strategy.parameters(), self.total_steps)
         self.privacy = self._make_private()
         self.writer = RunWriter(self.plan.run_dir, at.device_id, self.spec.tensorboard)
