@@ -147,7 +147,7 @@ OVER_SEVEN_PARAMETERS = {
     "bench/variability.py:run", "bench/workload.py:time_steps", "bench/workload.py:measure_steps_isolated",
     "comm/exchange.py:average", "comm/exchange.py:_secure_allreduce", "comm/federated.py:__init__",
     "comm/local_sgd.py:__init__", "comm/streaming.py:__init__", "comm/sync.py:__init__",
-    "data/storage.py:__init__", "fleet/app.py:local_update", "pipelining/split.py:plan_split",
+    "data/storage.py:__init__", "fleet/app.py:local_update",
 }
 
 

@@ -11,7 +11,7 @@ from edgetrain.config import load_config
 from edgetrain.models import MODELS
 from edgetrain.plan import plan_inputs, predict_inputs
 from edgetrain.plan.model import MIB
-from edgetrain.pipelining.split import StageDevice, layer_costs, p2p_seconds, plan_split
+from edgetrain.pipelining.split import PipelineStep, StageDevice, layer_costs, p2p_seconds, plan_split
 from edgetrain.pipelining.stages import pipeline_layers
 from edgetrain.plan.strategies import _shard_bytes, compare, fsdp_gathered_bytes, fsdp_units
 from edgetrain.report.plan_page import plan_section
@@ -90,8 +90,8 @@ def test_pipeline_uses_the_planners_split_and_respects_memory_limits(wide):
     gflops = comparison.strategies[0].devices  # the planner's devices as the strategy built them
     fixed = inputs.costs.dataset_bytes / MIB + RUNTIME_MB
     wifi = [get_link("wifi-20m")] * 3  # the roofline at the Zero's 3.6 GB/s, the cuts over wifi-20m
-    split = plan_split(layers, [StageDevice(str(d.rank), 10.3 * 0.6, 512, 3.6) for d in gflops], 64, 4, "1f1b", 1,
-                       fixed_mb=fixed, transfer_s=lambda s, nbytes: p2p_seconds(wifi, s - 1, s, nbytes))
+    split = plan_split(layers, [StageDevice(str(d.rank), 10.3 * 0.6, 512, 3.6) for d in gflops],
+                       PipelineStep(64, 4, "1f1b", 1, fixed), transfer_s=lambda s, nbytes: p2p_seconds(wifi, s - 1, s, nbytes))
     roles = [d.role.split(" (")[0] for d in pipeline.devices]
     assert roles == [f"stage {s}: layers {a}-{b - 1}" for s, (a, b) in enumerate(split.bounds)]
     assert [d.memory_total_mb for d in pipeline.devices] == pytest.approx(split.memory_mb)

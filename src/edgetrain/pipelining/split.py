@@ -172,23 +172,35 @@ def _prefix(values: list[float]) -> list[float]:
     return sums
 
 
-def plan_split(layers: list[LayerCost], devices: list[StageDevice], batch: int, microbatches: int,
-               schedule: str = "gpipe", optimizer_copies: int = 1, fixed_mb: float = 0.0,
-               what: str = "the model",
-               transfer_s: Callable[[int, float], float] | None = None) -> SplitPlan:
-    """The split whose slowest stage or cut is fastest with every stage within its device's memory (module
-    docstring).
+def optimizer_copies(optimizer: str, momentum: float) -> int:
+    """Model-sized optimizer buffers: Adam 2, SGD with momentum 1, plain SGD 0."""
+    return 2 if optimizer == "adam" else int(momentum > 0)
 
-    ``optimizer_copies``: optimizer state per parameter (0 plain SGD, 1 momentum, 2 Adam). ``transfer_s(s,
-    nbytes)``: seconds to send ``nbytes`` once between stages ``s - 1`` and ``s`` (None: no link time).
-    """
+
+@dataclass(frozen=True)
+class PipelineStep:
+    """The pipeline's training step: ``batch`` samples in ``microbatches`` under ``schedule`` (gpipe holds every
+    micro-batch's activations at once), ``optimizer_copies`` of optimizer state per parameter (0 plain SGD, 1
+    momentum, 2 Adam), ``fixed_mb`` MiB on every device besides."""
+    batch: int
+    microbatches: int
+    schedule: str = "gpipe"
+    optimizer_copies: int = 1
+    fixed_mb: float = 0.0
+
+
+def plan_split(layers: list[LayerCost], devices: list[StageDevice], step: PipelineStep, what: str = "the model",
+               transfer_s: Callable[[int, float], float] | None = None) -> SplitPlan:
+    """The split whose slowest stage or cut is fastest with every stage within its device's memory
+    (docs/design/pipeline.md). ``transfer_s(s, nbytes)``: seconds to send ``nbytes`` once between stages
+    ``s - 1`` and ``s`` (None: no link time)."""
     stages, n = len(devices), len(layers)
     if stages > n:
         raise EdgetrainError(f"{what} has {n} layers, too few for {stages} pipeline stages; use at most {n} devices")
-    costs = _StageCosts(layers, devices, _Step(batch, microbatches, schedule, optimizer_copies, fixed_mb), transfer_s)
+    costs = _StageCosts(layers, devices, step, transfer_s)
     bottleneck, choice = costs.solve(costs.cut, math.inf)
     if bottleneck == math.inf:
-        _refuse(layers, devices, costs.memory, fixed_mb, what)
+        _refuse(layers, devices, costs.memory, step.fixed_mb, what)
     if transfer_s is not None:
         # When a link bounds the step, many splits tie; among those, the one whose slowest stage is fastest
         # (its cuts no slower than that bottleneck), so compute stays balanced behind the link.
@@ -203,23 +215,11 @@ def plan_split(layers: list[LayerCost], devices: list[StageDevice], batch: int, 
                      [costs.cut(s, i) for s, (i, _) in enumerate(bounds) if s])
 
 
-@dataclass(frozen=True)
-class _Step:
-    """The pipeline's training step: ``batch`` samples in ``microbatches`` under ``schedule`` (gpipe holds every
-    micro-batch's activations at once), ``optimizer_copies`` of optimizer state per parameter, ``fixed_mb``
-    MiB on every device besides."""
-    batch: int
-    microbatches: int
-    schedule: str
-    optimizer_copies: int
-    fixed_mb: float
-
-
 class _StageCosts:
     """What a stage ``s`` over layers ``i..j-1`` costs (``seconds``, ``memory``), what the cut before layer ``i``
     costs (``cut``), whether it ``fits``; prefix sums over the layers, so that each is O(1)."""
 
-    def __init__(self, layers: list[LayerCost], devices: list[StageDevice], step: _Step,
+    def __init__(self, layers: list[LayerCost], devices: list[StageDevice], step: PipelineStep,
                  transfer_s: Callable[[int, float], float] | None):
         self.layers, self.devices, self.transfer_s = layers, devices, transfer_s
         self.batch, self.microbatches, self.schedule, self.fixed_mb = (step.batch, step.microbatches, step.schedule,

@@ -14,18 +14,14 @@ from edgetrain.errors import EdgetrainError
 from edgetrain.kinds import STRATEGY_KINDS, strategy_kind
 from edgetrain.plan.config import PlanInputs
 from edgetrain.plan.model import MIB, Prediction, exchange_seconds
-from edgetrain.pipelining.split import StageDevice, layer_costs, p2p_seconds, plan_split
+from edgetrain.pipelining.split import (PipelineStep, StageDevice, layer_costs, optimizer_copies, p2p_seconds,
+                                        plan_split)
 from edgetrain.pipelining.stages import FORWARD, check_sequential, pipeline_layers, pipeline_timeline, schedule_order
 from edgetrain.plan.exchanges import Traffic
 from edgetrain.results import PlanComparison, PlanStrategy, PlanStrategyDevice
 
 # the preference among equally fast strategies: their order of declaration (edgetrain.kinds)
 STRATEGY_ORDER = tuple(name for name, kind in STRATEGY_KINDS.items() if kind.planner is not None)
-
-
-def optimizer_copies(optimizer: str, momentum: float) -> int:
-    """Model-sized optimizer buffers: Adam 2, SGD with momentum 1, plain SGD 0 (as ``model.py``)."""
-    return 2 if optimizer == "adam" else int(momentum > 0)
 
 
 def _build(inputs: PlanInputs) -> torch.nn.Module:
@@ -127,7 +123,7 @@ def pipeline_strategy(inputs: PlanInputs, pred: Prediction, microbatches: int, s
     fixed = costs.dataset_bytes / MIB + pred.runtime_mb
     copies = optimizer_copies(cfg.optimizer, cfg.momentum)
     batch, stages = cfg.batch_size, len(rows)
-    split = plan_split(layers, stage_devices, batch, microbatches, schedule, copies, fixed_mb=fixed, what=what,
+    split = plan_split(layers, stage_devices, PipelineStep(batch, microbatches, schedule, copies, fixed), what=what,
                        transfer_s=lambda s, nbytes: p2p_seconds(links, s - 1, s, nbytes))
 
     sent, memory, actions = [], [], []

@@ -30,7 +30,8 @@ from edgetrain.data import shard_indices
 from edgetrain.errors import EdgetrainError
 from edgetrain.kinds import named_by_kind
 from edgetrain.models.init import META, is_meta, materialise
-from edgetrain.pipelining.split import StageDevice, layer_costs, p2p_seconds, plan_split
+from edgetrain.pipelining.split import (PipelineStep, StageDevice, layer_costs, optimizer_copies, p2p_seconds,
+                                        plan_split)
 from edgetrain.pipelining.stages import (BACKWARD, FORWARD, describe_stages, pipeline_layers, pipeline_timeline,
                                    stage_bounds)
 from edgetrain.spec import get_link
@@ -208,10 +209,9 @@ class Pipeline(Strategy):
                 devices.append(StageDevice(" / ".join(d.label for d in mine), min(g for g, _, _ in rated),
                                            _least(m for _, m, _ in rated), _least(b for _, _, b in rated)))
             links = device_links(specs)  # what the run's link emulator charges, as edgetrain plan models it
-            copies = 2 if cfg.optimizer == "adam" else int(cfg.momentum > 0)
-            plan = plan_split(layer_costs(self.layers, c.input_shape), devices, self.replica_batch,
-                              c.spec.pipeline.microbatches, c.spec.pipeline.schedule, copies,
-                              fixed_mb=idle_process_mb(), what=f"model {cfg.model}",
+            step = PipelineStep(self.replica_batch, c.spec.pipeline.microbatches, c.spec.pipeline.schedule,
+                                optimizer_copies(cfg.optimizer, cfg.momentum), idle_process_mb())
+            plan = plan_split(layer_costs(self.layers, c.input_shape), devices, step, what=f"model {cfg.model}",
                               transfer_s=lambda s, nbytes: max(p2p_seconds(links, r * S + s - 1, r * S + s, nbytes)
                                                                for r in range(D)))
             self.plan = plan.explain()
