@@ -45,7 +45,7 @@ from edgetrain.data.cache import attach_cache
 from edgetrain.data.sampler import GlobalBatchSampler
 from edgetrain.data.images import DataSplit, TensorImages
 from edgetrain.data.shards import pack, shards_split
-from edgetrain.data.storage import FileSource, StoredImages, TrainingLoader
+from edgetrain.data.storage import FileSource, LoaderOptions, StoredImages, TrainingLoader
 
 MiB = 2 ** 20
 
@@ -161,8 +161,8 @@ def _device(args, train, data_path: str, memory_mb: int, cache_mb: float, drop_p
                                     torch.nn.Linear(shape[0] * 64, 10))
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         sampler = GlobalBatchSampler(len(train), [args.batch], 0, seed=args.seed)
-        loader = TrainingLoader(train, sampler, torch.utils.data.default_collate, args.workers, args.prefetch, 300,
-                                "bench device")
+        loader = TrainingLoader(train, sampler, torch.utils.data.default_collate, "bench device",
+                                LoaderOptions(args.workers, args.prefetch, 300))
         rows = []
         for epoch in range(epochs):
             sampler.set_epoch(epoch)

@@ -31,7 +31,7 @@ from cache import write_dataset  # noqa: E402  (the same data as the cache bench
 
 from edgetrain.data import storage  # noqa: E402
 from edgetrain.data.sampler import GlobalBatchSampler  # noqa: E402
-from edgetrain.data.storage import TrainingLoader  # noqa: E402
+from edgetrain.data.storage import LoaderOptions, TrainingLoader  # noqa: E402
 
 
 def per_item(fn, count: int, repeats: int = 3) -> float:
@@ -83,7 +83,7 @@ def main() -> None:
                   "train_step_ms": step_s * 1e3}
         stages["total_ms"] = sum(stages.values())
         sampler = GlobalBatchSampler(n, [args.batch], 0, seed=0)
-        loader = TrainingLoader(train, sampler, torch.utils.data.default_collate, 0, 1, 300, "profile")
+        loader = TrainingLoader(train, sampler, torch.utils.data.default_collate, "profile", LoaderOptions(0, 1, 300))
 
         def epoch():
             for xb, yb in loader:

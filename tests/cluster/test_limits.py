@@ -152,12 +152,12 @@ class _Greedy(torch.utils.data.Dataset):
 
 def _worker_past_the_limit() -> str:
     from edgetrain.data.sampler import GlobalBatchSampler
-    from edgetrain.data.storage import TrainingLoader
+    from edgetrain.data.storage import LoaderOptions, TrainingLoader
 
     # room for the worker to start (forked, it copies much of the device's heap as Python touches it)
     device = DeviceLimits("device 0", int(_rss_anon_mib()) + 320, None, None).apply()
     loader = TrainingLoader(_Greedy(), GlobalBatchSampler(8, [4], 0, shuffle=False),
-                            torch.utils.data.default_collate, 1, 1, 60, "device 0")
+                            torch.utils.data.default_collate, "device 0", LoaderOptions(1, 1, 60))
     try:
         for _ in loader:
             pass

@@ -19,7 +19,7 @@ from edgetrain.data.detection import shapes_image, yolo_folder
 from edgetrain.data.formats import image_folder
 from edgetrain.data.sampler import GlobalBatchSampler
 from edgetrain.data.shards import META, pack, shards_split
-from edgetrain.data.storage import (StoredImages, FileSource, TrainingLoader, flip_scale_boxes,
+from edgetrain.data.storage import (StoredImages, FileSource, LoaderOptions, TrainingLoader, flip_scale_boxes,
                                     image_folder_on_storage, yolo_on_storage)
 from edgetrain.errors import EdgetrainError
 from edgetrain.records import DeviceSummary, stall_what_ifs
@@ -113,7 +113,7 @@ def test_augmentation_is_seeded_per_image_and_epoch_not_per_worker(tmp_path):
     def batches(workers):
         sampler = GlobalBatchSampler(len(data.train), [8], 0, seed=0)
         sampler.set_epoch(1)
-        loader = TrainingLoader(data.train, sampler, torch.utils.data.default_collate, workers, 2, 30, "device 0")
+        loader = TrainingLoader(data.train, sampler, torch.utils.data.default_collate, "device 0", LoaderOptions(workers, 2, 30))
         return [x for x, _ in loader]
 
     assert all(torch.equal(p, q) for p, q in zip(batches(0), batches(2)))
@@ -137,7 +137,7 @@ def test_flip_and_scale_jitter_move_the_boxes_with_the_pixels():
 def test_the_loader_times_each_batch_and_counts_storage_reads(tmp_path):
     data = image_folder_on_storage(write_folder(tmp_path / "f"), seed=0)
     sampler = GlobalBatchSampler(len(data.train), [8], 0)
-    batches = iter(TrainingLoader(data.train, sampler, torch.utils.data.default_collate, 1, 2, 30, "device 0"))
+    batches = iter(TrainingLoader(data.train, sampler, torch.utils.data.default_collate, "device 0", LoaderOptions(1, 2, 30)))
     next(batches)
     load = batches.last
     assert load.items == 8 and load.storage_items == 8 and load.cache_items == 0
@@ -151,7 +151,7 @@ def test_the_minio_cache_keeps_a_fixed_set_shared_by_the_workers(tmp_path):
     assert 0 < cache.items < len(data.train)
     assert not list(tmp_path.glob("edgetrain-cache-*"))  # unlinked at once: nothing left behind
     sampler = GlobalBatchSampler(len(data.train), [8], 0)
-    loader = TrainingLoader(data.train, sampler, torch.utils.data.default_collate, 2, 2, 30, "device 0")
+    loader = TrainingLoader(data.train, sampler, torch.utils.data.default_collate, "device 0", LoaderOptions(2, 2, 30))
     per_epoch = []
     for epoch in range(3):
         sampler.set_epoch(epoch)
@@ -177,7 +177,7 @@ def test_a_full_disk_while_making_the_cache_is_one_line(monkeypatch, tmp_path):
 
 def _loader_error(dataset, workers=2, timeout=30):
     sampler = GlobalBatchSampler(len(dataset), [4], 0, shuffle=False)
-    loader = TrainingLoader(dataset, sampler, torch.utils.data.default_collate, workers, 2, timeout, "device 0")
+    loader = TrainingLoader(dataset, sampler, torch.utils.data.default_collate, "device 0", LoaderOptions(workers, 2, timeout))
     children = set(psutil.Process().children(recursive=True))
     with pytest.raises(EdgetrainError) as caught:
         for _ in loader:

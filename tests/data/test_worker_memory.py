@@ -18,7 +18,7 @@ from edgetrain.data.cache import attach_cache
 from edgetrain.data.images import DataSplit, TensorImages
 from edgetrain.data.sampler import GlobalBatchSampler
 from edgetrain.data.shards import pack, shards_split
-from edgetrain.data.storage import TrainingLoader
+from edgetrain.data.storage import LoaderOptions, TrainingLoader
 
 def heap_kb(pid):
     # kB of the brk heap (glibc's main arena) that the process wrote since the fork
@@ -36,7 +36,7 @@ train = shards_split(root).train
 attach_cache(train, images * 3 * size * size / 2 / 1e6, 0, str(root))
 sampler = GlobalBatchSampler(images, [16], 0, seed=0)
 mp.set_start_method("fork", force=True)  # as training forks them: they share the cache's map
-loader = TrainingLoader(train, sampler, torch.utils.data.default_collate, 2, 1, 60, "device 0")
+loader = TrainingLoader(train, sampler, torch.utils.data.default_collate, "device 0", LoaderOptions(2, 1, 60))
 after = []
 for epoch in range(5):
     sampler.set_epoch(epoch)

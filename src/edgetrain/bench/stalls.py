@@ -110,13 +110,13 @@ def _pass(model, dataset, batch_size: int, workers: int, steps: int, seed: int, 
     import torch
 
     from edgetrain.data.sampler import GlobalBatchSampler
-    from edgetrain.data.storage import TrainingLoader
+    from edgetrain.data.storage import LoaderOptions, TrainingLoader
     from edgetrain.tasks.classification import ClassificationTask
 
     task = ClassificationTask()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     sampler = GlobalBatchSampler(len(dataset), [batch_size], 0, seed=seed)
-    loader = TrainingLoader(dataset, sampler, task.collate, workers, prefetch, 300, "bench")
+    loader = TrainingLoader(dataset, sampler, task.collate, "bench", LoaderOptions(workers, prefetch, 300))
     stall = read = decode = 0.0
     t0 = time.perf_counter()
     batches = iter(loader)

@@ -420,18 +420,32 @@ class TimedCollate:
                                 bytes_read=sum(c[4] for c in costs))
 
 
-class TrainingLoader:
-    """The loop's loader: a ``DataLoader`` over ``TimedItems`` with ``workers`` processes and ``prefetch``
-    batches each; iterating yields the task's batches, and ``last`` of the iterator holds the ``LoadTimes`` of
-    the batch it gave last."""
+@dataclass(frozen=True)
+class LoaderOptions:
+    """How a device loads: ``workers`` processes with ``prefetch`` batches each (0: in the loop's process),
+    ``timeout`` seconds for a batch from a worker, pinned memory for a GPU, and what a worker runs first."""
 
-    def __init__(self, dataset: Dataset, sampler, collate: Callable, workers: int, prefetch: int, timeout: float,
-                 label: str, pin_memory: bool = False, worker_init_fn=None):
-        self.dataset, self.workers, self.timeout, self.label = dataset, workers, timeout, label
+    workers: int = 0
+    prefetch: int = 2
+    timeout: float = 60.0
+    pin_memory: bool = False
+    worker_init_fn: Callable | None = None
+
+
+class TrainingLoader:
+    """The loop's loader: a ``DataLoader`` over ``TimedItems`` with the options' workers and prefetch;
+    iterating yields the task's batches, and ``last`` of the iterator holds the ``LoadTimes`` of the batch it
+    gave last. ``label`` names the device in its one-line errors."""
+
+    def __init__(self, dataset: Dataset, sampler, collate: Callable, label: str,
+                 options: LoaderOptions = LoaderOptions()):
+        workers = options.workers
+        self.dataset, self.workers, self.timeout, self.label = dataset, workers, options.timeout, label
         self.loader = DataLoader(TimedItems(dataset), batch_sampler=sampler, num_workers=workers,
                                  collate_fn=TimedCollate(collate), persistent_workers=workers > 0,
-                                 timeout=timeout if workers > 0 else 0, worker_init_fn=worker_init_fn if workers else None,
-                                 pin_memory=pin_memory, prefetch_factor=prefetch if workers > 0 else None)
+                                 timeout=options.timeout if workers > 0 else 0,
+                                 worker_init_fn=options.worker_init_fn if workers else None,
+                                 pin_memory=options.pin_memory, prefetch_factor=options.prefetch if workers > 0 else None)
 
     def __len__(self) -> int:
         return len(self.loader)

@@ -39,7 +39,7 @@ from edgetrain.data.dedup import drop_near_duplicates
 from edgetrain.data.device_data import build_training_data
 from edgetrain.data.cache import attach_cache
 from edgetrain.data.partition import PartitionReport, PartitionSampler
-from edgetrain.data.storage import LoadTimes, TrainingLoader
+from edgetrain.data.storage import LoaderOptions, LoadTimes, TrainingLoader
 from edgetrain.errors import EdgetrainError, Terminated
 from edgetrain.models import build_model, count_parameters, register_model
 from edgetrain.models.batchnorm import local_batchnorm
@@ -469,9 +469,9 @@ class DeviceRun:
         elif cfg.cache_mb > 0 and rank == 0:
             print(f"edgetrain: note: --cache-mb caches datasets on storage (shards, --from-storage); {data.name} is "
                   "in memory already", file=sys.stderr, flush=True)
-        self.loader = TrainingLoader(train_set, self.sampler, self.task.collate, cfg.workers, cfg.prefetch,
-                                     cfg.timeout, at.me.label, pin_memory=at.device.type == "cuda",
-                                     worker_init_fn=loader_worker_init)
+        self.loader = TrainingLoader(train_set, self.sampler, self.task.collate, at.me.label,
+                                     LoaderOptions(cfg.workers, cfg.prefetch, cfg.timeout, at.device.type == "cuda",
+                                                   loader_worker_init))
 
     def prepare_loop(self) -> None:
         cfg, at, rank = self.cfg, self.at, self.rank
