@@ -140,13 +140,10 @@ def parameter_counts() -> dict[str, int]:
 
 
 # Not grouped yet: each of these may only leave the list (the test fails when one is fixed and still listed).
-# A bench's run takes one keyword per option of its command (tests and benchmarks call it so); the sync modes'
-# constructors one per option of their mode.
+# A bench's run takes one keyword per option of its command (tests and benchmarks call it so).
 OVER_SEVEN_PARAMETERS = {
     "bench/batch.py:run", "bench/counters.py:run", "bench/power.py:run", "bench/stalls.py:run",
     "bench/variability.py:run", "bench/workload.py:time_steps", "bench/workload.py:measure_steps_isolated",
-    "comm/exchange.py:average", "comm/exchange.py:_secure_allreduce", "comm/federated.py:__init__",
-    "comm/local_sgd.py:__init__", "comm/streaming.py:__init__", "comm/sync.py:__init__",
     "data/storage.py:__init__", "fleet/app.py:local_update",
 }
 

@@ -64,7 +64,7 @@ def exchange_exactness(rank: int, world: int) -> dict:
     from edgetrain.comm.compress import (HalfCast, Int8, MajorityVote, NoCompression, NoMemory, RandomK,
                                          ScaledSign, Threshold, TopK)
     from edgetrain.comm.emulation import LinkEmulator
-    from edgetrain.comm.exchange import average
+    from edgetrain.comm.exchange import Channel, average
 
     def inputs(r: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(100 + r)
@@ -78,7 +78,7 @@ def exchange_exactness(rank: int, world: int) -> dict:
     out = {}
     for name, make in makers.items():
         emu = LinkEmulator(None, rank)
-        got = average(inputs(rank), make(), NoMemory(), emu, segments=segments)
+        got = average(inputs(rank), Channel(make(), NoMemory(), emu), segments=segments)
         local = [make() for _ in range(world)]  # fresh compressors: same seeds and counters as the real ones
         payloads = [c.encode(inputs(r), segments=segments) for r, c in enumerate(local)]
         expected = local[0].combine([c.decode(p) for c, p in zip(local, payloads)])
@@ -127,14 +127,14 @@ def link_time_checks(rank: int, world: int, link: str) -> dict:
     from edgetrain.comm.accounting import ring_allreduce_bytes
     from edgetrain.comm.compress import NoCompression, NoMemory
     from edgetrain.comm.emulation import LinkEmulator
-    from edgetrain.comm.exchange import average
+    from edgetrain.comm.exchange import Channel, average
 
     out = {}
     emu = LinkEmulator([get_link(link)] * world, rank, mode="enforced")
     x = torch.ones(100_000)
     dist.barrier()
     started = time.perf_counter()
-    average(x, NoCompression(), NoMemory(), emu)
+    average(x, Channel(NoCompression(), NoMemory(), emu))
     out["allreduce_wall_s"] = time.perf_counter() - started
     out["allreduce_model_s"] = collective_time([get_link(link)] * world, "allreduce",
                                                ring_allreduce_bytes(400_000, world))

@@ -19,7 +19,7 @@ def secure_sums(rank: int, world: int) -> dict:
     from edgetrain.comm.accounting import ring_allreduce_bytes
     from edgetrain.comm.compress import NoMemory, RandomK
     from edgetrain.comm.emulation import LinkEmulator
-    from edgetrain.comm.exchange import average
+    from edgetrain.comm.exchange import Channel, average
     from edgetrain.comm.secagg import TAIL, SecureSum
 
     secure = SecureSum.agree(rank, world, None, 60)
@@ -45,8 +45,8 @@ def secure_sums(rank: int, world: int) -> dict:
         out["members_error"] = float((got - sum(update(r).double() for r in members)).abs().max())
         out["members_step"] = secure.last_step
     x = update(rank)
-    masked = average(x, RandomK(0.1, seed=3), NoMemory(), emulator, key="r", secure=secure)
-    clear = average(x, RandomK(0.1, seed=3), NoMemory(), emulator, key="r")
+    masked = average(x, Channel(RandomK(0.1, seed=3), NoMemory(), emulator, secure=secure), key="r")
+    clear = average(x, Channel(RandomK(0.1, seed=3), NoMemory(), emulator), key="r")
     out["randk_error"] = float((masked - clear).abs().max())
     out["randk_step"] = secure.last_step / world
     broken = update(rank)

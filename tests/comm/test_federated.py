@@ -9,8 +9,8 @@ from edgetrain import train
 from edgetrain.comm.accounting import CommStats
 from edgetrain.comm.compress.spec import build_compressor
 from edgetrain.comm.emulation import LinkEmulator
-from edgetrain.comm.federated import (FederatedAveraging, control_weights, corrected_gradient, sample_participants,
-                                      server_optimizer, server_step, update_weights)
+from edgetrain.comm.federated import (ClientRounds, FederatedAveraging, control_weights, corrected_gradient,
+                                      sample_participants, server_optimizer, server_step, update_weights)
 from edgetrain.comm.mode import Averaging
 from edgetrain.config import load_config, resolve
 from edgetrain.errors import EdgetrainError
@@ -65,7 +65,7 @@ def test_scaffold_control_is_the_mean_raw_gradient_of_the_round():
     emulator = LinkEmulator(None, 0, CommStats())
     compressor, memory = build_compressor(parse_compress("none"), None, 0, 0)
     fed = FederatedAveraging(model, 1, emulator, Averaging(0, None, compressor, memory), 2, parse_server_opt("fedavg"),
-                             scaffold=True)
+                             ClientRounds(scaffold=True))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     grads = []
     for step in range(2):

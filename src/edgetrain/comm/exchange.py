@@ -16,6 +16,8 @@ Collectives block until done (``cluster.peers.wait``, bounded by the run's
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
@@ -25,32 +27,47 @@ from edgetrain.comm.compress.base import Compressor, Payload, unpack
 from edgetrain.comm.emulation import LinkEmulator
 
 
-def average(x: torch.Tensor, compressor: Compressor, memory, emulator: LinkEmulator, key: object = 0,
-            group=None, segments: tuple[int, ...] | None = None,
-            names: tuple[object, ...] | None = None, peers: list[int] | None = None, secure=None) -> torch.Tensor:
-    """The mean over the group of every device's decoded ``x`` (flat fp32).
+@dataclass(frozen=True)
+class Channel:
+    """How a tensor travels between devices: the ``compressor`` and its error-feedback ``memory``, the
+    ``emulator`` that charges each collective to the device's link and counts its bytes, over ``group`` (None:
+    every device; ``peers``: its global ranks where it is not every device, a round's members, whose links
+    alone set the modelled time), and the ``secagg.SecureSum`` that masks the sum (None: in the clear)."""
 
-    ``peers``: the global ranks of ``group`` where it is not every device (a round's members), whose
-    links alone set the modelled time.
+    compressor: Compressor
+    memory: object
+    emulator: LinkEmulator
+    group: object = None
+    peers: list[int] | None = None
+    secure: object = None
+
+    def average(self, x: torch.Tensor, key: object, segments: tuple[int, ...] | None,
+                names: tuple[object, ...] | None) -> torch.Tensor:
+        """The mean of ``x`` over the group (``average``); the same on every one of its devices."""
+        return average(x, self, key, segments, names)
+
+
+def average(x: torch.Tensor, channel: Channel, key: object = 0, segments: tuple[int, ...] | None = None,
+            names: tuple[object, ...] | None = None) -> torch.Tensor:
+    """The mean over ``channel``'s group of every device's decoded ``x`` (flat fp32).
 
     ``segments``: lengths of the tensors laid end to end in ``x`` (see ``compress/base.py``).
     ``names``: a stable name for each segment (one for the whole ``x`` without segments), e.g.
     its parameter, under which the memory keeps that segment's state whatever its place in
     ``x`` (see ``compress/memory.py``); without names the memory keeps ``x`` whole under ``key``.
-    ``secure``: a ``secagg.SecureSum`` that masks the summable payload in place of its plain all-reduce.
     """
     x = x.detach().reshape(-1)
     x = x if x.dtype == torch.float64 else x.float()  # fp64 only in exactness tests; compressors read fp32
     parts = tuple(zip(names, segments or (x.numel(),), strict=True)) if names else None
-    payload, own = compress(x, compressor, memory, key, parts, segments)
-    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    payload, own = compress(x, channel.compressor, channel.memory, key, parts, segments)
+    world = dist.get_world_size(channel.group) if dist.is_initialized() else 1
     if world == 1:
         return own
-    if secure is not None:
-        return _secure_allreduce(payload, compressor, emulator, group, world, peers, secure, key)
-    if compressor.summable:
-        return _allreduce(payload, compressor, emulator, group, world, peers)
-    return _allgather(payload, compressor, emulator, group, world, peers)
+    if channel.secure is not None:
+        return _secure_allreduce(payload, channel, world, key)
+    if channel.compressor.summable:
+        return _allreduce(payload, channel, world)
+    return _allgather(payload, channel, world)
 
 
 def compress(x: torch.Tensor, compressor: Compressor, memory, key: object = 0, parts=None,
@@ -78,7 +95,8 @@ def start_exchange(payload: Payload, compressor: Compressor, group, world: int):
     return buf, received, "allgather", sent, dist.all_gather(received, buf, group=group, async_op=True)
 
 
-def _allreduce(payload: Payload, compressor: Compressor, emulator: LinkEmulator, group, world: int, peers):
+def _allreduce(payload: Payload, channel: Channel, world: int) -> torch.Tensor:
+    compressor, emulator, group = channel.compressor, channel.emulator, channel.group
     if len(payload.tensors) != 1:
         raise ValueError(f"summable compressor {compressor.name} must send one tensor")
     buf = payload.tensors[0].clone()
@@ -87,19 +105,19 @@ def _allreduce(payload: Payload, compressor: Compressor, emulator: LinkEmulator,
     def collective() -> None:
         wait(dist.all_reduce(buf, group=group, async_op=True), emulator.timeout_s, f"{compressor.name} all-reduce")
 
-    emulator.run("allreduce", ring_allreduce_bytes(nbytes, world), collective, peers)
+    emulator.run("allreduce", ring_allreduce_bytes(nbytes, world), collective, channel.peers)
     total = compressor.decode(Payload((buf,), payload.numel, payload.segments, payload.ctx))
     return total.div_(world)
 
 
-def _secure_allreduce(payload: Payload, compressor: Compressor, emulator: LinkEmulator, group, world: int, peers,
-                      secure, key: object) -> torch.Tensor:
+def _secure_allreduce(payload: Payload, channel: Channel, world: int, key: object) -> torch.Tensor:
     """``_allreduce`` with every device's payload masked (``secagg.py``): only the sum is revealed."""
+    compressor = channel.compressor
     (values,) = payload.tensors
     if not compressor.summable or values.dtype != torch.float32:  # the kinds refuse these before any device starts
         raise ValueError(f"secure aggregation sums fp32 payloads, not {compressor.name}'s")
-    members = group_ranks(group, world)
-    total = secure.sum(values, members, key, emulator, group, peers)
+    members = group_ranks(channel.group, world)
+    total = channel.secure.sum(values, members, key, channel.emulator, channel.group, channel.peers)
     return compressor.decode(Payload((total,), payload.numel, payload.segments, payload.ctx)).div_(world)
 
 
@@ -108,7 +126,8 @@ def group_ranks(group, world: int) -> list[int]:
     return list(range(world)) if group is None else dist.get_process_group_ranks(group)
 
 
-def _allgather(payload: Payload, compressor: Compressor, emulator: LinkEmulator, group, world: int, peers):
+def _allgather(payload: Payload, channel: Channel, world: int) -> torch.Tensor:
+    compressor, emulator, group, peers = channel.compressor, channel.emulator, channel.group, channel.peers
     buf = payload.pack()
     if compressor.fixed_size:
         sizes = [buf.numel()] * world

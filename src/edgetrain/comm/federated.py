@@ -11,6 +11,7 @@ Design: docs/design/strategies.md ("Federated rounds"): the server steps, weight
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -99,12 +100,28 @@ def clipped_update(update: torch.Tensor, clip: float, noise_multiplier: float, g
     return out, norm > clip
 
 
+@dataclass(frozen=True)
+class ClientRounds:
+    """Who takes part in a federated round and how: the ``participation`` share of the devices sampled per round
+    (by ``seed``), FedProx's ``prox_mu`` (None: off), SCAFFOLD's control variates (``scaffold``), updates
+    ``weighted`` by the devices' sample counts, and a fresh client optimizer each round (``reset``)."""
+
+    participation: float = 1.0
+    seed: int = 0
+    prox_mu: float | None = None
+    scaffold: bool = False
+    weighted: bool = False
+    reset: bool = False
+
+
 @named_by_kind("sync", builder="build")
 class FederatedAveraging(LocalSGD):
 
     def __init__(self, model: nn.Module, world_size: int, emulator: LinkEmulator, averaging: Averaging, period: int,
-                 server: ServerOptSpec, participation: float = 1.0, prox_mu: float | None = None,
-                 scaffold: bool = False, seed: int = 0, weighted: bool = False, reset: bool = False, **common):
+                 server: ServerOptSpec, clients: ClientRounds | None = None, **common):
+        clients = clients or ClientRounds()
+        participation, seed, prox_mu = clients.participation, clients.seed, clients.prox_mu
+        scaffold, weighted, reset = clients.scaffold, clients.weighted, clients.reset
         super().__init__(model, world_size, emulator, averaging, period, **common)
         self.participation, self.seed = participation, seed
         self.server = server
@@ -209,6 +226,6 @@ def build(setup: SyncSetup) -> FederatedAveraging:
     period = sync.period or sync.local_epochs * setup.steps_per_epoch
     if period < 1:
         raise ValueError(f"--sync {sync.text} needs steps_per_epoch to count its local epochs in steps")
+    clients = ClientRounds(spec.participation, spec.seed, sync.prox_mu, sync.scaffold, sync.weighted, sync.reset)
     return FederatedAveraging(setup.model, setup.world_size, setup.emulator, setup.averaging(masked=True), period,
-                              spec.server_opt, spec.participation, sync.prox_mu, sync.scaffold, spec.seed,
-                              sync.weighted, sync.reset, deadline=spec.round_deadline, **setup.common)
+                              spec.server_opt, clients, deadline=spec.round_deadline, **setup.common)

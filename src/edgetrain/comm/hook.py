@@ -32,7 +32,7 @@ from edgetrain.comm.accounting import CommStats
 from edgetrain.comm.compress.base import Compressor
 from edgetrain.comm.compress.memory import NoMemory
 from edgetrain.comm.emulation import LinkEmulator
-from edgetrain.comm.exchange import average
+from edgetrain.comm.exchange import Channel, average
 
 
 @dataclass
@@ -68,8 +68,8 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
         # No per-parameter layout: name the whole bucket by its parameters, so that a bucket
         # that changes starts afresh instead of inheriting another layout's memory.
         segments, names = None, (names,)
-    mean = average(buffer, state.compressor, state.memory, state.emulator, key=bucket.index(), group=state.group,
-                   segments=segments, names=names, secure=state.secure)
+    channel = Channel(state.compressor, state.memory, state.emulator, state.group, secure=state.secure)
+    mean = average(buffer, channel, key=bucket.index(), segments=segments, names=names)
     buffer.copy_(mean.view_as(buffer))
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(buffer)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime as dt
 import math
 import time
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -52,6 +53,15 @@ def outer_step(ref: torch.Tensor, pseudo_grad: torch.Tensor, outer: torch.optim.
         ref.grad = None
 
 
+@dataclass(frozen=True)
+class OuterStep:
+    """DiLoCo's outer optimiser (``outer_optimizer``): its learning rate and Nesterov momentum
+    (``--sync diloco:H:lr=..:momentum=..``)."""
+
+    lr: float = 0.7
+    momentum: float = 0.9
+
+
 def outer_optimizer(ref: torch.Tensor, lr: float, momentum: float) -> torch.optim.Optimizer:
     """DiLoCo's outer optimiser over the flat reference ``ref`` (which requires grad): SGD with Nesterov momentum;
     momentum 0 is a plain outer SGD step (torch refuses Nesterov without momentum)."""
@@ -60,18 +70,17 @@ def outer_optimizer(ref: torch.Tensor, lr: float, momentum: float) -> torch.opti
 
 @named_by_kind("sync", builder="build")
 class LocalSGD(SyncMode):
-    """Local SGD and DiLoCo (``nesterov``: the outer optimiser) in rounds of ``period`` steps, whose members
+    """Local SGD and DiLoCo (``outer``: the outer optimiser) in rounds of ``period`` steps, whose members
     (``sampled_ranks``, minus those past the deadline) average their pseudo-gradients ``ref - x``."""
 
     def __init__(self, model: nn.Module, world_size: int, emulator: LinkEmulator, averaging: Averaging, period: int,
-                 nesterov: bool = False, outer_lr: float = 0.7, outer_momentum: float = 0.9,
-                 deadline: DeadlineSpec | None = None, **common):
+                 outer: OuterStep | None = None, deadline: DeadlineSpec | None = None, **common):
         if period < 1:
             raise ValueError(f"local SGD period must be >= 1, got {period}")
         super().__init__(model, world_size, emulator, averaging, **common)
         self.period = period
         self.ref = flatten(self.params)
-        self.outer = outer_optimizer(self.ref.requires_grad_(True), outer_lr, outer_momentum) if nesterov else None
+        self.outer = outer_optimizer(self.ref.requires_grad_(True), outer.lr, outer.momentum) if outer else None
         self.local_steps = 0
         self.averages = 0
         self.deadline = RoundDeadline(deadline) if deadline is not None else None
@@ -161,9 +170,8 @@ class LocalSGD(SyncMode):
         group = self._members_group(members)
         mean = None
         if self.rank in members:
-            mean = average(x, self.compressor, self.memory, self.emulator, key=key, group=group,
-                           segments=self.segments, peers=None if group is self.group else members,
-                           secure=self.secure)
+            peers = None if group is self.group else members
+            mean = average(x, replace(self.channel, group=group, peers=peers), key=key, segments=self.segments)
         others = [r for r in range(self.world_size) if r not in members]
         if not others:
             return mean
@@ -236,6 +244,6 @@ class LocalSGD(SyncMode):
 def build(setup: SyncSetup) -> LocalSGD:
     """``--sync local:H[:nesterov...]``."""
     sync = setup.spec.sync
-    return LocalSGD(setup.model, setup.world_size, setup.emulator, setup.averaging(masked=True), sync.period,
-                    sync.nesterov, sync.outer_lr, sync.outer_momentum, deadline=setup.spec.round_deadline,
-                    **setup.common)
+    outer = OuterStep(sync.outer_lr, sync.outer_momentum) if sync.nesterov else None
+    return LocalSGD(setup.model, setup.world_size, setup.emulator, setup.averaging(masked=True), sync.period, outer,
+                    deadline=setup.spec.round_deadline, **setup.common)

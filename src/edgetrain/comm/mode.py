@@ -23,6 +23,7 @@ from torch import nn
 from edgetrain.cluster.peers import all_gather_json, wait
 from edgetrain.comm.accounting import CommStats, ring_allreduce_bytes
 from edgetrain.comm.emulation import LinkEmulator
+from edgetrain.comm.exchange import Channel
 from edgetrain.comm.params import broadcast_model
 
 if TYPE_CHECKING:
@@ -205,6 +206,12 @@ class SyncMode(DeviceClock, abc.ABC):
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+
+    @property
+    def channel(self) -> Channel:
+        """How the mode's averages travel (``exchange.average``): its compressor and memory, over its group,
+        masked by its secure sum if it has one."""
+        return Channel(self.compressor, self.memory, self.emulator, self.group, secure=self.secure)
 
     def _start_together(self, model: nn.Module, group=None) -> None:
         """Every device starts from rank 0's model; keep the trainable parameters the mode exchanges."""

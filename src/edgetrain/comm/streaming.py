@@ -23,7 +23,7 @@ from edgetrain.cluster.peers import wait
 from edgetrain.comm.compress.base import Payload, unpack
 from edgetrain.comm.emulation import LinkEmulator
 from edgetrain.comm.exchange import average, compress, start_exchange
-from edgetrain.comm.local_sgd import outer_optimizer, outer_step
+from edgetrain.comm.local_sgd import OuterStep, outer_optimizer, outer_step
 from edgetrain.comm.mode import Averaging, SyncMode
 from edgetrain.comm.params import average_buffers, flatten, unflatten
 from edgetrain.kinds import named_by_kind
@@ -73,14 +73,25 @@ class _Exchange:
     done_at: float | None = None  # perf_counter() when the real collective completed (enforced mode)
 
 
+@dataclass(frozen=True)
+class Fragments:
+    """How Streaming DiLoCo splits its exchanges: ``count`` fragments of the model, each applied ``overlap``
+    inner steps after its exchange starts, keeping ``mix`` of the local fragment."""
+
+    count: int = 1
+    overlap: int = 0
+    mix: float = 0.0
+
+
 @named_by_kind("sync", builder="build")
 class StreamingDiLoCo(SyncMode):
     """DiLoCo over ``fragments`` of the model, each exchanged at its own step of the period in the background
     and applied ``overlap`` steps later, keeping ``mix`` of the local fragment."""
 
     def __init__(self, model: nn.Module, world_size: int, emulator: LinkEmulator, averaging: Averaging, period: int,
-                 fragments: int, overlap: int, mix: float, outer_lr: float = 0.7, outer_momentum: float = 0.9,
-                 **common):
+                 split: Fragments, outer: OuterStep | None = None, **common):
+        fragments, overlap, mix = split.count, split.overlap, split.mix
+        outer = outer or OuterStep()
         if not 0 <= overlap < period:
             raise ValueError(f"overlap must be in [0, {period}), got {overlap}")
         if not averaging.compressor.fixed_size:
@@ -91,7 +102,7 @@ class StreamingDiLoCo(SyncMode):
         self.bounds = fragment_bounds(self.segments, fragments)
         self.offsets = [p * period // fragments for p in range(fragments)]
         self.refs = [flatten(self.params[a:b]).requires_grad_(True) for a, b in self.bounds]
-        self.outers = [outer_optimizer(ref, outer_lr, outer_momentum) for ref in self.refs]
+        self.outers = [outer_optimizer(ref, outer.lr, outer.momentum) for ref in self.refs]
         self.local_steps = 0
         self.exchanges = 0                           # exchanges applied
         self.applied_at = [0] * fragments            # the local step count of each fragment's last application
@@ -194,8 +205,7 @@ class StreamingDiLoCo(SyncMode):
         for p in range(len(self.bounds)):
             if self.local_steps > self.applied_at[p] or self.mix > 0:  # trained or mixed since its last exchange
                 delta = self.refs[p].detach() - flatten(self._fragment(p))
-                mean = average(delta, self.compressor, self.memory, self.emulator, key=f"fragment{p}",
-                               group=self.group, segments=self._segments(p))
+                mean = average(delta, self.channel, key=f"fragment{p}", segments=self._segments(p))
                 outer_step(self.refs[p], mean, self.outers[p])
                 self.exchanges += 1
             unflatten(self.refs[p].detach(), self._fragment(p))
@@ -240,5 +250,6 @@ class StreamingDiLoCo(SyncMode):
 def build(setup: SyncSetup) -> StreamingDiLoCo:
     """``--sync streaming:H[:fragments=F][:overlap=T][:mix=A][:lr=][:momentum=]``."""
     sync = setup.spec.sync
-    return StreamingDiLoCo(setup.model, setup.world_size, setup.emulator, setup.averaging(), sync.period,
-                           sync.fragments, sync.overlap, sync.mix, sync.outer_lr, sync.outer_momentum, **setup.common)
+    split, outer = Fragments(sync.fragments, sync.overlap, sync.mix), OuterStep(sync.outer_lr, sync.outer_momentum)
+    return StreamingDiLoCo(setup.model, setup.world_size, setup.emulator, setup.averaging(), sync.period, split, outer,
+                           **setup.common)

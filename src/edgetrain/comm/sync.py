@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,11 +37,21 @@ if TYPE_CHECKING:
     from edgetrain.comm.setup import SyncSetup
 
 
+@dataclass(frozen=True)
+class GradientHook:
+    """A DDP communication hook (``setup.build_hook``): the function ``fn``, its ``state``, and the
+    ``secagg.SecureSum`` its sums are masked with (None: in the clear)."""
+
+    fn: Callable
+    state: object
+    secure: object = None
+
+
 @named_by_kind("sync", builder="build")
 class Synchronous(SyncMode):
     """Synchronous data parallelism with DDP; one device runs the bare model.
 
-    ``hook``/``hook_state``: a DDP communication hook (``build_sync`` passes
+    ``hook``: a DDP communication hook and its state (``build_sync`` passes
     edgetrain's compression or PowerSGD hook, sharing ``emulator``; the
     overlapping ``allreduce_hook`` where no link is emulated). Without
     one, DDP's own all-reduce averages the gradients: nothing of edgetrain's
@@ -58,30 +70,30 @@ class Synchronous(SyncMode):
     """
 
     def __init__(self, model: nn.Module, world_size: int, emulator: LinkEmulator, averaging: Averaging | None = None,
-                 hook=None, hook_state=None, broadcast_buffers: bool = True, bucket_cap_mb: float = 25.0,
-                 secure=None, **common):
+                 hook: GradientHook | None = None, broadcast_buffers: bool = True, bucket_cap_mb: float = 25.0,
+                 **common):
         # DP-SGD (--dp) passes ``averaging``: the gradients are averaged once backward is over and each sample's
         # has been clipped and the noise added (train/strategy.py), through ``exchange.average`` with its
         # compressor, memory and secure sum, not by DDP during backward
         self.gradients_after_backward = averaging is not None and world_size > 1
         super().__init__(model, world_size, emulator, averaging if self.gradients_after_backward else None, **common)
         self._buffer_group = self.clock_group
-        self.hook_state = hook_state
+        hook_fn, self.hook_state, secure = (hook.fn, hook.state, hook.secure) if hook else (None, None, None)
         if self.gradients_after_backward:
             self.ddp_allreduce = self.overlapping = False
             return
         self.secure = secure
-        self.ddp_allreduce = world_size > 1 and hook is None
+        self.ddp_allreduce = world_size > 1 and hook_fn is None
         # collectives that run during backward instead of blocking in the hook
-        self.overlapping = self.ddp_allreduce or (world_size > 1 and hook is allreduce_hook)
+        self.overlapping = self.ddp_allreduce or (world_size > 1 and hook_fn is allreduce_hook)
         if world_size > 1:
             # broadcast_buffers is DDP's default (rank 0's BatchNorm buffers win each step);
             # with cross-device BatchNorm the buffers already agree and the trainer turns it off.
             with warnings.catch_warnings():  # torch 2.13 deprecates the name, not the behaviour we rely on
                 warnings.simplefilter("ignore", FutureWarning)
                 self.model = DDP(model, broadcast_buffers=broadcast_buffers, bucket_cap_mb=bucket_cap_mb)
-            if hook is not None:
-                self.model.register_comm_hook(hook_state, hook)
+            if hook_fn is not None:
+                self.model.register_comm_hook(self.hook_state, hook_fn)
         if self.ddp_allreduce:
             gradient_bytes = sum(p.numel() * p.element_size() for p in self.params_with_grad(model))
             self._ddp_step_bytes = ring_allreduce_bytes(gradient_bytes, world_size)
@@ -133,8 +145,7 @@ class Synchronous(SyncMode):
     def _average_gradients(self) -> None:
         """Every device's gradients replaced by their mean over the devices (fp32, one exchange)."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        mean = average(flatten(grads), self.compressor, self.memory, self.emulator, key="gradients", group=self.group,
-                       segments=self.segments, secure=self.secure)
+        mean = average(flatten(grads), self.channel, key="gradients", segments=self.segments)
         for p, g in zip(self.params, grads):
             p.grad = g
         unflatten(mean, grads)
@@ -150,7 +161,7 @@ def build(setup: SyncSetup) -> Synchronous:
     """``--sync sync``: DDP, through the compressor's hook where there is one to run."""
     from edgetrain.comm.setup import build_hook
 
-    spec, hook, state = setup.spec, None, None
+    spec, hook = setup.spec, None
     secure = setup.secure_sum()
     if spec.dp is not None and spec.dp.per_sample and setup.distributed:
         # DP-SGD: the gradients are averaged after per-sample clipping and noise, not by DDP during backward
@@ -159,9 +170,9 @@ def build(setup: SyncSetup) -> Synchronous:
     # uncompressed, no link to charge and nothing to mask: no hook, DDP's own all-reduce (Synchronous counts its
     # bytes)
     if setup.distributed and (not spec.compress.kind.plain or setup.emulator.links is not None or secure):
-        state, hook = build_hook(spec.compress, setup.emulator, setup.link, spec.seed, secure=secure)
+        state, fn = build_hook(spec.compress, setup.emulator, setup.link, spec.seed, secure=secure)
+        hook = GradientHook(fn, state, secure)
     # DDP's broadcast of rank 0's buffers each step is off with cross-device BatchNorm (they agree already) and
     # with secure aggregation (they would show rank 0's statistics; averaged masked at the end instead)
     ddp_kwargs = {"broadcast_buffers": spec.batchnorm != "sync" and secure is None, **setup.ddp_kwargs}
-    return Synchronous(setup.model, setup.world_size, setup.emulator, hook=hook, hook_state=state, secure=secure,
-                       **setup.common, **ddp_kwargs)
+    return Synchronous(setup.model, setup.world_size, setup.emulator, hook=hook, **setup.common, **ddp_kwargs)

@@ -9,33 +9,13 @@ Design: docs/design/fsdp.md (Replicas), docs/design/pipeline.md (Hybrid)
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from edgetrain.comm.emulation import LinkEmulator
-from edgetrain.comm.exchange import average
+from edgetrain.comm.exchange import Channel
 from edgetrain.comm.local_sgd import outer_optimizer, outer_step
 from edgetrain.comm.params import flatten, unflatten
 from edgetrain.spec import SyncSpec
-
-
-@dataclass(frozen=True)
-class Channel:
-    """How a part travels between its replicas: the run's compressor and its error feedback (``memory``, kept
-    per parameter name), the link emulator that charges each collective and counts its bytes, over ``group``
-    (the devices holding the same part in every replica; ``peers``: their global ranks)."""
-    compressor: Any
-    memory: Any
-    emulator: LinkEmulator
-    group: Any
-    peers: list[int]
-
-    def average(self, x: torch.Tensor, key: str, segments: tuple[int, ...], names: tuple[str, ...]) -> torch.Tensor:
-        """The mean of ``x`` over the replicas (``comm.exchange.average``); the same on every one of them."""
-        return average(x, self.compressor, self.memory, self.emulator, key=key, group=self.group,
-                       segments=segments, names=names, peers=self.peers)
 
 
 class ReplicaExchange:
