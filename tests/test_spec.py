@@ -156,12 +156,8 @@ def test_no_function_takes_more_than_seven_parameters():
     assert sorted(OVER_SEVEN_PARAMETERS - set(counts)) == [], "grouped now: take it off the list"
 
 
-# Docstrings still carrying design prose (comm/: other work on them is in flight; records.py and
-# results.py list their schemas). May only shrink.
-LONG_DOCSTRINGS = {
-    "comm/compress/memory.py", "comm/compress/powersgd.py", "comm/compress/threshold.py", "comm/compress/topk.py",
-    "comm/deadline.py", "comm/emulation.py", "records.py", "results.py",
-}
+# Docstrings still carrying design prose (records.py and results.py list their schemas). May only shrink.
+LONG_DOCSTRINGS = {"records.py", "results.py"}
 
 
 def test_module_docstrings_are_short_and_point_to_the_design():

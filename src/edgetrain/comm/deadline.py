@@ -1,62 +1,12 @@
 """Round deadlines (``--round-deadline``): a device that cannot finish its round in time is left out of it.
 
-In the round-based modes (local SGD, ``local_sgd.py``, and federated rounds,
-``federated.py``) every device trains ``H`` local steps, then the devices
-average. Without a deadline the average waits for the slowest device, so one
-rpi-zero-class device sets the pace of the fleet. With one, a round has a
-length ``D`` on each device's own clock, measured from the end of the last
-exchange (``LinkEmulator``: virtual time with ``--link`` in virtual mode,
-else the wall time of the device's steps):
+In the round-based modes (``local_sgd.py``, ``federated.py``) a device stops training once its next step would
+end past the round's deadline on its own clock; at the exchange every device learns the same member list
+(``RoundReport``, one small all-reduce not counted as traffic), the late device's update is dropped and it
+takes the new model. ``auto`` derives each deadline from the median of recent round times
+(``RoundDeadline``); the other modes refuse deadlines (``config.resolve``).
 
-- before each local step a device checks ``elapsed + last step > D`` (it
-  would not finish the step in time); if so it stops training for the rest
-  of the round: its remaining steps of the round are skipped (no forward or
-  backward; the loop records 0 samples), and it reaches the exchange at about
-  ``D``, so nobody waits for it longer;
-- at the exchange the devices tell each other, in one small float64
-  all-reduce on the bookkeeping group, their clock, whether they finished
-  and their round time (``RoundReport``); every device then knows the same
-  member list. The late device's partial update is dropped (weight 0: it
-  sends nothing), the mean is taken over the devices that made it, and the
-  late device takes the new global model like every device that sat the
-  round out (``local_sgd.py``: the members' exchange and the download), so
-  it catches up at the next round.
-
-In a real fleet the server learns who made it from who reported before the
-deadline, and the round times ride with the reports, so this all-reduce
-stands for no message of its own: it is not counted as traffic (like the
-clock all-reduce of virtual mode, which it replaces in these rounds).
-
-``auto`` (``DeadlineSpec``): round 0 has no deadline (nothing is measured
-yet); after each round every device adds the sampled devices' round times
-to the same history, and the next deadline is::
-
-    D = max(floor, factor x median(round times of the last `window` rounds))
-
-with factor 2, floor 0.05 s, window 5. A device that finished reports its
-round time; one that stopped early reports its projection
-``elapsed / steps done x H`` (``last step x H`` if it did none), so the
-median also sees the slow devices: if more than half the fleet is slow the
-deadline grows to fit them, and a round cannot stay empty for long. Every
-device computes ``D`` from the same all-reduced numbers, so they agree
-without a message. A fixed ``SECONDS`` applies from round 0.
-
-Weights: the loop scales each device's loss by its share of the global
-batch (``train/strategy.py``), so the mean over the members is the
-unweighted mean of their updates; leaving a device out keeps it an average
-of full local updates (each member did all ``H`` steps), which is what
-FedAvg with client dropout computes (McMahan et al. 2017 average over the
-clients that report). ``tests/comm/test_deadline.py`` checks it against a
-hand computation.
-
-The other modes: ``sync`` and the strategies other than ``ddp`` step
-together every step (no round to bound); ``gossip``'s pairwise exchange has
-no point where the neighbours of a late device learn it is late without
-waiting for it or a global agreement, which gossip exists to avoid; and
-``async:S`` already lets a slow device lag: its averages run in the
-background and a fast device waits only when its own round is ``S`` steps
-old, so the staleness bound plays the deadline's part, counted in steps. So
-``config.resolve`` refuses ``--round-deadline`` with them.
+Design: docs/design/strategies.md ("Round deadlines")
 """
 from __future__ import annotations
 

@@ -1,34 +1,12 @@
 """Emulated links and the per-device training clock.
 
-Emulated devices are processes on one host talking over loopback, which is far
-faster than Wi-Fi or LTE. ``LinkEmulator`` charges every collective the time
-the link model (``edgetrain.cluster.links``) gives it, in one of two modes:
+``LinkEmulator`` charges every collective the time the link model (``edgetrain.cluster.links``) gives it:
+``enforced``, the device sleeps that long after the real collective; ``virtual``, nothing sleeps and each device
+keeps a virtual clock (measured compute plus modelled communication, synchronised at each blocking exchange).
+Both assume communication does not overlap computation. Compute time is measured on the emulation host, not
+on a real edge device.
 
-* ``enforced``: after the real collective completes, the device sleeps for the
-  modelled duration, so wall time is what the edge link would cost. Waiting,
-  asynchrony and stragglers are real; a 10 Mbit/s run takes as long as it would.
-* ``virtual``: nothing sleeps. Each device keeps a virtual clock::
-
-      clock += measured compute time             (every step)
-      clock  = max(clock of every device taking part) + modelled comm time
-                                                 (at each blocking exchange)
-
-  The max is what a synchronising collective costs: it cannot start before
-  the last device arrives. Compute is the step's wall time (from the first
-  training forward to the end of ``after_step``) minus the time spent blocked
-  in real collectives on the host, so the host's loopback speed and the other
-  emulated processes' arrival never count as compute.
-
-Both modes assume communication does not overlap computation: the hooks
-complete their collectives before they return. On edge links the wire time
-dominates, and the assumption makes the two modes comparable (a test checks
-they agree within 10%). With no link at all, collectives cost their real
-time (loopback, or a real network between hosts) and the clock is the wall clock
-of the training steps, from a first step every device starts together
-(``FailStop.start``, train/elastic.py), as every virtual clock starts at 0.
-
-Compute time is measured on the emulation host, where several emulated
-devices share the CPU cores; it is not the compute time of a real edge device.
+Design: docs/design/links.md ("Emulated links and the device clock")
 """
 from __future__ import annotations
 

@@ -1,40 +1,12 @@
 """The Memory half of the GRACE split: what a device keeps of what it did not send.
 
-* ``NoMemory``: nothing; the compression error is lost.
-* ``ResidualMemory``: error feedback (Seide et al., "1-bit SGD", 2014;
-  Karimireddy et al., "Error Feedback Fixes SignSGD", 2019). The residual
-  ``e`` is added to the next input and becomes ``input + e - sent``, so that
-  over any number of steps ``sum(sent) + e == sum(inputs)``: nothing is lost,
-  only delayed.
-* ``DGCMemory``: Deep Gradient Compression's momentum correction and momentum
-  factor masking (Lin et al., ICLR 2018). Momentum is accumulated locally
-  *before* sparsification (``u = m u + g``, ``v = v + u``), the coordinates
-  that were sent are cleared in both ``u`` and ``v``. The optimizer must then
-  run without momentum of its own, or momentum is applied twice.
+``NoMemory`` keeps nothing (the compression error is lost); ``ResidualMemory`` is error feedback (the residual
+joins the next input: nothing is lost, only delayed); ``DGCMemory`` is Deep Gradient Compression's momentum
+correction and factor masking (the optimizer then runs without momentum of its own). State follows the named
+parts of a flat tensor (``parts``: a DDP bucket's parameters), not their place in it; ``state_dict`` keeps it
+by name for checkpoints.
 
-Pairing with momentum: with error feedback the optimizer's own momentum acts
-on the decompressed average, after the compression error was set aside. In
-our short CIFAR runs (``benchmarks/compression.py``) EF-signSGD reached 31%
-that way and 51% with plain SGD at a higher learning rate; top-k was less
-sensitive. DGC's answer is ``DGCMemory``: momentum before compression.
-
-Keying: state follows the parameter, not its place in a flat tensor. A
-DDP bucket is a flat tensor of several parameters' gradients, and DDP
-rebuilds its buckets after the first iteration in the order the gradients
-became ready, usually the reverse of registration: the same bucket index (even
-the same length) then holds the parameters in another order. State keyed by
-the bucket index would add one parameter's residual to another parameter's
-gradient (at 1% top-k the step-0 residual is ~99% of the step-0 gradient).
-So every method takes ``parts``, the ``(name, length)`` of each tensor laid
-end to end in ``x`` (the hook names each parameter by its identity), and keeps
-one piece of state per name, assembled into the layout of the call at hand.
-Without ``parts`` the whole tensor is one part named ``key`` (local SGD and
-async, whose flat vector of all parameters never changes order). A part whose
-length changes starts afresh.
-
-Checkpoints: ``state_dict()`` is the stored pieces by name (the caller turns
-names that are parameter identities into parameter names, see
-``comm/mode.py``); ``load_state_dict`` puts them back.
+Design: docs/design/compression.md ("Error feedback and memory")
 """
 from __future__ import annotations
 

@@ -1,47 +1,11 @@
 """PowerSGD (Vogels et al., NeurIPS 2019), as PyTorch implements it, with bytes and link time counted.
 
-``powersgd_hook`` calls PyTorch's own ``powerSGD_hook`` unchanged and waits
-for it (``cluster.peers.wait``, bounded by ``--timeout``). Bytes come from
-PyTorch's own tally: the hook adds the numbers of values it all-reduces
-(uncompressed vectors, then ``P``, then ``Q``) to
-``total_numel_after_compression``; during its first ``start_powerSGD_iter``
-iterations it all-reduces the whole bucket. Each all-reduce is charged as a
-ring all-reduce: three per bucket once compression starts, so PowerSGD pays
-three times the latency of one all-reduce, which on edge links matters.
+``powersgd_hook`` runs PyTorch's own ``powerSGD_hook`` unchanged, bounded by ``--timeout``, and charges its
+all-reduces (three per bucket once compression starts) from PyTorch's own tally. ``PowerSGDHookState`` keeps
+its state per parameter, not per DDP bucket, so that a resumed run (whose first step runs on DDP's
+construction layout) goes on where the uninterrupted one would have; checkpoints store it by parameter name.
 
-Checkpoints (train/checkpoint.py): ``PowerSGDHookState.state_dict`` holds
-what PyTorch's own ``PowerSGDState.__getstate__`` pickles (the iteration
-count, P and Q for the warm start, the error-feedback residual, the byte
-counters) with its numpy RNG as tensors, so that
-``torch.load(weights_only=True)`` reads it; a resumed run goes on where the
-uninterrupted one would have, not warming up again, and ends with the same
-parameters (tests/train/test_checkpoint.py, rank 2; rank 1 within 6e-8,
-float rounding that varies between runs).
-
-Bucket layouts. PyTorch keeps P, Q and the residual per DDP bucket index, as
-one flat tensor laid out in the order of the bucket's parameters. DDP lays
-its buckets out twice: at construction (all parameters in one bucket, in
-``model.parameters()`` order) and again after the first step, in the order
-the gradients became ready (reversed for a plain feed-forward model, and
-split at 1 MiB then ``bucket_cap_mb``). A fresh run compresses only after
-that (``start_powerSGD_iter >= 2``), but a resumed run's first step runs on
-the construction layout: state restored by bucket index lands on the wrong
-parameters (measured: 2 devices, resumed at step 6 of 10, parameters 1.7e-2
-away from the uninterrupted run's). So the state follows its parameters:
-the hook notes the parameters of every bucket it sees, and when a bucket
-with state comes back with other parameters, every bucket's state is cut
-into per-parameter pieces (``_bucket_slices``: residual slices in bucket
-order; P and Q slices of the matrices PyTorch compresses, grouped by matrix
-shape as its hook groups them) and each bucket is put together again from
-its parameters' pieces when it is next seen. PowerSGD works per matrix, so
-how parameters are bucketed changes nothing else, as long as every bucket
-that had state gets it back: a bucket without P draws a new random Q from
-the RNG. Checkpoints store the pieces by parameter name. A fresh run is
-untouched (its layout changes before any state exists).
-
-Error bound: rank-``r`` approximation of each gradient matrix after one power
-iteration (warm-started from the last step), with error feedback; no
-per-element bound.
+Design: docs/design/compression.md ("PowerSGD")
 """
 # No "from __future__ import annotations": DDP checks the hook's annotations are the real types.
 

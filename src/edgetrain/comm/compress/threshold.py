@@ -1,37 +1,12 @@
 """Two-step threshold compression for poor links (Strom, "Scalable distributed DNN
 training using commodity GPU cloud computing", Interspeech 2015).
 
-Step 1, accumulate: each device adds its update to a local residual (error
-feedback, always on for this method). Step 2, send what crossed: every entry
-whose residual reached the device's threshold ``Wt`` is sent as one 32-bit
-word, index and sign together (``index * 2 + negative``); the rest stays in
-the residual for later. How a sent entry decodes:
+Each device accumulates its update in a residual and sends every entry that crossed its threshold ``Wt``
+(index and sign in one 32-bit word), decoded to ``+-Wt`` (``strom``) or to the mean magnitude of its
+layer's sent entries (``mean``, the default). ``Wt`` grows on a poorer link: ``tau * sqrt(1 Gbit/s /
+bandwidth)``. The payload's length varies between devices and steps.
 
-* ``strom``: to ``+Wt`` or ``-Wt``, as in the paper. An entry whose residual
-  is far above ``Wt`` then drains by only ``Wt`` per step and applies its
-  gradient many steps late;
-* ``mean`` (default): to ``+m`` or ``-m``, the mean magnitude of the entries
-  of its tensor (layer) sent with that sign, two fp32 per tensor per message
-  (Dryden et al., "Communication quantization for data-parallel training of
-  deep neural networks", MLHPC 2016). A residual is then drained at the size
-  of what its layer actually accumulated.
-
-The payload is the magnitudes plus 4 bytes per entry sent, and its length
-differs from device to device and step to step.
-
-``Wt`` is per device and derived from its link: poorer links wait for a
-larger accumulation before they send::
-
-    Wt = tau * sqrt(reference_bps / bandwidth_bps),   reference = 1 Gbit/s
-
-so a 1 Gbit/s link uses ``tau``, a 10 Mbit/s LTE link ``10 tau``; links faster
-than the reference use ``tau``. ``tau`` is the spec's argument
-(``threshold:0.001``); with no emulated link ``Wt = tau``.
-
-Error bound of ``decode(encode(x))``: ``d_i = 0`` where ``|x_i| < Wt``; where
-``|x_i| >= Wt``, ``d_i = sign(x_i) Wt`` (strom) or ``sign(x_i) m`` with ``m``
-the mean of ``|x_j|`` over the sent entries of that sign and tensor, so
-``m >= Wt`` (mean).
+Design: docs/design/compression.md ("Threshold")
 """
 from __future__ import annotations
 

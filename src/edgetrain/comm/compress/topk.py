@@ -1,43 +1,11 @@
 """Top-k sparsification (Aji & Heafield 2017; Lin et al., Deep Gradient Compression, ICLR 2018).
 
-Each device sends the ``k = ceil(ratio * n)`` entries of largest magnitude
-of its input as (fp32 value, int32 index) pairs: 8 bytes per entry. With
-``layerwise`` (as the DGC paper), each tensor (layer) of ``n_i`` entries keeps
-``ceil(ratio * n_i)`` of its own instead; in our CIFAR benchmark the global
-selection trained clearly better (it gives small conv layers with large
-gradients more than a proportional share), so it is the default. Run it with
-error feedback (``ResidualMemory``) or DGC's momentum correction
-(``DGCMemory``); alone it drops most of the gradient for good.
+Each device sends its ``k = ceil(ratio * n)`` entries of largest magnitude (global selection by default,
+``layerwise`` per tensor), with DGC's density warm-up, ``compact``'s 4-byte entries (fp16 value, 16-bit gap)
+or ``bits``' B-bit codebook values (SparseLoCo). Run it with error feedback or DGC's momentum correction
+(``compress/memory.py``); alone it drops most of the gradient for good.
 
-DGC's warm-up is available: over the first ``warmup_steps`` calls the density
-falls exponentially, 25%, 6.25%, 1.5625%, 0.39% (a quarter at each of four
-equal stages, as the paper's 75% ... 99.9% sparsity over four epochs), never
-below ``ratio``. The ramp counts calls per key (DDP bucket index); a key first
-seen after others (DDP makes more buckets when it rebuilds them after step 0:
-in PyTorch 2.13 step 0 runs in one bucket) joins at the step the others are
-in, so that every bucket follows the same schedule.
-
-With ``compact``, an entry costs 4 bytes instead of 8: its value in fp16 and
-its position as the 16-bit gap to the previous kept entry (indices sorted).
-A gap too long for 16 bits is bridged by filler entries, each a code that
-only advances the position by ``GAP_FILL``; at most ``(n - 1) // GAP_FILL``
-fillers can ever be needed, so the payload has a fixed size of ``k`` plus that
-many entries, unused fillers padding the end. fp16 rounding (and values
-beyond fp16's range, clamped) is part of what was not sent, so error feedback
-keeps it.
-
-With ``bits`` B (SparseLoCo, Sarfi et al. 2025: top-k of the pseudo-gradient,
-error feedback, 2-bit values) an entry's value costs B bits instead of 16:
-one sign bit and the index of its magnitude's group, the kept entries sorted
-by magnitude into ``2**(B-1)`` groups of equal count, each decoded to its
-group's mean magnitude (a codebook of ``2**(B-1)`` fp32 values per payload),
-positions as ``compact``'s 16-bit gaps. At B=2 an entry costs 2.25 bytes.
-What the groups' means leave out goes to error feedback with the rest.
-
-Error bound of ``decode(encode(x))``: equal to ``x`` on the kept entries, zero
-elsewhere, and within each selection every dropped entry is at most the
-smallest kept magnitude, so ``||x - d||^2 <= (1 - k/n) ||x||^2``; with
-``compact``, kept entries carry fp16's relative rounding error (2**-11) too.
+Design: docs/design/compression.md ("Top-k")
 """
 from __future__ import annotations
 
