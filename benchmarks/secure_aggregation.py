@@ -48,12 +48,12 @@ def model_sizes(names: list[str]) -> dict[str, int]:
 def one_exchange(x, secure, emulator_args) -> dict:
     from edgetrain.comm.compress import NoCompression, NoMemory
     from edgetrain.comm.emulation import LinkEmulator
-    from edgetrain.comm.exchange import average
+    from edgetrain.comm.exchange import Channel, average
 
     emulator = LinkEmulator(*emulator_args)
     emulator.start_step()
     started, cpu = time.perf_counter(), time.thread_time()
-    average(x, NoCompression(), NoMemory(), emulator, key="params", secure=secure)
+    average(x, Channel(NoCompression(), NoMemory(), emulator, secure=secure), key="params")
     wall, cpu = time.perf_counter() - started, time.thread_time() - cpu
     blocked, modelled = emulator.step_charged()
     return {"bytes": emulator.stats.bytes_sent, "link_s": modelled, "host_s": wall - blocked, "host_cpu_s": cpu}
