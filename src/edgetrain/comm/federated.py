@@ -120,23 +120,21 @@ class FederatedAveraging(LocalSGD):
     def __init__(self, model: nn.Module, world_size: int, emulator: LinkEmulator, averaging: Averaging, period: int,
                  server: ServerOptSpec, clients: ClientRounds | None = None, **common):
         clients = clients or ClientRounds()
-        participation, seed, prox_mu = clients.participation, clients.seed, clients.prox_mu
-        scaffold, weighted, reset = clients.scaffold, clients.weighted, clients.reset
         super().__init__(model, world_size, emulator, averaging, period, **common)
-        self.participation, self.seed = participation, seed
+        self.participation, self.seed = clients.participation, clients.seed
         self.server = server
         self.ref.requires_grad_(True)
         self.outer = server_optimizer(self.ref, server)
-        self.prox_mu = prox_mu
-        self.scaffold = scaffold
-        if scaffold:
+        self.prox_mu = clients.prox_mu
+        self.scaffold = clients.scaffold
+        if self.scaffold:
             self.control = torch.zeros_like(self.ref.detach())      # c, the same on every device
             self.own_control = torch.zeros_like(self.control)      # c_i
             self.gradient_sum = torch.zeros_like(self.control)
-        self.participants = sample_participants(world_size, participation, seed, 0)
+        self.participants = sample_participants(world_size, self.participation, self.seed, 0)
         self.members_per_round: list[int] = []
-        self.weighted = weighted
-        self.reset_client_optimizer = reset  # the strategy clears its state when ``averages`` moves on
+        self.weighted = clients.weighted
+        self.reset_client_optimizer = clients.reset  # the strategy clears its state when ``averages`` moves on
         self.dp: tuple[float, float, torch.Generator] | None = None   # DP-FedAvg: clip, noise, generator
         self.dp_clipped = 0                                            # this device's updates the clip shortened
         self.own_samples: tuple[int, float] | None = None   # (n_i, s_i), set by the loop once the data is built
