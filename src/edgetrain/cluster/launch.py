@@ -23,6 +23,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing import forkserver, reduction, resource_tracker
 from pathlib import Path
 from typing import Any, Callable
 
@@ -31,6 +32,8 @@ import psutil
 from edgetrain.cluster.limits import oom_killed
 from edgetrain.cluster.membership import JOIN_ENV, ElasticLaunch, Lighthouse
 from edgetrain.errors import EdgetrainError, Terminated, raise_on_sigterm
+
+# Imported inside functions: torch (edgetrain --help, bad input and plan answer without it).
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _STOP_GRACE_S = 5.0  # how long a stopped device may take to clean up before SIGKILL
@@ -129,8 +132,6 @@ class _LauncherStdio:
     a process that runs many trainings, such as a test session, those of the first)."""
 
     def __reduce__(self):  # pickled while the device starts: DupFd sends the descriptors with it
-        from multiprocessing import reduction
-
         handles = []
         for fd in (1, 2):
             try:
@@ -367,8 +368,6 @@ def _quiet_resource_tracker() -> None:
     warning after the run's one-line error. Only that warning goes: the clean-up still happens. A tracker
     already running (an earlier run in this process) is kept as it is.
     """
-    from multiprocessing import resource_tracker
-
     if getattr(resource_tracker._resource_tracker, "_fd", None) is not None:
         return
     sys.stderr.flush()
@@ -535,8 +534,6 @@ def _start_fork_server() -> None:
     Ctrl-C while it imports ``_PRELOAD`` (seconds) is the launcher's to handle, not a traceback of the server's
     (which ignores SIGINT only once it has imported them). Blocked, not ignored, here: a Ctrl-C in that instant
     reaches the launcher when it is unblocked."""
-    from multiprocessing import forkserver
-
     blocked = threading.current_thread() is threading.main_thread()
     if blocked:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
