@@ -8,7 +8,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from edgetrain.config import check_output_dir
+from edgetrain.errors import EdgetrainError
 from edgetrain.files import atomic_write
+from edgetrain.report.html import render
 
 
 def register(subparsers) -> None:
@@ -20,10 +23,6 @@ def register(subparsers) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from edgetrain.config import check_output_dir
-    from edgetrain.errors import EdgetrainError
-    from edgetrain.report.html import render
-
     out = Path(args.output) if args.output else (
         Path(args.run_dirs[0]) / "report.html" if len(args.run_dirs) == 1 else Path("report.html"))
     if out.is_dir():

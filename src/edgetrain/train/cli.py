@@ -5,6 +5,8 @@ import argparse
 
 
 from edgetrain.config import FIELDS, add_config_arguments
+from edgetrain.report.tables import print_train_summary
+from edgetrain.train import train
 
 
 def register(sub) -> None:
@@ -18,9 +20,6 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from edgetrain.report.tables import print_train_summary
-    from edgetrain.train import train
-
     overrides = {k: v for k, v in vars(args).items() if k in FIELDS}
     summary = train(args.config, **overrides)
     if summary is not None:
