@@ -24,16 +24,12 @@ import statistics
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
-
 from edgetrain.report.cells import (ABOVE_PEAK_NOTE, NOISY_NOTE, NOISY_SPREAD, fmt,  # noqa: F401  (benches' names)
                                     percent_of_peak, spread_cell)
 from edgetrain.files import new_run_dir, write_json
 from edgetrain.results import BENCH_FILE, BenchResult
 
-# Imported inside functions: torch (bench's flags and --help answer without it).
+# Imported inside functions: torch and rich, so that edgetrain --help and bench's flags answer without them.
 
 
 def relative_spread(values: Sequence[float]) -> float | None:
@@ -93,6 +89,10 @@ def save_result(run_dir: Path, result: BenchResult) -> BenchResult:
 def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]],
                 notes: Iterable[str] = ()) -> None:
     """A compact rich table, then one line per note (modelled values, skipped knobs...)."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
     table = Table()
     for i, col in enumerate(columns):
         table.add_column(escape(col), justify="left" if i == 0 else "right")
@@ -107,4 +107,7 @@ def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]
 
 def say(message: str, style: str = "yellow") -> None:
     """One line for the user (a missing sensor, a skipped knob), printed as is."""
+    from rich.console import Console
+    from rich.markup import escape
+
     Console(width=max(100, Console().width)).print(f"[{style}]{escape(message)}[/{style}]", highlight=False)

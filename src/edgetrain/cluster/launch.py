@@ -23,7 +23,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
-from multiprocessing import forkserver, reduction, resource_tracker
+from multiprocessing import reduction
 from pathlib import Path
 from typing import Any, Callable
 
@@ -33,7 +33,8 @@ from edgetrain.cluster.limits import oom_killed
 from edgetrain.cluster.membership import JOIN_ENV, ElasticLaunch, Lighthouse
 from edgetrain.errors import EdgetrainError, Terminated, raise_on_sigterm
 
-# Imported inside functions: torch (edgetrain --help, bad input and plan answer without it).
+# Imported inside functions: torch, and multiprocessing's forkserver and resource_tracker (with what they import, a
+# few ms), so that edgetrain --help, bad input and plan answer without them.
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _STOP_GRACE_S = 5.0  # how long a stopped device may take to clean up before SIGKILL
@@ -368,6 +369,8 @@ def _quiet_resource_tracker() -> None:
     warning after the run's one-line error. Only that warning goes: the clean-up still happens. A tracker
     already running (an earlier run in this process) is kept as it is.
     """
+    from multiprocessing import resource_tracker
+
     if getattr(resource_tracker._resource_tracker, "_fd", None) is not None:
         return
     sys.stderr.flush()
@@ -534,6 +537,8 @@ def _start_fork_server() -> None:
     Ctrl-C while it imports ``_PRELOAD`` (seconds) is the launcher's to handle, not a traceback of the server's
     (which ignores SIGINT only once it has imported them). Blocked, not ignored, here: a Ctrl-C in that instant
     reaches the launcher when it is unblocked."""
+    from multiprocessing import forkserver
+
     blocked = threading.current_thread() is threading.main_thread()
     if blocked:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})

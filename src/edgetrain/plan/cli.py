@@ -29,12 +29,10 @@ from edgetrain.errors import EdgetrainError
 from edgetrain.files import new_run_dir, write_json
 from edgetrain.kinds import STRATEGY_KINDS
 from edgetrain.plan.model import DEFAULT_EFFICIENCY, step_timing
-from edgetrain.plan.report import (console, device_groups, plot_scaling, print_prediction, print_scaling,
-                                   print_simulation, print_strategies)
 from edgetrain.results import PLAN_FILE, PlanPrediction, PlanResult, PlanScaling, PlanSimulation
 
-# Imported inside functions: edgetrain.plan.config, edgetrain.plan.simulation and edgetrain.plan.strategies (torch), so
-# that plan's flags, --help and bad input answer without it (seconds on a Pi).
+# Imported inside functions: edgetrain.plan.config, edgetrain.plan.simulation and edgetrain.plan.strategies (torch) and
+# edgetrain.plan.report (rich), so that plan's flags, --help and bad input answer without them (seconds on a Pi).
 
 # The TrainConfig options that describe what is planned (the rest only matter to a real run).
 PLAN_FIELDS = ("model", "dataset", "data_dir", "image_size", "synthetic_samples", "devices", "profile", "cluster",
@@ -141,6 +139,8 @@ def run(args: argparse.Namespace) -> int:
     specs = {name: resolve(dataclasses.replace(cfg, strategy=name, link=None)) for name in strategies}
     # after the checks above: bad input is answered before torch loads
     from edgetrain.plan.config import plan_inputs, predict_inputs
+    from edgetrain.plan.report import (console, device_groups, plot_scaling, print_prediction, print_scaling,
+                                       print_simulation, print_strategies)
     from edgetrain.plan.simulation import scaling, simulate
     from edgetrain.plan.strategies import compare
     sim_options = dict(compute_cv=args.compute_cv, straggler_prob=straggler_prob, straggler_factor=straggler_factor,

@@ -11,7 +11,8 @@ from pathlib import Path
 from edgetrain.config import check_output_dir
 from edgetrain.errors import EdgetrainError
 from edgetrain.files import atomic_write
-from edgetrain.report.html import render
+
+# Imported inside functions: edgetrain.report.html (rich), so that edgetrain --help answers without it.
 
 
 def register(subparsers) -> None:
@@ -23,6 +24,8 @@ def register(subparsers) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from edgetrain.report.html import render
+
     out = Path(args.output) if args.output else (
         Path(args.run_dirs[0]) / "report.html" if len(args.run_dirs) == 1 else Path("report.html"))
     if out.is_dir():
