@@ -18,6 +18,7 @@ subpackage imports torch when a run starts), the other names on first use (PEP 5
 """
 __version__ = "0.1.0"
 
+import importlib  # noqa: E402
 import os  # noqa: E402
 
 # c10d logs its retries and timeouts to stderr from C++ (a dozen lines with a stack) before raising the
@@ -46,8 +47,6 @@ __all__ = ["train", "TrainConfig", "load_config", "EdgetrainError", "build_model
 def __getattr__(name: str):
     if name not in _LAZY:
         raise AttributeError(f"module 'edgetrain' has no attribute {name!r}")
-    import importlib
-
     value = getattr(importlib.import_module(_LAZY[name]), name)
     globals()[name] = value
     return value

@@ -20,6 +20,8 @@ from pathlib import Path
 from edgetrain.arguments import positive_int
 from edgetrain.errors import EdgetrainError
 
+# Imported inside functions: cryptography (installed with asyncssh, the ssh extra; _crypto says so in one line).
+
 CA_CERT, CA_KEY, SERVER_CERT, SERVER_KEY = "ca.crt", "ca.key", "server.crt", "server.key"
 VALID_DAYS = 825  # what browsers and most TLS clients accept for a leaf certificate
 HOST_NAME = re.compile(r"^(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}"

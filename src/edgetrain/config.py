@@ -21,6 +21,7 @@ on the model's feature maps) is ``edgetrain.train.preflight``, a layer above.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import importlib.util
@@ -512,8 +513,6 @@ def check_output_dir(path: str | os.PathLike, what: str) -> None:
 
 def add_config_arguments(parser, names=None) -> None:
     """One ``--flag`` per config field (all, or ``names``); unset flags stay out of the namespace."""
-    import argparse
-
     for name in names or FIELDS:
         f = FIELDS[name]
         typ, _ = _base_type(name)

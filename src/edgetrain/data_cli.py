@@ -10,10 +10,19 @@ for each removed image, the index of the kept image it duplicates go to
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+import numpy as np
 
 from edgetrain.arguments import OneLineParser
-from edgetrain.config import add_config_arguments
+from edgetrain.config import TrainConfig, add_config_arguments, check_output_dir, load_config
+from edgetrain.errors import EdgetrainError
+from edgetrain.files import write_json
+from edgetrain.kinds import target_kind
 from edgetrain.spec import DEDUP_DEFAULT_THRESHOLD, DEDUP_HASH_BITS, DEDUP_MAX_THRESHOLD
+
+# Imported inside functions: edgetrain.data and edgetrain.train.preflight (torch), so that edgetrain --help and bad
+# options answer without it.
 
 DATASET_OPTIONS = ("dataset", "data_dir", "synthetic_samples", "image_size", "seed")
 
@@ -59,12 +68,9 @@ def _positive_float(text: str) -> float:
 
 
 def run_pack(args: argparse.Namespace) -> int:
-    from edgetrain.config import TrainConfig, load_config
     from edgetrain.data import build_data
     from edgetrain.data.shards import pack
-    from edgetrain.errors import EdgetrainError
     from edgetrain.train.preflight import check_data
-    from edgetrain.kinds import target_kind
 
     given = {k: v for k, v in vars(args).items() if k in PACK_OPTIONS}
     # Folders are packed file by file, as they are on disk: read them from storage, never whole into memory.
@@ -92,15 +98,9 @@ def _threshold(text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    import numpy as np
-
-    from edgetrain.config import TrainConfig, check_output_dir, load_config
     from edgetrain.data import build_data
     from edgetrain.data.dedup import find_near_duplicates, images_of
     from edgetrain.train.preflight import check_data
-    from edgetrain.files import write_json
 
     cfg = load_config(TrainConfig(), **{k: v for k, v in vars(args).items() if k in DATASET_OPTIONS})
     checked = check_data(cfg)

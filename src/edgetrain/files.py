@@ -23,6 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
+import psutil
 import yaml
 
 from edgetrain.errors import EdgetrainError
@@ -56,8 +57,6 @@ def _umask() -> int:
 
 def remove_stale_temps(directory: str | os.PathLike) -> list[Path]:
     """Delete ``atomic_write`` temporaries in ``directory`` left by writers that were killed; return them."""
-    import psutil
-
     removed = []
     for tmp in Path(directory).glob(f".*{TEMP_SUFFIX}"):
         pid = tmp.name[:-len(TEMP_SUFFIX)].split(".")[-2]

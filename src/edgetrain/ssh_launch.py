@@ -23,7 +23,13 @@ import sys
 from typing import Any
 
 from edgetrain.arguments import non_negative_int, positive_float, positive_int
+from edgetrain.cli import build_parser
+from edgetrain.config import FIELDS, load_config
 from edgetrain.errors import EdgetrainError, Terminated
+from edgetrain.yamlfile import read_yaml_mapping
+
+# Imported inside functions: asyncssh (the ssh extra; only the launching machine needs it) and edgetrain.cluster.peers
+# (torch), so that the commands answer --help and bad input without them.
 
 NODE_MODULE = "edgetrain.cluster.ssh_node"
 DEFAULT_RDZV_PORT = 29400  # torchrun's own default for the c10d endpoint
@@ -77,8 +83,6 @@ _HOST_KEYS = {"name": str, "address": str, "port": int, "user": str, "key": str,
 def load_hosts(path: str | os.PathLike) -> list[HostSpec]:
     """hosts.yaml as ``HostSpec``s: a list under ``hosts:``, each entry an address or a mapping of
     ``_HOST_KEYS``, with ``defaults:`` under them. Every problem is one line naming the entry and the fix."""
-    from edgetrain.config import read_yaml_mapping
-
     data = read_yaml_mapping(path, "hosts file")
     for key in data:
         if key not in ("hosts", "defaults"):
@@ -175,8 +179,6 @@ class LaunchSpec:
 def train_flags(cfg) -> list[str]:
     """``cfg`` (a resolved ``TrainConfig``) as ``edgetrain train`` flags: the keys that differ from their
     defaults, less the token (it goes on stdin) and ``devices`` (torchrun sets the world size)."""
-    from edgetrain.config import FIELDS
-
     flags = []
     for name, value in cfg.to_dict().items():
         if value == FIELDS[name].default or name in ("cluster_token", "cluster_token_file", "devices"):
@@ -188,9 +190,7 @@ def train_flags(cfg) -> list[str]:
 
 def plan_launch(args: argparse.Namespace) -> LaunchSpec:
     """The launch, validated before any connection: hosts.yaml, the options and the train command."""
-    from edgetrain.cli import build_parser
     from edgetrain.cluster.peers import cluster_token
-    from edgetrain.config import FIELDS, load_config
 
     hosts = load_hosts(args.hosts)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command

@@ -33,9 +33,13 @@ from edgetrain.bench import workload
 from edgetrain.arguments import non_negative_int, positive_float, positive_int
 from edgetrain.bench.common import (ABOVE_PEAK_NOTE, NOISY_NOTE, percent_of_peak, print_table, save_result, say,
                                     spread_cell, start_run)
+from edgetrain.cluster.profiles import device_speed, get_profile
 from edgetrain.errors import EdgetrainError
 from edgetrain.results import BatchResult
 from edgetrain.spec import DATASET_SHAPES
+
+# Imported inside functions: edgetrain.tasks (torch) and edgetrain.report.plots (matplotlib), so that bench's flags
+# and --help answer without them.
 
 
 def batch_sizes(start: int, max_batch: int) -> list[int]:
@@ -51,14 +55,12 @@ def run(model: str = "resnet18", dataset: str = "cifar10", profile: str = "host"
         threads: int | None = None, memory_limit_mb: float | None = None, throttle: bool = True,
         peak_size: int = 1024, output: str = "runs", name: str | None = None,
         timeout_s: float = 600, min_time_s: float = 1.0) -> BatchResult:
-    from edgetrain.cluster.profiles import get_profile
-
     if start_batch < 1 or max_batch < start_batch:
         raise EdgetrainError(f"need 1 <= --start-batch <= --max-batch, got {start_batch} and {max_batch}")
     prof = get_profile(profile)
     speed, threads, peak_source, notes = _device(prof, throttle, threads, peak_size)
     limit, limit_source = _memory_limit(prof, memory_limit_mb)
-    from edgetrain.tasks import flops  # torch: after the checks, and bench's flags and --help answer without it
+    from edgetrain.tasks import flops  # after the checks: bad input is answered without torch
 
     counted = flops.training_flops_per_sample(workload.build_model(model, dataset), dataset)
     rows, limit_hit = _sweep(counted, batch_sizes(start_batch, max_batch), dict(
@@ -90,8 +92,6 @@ def run(model: str = "resnet18", dataset: str = "cifar10", profile: str = "host"
 def _device(prof, throttle: bool, threads: int | None, peak_size: int
             ) -> tuple[float | None, int, str, list[str]]:
     """(emulated speed, threads, where the peak comes from, notes) of the profile on this host."""
-    from edgetrain.cluster.profiles import device_speed
-
     host_cores = os.cpu_count() or 1
     speed = device_speed(prof) if throttle else None
     if threads is None:

@@ -12,6 +12,10 @@ import argparse
 import importlib
 
 from edgetrain.arguments import OneLineParser
+from edgetrain.config import check_output_dir
+
+# Imported inside functions: edgetrain.data and edgetrain.models (torch), so that bench's flags and --help answer
+# without it.
 
 BENCHES = ("peak", "batch", "scaling", "stalls", "counters", "power", "variability")
 
@@ -37,7 +41,6 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from edgetrain.config import check_output_dir
     from edgetrain.data.cifar import check_cifar10_dir
     from edgetrain.models import check_model
 

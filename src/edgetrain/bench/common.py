@@ -29,6 +29,7 @@ from edgetrain.report.cells import (ABOVE_PEAK_NOTE, NOISY_NOTE, NOISY_SPREAD, f
 from edgetrain.files import new_run_dir, write_json
 from edgetrain.results import BENCH_FILE, BenchResult
 
+# Imported inside functions: torch and rich, so that edgetrain --help and bench's flags answer without them.
 
 
 def relative_spread(values: Sequence[float]) -> float | None:

@@ -29,6 +29,9 @@ from edgetrain.bench.common import print_table, save_result, say, start_run
 from edgetrain.results import CountersResult
 from edgetrain.spec import DATASET_SHAPES
 
+# Imported inside functions: torch and edgetrain.report.plots (matplotlib), so that bench's flags and --help answer
+# without them.
+
 HARDWARE_EVENTS = ["instructions", "cycles", "cache-references", "cache-misses", "branches",
                    "branch-misses", "L1-dcache-loads", "L1-dcache-load-misses"]
 SOFTWARE_EVENTS = ["task-clock", "context-switches", "page-faults"]

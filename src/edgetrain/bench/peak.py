@@ -23,6 +23,7 @@ every "% of peak" set against it comes out high.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import time
@@ -30,10 +31,14 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable
 
 from edgetrain.arguments import non_negative_float, positive_int
+from edgetrain.bench.common import (NOISY_NOTE, NOISY_SPREAD, print_table, relative_spread, save_result, spread_cell,
+                                    start_run)
+from edgetrain.cluster.launch import run_group
 from edgetrain.errors import EdgetrainError
 from edgetrain.results import PeakResult
 
-# torch is imported in the functions that measure, so that ``edgetrain bench``'s flags and --help answer without it
+# Imported inside functions: torch, edgetrain.cluster.peers (torch) and edgetrain.report.plots (matplotlib), so that
+# ``edgetrain bench``'s flags and --help answer without them.
 if TYPE_CHECKING:
     import torch
 
@@ -65,8 +70,6 @@ def _repeat(fn: Callable[[], Any], min_time_s: float, min_repeats: int) -> list[
 
 
 def _rates(flops: float, times: list[float]) -> dict[str, Any]:
-    from edgetrain.bench.common import NOISY_SPREAD, relative_spread
-
     spread = relative_spread(times)
     return {
         "repeats": len(times),
@@ -185,8 +188,6 @@ def _device_sweep(rank: int, world: int, kwargs: dict) -> list[dict[str, Any]]:
 
 def concurrent_sweep(devices: int, timeout_s: float = 600, **kwargs: Any) -> list[list[dict[str, Any]]]:
     """``sweep`` on ``devices`` emulated devices (processes) at once; one row list per device."""
-    from edgetrain.cluster.launch import run_group
-
     return run_group(_device_sweep, devices, kwargs, threads=None, deadline_s=timeout_s,
                      deadline_fix="use smaller --gemm-sizes/--linpack-sizes")
 
@@ -207,8 +208,6 @@ def distributed_sweep(**kwargs: Any) -> list[list[dict[str, Any]]] | None:
 
 def _ints(text: str) -> list[int]:
     """argparse type for ``1,2,4``: argparse turns the error into one line and exit status 2."""
-    import argparse
-
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
@@ -220,8 +219,6 @@ def _ints(text: str) -> list[int]:
 
 def run(gemm_sizes: list[int], linpack_sizes: list[int], threads: list[int], devices: int = 1,
         min_time_s: float = 0.3, output: str = "runs", name: str | None = None) -> PeakResult | None:
-    from edgetrain.bench.common import NOISY_NOTE, print_table, save_result, spread_cell, start_run
-
     kwargs = dict(gemm_sizes=gemm_sizes, linpack_sizes=linpack_sizes, threads=threads, min_time_s=min_time_s)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         per_device = distributed_sweep(**kwargs)

@@ -33,11 +33,15 @@ from typing import Any, Iterator
 from edgetrain.arguments import non_negative_int, positive_int
 from edgetrain.bench import workload
 from edgetrain.bench.common import print_table, save_result, say, start_run
+from edgetrain.bench.peak import _ints
 from edgetrain.cluster.profiles import model_power_w
 from edgetrain.cluster.sensors import INA_ROOTS, RAPL_ROOT, ina_power_files, rapl_domains, rapl_meter, sampled_meter
 from edgetrain.errors import EdgetrainError
 from edgetrain.results import PowerResult
 from edgetrain.spec import DATASET_SHAPES
+
+# Imported inside functions: torch and edgetrain.report.plots (matplotlib), so that bench's flags and --help answer
+# without them.
 
 CPU_ROOT = "/sys/devices/system/cpu"
 
@@ -261,8 +265,6 @@ def _nothing() -> Iterator[None]:
 
 
 def add_parser(sub) -> None:
-    from edgetrain.bench.peak import _ints
-
     p = sub.add_parser("power", help="time and energy per epoch over threads, frequencies, power modes")
     p.add_argument("--model", default="resnet18")
     p.add_argument("--dataset", default="cifar10", choices=sorted(DATASET_SHAPES))

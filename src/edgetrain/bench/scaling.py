@@ -33,10 +33,15 @@ from typing import Any
 from edgetrain.arguments import non_negative_int, positive_int
 from edgetrain.bench import trainer_runs
 from edgetrain.bench.common import print_table, save_result, spread_cell, start_run
+from edgetrain.bench.peak import _ints
+from edgetrain.config import load_run
 from edgetrain.errors import EdgetrainError
 from edgetrain.records import RunSummary, StepRecord
 from edgetrain.report.cells import efficiency_cell, flag_notes
 from edgetrain.results import ScalingResult
+from edgetrain.yamlfile import read_yaml_mapping
+
+# Imported inside functions: edgetrain.report.plots (matplotlib), so that bench's flags and --help answer without it.
 
 
 def scaling_rows(metrics: dict[int, list[StepRecord]],
@@ -119,8 +124,6 @@ def _train_each(config: dict[str, Any], devices: list[int], mode: str, run_dir: 
 
 
 def add_parser(sub) -> None:
-    from edgetrain.bench.peak import _ints
-
     p = sub.add_parser("scaling", help="speedup and efficiency versus number of devices (runs the trainer)")
     p.add_argument("--config", default=None, help="training config YAML to start from")
     p.add_argument("--devices", type=_ints, default=[1, 2, 4], metavar="N,N,...")
@@ -141,9 +144,6 @@ def add_parser(sub) -> None:
 
 
 def _config(a) -> dict[str, Any]:
-    from edgetrain.config import load_run
-    from edgetrain.yamlfile import read_yaml_mapping
-
     config = read_yaml_mapping(a.config, "--config") if a.config else {}
     config.setdefault("model", "small_cnn")
     config.setdefault("dataset", "synthetic")

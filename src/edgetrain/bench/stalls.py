@@ -18,10 +18,12 @@ workers is not always better.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import shutil
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,11 +32,13 @@ import numpy as np
 
 from edgetrain.arguments import non_negative_float, non_negative_int, positive_int
 from edgetrain.bench.common import print_table, save_result, start_run
+from edgetrain.cluster.limits import DeviceLimits
+from edgetrain.cluster.profiles import STORAGES
 from edgetrain.errors import EdgetrainError
 from edgetrain.results import StallsResult
 
-# torch (and the task) are imported in the functions that train, so that ``edgetrain bench``'s flags and
-# --help answer without it
+# Imported inside functions: torch, edgetrain.data, edgetrain.models and edgetrain.tasks (torch), PIL and
+# edgetrain.report.plots (matplotlib), so that ``edgetrain bench``'s flags and --help answer without them.
 
 
 def drop_page_cache(files: list[Path]) -> None:
@@ -155,7 +159,6 @@ def run(data_dir: str | None, model: str = "small_cnn", *, batch_size: int = 32,
         name: str | None = None) -> StallsResult:
     import torch
 
-    from edgetrain.cluster.profiles import STORAGES
     from edgetrain.models import build_model
 
     unknown = [s for s in storages if s not in STORAGES]
@@ -208,8 +211,6 @@ def _data_folder(data_dir: str | None, output: str, epoch_samples: int):
     if data_dir is not None:
         yield data_dir
         return
-    import tempfile
-
     Path(output).mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="stalls-data-", dir=output))
     try:
@@ -222,9 +223,6 @@ def _measure(net, data, folder: str, storages: tuple[str, ...], workers: tuple[i
              ) -> tuple[list[dict], list[str], set[str]]:
     """One row per storage x workers x page cache (cold, warm), each storage emulated on ``folder``'s disk:
     (rows, notes, how the page cache was dropped)."""
-    from edgetrain.cluster.limits import DeviceLimits
-    from edgetrain.cluster.profiles import STORAGES
-
     files = _files(data.train)
     samples = sweep.steps * sweep.batch_size
     rows, notes, dropped = [], [], set()
@@ -282,8 +280,6 @@ def _verdict(rows: list[dict], storages: tuple[str, ...], workers: tuple[int, ..
 
 
 def _workers(text: str) -> tuple[int, ...]:
-    import argparse
-
     try:
         values = tuple(int(v) for v in text.split(","))
     except ValueError:

@@ -25,7 +25,11 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from edgetrain.bench.common import timing_summary
+from edgetrain.bench.workload import child_env
+from edgetrain.cluster.launch import _die_with_parent
 from edgetrain.errors import EdgetrainError
+from edgetrain.files import write_yaml
 from edgetrain.records import RunSummary, StepRecord
 
 # A trainer: a config dict (TrainConfig keys, with ``output`` and ``run_name``) -> the run's summary.
@@ -40,10 +44,6 @@ def train_in_subprocess(config: dict[str, Any]) -> RunSummary:
     exception here (Ctrl-C, SIGTERM, which the CLI raises as ``Terminated``) stops it with SIGTERM first, so
     that it stops its own devices, and kills it if it has not stopped within ``STOP_TIMEOUT_S``.
     """
-    from edgetrain.bench.workload import child_env
-    from edgetrain.cluster.launch import _die_with_parent
-    from edgetrain.files import write_yaml
-
     run_dir = Path(config["output"]) / config["run_name"]
     config_path = run_dir.with_name(f"{run_dir.name}.yaml")
     write_yaml(config_path, config)
@@ -102,8 +102,6 @@ def records_by_step(records: list[StepRecord], skip: int = 1) -> list[list[StepR
 
 def cluster_timing(records: list[StepRecord], skip: int = 1) -> dict[str, Any]:
     """Median cluster step (slowest device per step), samples/s from it, and its spread; first ``skip`` steps dropped."""
-    from edgetrain.bench.common import timing_summary
-
     steps = records_by_step(records, skip)
     samples = statistics.median(sum(r.samples for r in recs) for recs in steps)
     return {"steps": len(steps), **timing_summary([max(r.step_s for r in recs) for recs in steps], samples)}

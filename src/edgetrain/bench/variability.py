@@ -16,6 +16,7 @@ bench's own isolated step loop (``workload``); with several, the trainer
 """
 from __future__ import annotations
 
+import os
 import statistics
 from typing import Any
 
@@ -25,6 +26,8 @@ from edgetrain.bench.common import print_table, save_result, start_run
 from edgetrain.errors import EdgetrainError
 from edgetrain.results import VariabilityResult
 from edgetrain.spec import DATASET_SHAPES
+
+# Imported inside functions: edgetrain.report.plots (matplotlib), so that bench's flags and --help answer without it.
 
 
 def cv(values: list[float]) -> float | None:
@@ -69,8 +72,6 @@ def run(model: str = "resnet18", dataset: str = "cifar10", *, repeats: int = 3, 
     run_dir = start_run(output, name, "variability")
     runs = []
     if devices == 1:
-        import os
-
         threads = threads or os.cpu_count() or 1
         source = "isolated step loop (edgetrain.bench.workload), synthetic data in memory"
         for i in range(repeats):

@@ -25,8 +25,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+
+from edgetrain.bench.common import timing_summary
+from edgetrain.bench.peak import gemm
 from edgetrain.errors import EdgetrainError
 from edgetrain.spec import dataset_shape
+
+# Imported inside functions: torch, edgetrain.models, edgetrain.tasks and edgetrain.cluster.throttle (torch), so that
+# bench's flags and --help answer without it.
 
 MEMORY_LIMIT_EXIT = 3
 _POLL_S = 0.005
@@ -34,8 +41,6 @@ _POLL_S = 0.005
 
 def host_memory_cap_mb(fraction: float = 0.8) -> float:
     """What one measurement may use of this host: a share of the memory available now."""
-    import psutil
-
     return psutil.virtual_memory().available / 2**20 * fraction
 
 
@@ -53,10 +58,9 @@ def time_steps(model, batch_size: int, steps: int, warmup: int, dataset: str = "
     ``warmup`` untimed ones; return per-step seconds and the median-based rate. The loss is ``task``'s
     (default: a classifier's) as a mean over the batch, on random inputs and random labels (a classifier's)
     or the task's ``example_target``."""
-    from edgetrain.tasks.classification import ClassificationTask
-    from edgetrain.bench.common import timing_summary
-
     import torch
+
+    from edgetrain.tasks.classification import ClassificationTask
 
     if threads:
         torch.set_num_threads(threads)
@@ -97,8 +101,6 @@ def time_steps(model, batch_size: int, steps: int, warmup: int, dataset: str = "
 
 
 def rss_mb() -> float:
-    import psutil
-
     return psutil.Process().memory_info().rss / 2**20
 
 
@@ -138,8 +140,6 @@ def _child_main(spec: dict) -> dict:
     if spec.get("peak_n"):
         # The GEMM peak the steps are set against, measured in the same process right after them, so that
         # a shared machine's load drifts as little as possible between the two numbers of the ratio.
-        from edgetrain.bench.peak import gemm
-
         g = gemm(spec["peak_n"], 1 if spec.get("speed") else spec["threads"], min_time_s=0.5)
         scale = spec.get("speed") or 1.0  # a throttled device's peak: its share of one host core
         out.update(peak_gflops_best=scale * g["gflops_best"], peak_gflops_median=scale * g["gflops_median"])

@@ -23,6 +23,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing import reduction
 from pathlib import Path
 from typing import Any, Callable
 
@@ -31,6 +32,9 @@ import psutil
 from edgetrain.cluster.limits import oom_killed
 from edgetrain.cluster.membership import JOIN_ENV, ElasticLaunch, Lighthouse
 from edgetrain.errors import EdgetrainError, Terminated, raise_on_sigterm
+
+# Imported inside functions: torch, and multiprocessing's forkserver and resource_tracker (with what they import, a
+# few ms), so that edgetrain --help, bad input and plan answer without them.
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _STOP_GRACE_S = 5.0  # how long a stopped device may take to clean up before SIGKILL
@@ -129,8 +133,6 @@ class _LauncherStdio:
     a process that runs many trainings, such as a test session, those of the first)."""
 
     def __reduce__(self):  # pickled while the device starts: DupFd sends the descriptors with it
-        from multiprocessing import reduction
-
         handles = []
         for fd in (1, 2):
             try:

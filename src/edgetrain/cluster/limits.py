@@ -22,6 +22,7 @@ import signal
 import time
 from pathlib import Path
 
+import numpy as np
 import psutil
 
 from edgetrain.cluster.profiles import STORAGES, Storage
@@ -193,8 +194,6 @@ def _anonymous_pages() -> tuple[list[tuple[int, int]], int]:
     """This process's anonymous memory in its private mappings: (runs of writable pages it still shares with
     another process, such as the fork server it was forked from, as (address, bytes); bytes of the rest: pages
     it maps alone, and shared ones it cannot write, such as libraries' relocated data)."""
-    import numpy as np
-
     shared: list[tuple[int, int]] = []
     rest = 0
     with open("/proc/self/maps") as maps, open("/proc/self/pagemap", "rb") as pagemap:

@@ -15,6 +15,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Mapping
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -101,9 +102,6 @@ def cut_connections(keep_port: int) -> int:
     collective, and ``destroy_process_group`` leaves the sockets open while DDP's reducer holds the group
     (measured: the peers waited the full timeout in each case). The socket is shut down through a duplicate of
     its descriptor, so gloo still owns (and later closes) the original."""
-    import socket
-
-    import psutil
     cut = 0
     for conn in psutil.Process().net_connections(kind="tcp"):
         if conn.fd < 0 or not conn.raddr or keep_port in (conn.raddr.port, conn.laddr.port):

@@ -16,6 +16,9 @@ import numpy as np
 
 from edgetrain.errors import EdgetrainError
 from edgetrain.spec import PRESETS as LINK_PRESETS, Link, get_link, parse_local_batch
+from edgetrain.yamlfile import read_yaml_mapping
+
+# Imported inside functions: torch (the commands that read profiles answer --help and bad input without it).
 
 
 @dataclass(frozen=True)
@@ -232,8 +235,6 @@ def get_profile(name: str, extra: dict[str, DeviceProfile] | None = None) -> Dev
 
 def load_cluster(path: str | os.PathLike) -> list[DeviceSpec]:
     """Devices listed in a cluster file, ranks in file order."""
-    from edgetrain.yamlfile import read_yaml_mapping
-
     source = str(path)
     data = read_yaml_mapping(Path(path), "cluster file")
     unknown = set(data) - {"profiles", "devices"}

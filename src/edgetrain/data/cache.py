@@ -7,6 +7,7 @@ from __future__ import annotations
 import mmap
 import os
 import tempfile
+from multiprocessing import context, reduction
 
 import numpy as np
 
@@ -66,8 +67,6 @@ class MinioCache:
         return f"{self.items} items ({self.bytes / 1e6:.1f} MB) of {len(self.sizes)}"
 
     def __reduce__(self):
-        from multiprocessing import context, reduction
-
         if context.get_spawning_popen() is None:  # a copy anywhere else would be a second cache, or none
             raise TypeError("a MinioCache travels only to the processes multiprocessing starts (loader workers), "
                             "by its file descriptor")

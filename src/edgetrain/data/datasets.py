@@ -8,11 +8,19 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from edgetrain.data import detection
+from edgetrain.data.cifar import MEAN, STD, load_cifar10
 from edgetrain.data.formats import arrays_split, csv_values, image_folder, npz_arrays, npz_values
 # their old home: imported from here by the package, the devices' data and tests
 from edgetrain.data.images import (DataSplit, TensorImages, TensorSamples, feature_statistics,  # noqa: F401
                                    input_channels, random_crop_flip, split_indices, values_split)
+from edgetrain.data.shards import shards_split
+from edgetrain.data.storage import image_folder_on_storage, yolo_on_storage
 from edgetrain.errors import EdgetrainError
+from edgetrain.kinds import DEFAULT_TASK, TASK_KINDS, target_kind, task_targets
+
+# Imported inside functions: sklearn (a second of CPU in every device process that imported it; the launcher loads its
+# datasets once).
 
 
 def digits(seed: int = 0) -> DataSplit:
@@ -30,8 +38,6 @@ def digits(seed: int = 0) -> DataSplit:
 
 
 def cifar10(root: str, augment: bool = True, seed: int = 0) -> DataSplit:
-    from edgetrain.data.cifar import MEAN, STD, load_cifar10
-
     (xtr, ytr), (xte, yte) = load_cifar10(root)
     return DataSplit(TensorImages(xtr, ytr, MEAN, STD, augment=augment, seed=seed),
                      TensorImages(xte, yte, MEAN, STD), 10, "cifar10")
@@ -85,8 +91,6 @@ def user_datasets() -> dict[str, DatasetFactory]:
 
 def check_dataset(name: str) -> None:
     if name not in BUILTIN and name not in DATASETS:
-        from edgetrain.kinds import DEFAULT_TASK, TASK_KINDS
-
         # the default task's datasets and yours, then each other task's (edgetrain.kinds)
         first = [d for d in TASK_KINDS[DEFAULT_TASK].implied_by if d in BUILTIN]
         others = [f"{', '.join(d for d in k.implied_by if d in BUILTIN)} ({k.name})" for k in TASK_KINDS.values()
@@ -101,8 +105,6 @@ def check_dataset(name: str) -> None:
 def build_data(cfg, task: str | None = None) -> DataSplit:
     """The dataset a ``TrainConfig`` names, for ``task``: the run's, resolved (``RunSpec.task``; left out, the
     one ``cfg`` names or implies)."""
-    from edgetrain.kinds import target_kind, task_targets
-
     check_dataset(cfg.dataset)
     targets = task_targets(task) if task else target_kind(cfg)
     values = targets == "values"  # real-valued targets (regression), else class labels
@@ -113,13 +115,9 @@ def build_data(cfg, task: str | None = None) -> DataSplit:
     if cfg.dataset == "synthetic":
         return synthetic(cfg.synthetic_samples, cfg.image_size, seed=cfg.seed)
     if cfg.dataset == "shards":  # on storage (data/shards.py)
-        from edgetrain.data.shards import shards_split
-
         return shards_split(cfg.data_dir, cfg.seed, cfg.augment, detection=targets == "own")
     if cfg.dataset == "imagefolder":
         if cfg.from_storage:
-            from edgetrain.data.storage import image_folder_on_storage
-
             return image_folder_on_storage(cfg.data_dir, cfg.seed, cfg.augment)
         return image_folder(cfg.data_dir, cfg.seed)
     if cfg.dataset == "diabetes":
@@ -129,13 +127,9 @@ def build_data(cfg, task: str | None = None) -> DataSplit:
     if cfg.dataset == "csv":
         return csv_values(cfg.data_dir, cfg.seed, labels=not values)
     if cfg.dataset in ("shapes", "yolo", "coco"):
-        from edgetrain.data import detection
-
         if cfg.dataset == "shapes":
             return detection.shapes(cfg.synthetic_samples, cfg.image_size, cfg.seed)
         if cfg.dataset == "yolo" and cfg.from_storage:
-            from edgetrain.data.storage import yolo_on_storage
-
             return yolo_on_storage(cfg.data_dir, cfg.image_size, cfg.seed, cfg.augment)
         reader = detection.yolo_folder if cfg.dataset == "yolo" else detection.coco_folder
         return reader(cfg.data_dir, cfg.image_size, cfg.seed)

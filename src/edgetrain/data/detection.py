@@ -34,6 +34,8 @@ from torch.utils.data import Dataset
 from edgetrain.data.images import DataSplit
 from edgetrain.errors import EdgetrainError
 
+# Imported inside functions: PIL (Pillow comes with matplotlib, not declared; only image files need it).
+
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp")
 SHAPE_CLASSES = ("circle", "square", "triangle")
 _EDGE = 1e-6  # a box may overshoot the image by rounding, no more

@@ -5,6 +5,7 @@ Design: docs/design/data.md ("Formats").
 """
 from __future__ import annotations
 
+import csv
 import zipfile
 from pathlib import Path
 
@@ -14,6 +15,9 @@ import torch
 from edgetrain.data.images import (DataSplit, TensorImages, TensorSamples, feature_statistics, split_indices,
                                    values_split)
 from edgetrain.errors import EdgetrainError
+
+# Imported inside functions: PIL (Pillow comes with matplotlib, not declared; only image files need it) and sklearn (a
+# second of CPU in every device process that imported it).
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 
@@ -240,8 +244,6 @@ def csv_values(path: str | Path, seed: int = 0, labels: bool = False) -> DataSpl
 
 
 def _read_csv(path: Path, labels: bool) -> tuple[np.ndarray, np.ndarray]:
-    import csv
-
     if not path.is_file():
         raise EdgetrainError(f"csv file {path} does not exist; set data_dir to a .csv with a header row and a "
                              "column y")

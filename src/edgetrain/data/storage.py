@@ -23,10 +23,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
+from torch.utils.data._utils.signal_handling import _remove_worker_pids
 
 from edgetrain.cluster.limits import memory_group
-from edgetrain.data.images import normalise
+from edgetrain.data.detection import yolo_parts
+from edgetrain.data.formats import _class_names, class_files, image_folder_arrays, split_80_20
+from edgetrain.data.images import DataSplit, normalise
 from edgetrain.errors import EdgetrainError
+
+# Imported inside functions: PIL (Pillow comes with matplotlib, not declared; only image files need it).
 
 DECODE_ERRORS: tuple = (OSError, SyntaxError, ValueError, EOFError)
 # The training images whose pixels give a dataset on storage its mean and std: a seeded sample of 1/STATS_SHARE of
@@ -482,8 +487,6 @@ class TimedBatches:
         """Stop the workers now (a failed batch ends the run: none may be left behind, and a hung one would
         hold torch's orderly shutdown for seconds per worker)."""
         if hung and getattr(self.it, "_worker_pids_set", False):
-            from torch.utils.data._utils.signal_handling import _remove_worker_pids
-
             _remove_worker_pids(id(self.it))  # torch's SIGCHLD handler would report the kill below as a death
             self.it._worker_pids_set = False
             for worker in self.it._workers:
@@ -615,9 +618,6 @@ def image_folder_on_storage(root: str | Path, seed: int = 0, augment: bool = Fal
     """``imagefolder`` left on storage (``--from-storage``): the same classes, split and (for a set of up to
     ``STATS_SAMPLE`` training images) the same normalisation as ``formats.image_folder``; every file's header
     is read up front, its pixels when a loader asks for it."""
-    from edgetrain.data.images import DataSplit
-    from edgetrain.data.formats import _class_names, class_files, image_folder_arrays, split_80_20
-
     root = Path(root) if root is not None else Path("")
     if not root.is_dir():
         image_folder_arrays(root)  # its one line for a missing folder
@@ -650,9 +650,6 @@ def _sampled_statistics(read: Callable[[int], np.ndarray], count: int, seed: int
 def yolo_on_storage(root: str | Path, image_size: int = 128, seed: int = 0, augment: bool = False):
     """``yolo`` left on storage: every label file read and checked up front (``detection.yolo_parts``), every
     image's header too; pixels when a loader asks, resized to ``image_size``."""
-    from edgetrain.data.images import DataSplit
-    from edgetrain.data.detection import yolo_parts
-
     parts = yolo_parts(root, seed)
     (ptr, btr), (pte, bte), count, names, root = parts.train, parts.test, parts.classes, parts.names, parts.root
     reads = SetupReads()

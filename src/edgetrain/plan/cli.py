@@ -26,8 +26,13 @@ import sys
 from edgetrain.arguments import fraction, non_negative_float, positive_float, positive_int
 from edgetrain.config import TrainConfig, add_config_arguments, check_output_dir, load_config, resolve
 from edgetrain.errors import EdgetrainError
+from edgetrain.files import new_run_dir, write_json
 from edgetrain.kinds import STRATEGY_KINDS
+from edgetrain.plan.model import DEFAULT_EFFICIENCY, step_timing
 from edgetrain.results import PLAN_FILE, PlanPrediction, PlanResult, PlanScaling, PlanSimulation
+
+# Imported inside functions: edgetrain.plan.config, edgetrain.plan.simulation and edgetrain.plan.strategies (torch) and
+# edgetrain.plan.report (rich), so that plan's flags, --help and bad input answer without them (seconds on a Pi).
 
 # The TrainConfig options that describe what is planned (the rest only matter to a real run).
 PLAN_FIELDS = ("model", "dataset", "data_dir", "image_size", "synthetic_samples", "devices", "profile", "cluster",
@@ -41,8 +46,6 @@ MAX_DEVICES = 1 << 20
 
 
 def register(sub) -> None:
-    from edgetrain.plan.model import DEFAULT_EFFICIENCY
-
     p = sub.add_parser("plan", help="predict step time, throughput and memory of a cluster (modelled, no training)",
                        description="Analytic cost model and step simulator: counted FLOPs and bytes of the real "
                                    "model, device profiles and the link model. Everything printed is modelled.",
@@ -134,14 +137,12 @@ def run(args: argparse.Namespace) -> int:
         STRATEGY_KINDS[name].check_planned()  # one the planner has no model of: refused before anything is computed
     # the checks edgetrain train --strategy NAME makes (link aside: here it is modelled)
     specs = {name: resolve(dataclasses.replace(cfg, strategy=name, link=None)) for name in strategies}
-    # imported after the checks above, so that bad input is answered before torch loads (seconds on a Pi)
+    # after the checks above: bad input is answered before torch loads
     from edgetrain.plan.config import plan_inputs, predict_inputs
     from edgetrain.plan.report import (console, device_groups, plot_scaling, print_prediction, print_scaling,
                                        print_simulation, print_strategies)
-    from edgetrain.plan.model import step_timing
     from edgetrain.plan.simulation import scaling, simulate
     from edgetrain.plan.strategies import compare
-    from edgetrain.files import new_run_dir, write_json
     sim_options = dict(compute_cv=args.compute_cv, straggler_prob=straggler_prob, straggler_factor=straggler_factor,
                        jitter=args.jitter, seed=cfg.seed)
 

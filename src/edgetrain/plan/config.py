@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from edgetrain.cluster.profiles import DeviceSpec, plan_devices, split_batch
 from edgetrain.config import TrainConfig, resolve
+from edgetrain.data import build_data
 from edgetrain.plan.costs import ModelCosts, count_costs, data_footprint, run_task_of
 from edgetrain.plan.model import DEFAULT_EFFICIENCY, Prediction, PredictOptions, predict
 from edgetrain.plan.exchanges import TrafficOptions, traffic
@@ -62,8 +63,6 @@ def train_samples(cfg: TrainConfig) -> int:
         return cfg.synthetic_samples
     if cfg.dataset == "cifar10" and not cfg.data_dir:
         return CIFAR10_TRAIN_IMAGES
-    from edgetrain.data import build_data
-
     return len(build_data(cfg).train)
 
 

@@ -33,7 +33,11 @@ import torch.distributed as dist
 from torch import nn
 
 from edgetrain.cluster.memory import SavedTensorMeter
+from edgetrain.data import build_data
+from edgetrain.data.datasets import input_channels
 from edgetrain.errors import EdgetrainError
+from edgetrain.models import build_model
+from edgetrain.tasks import build_task
 from edgetrain.tasks.flops import count_training_flops
 from edgetrain.tasks.base import Task
 from edgetrain.tasks.classification import ClassificationTask
@@ -112,11 +116,7 @@ def count_costs(model: nn.Module | str, input_shape: tuple[int, ...], num_classe
                 dataset_bytes: int = 0, name: str | None = None, task: Task | None = None) -> ModelCosts:
     """Count a model's training costs at ``input_shape`` (one sample, without the batch dimension)."""
     if isinstance(model, str):
-        from edgetrain.models import build_model
-
         name = name or model
-        from edgetrain.data.datasets import input_channels
-
         model = build_model(model, input_channels(input_shape), num_classes)
     name = name or type(model).__name__
     state = {k: v.clone() for k, v in model.state_dict().items()}  # counting must not change the model
@@ -157,8 +157,6 @@ def data_footprint(cfg, task: str | None = None) -> tuple[tuple[int, int, int], 
         n = cfg.synthetic_samples + max(cfg.synthetic_samples // 4, 1)
         shape = (3, cfg.image_size, cfg.image_size)
         return shape, 10, n * (_numel(shape) * 4 + 8)
-    from edgetrain.data import build_data
-
     data = build_data(cfg, task)
     return data.input_shape, data.num_classes, held_bytes(data.train) + held_bytes(data.test)
 
@@ -171,6 +169,4 @@ def held_bytes(dataset) -> int:
 
 def run_task_of(task: str, data=None) -> Task:
     """The resolved task of a run (``RunSpec.task``), for the cost counts."""
-    from edgetrain.tasks import build_task
-
     return build_task(task, data)

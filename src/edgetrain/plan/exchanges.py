@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
 
 from edgetrain.comm.accounting import ring_allgather_bytes, ring_allreduce_bytes
 from edgetrain.comm.compress.memory import DGCMemory, ResidualMemory
@@ -184,8 +185,6 @@ def _memory_copies(spec: CompressSpec) -> int:
 
 def _powersgd_parts(shapes: list[tuple[int, ...]], rank: int) -> list[int]:
     """Values PyTorch's PowerSGD hook all-reduces for one bucket: [uncompressed, P, Q]."""
-    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
-
     uncompressed = ps = qs = 0
     for shape in shapes:
         n = shape[0] if shape else 1

@@ -13,6 +13,9 @@ from edgetrain.plan.model import HOST_PROFILE_ERROR, DevicePrediction, Predictio
 from edgetrain.files import atomic_write
 from edgetrain.results import PlanComparison, PlanDevice, PlanDeviceGroup, PlanScalingRow, PlanSimulation
 
+# Imported inside functions: matplotlib (only a --scale sweep is drawn; plan's flags, --help and bad input answer
+# without it).
+
 
 def console() -> Console:
     c = Console()

@@ -12,6 +12,7 @@ from edgetrain.comm.accounting import ring_allgather_bytes, ring_allreduce_bytes
 from edgetrain.data.datasets import input_channels
 from edgetrain.errors import EdgetrainError
 from edgetrain.kinds import STRATEGY_KINDS, strategy_kind
+from edgetrain.models import build_model
 from edgetrain.plan.config import PlanInputs
 from edgetrain.plan.model import MIB, Prediction, exchange_seconds
 from edgetrain.pipelining.split import (PipelineStep, StageDevice, layer_costs, optimizer_copies, p2p_seconds,
@@ -25,8 +26,6 @@ STRATEGY_ORDER = tuple(name for name, kind in STRATEGY_KINDS.items() if kind.pla
 
 
 def _build(inputs: PlanInputs) -> torch.nn.Module:
-    from edgetrain.models import build_model
-
     costs = inputs.costs
     return build_model(inputs.cfg.model, input_channels(costs.input_shape), costs.num_classes)
 

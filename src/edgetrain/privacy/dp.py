@@ -24,6 +24,8 @@ from edgetrain.errors import EdgetrainError
 from edgetrain.records import PrivacyRecord
 from edgetrain.spec import DPSpec
 
+# Imported inside functions: opacus (the privacy extra; --dp says so in one line where it is missing).
+
 ACCOUNTANT = "rdp"
 # Opacus's RDP search over its fixed orders: at small epsilons the best order is the largest it tries, so its bound
 # is looser than it could be (epsilon is overstated, never understated); said once in the docs, not per call

@@ -13,6 +13,8 @@ from scipy.optimize import linear_sum_assignment
 
 from edgetrain.errors import EdgetrainError
 
+# Imported inside functions: skimage (the privacy extra; ssim says so in one line where it is missing).
+
 
 def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
     """Peak signal-to-noise ratio in dB of two images in [0, 1]."""

@@ -35,6 +35,10 @@ import numpy as np
 
 from edgetrain.comm.compress.base import Compressor, unpack
 from edgetrain.comm.params import flatten
+from edgetrain.privacy.dp import SampleDP
+
+# Imported inside functions: cryptography and edgetrain.comm.secagg (the secure-aggregation extra), for secagg_view
+# only.
 
 
 @dataclass(frozen=True)
@@ -97,8 +101,6 @@ def dp_view(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, clip: 
             seed: int = 0) -> ObservedUpdate:
     """One DP-SGD step's gradient of the batch: each sample's clipped to ``clip``, summed, ``N(0, (noise_multiplier
     clip)^2)`` added, divided by the batch (the trainer's ``SampleDP``, on a copy of ``model``)."""
-    from edgetrain.privacy.dp import SampleDP  # Opacus: imported for this view only
-
     local = copy.deepcopy(model)
     optimizer = torch.optim.SGD(local.parameters(), lr=1.0)
     private = SampleDP(local, clip, noise_multiplier, noise_here=True, expected_batch=len(images), seed=seed)

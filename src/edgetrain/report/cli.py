@@ -8,7 +8,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from edgetrain.config import check_output_dir
+from edgetrain.errors import EdgetrainError
 from edgetrain.files import atomic_write
+
+# Imported inside functions: edgetrain.report.html (rich), so that edgetrain --help answers without it.
 
 
 def register(subparsers) -> None:
@@ -20,8 +24,6 @@ def register(subparsers) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from edgetrain.config import check_output_dir
-    from edgetrain.errors import EdgetrainError
     from edgetrain.report.html import render
 
     out = Path(args.output) if args.output else (

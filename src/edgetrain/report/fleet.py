@@ -11,6 +11,9 @@ from pathlib import Path
 from edgetrain.errors import EdgetrainError
 from edgetrain.records import FleetRoundRecord
 from edgetrain.report.cells import img, table
+from edgetrain.report.training import read_records
+
+# Imported inside functions: edgetrain.report.plots (matplotlib), which only drawing a figure needs.
 
 ROUNDS_FILE = "fleet-rounds.jsonl"
 # the accuracy a fleet's round is scored by, first found: the server's on the whole test set, else the devices'
@@ -37,8 +40,6 @@ def _number(value) -> float:
 
 
 def load_fleet(run_dir: Path) -> FleetRounds:
-    from edgetrain.report.training import read_records
-
     rounds = read_records(run_dir / ROUNDS_FILE, FleetRoundRecord)
     if not rounds:
         raise EdgetrainError(f"{run_dir / ROUNDS_FILE} holds no round; was the run stopped before its first "

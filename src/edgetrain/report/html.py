@@ -12,15 +12,19 @@ from pathlib import Path
 from typing import Any
 
 from edgetrain.errors import EdgetrainError
+from edgetrain.files import remove_stale_temps
 from edgetrain.records import RunSummary, modelled_throughput
 from edgetrain.report import training
 from edgetrain.report.fleet import ROUNDS_FILE, FleetRounds, fleet_section, load_fleet
 from edgetrain.report.cells import (ABOVE_PEAK_NOTE, NOISY_NOTE, ROUNDS_COLUMN, ROUNDS_NOTE, efficiency_cell,
                                     energy_cells, energy_note, flag_notes, img, kv, percent_of_peak,
                                     round_cells, spread_cell, table)
+from edgetrain.report.plan_page import plan_section
 from edgetrain.report.tables import clipped_note, stall_lines
 from edgetrain.results import (BatchResult, BenchResult, CountersResult, PeakResult, PlanResult, PowerResult,
                                ScalingResult, StallsResult, VariabilityResult)
+
+# Imported inside functions: edgetrain.report.plots (matplotlib), which only drawing a figure needs.
 
 AXES = [  # (key, label, unit, higher is better)
     ("throughput", "throughput", "samples/s", True),
@@ -85,8 +89,6 @@ def load_run(run_dir: str | Path) -> Run:
     if (d / ROUNDS_FILE).is_file():
         return Run(d, load_fleet(d))
     if (d / "config.yaml").is_file():
-        from edgetrain.files import remove_stale_temps
-
         removed = remove_stale_temps(d)
         note = f"; removed {len(removed)} partial file(s) it left" if removed else ""
         raise EdgetrainError(f"{run_dir} is an incomplete run: config.yaml but no summary.json, so the run was stopped "
@@ -404,8 +406,6 @@ def training_curves(runs: list[Run]) -> str:
 def run_section(run: Run, peak: tuple[float, str] | None = None) -> str:
     d = run.data
     if isinstance(d, PlanResult):
-        from edgetrain.report.plan_page import plan_section
-
         return plan_section(d, run.dir, run.pngs)
     if isinstance(d, RunSummary):
         title, env = "training run", {}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import math
 import os
+import textwrap
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -19,6 +20,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from edgetrain.files import atomic_write  # noqa: E402
+from edgetrain.records import CLASSIFICATION  # noqa: E402
 
 plt.rcParams.update({"figure.dpi": 110, "axes.grid": True, "grid.alpha": 0.3, "font.size": 10,
                      "axes.spines.top": False, "axes.spines.right": False})
@@ -269,8 +271,6 @@ def plot_counters(result: dict[str, Any], path) -> None:
         ax.set_title("Hardware counters of a training step")
     else:
         ax.axis("off")
-        import textwrap
-
         message = textwrap.fill(result.get("message") or "", 70)
         ax.text(0.5, 0.5, f"Hardware counters not available\n\n{message}", ha="center", va="center", fontsize=10)
     save(fig, path)
@@ -346,8 +346,6 @@ def plot_training_curves(runs: Sequence[RunCurves]):
     """Loss and each metric of the runs' task (a classifier: accuracy) against step, host time and (where a run
     has one) modelled time; one colour per run. The runs share one task (``RunCurves.task``; the first run's
     decides the columns)."""
-    from edgetrain.records import CLASSIFICATION
-
     task = next((r.task for r in runs if r.task is not None), None) or CLASSIFICATION
     metrics = task.metrics or [task.headline_metric]
     axes_x = [("step", "steps", None), ("host", "host time (s, measured; evaluation excluded)", "host_s")]

@@ -15,6 +15,8 @@ from edgetrain.config import read_yaml_mapping
 from edgetrain.errors import EdgetrainError
 from edgetrain.records import CLASSIFICATION, EvalRecord, RunSummary, StepRecord
 
+# Imported inside functions: edgetrain.report.plots (matplotlib), which only drawing a figure needs.
+
 
 def read_records(path: Path, record: type) -> list:
     """Every line of a JSON-lines file as ``record``; one error naming the file and line otherwise."""

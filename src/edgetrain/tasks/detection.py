@@ -23,6 +23,8 @@ from edgetrain.kinds import named_by_kind
 from edgetrain.models.yolo_tiny import VOC_ANCHORS
 from edgetrain.tasks.base import Evaluator, Metric, Task, refuse
 
+# Imported inside functions: pycocotools (the detection extra; check_data refuses a run without it in one line).
+
 PAD = -1.0  # class of a padding row in a target batch
 
 

@@ -9,6 +9,7 @@ from typing import Any, Sequence
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from edgetrain.cluster import profiles
 from edgetrain.spec import dataset_shape
 from edgetrain.tasks.base import Task
 from edgetrain.tasks.classification import ClassificationTask
@@ -81,7 +82,7 @@ def device_peak(profile, speed: float | None, host_core_gflops=None) -> dict[str
                 "peak_source": f"profile {profile.name}: {profile.gflops:g} GFLOPS as the profile declares it "
                                f"(nominal, not measured here)"}
     if host_core_gflops is None:
-        from edgetrain.cluster.profiles import host_core_gflops
+        host_core_gflops = profiles.host_core_gflops
     core = host_core_gflops()
     return {"peak_gflops": speed * core, "peak_modelled": True,
             "peak_source": f"modelled: profile {profile.name}'s speed {speed:.3g} x one host core's "

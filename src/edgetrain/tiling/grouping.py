@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from edgetrain.cluster.peers import wait
@@ -128,8 +129,6 @@ def measure_machine(comm, device_flops: float | None, bandwidth: float | None, l
 
     Every device takes part (it is a collective when there are several devices).
     """
-    import torch.distributed as dist
-
     source = {"device_flops": "given", "bandwidth": "given", "latency": "given"}
     values = torch.tensor([device_flops or 0.0, bandwidth or 0.0, latency or 0.0], dtype=torch.float64)
     if comm.rank == 0 and device_flops is None:
@@ -166,8 +165,6 @@ def _conv_flops_per_second() -> float:
 
 def _ping_pong(comm) -> tuple[float, float]:
     """(bandwidth bytes/s, one-way latency s) between devices 0 and 1; others return zeros."""
-    import torch.distributed as dist
-
     if comm.rank > 1:
         return 0.0, 0.0
     peer = comm._global(1 - comm.rank)

@@ -17,6 +17,9 @@ from torch import nn
 from edgetrain.errors import EdgetrainError
 from edgetrain.tiling.regions import Branches, Node, Window
 
+# Imported inside functions: edgetrain.tiling's SUPPORTED_LAYERS, the one list users see (the package imports this
+# module).
+
 ELEMENTWISE_TYPES: tuple[type[nn.Module], ...] = (
     nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU, nn.Mish,
     nn.Hardswish, nn.Hardsigmoid, nn.Hardtanh, nn.Sigmoid, nn.Tanh, nn.Softplus, nn.Identity,
@@ -73,7 +76,7 @@ def _plain(module: nn.Module, base: type[nn.Module]) -> bool:
 
 
 def _unsupported(name: str, module: nn.Module, why: str) -> EdgetrainError:
-    from edgetrain.tiling import SUPPORTED_LAYERS  # the one list users see
+    from edgetrain.tiling import SUPPORTED_LAYERS
 
     return EdgetrainError(
         f"layer {name!r} ({type(module).__name__}) cannot be tiled: {why}; tiled layers may be "

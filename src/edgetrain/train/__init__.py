@@ -11,7 +11,8 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-# Torch-free at the top: ``edgetrain train``'s flags, ``--help`` and the config's checks answer before torch is
+# Imported inside functions: edgetrain.tasks, edgetrain.data, edgetrain.cluster.peers and this package's loop and
+# checkpoint (torch), so that ``edgetrain train``'s flags, ``--help`` and the config's checks answer before torch is
 # imported (seconds on a Raspberry Pi); ``train`` imports the rest once the config has resolved.
 from edgetrain.cluster.launch import launch_local, refuse_nested_launch
 from edgetrain.cluster.membership import ElasticLaunch

@@ -9,6 +9,7 @@ Design: docs/design/checkpoint.md
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import json
 import os
@@ -35,6 +36,9 @@ from edgetrain.files import atomic_write, remove_stale_temps
 from edgetrain.records import MembershipRecord
 from edgetrain.spec import CheckpointSpec
 from edgetrain.tasks.base import sum_totals
+
+# Imported inside functions: torch.distributed.checkpoint and torch.distributed.tensor (about a second of a process's
+# start; only pooled runs' checkpoints need them).
 
 CHECKPOINT_DIR = "checkpoints"
 FINAL_FILE = "checkpoint.pt"  # the final model of a run whose devices each hold all of it
@@ -590,8 +594,6 @@ def _load(source, **options):
 def _check_dcp() -> None:
     """One line where this torch's distributed checkpoint cannot write or read a pooled run's parts in one
     process (``no_dist``: torch 2.4 has no such argument)."""
-    import inspect
-
     import torch.distributed.checkpoint as dcp
 
     if "no_dist" not in inspect.signature(dcp.save).parameters:

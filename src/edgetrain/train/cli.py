@@ -5,6 +5,10 @@ import argparse
 
 
 from edgetrain.config import FIELDS, add_config_arguments
+from edgetrain.train import train
+
+# Imported inside functions: edgetrain.report.tables (rich), so that edgetrain --help and train's flags answer without
+# it.
 
 
 def register(sub) -> None:
@@ -19,7 +23,6 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from edgetrain.report.tables import print_train_summary
-    from edgetrain.train import train
 
     overrides = {k: v for k, v in vars(args).items() if k in FIELDS}
     summary = train(args.config, **overrides)

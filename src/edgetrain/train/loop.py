@@ -61,6 +61,8 @@ from edgetrain.train.run_plan import RunPlan, accelerator_device, phase  # noqa:
 from edgetrain.train.strategy import StepResult, Strategy, StrategyContext, registered_strategy
 from edgetrain.train.tensorboard_log import TensorBoardLog, write_missing_devices
 
+# Imported inside functions: rich.progress (rank 0's bar; the other devices start without it).
+
 
 _DEADLINE_MARGIN_S = 5.0  # past --timeout, before the rendezvous is ended from outside gloo
 

@@ -15,6 +15,7 @@ free of them.
 """
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -26,8 +27,10 @@ from edgetrain.data.datasets import check_dataset
 from edgetrain.errors import EdgetrainError
 from edgetrain.models import build_model, check_model
 from edgetrain.pipelining.stages import check_sequential, pipeline_layers, stage_bounds
+from edgetrain.privacy.dp import batchnorm_refusal
 from edgetrain.spec import DATASET_SHAPES, RunSpec, dataset_shape
 from edgetrain.kinds import task_kind
+from edgetrain.tasks import build_task
 from edgetrain.tiling.strategy import plan_section
 from edgetrain.train.checkpoint import check_resumable
 from edgetrain.train.strategy import registered_strategy
@@ -80,8 +83,6 @@ def check_before_launch(cfg: TrainConfig, spec: RunSpec, model: Any = None, task
 
 def check_private(cfg: TrainConfig, model: Any) -> None:
     """``--dp``: a model whose per-sample gradients Opacus can compute (no BatchNorm), built on the meta device."""
-    from edgetrain.privacy.dp import batchnorm_refusal  # here: its Opacus import is for --dp runs only
-
     name = cfg.model if model is None else type(model).__name__
     if model is None:
         with torch.device("meta"):
@@ -94,10 +95,6 @@ def check_private(cfg: TrainConfig, model: Any) -> None:
 def check_task(cfg: TrainConfig, model: Any, task: Any, name: str):
     """The task fits the data (``Task.check_data``: every target) and the model's output for two samples
     (``Task.check``), on copies, the model in eval mode; returns the data built for it."""
-    import copy
-
-    from edgetrain.tasks import build_task
-
     data = build_data(cfg, name)
     task = task if task is not None else build_task(name, data)
     task.check_data(data)

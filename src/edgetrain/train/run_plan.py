@@ -15,8 +15,15 @@ from typing import TYPE_CHECKING, Any
 from edgetrain.cluster.launch import under_torchrun
 from edgetrain.cluster.profiles import DeviceSpec, device_speed, plan_devices, split_batch
 from edgetrain.config import TrainConfig, load_run, read_config_file, source_values, with_device_count
+from edgetrain.cluster.sensors import read_watts_file
 from edgetrain.errors import EdgetrainError
+from edgetrain.files import new_run_dir, write_yaml
+from edgetrain.kinds import task_defaults
 from edgetrain.spec import LaunchSpec, RunSpec, launch_spec
+
+# Imported inside functions: torch and what needs it (edgetrain.cluster.peers, edgetrain.data, edgetrain.models, this
+# package's checkpoint and preflight), once the config is valid, so that edgetrain train's flags, --help and bad input
+# answer without it.
 
 if TYPE_CHECKING:
     import torch
@@ -101,8 +108,6 @@ def resolve_run(config: Any, overrides: dict, started: Started) -> tuple[TrainCo
     """The config and its spec, every option parsed once; a built-in ``--task`` given without a dataset or
     model brings its own (edgetrain.kinds). Under torchrun with restarts every restart of the job shares one
     run directory; rank 0 continues it from its newest checkpoint (train/checkpoint.py, "torchrun restarts")."""
-    from edgetrain.kinds import task_defaults
-
     if isinstance(config, (str, os.PathLike)):  # read once: the task's defaults and the config both need it
         config = read_config_file(config)
     in_config = source_values(config)[0]
@@ -162,7 +167,6 @@ def _host_cores() -> tuple[int, ...] | None:
 
 def _check_before_launch(cfg: TrainConfig, spec: RunSpec, user: UserParts):
     """What the values cannot say, before the run directory; returns the dataset where a check built it."""
-    from edgetrain.cluster.sensors import read_watts_file
     from edgetrain.train.preflight import check_before_launch
     if cfg.power_file:  # unreadable: one line now, not one per device after the run directory is made
         read_watts_file(cfg.power_file)
@@ -215,8 +219,6 @@ def _speeds(plan: RunPlan) -> tuple[float | None, ...]:
 
 def _run_dir(plan: RunPlan) -> str | None:
     """Rank 0's: a resumed run's own (its config.yaml as it was), else a new one with the config in it."""
-    from edgetrain.files import new_run_dir, write_yaml
-
     cfg, started = plan.cfg, plan.started
     if started.rank != 0:
         return None

@@ -29,6 +29,7 @@ from edgetrain.spec import DPSpec, RunSpec
 from edgetrain.tasks.base import Task
 from edgetrain.tasks.classification import ClassificationTask
 from edgetrain.tiling import TiledTraining
+from edgetrain.train.checkpoint import _check_dcp
 from edgetrain.train.evaluation import EvalPass, evaluate_task
 
 # A pooled strategy's optimizer state in its part of a checkpoint (``sharded_state``): one key per parameter
@@ -376,6 +377,5 @@ def registered_strategy(name: str) -> type[Strategy]:
         raise EdgetrainError(f"strategy {name} needs a newer torch than this {torch.__version__} ({e}); "
                              f"use --strategy ddp, or install a newer torch (2.13 is tested)") from None
     if strategy.pooled:  # its model is written in parts: checked before training, not after it
-        from edgetrain.train.checkpoint import _check_dcp
         _check_dcp()
     return strategy

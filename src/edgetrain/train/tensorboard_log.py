@@ -29,6 +29,9 @@ from pathlib import Path
 
 from edgetrain.records import EvalRecord, StepRecord
 
+# Imported inside functions: torch.utils.tensorboard (torch, and the tensorboard extra; only --tensorboard runs need
+# it).
+
 FLUSH_S = 5  # seconds between flushes: a killed run loses at most this much (SummaryWriter's default is 120)
 STEP_SCALARS = {  # tag: StepRecord field
     "train/loss": "loss", "train/samples_per_s": "samples_per_s", "train/lr": "lr",
