@@ -18,6 +18,9 @@ from edgetrain.comm.hook import CompressionState, compression_hook
 from edgetrain.comm.mode import Averaging
 from edgetrain.spec import CompressSpec, Link, RunSpec
 
+# Imported inside functions: edgetrain.comm.secagg (cryptography, the secure-aggregation extra: only runs that
+# mask import it).
+
 
 def build_hook(spec: CompressSpec, emulator: LinkEmulator, link: Link | None = None, seed: int = 0,
                group=None, secure=None) -> tuple[object, object]:
@@ -69,7 +72,7 @@ class SyncSetup:
         if not self.spec.secure_aggregation or not self.distributed:
             return None
         if self._secure is None:
-            from edgetrain.comm.secagg import SecureSum  # needs cryptography: only runs that mask import it
+            from edgetrain.comm.secagg import SecureSum
 
             self._secure = SecureSum.agree(self.rank, self.world_size, self.clock_group, self.spec.timeout_s)
         return self._secure

@@ -31,6 +31,7 @@ from edgetrain.comm.exchange import average
 from edgetrain.comm.hook import CompressionState
 from edgetrain.comm.mode import Averaging, SyncMode
 from edgetrain.comm.params import average_buffers, flatten, unflatten
+from edgetrain.comm.setup import build_hook
 from edgetrain.kinds import named_by_kind
 
 if TYPE_CHECKING:
@@ -159,8 +160,6 @@ class Synchronous(SyncMode):
 
 def build(setup: SyncSetup) -> Synchronous:
     """``--sync sync``: DDP, through the compressor's hook where there is one to run."""
-    from edgetrain.comm.setup import build_hook
-
     spec, hook = setup.spec, None
     secure = setup.secure_sum()
     if spec.dp is not None and spec.dp.per_sample and setup.distributed:

@@ -44,6 +44,8 @@ try:
     from flwr.clientapp import ClientApp
     from flwr.serverapp import Grid, ServerApp
     from flwr.serverapp.strategy import FedAvg, Result
+    from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
+    from flwr.compat.common import recorddict_compat as compat
 except ImportError:  # one line through the CLI, not a traceback
     raise EdgetrainError("edgetrain.fleet needs Flower (flwr), which is not installed; "
                          "install it with: pip install edgetrain[fleet]") from None
@@ -371,9 +373,6 @@ def train(msg: Message, context: Context, overrides: dict | None = None) -> Mess
 def secure_train(msg: Message, context: Context, spec: FleetSpec) -> Message:
     """The device's round under SecAgg+ (Flower's legacy fit messages, which ``secaggplus_mod`` masks): its
     update ``x - y_i`` back, one array per parameter, weight 1 (the fleet's mean is unweighted)."""
-    from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
-    from flwr.compat.common import recorddict_compat as compat
-
     fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
     data = load_data(spec)
     partition_id, partition = client_partition(spec, data, context.node_config)

@@ -10,7 +10,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from edgetrain.comm.federated import server_optimizer, server_step
+from edgetrain.comm.params import flatten, unflatten
 from edgetrain.errors import EdgetrainError
+from edgetrain.privacy.dp import rdp_epsilon
+
+# Imported inside functions: opacus (the privacy extra, for epsilon only) and flwr's legacy server and common
+# parts (only secure aggregation runs on them).
 
 try:
     from flwr.app import ArrayRecord, Context, Message, MessageType
@@ -101,8 +107,6 @@ def epsilon(rounds: list[tuple[float, float]], delta: float) -> float:
     except ImportError:
         raise EdgetrainError("run-config dp-noise reports epsilon with Opacus, which is not installed; install it "
                              "with: pip install edgetrain[privacy]") from None
-    from edgetrain.privacy.dp import rdp_epsilon
-
     return rdp_epsilon([(z, q, 1) for z, q in rounds], delta)
 
 
@@ -161,9 +165,6 @@ def secure_strategy_class():
     optimizer (built lazily: flwr.server's legacy parts are only imported with secure aggregation)."""
     from flwr.common import FitRes, ndarrays_to_parameters, parameters_to_ndarrays
     from flwr.server.strategy import FedAvg as LegacyFedAvg
-
-    from edgetrain.comm.federated import server_optimizer, server_step
-    from edgetrain.comm.params import flatten, unflatten
 
     class SecureFedAvg(LegacyFedAvg):
         def __init__(self, spec, model, on_round, **fedavg):

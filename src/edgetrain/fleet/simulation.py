@@ -8,6 +8,9 @@ from dataclasses import dataclass
 
 from edgetrain.errors import EdgetrainError
 
+# Imported inside functions: edgetrain.fleet.app (torch and flwr), ray and flwr.simulation (the fleet extra):
+# the resources are checked in one line before any of them loads.
+
 
 @dataclass(frozen=True)
 class SimulationResources:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from edgetrain.comm.compress.base import Compressor, Payload
+from edgetrain.comm.compress.memory import NoMemory
 from edgetrain.kinds import named_by_kind
 
 
@@ -27,6 +28,4 @@ class NoCompression(Compressor):
 
 def build(spec, link=None, seed: int = 0, rank: int = 0):
     """``--compress none``'s (compressor, memory) pair (``edgetrain.kinds``)."""
-    from edgetrain.comm.compress.memory import NoMemory
-
     return NoCompression(), NoMemory()
