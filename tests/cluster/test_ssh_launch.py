@@ -205,10 +205,12 @@ def test_sigterm_or_ctrl_c_stops_every_host_and_the_printed_command_resumes_the_
 
 
 def steps_after(run_dir, step: int) -> bool:
-    """Whether a run resumed from ``step`` in ``run_dir`` has trained a step since."""
-    metrics = run_dir / "metrics-0.jsonl"
-    return (run_dir / "membership.jsonl").is_file() and metrics.is_file() and \
-        metrics.read_text().count("\n") > step
+    """Whether a run resumed from ``step`` in ``run_dir`` has trained since: a checkpoint of a later step is there.
+    (Not the metrics' lines: until the resumed run rewrites them from its checkpoint, they may still hold the
+    stopped run's steps past it, and a Ctrl-C then met devices still starting, with no checkpoint to name.)"""
+    from edgetrain.train.checkpoint import checkpoint_files, checkpoint_step
+
+    return any(checkpoint_step(path) > step for path in checkpoint_files(run_dir))
 
 
 def check_resume_command(said: str, lines: list[str], output) -> tuple[int, object, list[str]]:
