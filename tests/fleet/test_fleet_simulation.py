@@ -33,12 +33,16 @@ def run_watching_descendants(cmd: list[str], timeout: float,
     seen, deadline = {}, time.monotonic() + timeout
     while proc.poll() is None:
         try:
-            seen.update({child.pid: child for child in psutil.Process(proc.pid).children(recursive=True)})
-            if niceness is not None:
-                niceness.update({pid: child.nice() for pid, child in seen.items()  # titles, not names
-                                 if " ".join(child.cmdline()).startswith(("ray::IDLE", "ray::ClientAppActor"))})
+            children = psutil.Process(proc.pid).children(recursive=True)
         except psutil.Error:
-            pass
+            children = []
+        seen.update({child.pid: child for child in children})
+        for child in children if niceness is not None else ():
+            try:  # one by one: a process that ended since must not hide the others (Ray starts short-lived ones)
+                if " ".join(child.cmdline()).startswith(("ray::IDLE", "ray::ClientAppActor")):  # titles, not names
+                    niceness[child.pid] = child.nice()
+            except psutil.Error:
+                pass
         if time.monotonic() > deadline:
             proc.kill()
             pytest.fail(f"the simulation did not end within {timeout:.0f} s")
